@@ -1,0 +1,201 @@
+//! Alerts and their lifecycle (design guide §5).
+//!
+//! An alert is identified by its [`AlertKey`] (run, rule, layer, site, rank): at most one alert
+//! per key is open at a time, which is what deduplication means here. Its state moves
+//! pending → firing → resolved; a pending alert whose condition clears before it fires is
+//! resolved without ever having fired (`fired_at_ms` stays `None`), and sinks that page people
+//! ignore those. The id is derived from the key and the first breaching step, so the same alert
+//! replayed after a restart has the same id.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+use crate::validate::RunId;
+use crate::vocab::Site;
+
+/// The rule that raised an alert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rule {
+    RankCollapse,
+    SilentInconsistency,
+    Nonfinite,
+    LossSpike,
+    ActivationOutlier,
+    StaleRank,
+}
+
+/// How urgent an alert is. Ordered: `Info < Warning < Critical`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Info,
+    Warning,
+    Critical,
+}
+
+/// Where an alert is in its lifecycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlertState {
+    Pending,
+    Firing,
+    Resolved,
+}
+
+macro_rules! string_enum {
+    ($ty:ident { $($variant:ident = $name:literal),* $(,)? }) => {
+        impl $ty {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),*];
+            /// The wire and storage name.
+            pub const fn as_str(self) -> &'static str {
+                match self { $($ty::$variant => $name),* }
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+        impl FromStr for $ty {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self, Error> {
+                $ty::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| {
+                    Error::Config(format!(
+                        "unknown {} {s:?}; expected one of {}",
+                        stringify!($ty).to_lowercase(),
+                        $ty::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
+                    ))
+                })
+            }
+        }
+    };
+}
+
+string_enum!(Rule {
+    RankCollapse = "rank_collapse",
+    SilentInconsistency = "silent_inconsistency",
+    Nonfinite = "nonfinite",
+    LossSpike = "loss_spike",
+    ActivationOutlier = "activation_outlier",
+    StaleRank = "stale_rank",
+});
+string_enum!(Severity {
+    Info = "info",
+    Warning = "warning",
+    Critical = "critical",
+});
+string_enum!(AlertState {
+    Pending = "pending",
+    Firing = "firing",
+    Resolved = "resolved",
+});
+
+/// What an alert is about; at most one open alert per key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AlertKey {
+    pub run: RunId,
+    pub rule: Rule,
+    pub layer: Option<u32>,
+    pub site: Option<Site>,
+    /// The rank the alert is about, for per-rank rules (`stale_rank`, per-rank `nonfinite`).
+    pub rank: Option<u32>,
+}
+
+/// One alert, as stored in the `alerts` table and delivered to sinks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Alert {
+    pub id: String,
+    pub run: RunId,
+    pub rule: Rule,
+    pub severity: Severity,
+    pub state: AlertState,
+    pub layer: Option<u32>,
+    pub site: Option<Site>,
+    pub rank: Option<u32>,
+    /// Ranks named as outliers (silent inconsistency), most deviant first.
+    pub outlier_ranks: Vec<u32>,
+    /// The observed value that breached (ratio, z-score, count, ...; the explanation says which).
+    pub value: f64,
+    /// The threshold it breached.
+    pub threshold: f64,
+    /// First and latest step of the breach.
+    pub first_step: u64,
+    pub last_step: u64,
+    pub started_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub fired_at_ms: Option<i64>,
+    pub resolved_at_ms: Option<i64>,
+    /// One line a person can act on.
+    pub explanation: String,
+}
+
+impl Alert {
+    /// The key that deduplicates this alert.
+    pub fn key(&self) -> AlertKey {
+        AlertKey {
+            run: self.run.clone(),
+            rule: self.rule,
+            layer: self.layer,
+            site: self.site,
+            rank: self.rank,
+        }
+    }
+
+    /// The stable id for the alert on `key` that started at `first_step`.
+    pub fn id_for(key: &AlertKey, first_step: u64) -> String {
+        fn opt<T: fmt::Display>(v: Option<T>) -> String {
+            v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+        }
+        format!(
+            "{}:{}:{}:{}:{}:{}",
+            key.run,
+            key.rule,
+            opt(key.layer),
+            opt(key.site),
+            opt(key.rank),
+            first_step
+        )
+    }
+
+    /// Whether the alert ever reached `firing` (pending alerts that cleared did not).
+    pub fn has_fired(&self) -> bool {
+        self.fired_at_ms.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enums_round_trip_and_order() {
+        for r in Rule::ALL {
+            assert_eq!(r.as_str().parse::<Rule>().unwrap(), *r);
+        }
+        assert!(Severity::Critical > Severity::Warning && Severity::Warning > Severity::Info);
+        let err = "boom".parse::<AlertState>().unwrap_err().to_string();
+        assert!(err.contains("pending, firing, resolved"), "{err}");
+    }
+
+    #[test]
+    fn ids_are_stable_and_distinct_per_key() {
+        let key = AlertKey {
+            run: RunId::new("r1").unwrap(),
+            rule: Rule::RankCollapse,
+            layer: Some(17),
+            site: None,
+            rank: None,
+        };
+        assert_eq!(Alert::id_for(&key, 40), "r1:rank_collapse:17:-:-:40");
+        let other = AlertKey {
+            layer: Some(18),
+            ..key.clone()
+        };
+        assert_ne!(Alert::id_for(&key, 40), Alert::id_for(&other, 40));
+    }
+}

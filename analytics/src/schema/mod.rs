@@ -1,0 +1,158 @@
+//! Arrow schemas of the four tables (`samples`, `sketches`, `runs`, `alerts`) and lossless
+//! conversion between their rows and [`arrow_array::RecordBatch`]es.
+//!
+//! The schemas are the contract for the wire (Arrow IPC bodies), the hot buffer and the Parquet
+//! files, so readers are strict: a missing or extra column, a wrong type or a null in a
+//! required column is an [`Error::Schema`] naming the column, and a bad value is an
+//! [`Error::Row`] naming the row. Timestamps are milliseconds in UTC; any time zone annotation
+//! is accepted on read since the instant is the same.
+
+pub mod alerts;
+pub mod runs;
+pub mod samples;
+pub mod sketches;
+
+use std::sync::Arc;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{
+    Float64Type, Int64Type, TimestampMillisecondType, UInt32Type, UInt64Type,
+};
+use arrow_array::{Array, ArrowPrimitiveType, PrimitiveArray, RecordBatch, StringArray};
+use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
+
+use crate::error::{Error, Result};
+
+/// The Arrow type of every timestamp column.
+pub fn timestamp_type() -> DataType {
+    DataType::Timestamp(TimeUnit::Millisecond, Some(Arc::from("UTC")))
+}
+
+fn same_type(expected: &DataType, actual: &DataType) -> bool {
+    match (expected, actual) {
+        (DataType::Timestamp(u1, _), DataType::Timestamp(u2, _)) => u1 == u2,
+        (DataType::List(a), DataType::List(b)) => same_type(a.data_type(), b.data_type()),
+        _ => expected == actual,
+    }
+}
+
+/// Typed, checked access to the columns of a batch of one table.
+pub(crate) struct Columns<'a> {
+    table: &'static str,
+    batch: &'a RecordBatch,
+}
+
+impl<'a> Columns<'a> {
+    /// Checks `batch` against `schema`: same column names, compatible types, no nulls where the
+    /// schema forbids them.
+    pub(crate) fn new(
+        table: &'static str,
+        schema: &Schema,
+        batch: &'a RecordBatch,
+    ) -> Result<Self> {
+        let fail = |reason: String| Error::Schema { table, reason };
+        for field in batch.schema().fields() {
+            if schema.field_with_name(field.name()).is_err() {
+                return Err(fail(format!(
+                    "unexpected column {:?}; the columns are {}",
+                    field.name(),
+                    schema
+                        .fields()
+                        .iter()
+                        .map(|f| f.name().as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
+        for field in schema.fields() {
+            let Some(column) = batch.column_by_name(field.name()) else {
+                return Err(fail(format!("missing column {:?}", field.name())));
+            };
+            if !same_type(field.data_type(), column.data_type()) {
+                return Err(fail(format!(
+                    "column {:?} has type {}, expected {}",
+                    field.name(),
+                    column.data_type(),
+                    field.data_type()
+                )));
+            }
+            if !field.is_nullable() && column.null_count() > 0 {
+                let row = (0..column.len()).find(|&i| column.is_null(i)).unwrap_or(0);
+                return Err(fail(format!(
+                    "column {:?} is required but row {row} is null",
+                    field.name()
+                )));
+            }
+        }
+        Ok(Columns { table, batch })
+    }
+
+    fn column(&self, name: &str) -> &'a dyn Array {
+        // `new` checked presence; the schemas in this module name every column they read.
+        self.batch
+            .column_by_name(name)
+            .map(|c| c.as_ref())
+            .unwrap_or_else(|| panic!("column {name} checked by Columns::new"))
+    }
+
+    pub(crate) fn strings(&self, name: &str) -> &'a StringArray {
+        self.column(name).as_string::<i32>()
+    }
+
+    pub(crate) fn primitive<T: ArrowPrimitiveType>(&self, name: &str) -> &'a PrimitiveArray<T> {
+        self.column(name).as_primitive::<T>()
+    }
+
+    pub(crate) fn u32s(&self, name: &str) -> &'a PrimitiveArray<UInt32Type> {
+        self.primitive(name)
+    }
+    pub(crate) fn u64s(&self, name: &str) -> &'a PrimitiveArray<UInt64Type> {
+        self.primitive(name)
+    }
+    pub(crate) fn f64s(&self, name: &str) -> &'a PrimitiveArray<Float64Type> {
+        self.primitive(name)
+    }
+    pub(crate) fn times(&self, name: &str) -> &'a PrimitiveArray<TimestampMillisecondType> {
+        self.primitive(name)
+    }
+    #[allow(dead_code)]
+    pub(crate) fn i64s(&self, name: &str) -> &'a PrimitiveArray<Int64Type> {
+        self.primitive(name)
+    }
+
+    pub(crate) fn list(&self, name: &str) -> &'a arrow_array::ListArray {
+        self.column(name).as_list::<i32>()
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.batch.num_rows()
+    }
+
+    /// Wraps a value error with the table and row it came from.
+    pub(crate) fn at(&self, row: usize) -> impl Fn(Error) -> Error + '_ {
+        move |e| Error::Row {
+            table: self.table,
+            row,
+            source: Box::new(e),
+        }
+    }
+}
+
+/// The value at `row`, or `None` if null.
+pub(crate) fn opt<T: ArrowPrimitiveType>(a: &PrimitiveArray<T>, row: usize) -> Option<T::Native> {
+    a.is_valid(row).then(|| a.value(row))
+}
+
+/// The string at `row`, or `None` if null.
+pub(crate) fn opt_str(a: &StringArray, row: usize) -> Option<&str> {
+    a.is_valid(row).then(|| a.value(row))
+}
+
+pub(crate) fn field(name: &str, data_type: DataType, nullable: bool) -> Field {
+    Field::new(name, data_type, nullable)
+}
+
+pub(crate) fn schema(fields: Vec<Field>) -> SchemaRef {
+    Arc::new(Schema::new(fields))
+}

@@ -1,0 +1,106 @@
+//! The long-format `samples` table: one row per value.
+
+use std::str::FromStr;
+use std::sync::{Arc, LazyLock};
+
+use arrow_array::{
+    ArrayRef, Float64Array, RecordBatch, StringArray, TimestampMillisecondArray, UInt32Array,
+    UInt64Array,
+};
+use arrow_schema::{DataType, SchemaRef};
+
+use super::{Columns, field, opt, opt_str, schema, timestamp_type};
+use crate::error::Result;
+use crate::record::Sample;
+use crate::validate::{MetricName, RunId};
+use crate::vocab::Site;
+
+/// Table name, as used in the Hive layout (`table=samples`).
+pub const TABLE: &str = "samples";
+
+static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| {
+    schema(vec![
+        field("run", DataType::Utf8, false),
+        field("rank", DataType::UInt32, true),
+        field("step", DataType::UInt64, false),
+        field("time", timestamp_type(), false),
+        field("metric", DataType::Utf8, false),
+        field("layer", DataType::UInt32, true),
+        field("site", DataType::Utf8, true),
+        field("value", DataType::Float64, false),
+    ])
+});
+
+/// The `samples` schema.
+pub fn schema_ref() -> SchemaRef {
+    SCHEMA.clone()
+}
+
+/// Rows to a batch.
+pub fn to_batch(rows: &[Sample]) -> Result<RecordBatch> {
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|s| s.run.as_str()),
+        )),
+        Arc::new(UInt32Array::from_iter(rows.iter().map(|s| s.rank))),
+        Arc::new(UInt64Array::from_iter_values(rows.iter().map(|s| s.step))),
+        Arc::new(
+            TimestampMillisecondArray::from_iter_values(rows.iter().map(|s| s.time_ms))
+                .with_timezone("UTC"),
+        ),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|s| s.metric.as_str()),
+        )),
+        Arc::new(UInt32Array::from_iter(rows.iter().map(|s| s.layer))),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|s| s.site.map(Site::as_str)),
+        )),
+        Arc::new(Float64Array::from_iter_values(rows.iter().map(|s| s.value))),
+    ];
+    Ok(RecordBatch::try_new(schema_ref(), columns)?)
+}
+
+/// A batch to rows, checking the schema and every identifier. Scope rules are checked
+/// separately by [`Sample::validate`], which needs the run's metadata.
+pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Sample>> {
+    let c = Columns::new(TABLE, &SCHEMA, batch)?;
+    let (run, rank, step, time) = (
+        c.strings("run"),
+        c.u32s("rank"),
+        c.u64s("step"),
+        c.times("time"),
+    );
+    let (metric, layer, site, value) = (
+        c.strings("metric"),
+        c.u32s("layer"),
+        c.strings("site"),
+        c.f64s("value"),
+    );
+    (0..c.rows())
+        .map(|i| {
+            Ok(Sample {
+                run: RunId::new(run.value(i)).map_err(c.at(i))?,
+                rank: opt(rank, i),
+                step: step.value(i),
+                time_ms: time.value(i),
+                metric: MetricName::new(metric.value(i)).map_err(c.at(i))?,
+                layer: opt(layer, i),
+                site: opt_str(site, i)
+                    .map(Site::from_str)
+                    .transpose()
+                    .map_err(c.at(i))?,
+                value: value.value(i),
+            })
+        })
+        .collect()
+}
+
+/// NaN and ±Inf values in a batch's `value` column: data to store and count, not to refuse.
+pub fn nonfinite_values(batch: &RecordBatch) -> Result<usize> {
+    let c = Columns::new(TABLE, &SCHEMA, batch)?;
+    Ok(c.f64s("value")
+        .values()
+        .iter()
+        .filter(|v| !v.is_finite())
+        .count())
+}

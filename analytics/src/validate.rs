@@ -1,0 +1,192 @@
+//! Validated identifiers. A [`RunId`] becomes a directory name (`run=<id>`) in the Hive layout,
+//! so its charset is closed: nothing that is a path separator, a Hive delimiter, or a dot-only
+//! name. A [`MetricName`] is either a vocabulary metric or a user scalar with the same charset
+//! rules, so a label flood of arbitrary bytes cannot enter storage.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::vocab::Metric;
+
+/// Longest accepted run id, in bytes.
+pub const MAX_RUN_ID_LEN: usize = 128;
+/// Longest accepted metric name, in bytes.
+pub const MAX_METRIC_NAME_LEN: usize = 128;
+
+/// A run's identifier: 1–128 of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct RunId(String);
+
+impl RunId {
+    /// Validates `id` as a run id.
+    pub fn new(id: impl Into<String>) -> Result<Self> {
+        let id = id.into();
+        let fail = |reason: &str| Error::InvalidRunId {
+            id: id.clone(),
+            reason: reason.to_owned(),
+        };
+        if id.is_empty() {
+            return Err(fail("empty"));
+        }
+        if id.len() > MAX_RUN_ID_LEN {
+            return Err(fail(&format!("longer than {MAX_RUN_ID_LEN} bytes")));
+        }
+        if let Some(c) = id
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        {
+            return Err(fail(&format!(
+                "character {c:?} not allowed (use letters, digits, '.', '_', '-')"
+            )));
+        }
+        if id.starts_with(['.', '-']) {
+            return Err(fail("must not start with '.' or '-'"));
+        }
+        Ok(RunId(id))
+    }
+
+    /// The id as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for RunId {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        RunId::new(s)
+    }
+}
+
+impl TryFrom<String> for RunId {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        RunId::new(s)
+    }
+}
+
+impl From<RunId> for String {
+    fn from(id: RunId) -> String {
+        id.0
+    }
+}
+
+/// A metric's name: a vocabulary metric or a user scalar. 1–128 of `[A-Za-z0-9._:/-]`,
+/// starting with a letter.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct MetricName(String);
+
+impl MetricName {
+    /// Validates `name` as a metric name.
+    pub fn new(name: impl Into<String>) -> Result<Self> {
+        let name = name.into();
+        let fail = |reason: String| Error::InvalidMetricName {
+            name: name.clone(),
+            reason,
+        };
+        if name.is_empty() {
+            return Err(fail("empty".to_owned()));
+        }
+        if name.len() > MAX_METRIC_NAME_LEN {
+            return Err(fail(format!("longer than {MAX_METRIC_NAME_LEN} bytes")));
+        }
+        if !name.starts_with(|c: char| c.is_ascii_alphabetic()) {
+            return Err(fail("must start with a letter".to_owned()));
+        }
+        if let Some(c) = name
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '/' | '-')))
+        {
+            return Err(fail(format!(
+                "character {c:?} not allowed (use letters, digits, '.', '_', ':', '/', '-')"
+            )));
+        }
+        Ok(MetricName(name))
+    }
+
+    /// The name as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The vocabulary metric this name denotes, if any.
+    pub fn known(&self) -> Option<Metric> {
+        self.0.parse().ok()
+    }
+}
+
+impl From<Metric> for MetricName {
+    fn from(m: Metric) -> Self {
+        MetricName(m.as_str().to_owned())
+    }
+}
+
+impl fmt::Display for MetricName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for MetricName {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        MetricName::new(s)
+    }
+}
+
+impl TryFrom<String> for MetricName {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        MetricName::new(s)
+    }
+}
+
+impl From<MetricName> for String {
+    fn from(m: MetricName) -> String {
+        m.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_that_could_escape_a_directory_are_refused() {
+        for bad in [
+            "", ".", "..", "../etc", "a/b", "a\\b", "run=1", ".hidden", "-rf", "a b", "nul\0", "é",
+        ] {
+            let err = RunId::new(bad).unwrap_err().to_string();
+            assert!(err.starts_with("invalid run id"), "{bad:?}: {err}");
+        }
+        assert!(RunId::new("x".repeat(129)).is_err());
+        for good in ["llama-ft-7", "a", "run_2026.11.21", &"x".repeat(128)] {
+            assert_eq!(RunId::new(good).unwrap().as_str(), good);
+        }
+    }
+
+    #[test]
+    fn metric_names_are_checked_and_vocabulary_recognised() {
+        assert_eq!(
+            MetricName::new("spectral.ratio").unwrap().known(),
+            Some(Metric::SpectralRatio)
+        );
+        assert_eq!(MetricName::new("train/lr").unwrap().known(), None);
+        for bad in ["", "1abc", "a b", "a\"b", "a{b}", "ä"] {
+            assert!(MetricName::new(bad).is_err(), "{bad:?}");
+        }
+        let err = MetricName::new("a b").unwrap_err().to_string();
+        assert!(err.contains("' '"), "{err}");
+    }
+}

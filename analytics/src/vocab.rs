@@ -1,0 +1,261 @@
+//! The metric vocabulary (design guide §3): one set of names for the SDK, the collector, the
+//! UI, the alerts and the docs.
+//!
+//! A [`Metric`] knows its string form, its [`Scope`] (reported per rank, per layer, or computed
+//! across all ranks) and which [`Site`]s it accepts. User-defined scalars are not in this enum;
+//! they travel as any valid [`crate::MetricName`] and are stored and plotted the same way.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+
+/// Where a metric is produced and what identifies one series of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// One value per rank per step; `layer` and `site` are null.
+    Rank,
+    /// One value per layer (and site, where the metric has sites); `rank` may be null when the
+    /// value is the same on every rank (weights under data parallelism).
+    Layer,
+    /// Derived across all ranks by the collector; `rank` is null.
+    AllRanks,
+}
+
+/// The point in the model a value refers to: a weight matrix (spectral metrics) or a hook point
+/// (activation maxima). `gate` names both the gate projection and its activations; the metric
+/// says which is meant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Site {
+    Q,
+    K,
+    V,
+    O,
+    Up,
+    Gate,
+    Down,
+    Embed,
+    Residual,
+    AttnOut,
+    MlpOut,
+    FinalNorm,
+}
+
+impl Site {
+    /// Every site, in vocabulary order.
+    pub const ALL: [Site; 12] = [
+        Site::Q,
+        Site::K,
+        Site::V,
+        Site::O,
+        Site::Up,
+        Site::Gate,
+        Site::Down,
+        Site::Embed,
+        Site::Residual,
+        Site::AttnOut,
+        Site::MlpOut,
+        Site::FinalNorm,
+    ];
+    /// The weight matrices of a transformer block.
+    pub const MATRICES: [Site; 7] = [
+        Site::Q,
+        Site::K,
+        Site::V,
+        Site::O,
+        Site::Up,
+        Site::Gate,
+        Site::Down,
+    ];
+    /// The hook points where activation maxima are taken.
+    pub const ACTIVATIONS: [Site; 6] = [
+        Site::Embed,
+        Site::Residual,
+        Site::AttnOut,
+        Site::MlpOut,
+        Site::Gate,
+        Site::FinalNorm,
+    ];
+
+    /// The site's wire and storage name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Site::Q => "q",
+            Site::K => "k",
+            Site::V => "v",
+            Site::O => "o",
+            Site::Up => "up",
+            Site::Gate => "gate",
+            Site::Down => "down",
+            Site::Embed => "embed",
+            Site::Residual => "residual",
+            Site::AttnOut => "attn_out",
+            Site::MlpOut => "mlp_out",
+            Site::FinalNorm => "final_norm",
+        }
+    }
+
+    /// Sites that belong to the whole model rather than to one block: a value there has no layer.
+    pub const fn is_model_level(self) -> bool {
+        matches!(self, Site::Embed | Site::FinalNorm)
+    }
+}
+
+impl fmt::Display for Site {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Site {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Site::ALL
+            .into_iter()
+            .find(|site| site.as_str() == s)
+            .ok_or_else(|| Error::UnknownSite(s.to_owned()))
+    }
+}
+
+macro_rules! metrics {
+    ($( $(#[$doc:meta])* $variant:ident = $name:literal, $scope:ident, $sites:expr; )*) => {
+        /// A metric of the design vocabulary.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Metric {
+            $( $(#[$doc])* $variant, )*
+        }
+
+        impl Metric {
+            /// Every metric of the vocabulary.
+            pub const ALL: &'static [Metric] = &[ $( Metric::$variant, )* ];
+
+            /// The metric's wire and storage name.
+            pub const fn as_str(self) -> &'static str {
+                match self { $( Metric::$variant => $name, )* }
+            }
+
+            /// Where the metric is produced.
+            pub const fn scope(self) -> Scope {
+                match self { $( Metric::$variant => Scope::$scope, )* }
+            }
+
+            /// The sites this metric must name; empty when it takes none.
+            pub const fn sites(self) -> &'static [Site] {
+                match self { $( Metric::$variant => $sites, )* }
+            }
+        }
+    };
+}
+
+const NONE: &[Site] = &[];
+
+metrics! {
+    /// Token-weighted local cross-entropy Σℓ_t/|T_k| of one rank.
+    Loss = "loss", Rank, NONE;
+    /// Tokens behind `loss` on that rank.
+    Tokens = "tokens", Rank, NONE;
+    /// ‖g_k‖: the rank's local gradient before the all-reduce.
+    GradNorm = "grad_norm", Rank, NONE;
+    /// ‖ḡ‖: the averaged gradient after the all-reduce.
+    GradNormMean = "grad_norm_mean", Rank, NONE;
+    /// cos(g_k, ḡ), exact ("dot mode").
+    CosToMean = "cos_to_mean", Rank, NONE;
+    /// Count of NaN/Inf in the loss and gradients.
+    Nonfinite = "nonfinite", Rank, NONE;
+    /// σ₁ of one weight matrix of a block.
+    SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
+    /// σ_mlp = ‖W_down·W_up‖₂.
+    SpectralMlp = "spectral.mlp", Layer, NONE;
+    /// σ_attn = ‖W_o‖₂.
+    SpectralAttn = "spectral.attn", Layer, NONE;
+    /// σ_mlp/σ_attn, the "1:1 rule" ratio.
+    SpectralRatio = "spectral.ratio", Layer, NONE;
+    /// σ_OV = ‖W_o·W_v‖₂, GQA-aware.
+    SpectralOv = "spectral.ov", Layer, NONE;
+    /// σ_mlp/σ_OV.
+    SpectralRatioOv = "spectral.ratio_ov", Layer, NONE;
+    /// ‖W‖_F²/σ₁² of one weight matrix.
+    StableRank = "stable_rank", Layer, &Site::MATRICES;
+    /// Mean pairwise cosine of token states in the residual stream after a block.
+    TokenCosine = "token_cosine", Layer, NONE;
+    /// max|a| at a hook point.
+    ActMax = "act_max", Layer, &Site::ACTIVATIONS;
+    /// Population standard deviation of the ranks' losses.
+    LossStd = "loss_std", AllRanks, NONE;
+    /// max − min of the ranks' losses.
+    LossRange = "loss_range", AllRanks, NONE;
+    /// loss_std / mean loss.
+    LossCv = "loss_cv", AllRanks, NONE;
+    /// Population standard deviation of the ranks' gradient norms.
+    GradNormStd = "grad_norm_std", AllRanks, NONE;
+    /// grad_norm_std / mean gradient norm.
+    GradNormCv = "grad_norm_cv", AllRanks, NONE;
+    /// C_w, the norm-weighted mean pairwise cosine, exact from scalars.
+    CosWeighted = "cos_weighted", AllRanks, NONE;
+    /// Mean over rank pairs of sketch cosines.
+    CosPairMean = "cos_pair_mean", AllRanks, NONE;
+    /// Gradient-noise-scale estimate.
+    NoiseScale = "noise_scale", AllRanks, NONE;
+    /// exp of the token-weighted mean loss over all ranks.
+    Perplexity = "perplexity", AllRanks, NONE;
+}
+
+impl Metric {
+    /// Whether `site` is a valid site for this metric.
+    pub fn accepts_site(self, site: Site) -> bool {
+        self.sites().contains(&site)
+    }
+}
+
+impl fmt::Display for Metric {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Metric {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Metric::ALL
+            .iter()
+            .copied()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| Error::InvalidMetricName {
+                name: s.to_owned(),
+                reason: "not a metric of the vocabulary".to_owned(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for &m in Metric::ALL {
+            assert!(seen.insert(m.as_str()), "duplicate name {m}");
+            assert_eq!(m.as_str().parse::<Metric>().unwrap(), m);
+        }
+        for s in Site::ALL {
+            assert_eq!(s.as_str().parse::<Site>().unwrap(), s);
+        }
+        assert!("bogus".parse::<Site>().is_err());
+    }
+
+    #[test]
+    fn scopes_follow_the_design() {
+        assert_eq!(Metric::Loss.scope(), Scope::Rank);
+        assert_eq!(Metric::SpectralRatio.scope(), Scope::Layer);
+        assert_eq!(Metric::Perplexity.scope(), Scope::AllRanks);
+        assert!(Metric::ActMax.accepts_site(Site::Residual));
+        assert!(!Metric::ActMax.accepts_site(Site::Q));
+        assert!(Metric::SpectralSigma.accepts_site(Site::Gate));
+        assert!(Metric::ActMax.accepts_site(Site::Gate));
+    }
+}
