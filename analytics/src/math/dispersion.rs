@@ -1,0 +1,118 @@
+//! Dispersion of one value per rank: mean, population standard deviation, range, coefficient
+//! of variation, median and MAD. Non-finite values are counted, not averaged: one NaN rank must
+//! not turn every statistic into NaN, and must not vanish either.
+
+use serde::{Deserialize, Serialize};
+
+/// MAD × this estimates σ for normal data.
+pub const MAD_TO_SIGMA: f64 = 1.482_602_218_505_602;
+
+/// Statistics over the finite values of a slice.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Dispersion {
+    /// Finite values used.
+    pub count: usize,
+    /// Values skipped because they were NaN or ±Inf.
+    pub nonfinite: usize,
+    pub mean: f64,
+    /// Population standard deviation (divides by n).
+    pub std: f64,
+    pub min: f64,
+    pub max: f64,
+    /// max − min.
+    pub range: f64,
+    /// std / |mean|; `None` when the mean is 0.
+    pub cv: Option<f64>,
+    pub median: f64,
+    /// Median absolute deviation from the median (unscaled).
+    pub mad: f64,
+}
+
+impl Dispersion {
+    /// Statistics of `values`; `None` when no value is finite.
+    pub fn of(values: &[f64]) -> Option<Self> {
+        let mut finite: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+        let count = finite.len();
+        if count == 0 {
+            return None;
+        }
+        let n = count as f64;
+        let mean = finite.iter().sum::<f64>() / n;
+        let var = finite.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        let std = var.sqrt();
+        let min = finite.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let median = median(&mut finite);
+        let mut deviations: Vec<f64> = finite.iter().map(|v| (v - median).abs()).collect();
+        let mad = self::median(&mut deviations);
+        Some(Dispersion {
+            count,
+            nonfinite: values.len() - count,
+            mean,
+            std,
+            min,
+            max,
+            range: max - min,
+            cv: (mean != 0.0).then(|| std / mean.abs()),
+            median,
+            mad,
+        })
+    }
+
+    /// 1.4826·MAD: a σ estimate that ignores outliers.
+    pub fn robust_sigma(&self) -> f64 {
+        MAD_TO_SIGMA * self.mad
+    }
+}
+
+/// Median of finite values (the slice is reordered). NaN for an empty slice.
+pub fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len().is_multiple_of(2) {
+        (values[mid - 1] + values[mid]) / 2.0
+    } else {
+        values[mid]
+    }
+}
+
+/// Robust z-scores (v − median)/max(1.4826·MAD, `min_scale`) of each value; NaN stays NaN.
+/// `min_scale` keeps the score finite when most values are identical (ranks fed the same
+/// data), which is exactly when a single deviating rank matters most.
+pub fn robust_z_scores(values: &[f64], min_scale: f64) -> Vec<f64> {
+    let Some(d) = Dispersion::of(values) else {
+        return vec![f64::NAN; values.len()];
+    };
+    let scale = d.robust_sigma().max(min_scale).max(f64::MIN_POSITIVE);
+    values.iter().map(|v| (v - d.median) / scale).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_values() {
+        let d = Dispersion::of(&[1.0, 2.0, 3.0, 4.0, f64::NAN, f64::INFINITY]).unwrap();
+        assert_eq!((d.count, d.nonfinite), (4, 2));
+        assert_eq!(d.mean, 2.5);
+        assert!((d.std - 1.25f64.sqrt()).abs() < 1e-15);
+        assert_eq!(
+            (d.min, d.max, d.range, d.median, d.mad),
+            (1.0, 4.0, 3.0, 2.5, 1.0)
+        );
+        assert!((d.cv.unwrap() - 1.25f64.sqrt() / 2.5).abs() < 1e-15);
+        assert!(Dispersion::of(&[f64::NAN]).is_none());
+        assert_eq!(Dispersion::of(&[-1.0, 1.0]).unwrap().cv, None);
+    }
+
+    #[test]
+    fn robust_z_names_the_outlier_even_when_the_rest_agree() {
+        let z = robust_z_scores(&[2.0, 2.0, 2.0, 2.0, 5.0], 0.01);
+        assert!(z[..4].iter().all(|v| *v == 0.0));
+        assert!(z[4] > 100.0);
+    }
+}
