@@ -1,0 +1,188 @@
+//! `activation_outlier`: an activation maximum that exceeds an absolute limit (by default the
+//! largest finite FP8 E4M3 value, 448: past it, FP8 training saturates) or grows by
+//! `growth_factor` over its own baseline (the median of its first `baseline_observations`).
+//! A non-finite maximum is critical. It clears once the value is below `exit_ratio` of every
+//! limit it can breach.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
+use super::{Detector, short};
+use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::error::{Error, Result};
+use crate::math::dispersion::median;
+use crate::validate::RunId;
+use crate::vocab::Site;
+
+/// The largest finite value of FP8 E4M3.
+pub const FP8_E4M3_MAX: f64 = 448.0;
+
+/// Thresholds of `activation_outlier`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActivationOutlierConfig {
+    /// Absolute limit on max|a|; `None` disables it. Default 448 (FP8 E4M3).
+    pub absolute_limit: Option<f64>,
+    /// Growth over the baseline that breaches; `None` disables it. Default 10.
+    pub growth_factor: Option<f64>,
+    /// Observations whose median is the baseline. Default 5.
+    pub baseline_observations: usize,
+    /// To clear, the value must be below this fraction of each limit. Default 0.8.
+    pub exit_ratio: f64,
+    /// Default: fire after 2 breaching observations, resolve after 3 clear ones.
+    pub lifecycle: LifecycleConfig,
+}
+
+impl Default for ActivationOutlierConfig {
+    fn default() -> Self {
+        ActivationOutlierConfig {
+            absolute_limit: Some(FP8_E4M3_MAX),
+            growth_factor: Some(10.0),
+            baseline_observations: 5,
+            exit_ratio: 0.8,
+            lifecycle: LifecycleConfig {
+                pending_for: 2,
+                resolve_after: 3,
+            },
+        }
+    }
+}
+
+impl ActivationOutlierConfig {
+    /// Checks the limits are coherent.
+    pub fn validate(&self) -> Result<()> {
+        let ok = self.absolute_limit.is_none_or(|l| l > 0.0)
+            && self.growth_factor.is_none_or(|g| g > 1.0)
+            && self.baseline_observations >= 1
+            && self.exit_ratio > 0.0
+            && self.exit_ratio <= 1.0;
+        if !ok {
+            return Err(Error::Config(format!(
+                "activation_outlier: need absolute_limit > 0, growth_factor > 1, baseline_observations ≥ 1, 0 < exit_ratio ≤ 1; got {self:?}"
+            )));
+        }
+        self.lifecycle.validate("activation_outlier")
+    }
+}
+
+/// One activation maximum.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ActivationObservation {
+    pub step: u64,
+    pub time_ms: i64,
+    /// `None` for model-level sites (embed, final_norm).
+    pub layer: Option<u32>,
+    pub site: Site,
+    pub rank: Option<u32>,
+    pub value: f64,
+}
+
+type Subject = (Option<u32>, Site, Option<u32>);
+
+/// The `activation_outlier` detector for one run, per (layer, site, rank).
+#[derive(Debug, Clone)]
+pub struct ActivationOutlier {
+    run: RunId,
+    config: ActivationOutlierConfig,
+    early: BTreeMap<Subject, Vec<f64>>,
+    trackers: Trackers<Subject>,
+}
+
+impl ActivationOutlier {
+    /// A detector for `run`.
+    pub fn new(run: RunId, config: ActivationOutlierConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(ActivationOutlier {
+            run,
+            config,
+            early: BTreeMap::new(),
+            trackers: Trackers::new(),
+        })
+    }
+}
+
+impl Detector for ActivationOutlier {
+    type Observation = ActivationObservation;
+
+    fn observe(&mut self, obs: &ActivationObservation) -> Vec<Alert> {
+        let c = self.config;
+        let subject = (obs.layer, obs.site, obs.rank);
+        let early = self.early.entry(subject).or_default();
+        let baseline = (early.len() >= c.baseline_observations).then(|| median(&mut early.clone()));
+        if baseline.is_none() && obs.value.is_finite() {
+            early.push(obs.value.abs());
+        }
+        let place = match obs.layer {
+            Some(l) => format!("layer {l} {}", obs.site),
+            None => obs.site.to_string(),
+        };
+        let on = obs
+            .rank
+            .map(|r| format!(" on rank {r}"))
+            .unwrap_or_default();
+        let v = obs.value.abs();
+        let growth_limit = baseline
+            .zip(c.growth_factor)
+            .map(|(b, g)| b * g)
+            .filter(|l| *l > 0.0);
+        let signal = if !v.is_finite() {
+            Signal::Breach(Breach {
+                severity: Severity::Critical,
+                value: obs.value,
+                threshold: c.absolute_limit.unwrap_or(f64::MAX),
+                explanation: format!("{place}: activation maximum is {}{on}", obs.value),
+                outlier_ranks: obs.rank.into_iter().collect(),
+            })
+        } else if let Some(limit) = c.absolute_limit.filter(|l| v >= *l) {
+            Signal::Breach(Breach {
+                severity: Severity::Warning,
+                value: v,
+                threshold: limit,
+                explanation: format!(
+                    "{place}: activation maximum {} above the absolute limit {}{on}",
+                    short(v),
+                    short(limit)
+                ),
+                outlier_ranks: obs.rank.into_iter().collect(),
+            })
+        } else if let Some(limit) = growth_limit.filter(|l| v >= *l) {
+            let b = baseline.unwrap_or(f64::NAN);
+            Signal::Breach(Breach {
+                severity: Severity::Warning,
+                value: v,
+                threshold: limit,
+                explanation: format!(
+                    "{place}: activation maximum {} grew {:.1}× over its baseline {}{on}",
+                    short(v),
+                    v / b,
+                    short(b)
+                ),
+                outlier_ranks: obs.rank.into_iter().collect(),
+            })
+        } else {
+            let under = |limit: Option<f64>| limit.is_none_or(|l| v < c.exit_ratio * l);
+            if under(c.absolute_limit) && under(growth_limit) {
+                Signal::Clear
+            } else {
+                Signal::Hold
+            }
+        };
+        let key = || AlertKey {
+            run: self.run.clone(),
+            rule: Rule::ActivationOutlier,
+            layer: obs.layer,
+            site: Some(obs.site),
+            rank: obs.rank,
+        };
+        self.trackers
+            .observe(&subject, key, obs.step, obs.time_ms, signal, &c.lifecycle)
+            .into_iter()
+            .collect()
+    }
+
+    fn open_alerts(&self) -> Vec<Alert> {
+        self.trackers.open()
+    }
+}

@@ -1,0 +1,569 @@
+//! Detector behaviour on synthetic sequences: each rule fires when it should, stays silent on
+//! healthy noise, names the right rank or layer, and resolves.
+
+use rankwatch_analytics::alert::{Alert, AlertState, Rule, Severity};
+use rankwatch_analytics::detect::*;
+use rankwatch_analytics::simulate::{DataParallelSim, Fault, Noise};
+use rankwatch_analytics::{RunId, Site};
+
+fn run() -> RunId {
+    RunId::new("synthetic").unwrap()
+}
+
+fn fired(events: &[Alert]) -> Vec<&Alert> {
+    events
+        .iter()
+        .filter(|a| a.state == AlertState::Firing)
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// rank_collapse
+
+fn collapse_obs(step: u64, layer: u32, ratio: f64, tc: f64) -> CollapseObservation {
+    CollapseObservation {
+        step,
+        time_ms: step as i64 * 1000,
+        layer,
+        ratio: Some(ratio),
+        token_cosine: Some(tc),
+    }
+}
+
+#[test]
+fn rank_collapse_silent_on_healthy_layers() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut noise = Noise::new(1);
+    let mut events = vec![];
+    for i in 0..500u64 {
+        for layer in 0..8 {
+            let ratio = (0.1 * noise.next_value()).exp() * (0.7 + 0.1 * f64::from(layer));
+            events.extend(d.observe(&collapse_obs(
+                i * 50,
+                layer,
+                ratio,
+                0.3 + 0.02 * noise.next_value(),
+            )));
+        }
+    }
+    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
+}
+
+#[test]
+fn rank_collapse_trend_fires_before_the_band_is_crossed_then_escalates_and_resolves() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut noise = Noise::new(2);
+    let mut events: Vec<(u64, Alert)> = vec![];
+    let mut crossed_at = None;
+    for i in 0..80u64 {
+        let step = i * 50;
+        for layer in 0..4 {
+            let (ratio, tc) = if layer == 3 && i < 60 {
+                // Drifting: +3% per probe; token cosine follows with a lag.
+                let ratio = (0.03 * i as f64 + 0.01 * noise.next_value()).exp();
+                (ratio, (0.3 + 0.012 * i as f64).min(0.97))
+            } else {
+                ((0.05 * noise.next_value()).exp(), 0.3)
+            };
+            if layer == 3 && ratio > 2.0 && crossed_at.is_none() {
+                crossed_at = Some(step);
+            }
+            events.extend(
+                d.observe(&collapse_obs(step, layer, ratio, tc))
+                    .into_iter()
+                    .map(|a| (step, a)),
+            );
+        }
+    }
+    assert!(
+        events.iter().all(|(_, a)| a.layer == Some(3)),
+        "only layer 3 alerts"
+    );
+    let first_fire = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Firing)
+        .expect("fires");
+    let crossed_at = crossed_at.unwrap();
+    println!(
+        "trend alert fired at step {}, ratio crossed 2.0 at step {crossed_at}: {}",
+        first_fire.0, first_fire.1.explanation
+    );
+    assert!(
+        first_fire.0 < crossed_at,
+        "the trend fires before the band edge is crossed"
+    );
+    assert!(
+        first_fire
+            .1
+            .explanation
+            .contains("layer 3: MLP/attention spectral ratio")
+            && first_fire.1.explanation.contains("trending up")
+    );
+    assert_eq!(first_fire.1.severity, Severity::Warning);
+    let critical = events
+        .iter()
+        .find(|(_, a)| a.severity == Severity::Critical)
+        .expect("escalates");
+    assert!(
+        critical.1.explanation.contains("token cosine"),
+        "{}",
+        critical.1.explanation
+    );
+    assert_eq!(
+        critical.1.id, first_fire.1.id,
+        "the same alert escalates; no duplicate"
+    );
+    let resolved = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Resolved)
+        .expect("resolves");
+    assert!(resolved.0 >= 60 * 50 && resolved.1.has_fired());
+    assert!(d.open_alerts().is_empty());
+}
+
+#[test]
+fn rank_collapse_out_of_band_explains_itself_and_the_band_is_configurable() {
+    let run_with = |config: RankCollapseConfig| {
+        let mut d = RankCollapse::new(run(), config).unwrap();
+        let mut out = vec![];
+        for i in 0..50u64 {
+            let tc = 0.5 + 0.005 * i as f64;
+            out.extend(d.observe(&collapse_obs(i * 10, 17, 2.7, tc)));
+        }
+        out
+    };
+    let events = run_with(RankCollapseConfig::default());
+    let a = fired(&events)[0];
+    assert_eq!((a.value, a.threshold, a.first_step), (2.7, 2.0, 0));
+    assert_eq!(
+        a.explanation,
+        "layer 17: MLP/attention spectral ratio 2.7 above band 0.5–2 for 20 steps; token cosine 0.51 and rising"
+    );
+    let wide = RankCollapseConfig {
+        band_low: 0.25,
+        band_high: 4.0,
+        ..Default::default()
+    };
+    assert!(run_with(wide).is_empty(), "2.7 is healthy in a 0.25–4 band");
+    let bad = RankCollapseConfig {
+        band_low: 2.0,
+        band_high: 1.0,
+        ..Default::default()
+    };
+    assert!(RankCollapse::new(run(), bad).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// silent_inconsistency
+
+fn run_dp(
+    world: u32,
+    steps: u64,
+    fault_window: std::ops::Range<u64>,
+    fault: Fault,
+    seed: u32,
+) -> Vec<(u64, Alert)> {
+    let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
+    let mut sim = DataParallelSim::new(world, 1024, seed);
+    let mut events = vec![];
+    for step in 0..steps {
+        let f = if fault_window.contains(&step) {
+            fault
+        } else {
+            Fault::None
+        };
+        events.extend(d.observe(&sim.step(step, f)).into_iter().map(|a| (step, a)));
+    }
+    events
+}
+
+#[test]
+fn silent_inconsistency_is_silent_on_healthy_workers() {
+    for seed in [3, 4, 5] {
+        let events = run_dp(8, 400, 0..0, Fault::None, seed);
+        assert!(
+            events.iter().all(|(_, a)| a.state != AlertState::Firing),
+            "seed {seed}: {events:#?}"
+        );
+    }
+}
+
+#[test]
+fn silent_inconsistency_names_a_rank_with_a_scaled_gradient() {
+    let events = run_dp(8, 300, 150..220, Fault::ScaleGradient(5, 3.0), 6);
+    let (step, a) = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Firing)
+        .expect("fires");
+    println!(
+        "scaled gradient on rank 5 from step 150: fired at {step}: {}",
+        a.explanation
+    );
+    assert!(
+        (150..=155).contains(step),
+        "within a few steps of the fault, got {step}"
+    );
+    assert_eq!(a.outlier_ranks, vec![5]);
+    assert!(
+        a.explanation.contains("gradient-norm CV") && a.explanation.contains("outlier rank 5"),
+        "{}",
+        a.explanation
+    );
+    let (resolved_at, _) = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Resolved)
+        .expect("resolves");
+    assert!(
+        (220..=240).contains(resolved_at),
+        "resolved at {resolved_at}"
+    );
+}
+
+#[test]
+fn silent_inconsistency_catches_a_flipped_gradient_by_cosine() {
+    let events = run_dp(8, 260, 150..260, Fault::FlipGradient(2), 7);
+    let (step, a) = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Firing)
+        .expect("fires");
+    println!(
+        "flipped gradient on rank 2 from step 150: fired at {step}: {}",
+        a.explanation
+    );
+    assert!((150..=155).contains(step));
+    assert!(
+        a.explanation.contains("worker cosine C_w"),
+        "{}",
+        a.explanation
+    );
+    assert_eq!(a.outlier_ranks.first(), Some(&2));
+}
+
+#[test]
+fn silent_inconsistency_names_a_desynchronised_loss() {
+    let events = run_dp(4, 260, 100..260, Fault::LossOffset(0, 0.4), 8);
+    let (step, a) = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Firing)
+        .expect("fires");
+    assert!((100..=105).contains(step));
+    assert!(a.explanation.contains("loss CV"), "{}", a.explanation);
+    assert_eq!(a.outlier_ranks, vec![0]);
+}
+
+#[test]
+fn two_ranks_detect_but_cannot_name() {
+    let events = run_dp(2, 260, 100..260, Fault::ScaleGradient(1, 4.0), 9);
+    let (_, a) = events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Firing)
+        .expect("fires");
+    assert!(
+        a.outlier_ranks.is_empty(),
+        "no robust z-score with two ranks"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// nonfinite, loss_spike
+
+#[test]
+fn nonfinite_fires_critical_at_the_step_and_resolves() {
+    let mut d = Nonfinite::new(run(), NonfiniteConfig::default()).unwrap();
+    let mut events = vec![];
+    for step in 0..130u64 {
+        for rank in 0..4u32 {
+            let bad = rank == 1 && step == 100;
+            let obs = NonfiniteObservation {
+                step,
+                time_ms: step as i64,
+                rank: Some(rank),
+                count: if bad { 3 } else { 0 },
+                loss: Some(if bad { f64::NAN } else { 2.0 }),
+            };
+            events.extend(d.observe(&obs));
+        }
+    }
+    assert_eq!(events.len(), 2, "{events:#?}");
+    assert_eq!(
+        (
+            events[0].state,
+            events[0].severity,
+            events[0].first_step,
+            events[0].rank
+        ),
+        (AlertState::Firing, Severity::Critical, 100, Some(1))
+    );
+    assert!(
+        events[0]
+            .explanation
+            .starts_with("rank 1: loss is NaN and 3 non-finite values at step 100"),
+        "{}",
+        events[0].explanation
+    );
+    assert_eq!(
+        (events[1].state, events[1].resolved_at_ms),
+        (AlertState::Resolved, Some(110))
+    );
+}
+
+#[test]
+fn loss_spike_fires_on_a_spike_not_on_noise_or_decay() {
+    let mut d = LossSpike::new(run(), LossSpikeConfig::default()).unwrap();
+    let mut noise = Noise::new(10);
+    let mut events = vec![];
+    for step in 0..600u64 {
+        let base = 3.0 * (-(step as f64) / 300.0).exp() + 1.0 + 0.01 * noise.next_value();
+        let loss = if step == 400 { base * 1.5 } else { base };
+        events.extend(d.observe(&LossObservation {
+            step,
+            time_ms: step as i64,
+            rank: None,
+            loss,
+        }));
+        // A NaN is the nonfinite rule's business: ignored here.
+        d.observe(&LossObservation {
+            step,
+            time_ms: step as i64,
+            rank: Some(0),
+            loss: f64::NAN,
+        });
+    }
+    assert_eq!(events.len(), 2, "{events:#?}");
+    assert_eq!(
+        (events[0].state, events[0].first_step),
+        (AlertState::Firing, 400)
+    );
+    // The median of the last 50 losses lags the decay, so the jump reads a little under 50%.
+    assert!(
+        events[0]
+            .explanation
+            .starts_with("all ranks: loss 2.688 spiked above its recent median 1.862 (+44%"),
+        "{}",
+        events[0].explanation
+    );
+    assert_eq!(events[1].state, AlertState::Resolved);
+
+    // A nearly noiseless loss with a 1% bump: huge z, but below the relative-jump guard.
+    let mut d = LossSpike::new(run(), LossSpikeConfig::default()).unwrap();
+    let quiet: Vec<Alert> = (0..100u64)
+        .flat_map(|s| {
+            d.observe(&LossObservation {
+                step: s,
+                time_ms: 0,
+                rank: Some(2),
+                loss: if s == 80 {
+                    2.02
+                } else {
+                    2.0 + 1e-9 * (s % 3) as f64
+                },
+            })
+        })
+        .collect();
+    assert!(quiet.is_empty(), "{quiet:#?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// activation_outlier
+
+fn act(step: u64, layer: u32, value: f64) -> ActivationObservation {
+    ActivationObservation {
+        step,
+        time_ms: step as i64,
+        layer: Some(layer),
+        site: Site::Residual,
+        rank: Some(0),
+        value,
+    }
+}
+
+#[test]
+fn activation_outlier_growth_absolute_and_nonfinite() {
+    let mut d = ActivationOutlier::new(run(), ActivationOutlierConfig::default()).unwrap();
+    let mut noise = Noise::new(11);
+    let mut events = vec![];
+    for i in 0..120u64 {
+        for layer in 0..3 {
+            let healthy = 5.0 + 0.2 * noise.next_value();
+            let value = match (layer, i) {
+                (1, 40..=49) => 60.0,  // 12× its baseline
+                (1, 50..=59) => 500.0, // past FP8 E4M3
+                (1, 60) => f64::INFINITY,
+                _ => healthy,
+            };
+            events.extend(
+                d.observe(&act(i * 10, layer, value))
+                    .into_iter()
+                    .map(|a| (i, a)),
+            );
+        }
+    }
+    assert!(
+        events
+            .iter()
+            .all(|(_, a)| a.layer == Some(1) && a.site == Some(Site::Residual))
+    );
+    let states: Vec<(u64, AlertState, Severity)> = events
+        .iter()
+        .map(|(i, a)| (*i, a.state, a.severity))
+        .collect();
+    assert_eq!(
+        states,
+        vec![
+            (40, AlertState::Pending, Severity::Warning),
+            (41, AlertState::Firing, Severity::Warning),
+            (60, AlertState::Firing, Severity::Critical),
+            (63, AlertState::Resolved, Severity::Critical),
+        ]
+    );
+    assert!(
+        events[1]
+            .1
+            .explanation
+            .contains("grew 11.9× over its baseline 5.03 on rank 0"),
+        "{}",
+        events[1].1.explanation
+    );
+
+    // With the growth test off, 60 is fine and 500 still breaches the absolute limit.
+    let config = ActivationOutlierConfig {
+        growth_factor: None,
+        ..Default::default()
+    };
+    let mut d = ActivationOutlier::new(run(), config).unwrap();
+    let events: Vec<Alert> = (0..20u64)
+        .flat_map(|i| d.observe(&act(i, 0, if i < 10 { 60.0 } else { 500.0 })))
+        .collect();
+    assert_eq!(fired(&events).len(), 1);
+    assert!(
+        fired(&events)[0]
+            .explanation
+            .contains("above the absolute limit 448")
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// stale_rank
+
+#[test]
+fn stale_rank_fires_within_the_timeout_and_resolves() {
+    // Step lag off: this test is about silence (the lag test is below).
+    let config = StaleRankConfig {
+        max_step_lag: None,
+        ..Default::default()
+    };
+    let mut d = StaleRank::new(run(), config).unwrap();
+    let mut last: Vec<Option<(u64, i64)>> = vec![None; 4];
+    let mut events = vec![];
+    for t in 0..260i64 {
+        let now = t * 1000;
+        for (rank, seen) in last.iter_mut().enumerate() {
+            let stopped = (rank == 2 && (100..170).contains(&t)) || t >= 200;
+            if !stopped {
+                *seen = Some((t as u64 * 10, now));
+            }
+        }
+        events.extend(
+            d.observe(&RankActivity {
+                now_ms: now,
+                run_started_ms: 0,
+                last_seen: last.clone(),
+            })
+            .into_iter()
+            .map(|a| (t, a)),
+        );
+    }
+    let times: Vec<(i64, AlertState, Option<u32>)> =
+        events.iter().map(|(t, a)| (*t, a.state, a.rank)).collect();
+    // Silent since t=99: stale once silent for more than 60 s; back at t=170; nothing once the
+    // whole run went quiet at t=200.
+    assert_eq!(
+        times,
+        vec![
+            (160, AlertState::Firing, Some(2)),
+            (170, AlertState::Resolved, Some(2))
+        ]
+    );
+    assert!(
+        events[0]
+            .1
+            .explanation
+            .starts_with("rank 2 silent for 61 s (last step 990, others at 1600)"),
+        "{}",
+        events[0].1.explanation
+    );
+}
+
+#[test]
+fn stale_rank_by_step_lag_and_never_seen() {
+    let mut d = StaleRank::new(run(), StaleRankConfig::default()).unwrap();
+    let activity = RankActivity {
+        now_ms: 70_000,
+        run_started_ms: 0,
+        last_seen: vec![Some((1000, 69_000)), Some((700, 69_500)), None],
+    };
+    let events = d.observe(&activity);
+    let by_rank: Vec<(Option<u32>, &str)> = events
+        .iter()
+        .map(|a| (a.rank, a.explanation.as_str()))
+        .collect();
+    assert_eq!(
+        by_rank,
+        vec![
+            (
+                Some(1),
+                "rank 1 is 300 steps behind the leading rank (step 1000)"
+            ),
+            (Some(2), "rank 2 silent for 70 s (never reported)"),
+        ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// configuration
+
+#[test]
+fn rules_file_overrides_only_what_it_names() {
+    let text = r#"
+        [rank_collapse]
+        band_low = 0.25
+        band_high = 4.0
+        lifecycle = { pending_for = 5, resolve_after = 2 }
+
+        [stale_rank]
+        timeout_ms = 30000
+    "#;
+    let c: DetectorsConfig = toml::from_str(text).unwrap();
+    c.validate().unwrap();
+    assert_eq!(
+        (c.rank_collapse.band_low, c.rank_collapse.band_high),
+        (0.25, 4.0)
+    );
+    assert_eq!(c.rank_collapse.lifecycle.pending_for, 5);
+    assert_eq!(
+        c.rank_collapse.trend_window,
+        RankCollapseConfig::default().trend_window
+    );
+    assert_eq!(c.stale_rank.timeout_ms, 30_000);
+    assert_eq!(c.loss_spike, LossSpikeConfig::default());
+
+    let err = toml::from_str::<DetectorsConfig>("[rank_collapse]\nband_hi = 3.0\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("band_hi"), "{err}");
+    let c: DetectorsConfig = toml::from_str("[loss_spike]\nz_exit = 9.0\n").unwrap();
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("invalid configuration: loss_spike")
+    );
+    // Every rule of the vocabulary has a section.
+    let defaults = toml::to_string(&DetectorsConfig::default()).unwrap();
+    for rule in Rule::ALL {
+        assert!(
+            defaults.contains(&format!("[{rule}")),
+            "{rule} missing from\n{defaults}"
+        );
+    }
+}
