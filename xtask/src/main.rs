@@ -1,0 +1,204 @@
+//! rankwatch's task runner: `cargo xtask <task>`.
+//!
+//! `test` is the project's one test command (the README's and CI's): it checks formatting,
+//! runs clippy with warnings denied, then every test in the workspace. Each step first makes
+//! sure what it needs is installed (rustfmt and clippy components), so it works on a fresh
+//! machine with only the pinned toolchain. Later suites (Python SDK, browser) join here.
+//! `bench` runs the benchmarks and prints their tables.
+
+use std::env;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <task>
+
+tasks:
+  demo     the main job; today: the detectors on a simulated 8-rank run with injected faults
+  test     formatting, clippy (-D warnings) and every test of the workspace
+  bench    benchmarks: power iteration vs dense SVD (criterion; several minutes)
+  help     this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("demo") => demo(&args[1..]),
+        Some("test") => test(&args[1..]),
+        Some("bench") => bench(&args[1..]),
+        Some("help" | "-h" | "--help") | None => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(anyhow::anyhow!("unknown task {other:?}\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Runs `cmd`, echoing it, and fails with its exit status.
+fn run(step: &str, mut cmd: Command) -> Result<()> {
+    println!("\n==> {step}: {cmd:?}");
+    let started = Instant::now();
+    let status = cmd
+        .status()
+        .with_context(|| format!("{step}: could not start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{step} failed ({status})");
+    }
+    println!("==> {step}: ok in {:.1}s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Makes sure a rustup component is installed for the pinned toolchain.
+fn ensure_component(component: &str, probe: &[&str]) -> Result<()> {
+    let present = cargo()
+        .args(probe)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if present {
+        return Ok(());
+    }
+    let mut cmd = Command::new("rustup");
+    cmd.current_dir(root())
+        .args(["component", "add", component]);
+    run(&format!("install {component}"), cmd)
+}
+
+/// Test counts summed over runners.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+    skipped: u64,
+}
+
+impl Tally {
+    /// Adds the counts of a cargo `test result: ok. 9 passed; 0 failed; 1 ignored; ...` line.
+    fn add_cargo_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split([';', '.']) {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next())
+                && let Ok(n) = n.parse::<u64>()
+            {
+                match what {
+                    "passed" => self.passed += n,
+                    "failed" => self.failed += n,
+                    "ignored" => self.skipped += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Runs a `cargo test` command, passing its output through and tallying its results.
+fn run_counted(step: &str, mut cmd: Command, tally: &mut Tally) -> Result<()> {
+    println!("\n==> {step}: {cmd:?}");
+    let started = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("{step}: could not start {cmd:?}"))?;
+    let stdout = child.stdout.take().context("piped stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading test output")?;
+        println!("{line}");
+        tally.add_cargo_line(&line);
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{step} failed ({status})");
+    }
+    println!("==> {step}: ok in {:.1}s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    ensure_component("rustfmt", &["fmt", "--version"])?;
+    ensure_component("clippy", &["clippy", "--version"])?;
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    run("format", fmt)?;
+    let mut clippy = cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run("clippy", clippy)?;
+    let mut tally = Tally::default();
+    let mut tests = cargo();
+    tests.args(["test", "--workspace", "--locked"]).args(extra);
+    let outcome = run_counted("rust tests", tests, &mut tally);
+    // The closing line CI reads: the totals over every suite.
+    println!(
+        "\ntotal: {} passed, {} failed, {} skipped",
+        tally.passed, tally.failed, tally.skipped
+    );
+    outcome?;
+    if tally.passed == 0 {
+        bail!("no test ran");
+    }
+    Ok(())
+}
+
+fn demo(extra: &[String]) -> Result<()> {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--quiet",
+        "-p",
+        "rankwatch-analytics",
+        "--example",
+        "detectors_demo",
+        "--",
+    ])
+    .args(extra);
+    run("demo", cmd)
+}
+
+fn bench(extra: &[String]) -> Result<()> {
+    let mut cmd = cargo();
+    cmd.args([
+        "bench",
+        "-p",
+        "rankwatch-analytics",
+        "--features",
+        "bench-svd",
+        "--bench",
+        "power_vs_svd",
+        "--",
+    ])
+    .args(extra);
+    run("bench power_vs_svd", cmd)
+}
