@@ -298,7 +298,13 @@ mod tests {
             assert!(err.contains(want), "{err:?} should contain {want:?}");
         }
         // Non-finite values are data, never a validation error.
-        assert!(sample("loss", Some(0), None, None).value.is_nan());
+        for value in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let s = Sample {
+                value,
+                ..sample("loss", Some(0), None, None)
+            };
+            s.validate(Some(&run)).unwrap();
+        }
         assert_eq!(Metric::Loss.as_str(), "loss");
     }
 

@@ -58,7 +58,10 @@ pub enum Fault {
 pub struct DataParallelSim {
     pub world_size: u32,
     pub dim: usize,
-    noise: Noise,
+    /// Expected norm of each rank's gradient noise relative to the true gradient's (1 at
+    /// construction). Raising it over a run mimics training, where |G| shrinks against the noise.
+    pub noise_level: f64,
+    rng: Noise,
 }
 
 impl DataParallelSim {
@@ -67,7 +70,8 @@ impl DataParallelSim {
         DataParallelSim {
             world_size,
             dim,
-            noise: Noise::new(seed),
+            noise_level: 1.0,
+            rng: Noise::new(seed),
         }
     }
 
@@ -78,10 +82,10 @@ impl DataParallelSim {
             (i as f64 + step as f64 * 0.01).sin() / (dim as f64 / 2.0).sqrt()
         });
         let mut grads: Vec<DVector<f64>> = (0..self.world_size)
-            .map(|_| &signal + self.noise.vector(dim) / (dim as f64).sqrt())
+            .map(|_| &signal + self.rng.vector(dim) * (self.noise_level / (dim as f64).sqrt()))
             .collect();
         let mut losses: Vec<f64> = (0..self.world_size)
-            .map(|_| 2.0 + 0.05 * self.noise.next_value())
+            .map(|_| 2.0 + 0.05 * self.rng.next_value())
             .collect();
         match fault {
             Fault::None => {}

@@ -16,7 +16,9 @@ pub const MAX_RUN_ID_LEN: usize = 128;
 /// Longest accepted metric name, in bytes.
 pub const MAX_METRIC_NAME_LEN: usize = 128;
 
-/// A run's identifier: 1–128 of `[A-Za-z0-9._-]`, not starting with `.` or `-`.
+/// A run's identifier: 1–128 of `[A-Za-z0-9._-]`, not starting with `.` or `-`, not ending with
+/// `.`. Ids are case-sensitive; on a case-insensitive file system `Run` and `run` would share a
+/// directory, so deployments there should keep to one case.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct RunId(String);
@@ -45,6 +47,9 @@ impl RunId {
         }
         if id.starts_with(['.', '-']) {
             return Err(fail("must not start with '.' or '-'"));
+        }
+        if id.ends_with('.') {
+            return Err(fail("must not end with '.'"));
         }
         Ok(RunId(id))
     }

@@ -36,7 +36,7 @@ fn any_value() -> impl Strategy<Value = f64> {
 }
 
 fn run_id() -> impl Strategy<Value = RunId> {
-    "[A-Za-z0-9_][A-Za-z0-9._-]{0,40}".prop_map(|s| RunId::new(s).unwrap())
+    "[A-Za-z0-9_]([A-Za-z0-9._-]{0,40}[A-Za-z0-9_-])?".prop_map(|s| RunId::new(s).unwrap())
 }
 
 fn metric() -> impl Strategy<Value = MetricName> {
@@ -341,6 +341,44 @@ fn malformed_batches_are_rejected_with_the_column_named() {
     // A samples batch is not a sketches batch.
     let err = sketches::from_batch(&batch).unwrap_err().to_string();
     assert!(err.starts_with("table sketches:"), "{err}");
+}
+
+#[test]
+fn alerts_table_refuses_a_null_outlier_rank() {
+    use arrow_array::builder::{ListBuilder, UInt32Builder};
+    let alert = Alert {
+        id: "a".into(),
+        run: RunId::new("r").unwrap(),
+        rule: Rule::SilentInconsistency,
+        severity: Severity::Warning,
+        state: AlertState::Firing,
+        layer: None,
+        site: None,
+        rank: None,
+        outlier_ranks: vec![1],
+        value: 7.0,
+        threshold: 6.0,
+        first_step: 1,
+        last_step: 2,
+        started_at_ms: 0,
+        updated_at_ms: 0,
+        fired_at_ms: Some(0),
+        resolved_at_ms: None,
+        explanation: "x".into(),
+    };
+    let batch = alerts::to_batch(&[alert]).unwrap();
+    let mut list = ListBuilder::new(UInt32Builder::new());
+    list.values().append_value(1);
+    list.values().append_null();
+    list.append(true);
+    let field = batch
+        .schema()
+        .field_with_name("outlier_ranks")
+        .unwrap()
+        .clone();
+    let broken = replace_column(&batch, "outlier_ranks", Arc::new(list.finish()), field);
+    let err = alerts::from_batch(&broken).unwrap_err().to_string();
+    assert!(err.contains("row 0") && err.contains("null rank"), "{err}");
 }
 
 #[test]

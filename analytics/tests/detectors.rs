@@ -153,6 +153,86 @@ fn rank_collapse_out_of_band_explains_itself_and_the_band_is_configurable() {
     assert!(RankCollapse::new(run(), bad).is_err());
 }
 
+#[test]
+fn rank_collapse_counts_each_probe_once_across_cadences() {
+    // Spectral probes every 100 steps, token cosine every 10: one out-of-band probe followed by
+    // token-cosine observations must not meet `pending_for = 3` on its own.
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut events = vec![];
+    for step in (0..300u64).step_by(10) {
+        let ratio = (step % 100 == 0).then_some(if step == 100 { 3.0 } else { 1.0 });
+        let obs = CollapseObservation {
+            step,
+            time_ms: step as i64,
+            layer: 0,
+            ratio,
+            token_cosine: Some(0.3),
+        };
+        events.extend(d.observe(&obs));
+    }
+    assert!(fired(&events).is_empty(), "{events:#?}");
+    // Three out-of-band probes in a row do fire, whatever arrives between them.
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let events: Vec<Alert> = (0..40u64)
+        .flat_map(|i| {
+            let ratio = (i % 10 == 0).then_some(3.0);
+            d.observe(&CollapseObservation {
+                step: i * 10,
+                time_ms: 0,
+                layer: 0,
+                ratio,
+                token_cosine: Some(0.3),
+            })
+        })
+        .collect();
+    assert_eq!(fired(&events)[0].first_step, 0);
+    assert_eq!(fired(&events)[0].last_step, 200);
+}
+
+#[test]
+fn rank_collapse_zero_and_infinite_ratios_breach_and_token_cosine_alone_resolves() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let inf: Vec<Alert> = (0..3u64)
+        .flat_map(|s| d.observe(&collapse_obs(s, 1, f64::INFINITY, 0.3)))
+        .collect();
+    assert_eq!(
+        fired(&inf).len(),
+        1,
+        "σ_attn = 0 gives an infinite ratio: out of band"
+    );
+    let nan: Vec<Alert> = (3..10u64)
+        .flat_map(|s| d.observe(&collapse_obs(s, 1, f64::NAN, 0.3)))
+        .collect();
+    assert!(
+        nan.is_empty(),
+        "a NaN ratio neither breaches nor clears: {nan:#?}"
+    );
+    // A layer probed only for token cosine: critical, then resolved once it falls.
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let events: Vec<Alert> = (0..20u64)
+        .flat_map(|s| {
+            let tc = if s < 5 { 0.95 } else { 0.4 };
+            d.observe(&CollapseObservation {
+                step: s,
+                time_ms: 0,
+                layer: 2,
+                ratio: None,
+                token_cosine: Some(tc),
+            })
+        })
+        .collect();
+    let states: Vec<(AlertState, Severity)> =
+        events.iter().map(|a| (a.state, a.severity)).collect();
+    assert_eq!(
+        states,
+        vec![
+            (AlertState::Pending, Severity::Critical),
+            (AlertState::Firing, Severity::Critical),
+            (AlertState::Resolved, Severity::Critical),
+        ]
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // silent_inconsistency
 
@@ -186,6 +266,43 @@ fn silent_inconsistency_is_silent_on_healthy_workers() {
             "seed {seed}: {events:#?}"
         );
     }
+}
+
+#[test]
+fn silent_inconsistency_absorbs_slowly_growing_gradient_noise() {
+    // Over 3,000 steps the noise grows from 1× to 3× the true gradient: C_w falls from about
+    // 0.5 to 0.1 with no fault at all. A baseline frozen after warm-up would fire; the rolling
+    // baseline follows.
+    let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
+    let mut sim = DataParallelSim::new(8, 1024, 12);
+    let mut events = vec![];
+    for step in 0..3000u64 {
+        sim.noise_level = 1.0 + 2.0 * step as f64 / 3000.0;
+        events.extend(d.observe(&sim.step(step, Fault::None)));
+    }
+    assert!(fired(&events).is_empty(), "{events:#?}");
+    // The same drift does not hide a fault that arrives late.
+    let (step, a) = {
+        let mut found = None;
+        for step in 3000..3100u64 {
+            let fault = if step >= 3050 {
+                Fault::FlipGradient(4)
+            } else {
+                Fault::None
+            };
+            if let Some(a) = d
+                .observe(&sim.step(step, fault))
+                .into_iter()
+                .find(|a| a.state == AlertState::Firing)
+            {
+                found = Some((step, a));
+                break;
+            }
+        }
+        found.expect("fires")
+    };
+    assert!((3050..=3055).contains(&step), "fired at {step}");
+    assert_eq!(a.outlier_ranks.first(), Some(&4));
 }
 
 #[test]

@@ -170,6 +170,31 @@ fn non_finite_and_zero_matrices() {
 }
 
 #[test]
+fn zero_products_are_recognised_at_once() {
+    // A zero-initialised W_down (or W_o) makes the product zero although neither factor's
+    // Frobenius norm is known to the operator.
+    let w_up = gaussian(61, 32, 16);
+    let w_down = DMatrix::<f64>::zeros(16, 32);
+    let op = Product::new(&w_down, &w_up).unwrap();
+    let mut p = power(1e-8, 1000);
+    let e = p.estimate(&op);
+    assert_eq!(
+        (e.sigma, e.converged, e.iterations),
+        (0.0, true, 1),
+        "{e:?}"
+    );
+    // A warm vector that suddenly maps to zero is retried from a random start first.
+    let mut p = power(1e-8, 1000);
+    p.estimate(&w_up);
+    let e = p.estimate(&Transposed(&DMatrix::<f64>::zeros(16, 32)));
+    assert_eq!(
+        (e.sigma, e.converged, e.iterations),
+        (0.0, true, 2),
+        "{e:?}"
+    );
+}
+
+#[test]
 fn mlp_product_as_operator_equals_explicit_product() {
     // Llama-shaped: W_up is d_ff×d, W_down is d×d_ff.
     let (d, d_ff) = (48, 128);

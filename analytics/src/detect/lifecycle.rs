@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LifecycleConfig {
-    /// Consecutive breaching observations before an alert fires (1 = at once).
+    /// Breaching observations, with no clear between them, before an alert fires (1 = at once).
     pub pending_for: u32,
     /// Consecutive clear observations before a firing alert resolves.
     pub resolve_after: u32,

@@ -5,8 +5,9 @@
 //! Each rule decides, per observation and per subject (layer, rank, site), a [`Signal`]:
 //! breach, clear, or hold (inside the hysteresis band between the enter and exit thresholds).
 //! The shared [`lifecycle::AlertTracker`] turns signals into the pending → firing → resolved
-//! lifecycle: `pending_for` consecutive breaches to fire, `resolve_after` consecutive clears to
-//! resolve, at most one open alert per key. A detector returns an [`Alert`] snapshot whenever
+//! lifecycle: `pending_for` breaches with no clear between them to fire (a hold, inside the
+//! hysteresis band, neither adds nor resets), `resolve_after` consecutive clears to resolve, at
+//! most one open alert per key. A detector returns an [`Alert`] snapshot whenever
 //! one changes state or escalates in severity; nothing otherwise, so sinks are not flooded.
 //!
 //! Every threshold is in a serde struct with documented defaults ([`DetectorsConfig`]), loaded

@@ -94,6 +94,13 @@ pub struct CollapseObservation {
     pub token_cosine: Option<f64>,
 }
 
+/// Which values arrived with the current observation.
+#[derive(Debug, Clone, Copy)]
+struct Fresh {
+    ratio: bool,
+    token_cosine: bool,
+}
+
 #[derive(Debug, Clone, Default)]
 struct LayerState {
     log_ratios: VecDeque<f64>,
@@ -158,9 +165,18 @@ fn fitted_trend(ys: &VecDeque<f64>) -> Option<(f64, f64, f64)> {
 }
 
 impl RankCollapse {
-    fn signal(&self, layer: u32, state: &LayerState, since: u64, step: u64) -> Signal {
+    /// Only values that arrived with this observation can breach (so one out-of-band probe is
+    /// not counted again by the token-cosine observations that follow it); the latest known
+    /// values decide whether the layer is clear.
+    fn signal(
+        &self,
+        layer: u32,
+        state: &LayerState,
+        fresh: Fresh,
+        since: u64,
+        step: u64,
+    ) -> Signal {
         let c = &self.config;
-        let band = format!("{}–{}", short(c.band_low), short(c.band_high));
         let cosine_note = match (state.token_cosine, state.previous_token_cosine) {
             (Some(tc), Some(prev)) if tc > prev + 1e-3 => {
                 format!("; token cosine {} and rising", short(tc))
@@ -175,7 +191,7 @@ impl RankCollapse {
             .ratio
             .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
             .unwrap_or_default();
-        if let Some(tc) = state.token_cosine
+        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine)
             && tc >= c.token_cosine_critical
         {
             return Signal::Breach(Breach {
@@ -190,17 +206,41 @@ impl RankCollapse {
                 outlier_ranks: vec![],
             });
         }
-        let Some(ratio) = state.ratio else {
-            return Signal::Hold;
-        };
-        let steps = step.saturating_sub(since);
+        if let Some(ratio) = state.ratio.filter(|_| fresh.ratio) {
+            let steps = step.saturating_sub(since);
+            if let Some(breach) = self.ratio_breach(layer, ratio, state, &cosine_note, steps) {
+                return Signal::Breach(breach);
+            }
+        }
+        let inside = state.ratio.is_none_or(|ratio| {
+            ratio >= c.band_low * (1.0 + c.exit_margin)
+                && ratio <= c.band_high / (1.0 + c.exit_margin)
+        });
+        let calm = state.token_cosine.is_none_or(|tc| tc < c.token_cosine_exit);
+        if inside && calm {
+            Signal::Clear
+        } else {
+            Signal::Hold
+        }
+    }
+
+    fn ratio_breach(
+        &self,
+        layer: u32,
+        ratio: f64,
+        state: &LayerState,
+        cosine_note: &str,
+        steps: u64,
+    ) -> Option<Breach> {
+        let c = &self.config;
+        let band = format!("{}–{}", short(c.band_low), short(c.band_high));
         if ratio < c.band_low || ratio > c.band_high {
             let (side, edge) = if ratio > c.band_high {
                 ("above", c.band_high)
             } else {
                 ("below", c.band_low)
             };
-            return Signal::Breach(Breach {
+            return Some(Breach {
                 severity: Severity::Warning,
                 value: ratio,
                 threshold: edge,
@@ -221,7 +261,7 @@ impl RankCollapse {
                 (slope > 0.0 && projected > c.band_high) || (slope < 0.0 && projected < c.band_low);
             if leaving {
                 let edge = if slope > 0.0 { c.band_high } else { c.band_low };
-                return Signal::Breach(Breach {
+                return Some(Breach {
                     severity: Severity::Warning,
                     value: ratio,
                     threshold: edge,
@@ -236,14 +276,7 @@ impl RankCollapse {
                 });
             }
         }
-        let inside = ratio >= c.band_low * (1.0 + c.exit_margin)
-            && ratio <= c.band_high / (1.0 + c.exit_margin);
-        let calm = state.token_cosine.is_none_or(|tc| tc < c.token_cosine_exit);
-        if inside && calm {
-            Signal::Clear
-        } else {
-            Signal::Hold
-        }
+        None
     }
 }
 
@@ -253,25 +286,32 @@ impl Detector for RankCollapse {
     fn observe(&mut self, obs: &CollapseObservation) -> Vec<Alert> {
         let window = self.config.trend_window;
         let state = self.layers.entry(obs.layer).or_default();
-        if let Some(r) = obs.ratio.filter(|r| r.is_finite() && *r > 0.0) {
+        // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
+        let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
+        if let Some(r) = fresh_ratio {
             state.ratio = Some(r);
-            if window >= 3 {
+            if window >= 3 && r.is_finite() && r > 0.0 {
                 state.log_ratios.push_back(r.ln());
                 while state.log_ratios.len() > window {
                     state.log_ratios.pop_front();
                 }
             }
         }
-        if let Some(tc) = obs.token_cosine.filter(|t| t.is_finite()) {
+        let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
+        if let Some(tc) = fresh_tc {
             state.previous_token_cosine = state.token_cosine;
             state.token_cosine = Some(tc);
         }
-        if obs.ratio.is_none() && obs.token_cosine.is_none() {
+        if fresh_ratio.is_none() && fresh_tc.is_none() {
             return vec![];
         }
+        let fresh = Fresh {
+            ratio: fresh_ratio.is_some(),
+            token_cosine: fresh_tc.is_some(),
+        };
         let state = state.clone();
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
-        let signal = self.signal(obs.layer, &state, since, obs.step);
+        let signal = self.signal(obs.layer, &state, fresh, since, obs.step);
         let key = || AlertKey {
             run: self.run.clone(),
             rule: Rule::RankCollapse,

@@ -1,15 +1,24 @@
 //! `silent_inconsistency`: data-parallel workers that quietly stop agreeing (arXiv 2602.14462).
 //!
 //! The averaged loss hides it; the per-rank values show it. Each step the rule computes the
-//! cross-rank loss CV, gradient-norm CV and C_w ([`StepStats`]). The first `warmup_steps` steps
-//! with data form a robust baseline for each (median, and a scale: 1.4826·MAD, floored at
-//! `rel_floor`·|median| and `abs_floor` so a perfectly consistent warm-up — all ranks
-//! identical — still gives a finite scale). After warm-up a step breaches when a dispersion's
-//! robust z-score reaches `z_threshold`, or when C_w's falls that far *and* C_w is below the
-//! cosine that sampling noise alone predicts (the gradient-noise-scale estimate from warm-up,
-//! [`NoiseEstimate::expected_pair_cosine`], less `noise_margin`). It clears when every z-score
-//! is back under `z_exit`. Ranks are named by their robust z-score across ranks (loss, gradient
-//! norm, and low cos_to_mean) when it reaches `rank_z`; naming needs at least three ranks.
+//! cross-rank loss CV, gradient-norm CV and C_w ([`StepStats`]) and scores each against a robust
+//! baseline: median, and 1.4826·MAD floored at `rel_floor`·|median| and `abs_floor` (so a
+//! perfectly consistent warm-up, all ranks identical, still has a finite scale). A step breaches
+//! when a dispersion's robust z-score reaches `z_threshold` or C_w's falls that far; it clears
+//! when every z-score is under `z_exit`. Ranks are named by their robust z-score across ranks
+//! (loss, gradient norm, and low cos_to_mean) when it reaches `rank_z` (three ranks or more).
+//!
+//! The baseline is the noise baseline. Gradient noise makes ranks disagree by itself, and more
+//! so as training goes on (|G| shrinks relative to the noise). A noise-scale estimate from the
+//! same step's scalars cannot separate that from inconsistency: under g_k = G + ξ_k its
+//! predicted cosine |G|²/(|G|² + S_b) is C_w itself when norms are equal. What does separate
+//! them is time: sampling noise drifts slowly, a fault arrives at a step. So the baseline is
+//! learned from the first `warmup_steps` steps with data and then rolls over the last
+//! `baseline_steps` steps that were clear — slow drift is absorbed, a sudden change is scored
+//! against what came before it, and a fault that persists keeps firing because its own steps
+//! never enter the window. (The noise scale itself is stored as the `noise_scale` metric.)
+
+use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
@@ -18,7 +27,6 @@ use super::{Detector, short};
 use crate::alert::{Alert, AlertKey, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA, robust_z_scores};
-use crate::math::noise::NoiseEstimate;
 use crate::math::step::{RankValues, StepStats};
 use crate::validate::RunId;
 
@@ -26,8 +34,10 @@ use crate::validate::RunId;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SilentInconsistencyConfig {
-    /// Steps (with data) that form the baseline; nothing fires before. Default 30.
+    /// Steps with data that form the first baseline; nothing fires before. Default 30.
     pub warmup_steps: usize,
+    /// Clear steps the rolling baseline keeps after warm-up. Default 200.
+    pub baseline_steps: usize,
     /// Robust z-score that breaches. Default 6.
     pub z_threshold: f64,
     /// Every z-score must be below this to clear. Default 3.
@@ -36,8 +46,6 @@ pub struct SilentInconsistencyConfig {
     pub rel_floor: f64,
     /// Absolute baseline scale floor (CVs and cosines are unitless). Default 0.001.
     pub abs_floor: f64,
-    /// C_w must be this far below the noise-predicted cosine too. Default 0.05.
-    pub noise_margin: f64,
     /// Cross-rank robust z-score that names a rank. Default 3.5.
     pub rank_z: f64,
     /// Cross-rank scale floor relative to the median, so identical ranks give finite scores.
@@ -51,11 +59,11 @@ impl Default for SilentInconsistencyConfig {
     fn default() -> Self {
         SilentInconsistencyConfig {
             warmup_steps: 30,
+            baseline_steps: 200,
             z_threshold: 6.0,
             z_exit: 3.0,
             rel_floor: 0.05,
             abs_floor: 1e-3,
-            noise_margin: 0.05,
             rank_z: 3.5,
             rank_rel_floor: 0.01,
             lifecycle: LifecycleConfig {
@@ -70,17 +78,17 @@ impl SilentInconsistencyConfig {
     /// Checks the thresholds are coherent.
     pub fn validate(&self) -> Result<()> {
         let ok = self.warmup_steps >= 5
+            && self.baseline_steps >= self.warmup_steps
             && self.z_threshold > 0.0
             && self.z_exit > 0.0
             && self.z_exit <= self.z_threshold
             && self.rel_floor >= 0.0
             && self.abs_floor > 0.0
-            && self.noise_margin >= 0.0
             && self.rank_z > 0.0
             && self.rank_rel_floor > 0.0;
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need warmup_steps ≥ 5, 0 < z_exit ≤ z_threshold, positive floors and rank_z; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors and rank_z; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")
@@ -120,14 +128,51 @@ impl Baseline {
     }
 }
 
+/// One step's run-level signals.
+#[derive(Debug, Clone, Copy)]
+struct Signals {
+    loss_cv: Option<f64>,
+    grad_cv: Option<f64>,
+    cos: Option<f64>,
+}
+
+impl Signals {
+    fn of(stats: &StepStats) -> Self {
+        let finite = |x: Option<f64>| x.filter(|x| x.is_finite());
+        Signals {
+            loss_cv: finite(stats.loss.filter(|d| d.count >= 2).and_then(|d| d.cv)),
+            grad_cv: finite(stats.grad_norm.filter(|d| d.count >= 2).and_then(|d| d.cv)),
+            cos: finite(stats.cos_weighted),
+        }
+    }
+    fn is_empty(&self) -> bool {
+        self.loss_cv.is_none() && self.grad_cv.is_none() && self.cos.is_none()
+    }
+}
+
+/// The recent values each baseline is learned from.
 #[derive(Debug, Clone, Default)]
-struct Warmup {
-    loss_cv: Vec<f64>,
-    grad_cv: Vec<f64>,
-    cos: Vec<f64>,
-    signal_sq: Vec<f64>,
-    noise_sq: Vec<f64>,
+struct History {
+    loss_cv: VecDeque<f64>,
+    grad_cv: VecDeque<f64>,
+    cos: VecDeque<f64>,
     steps: usize,
+}
+
+impl History {
+    fn push(&mut self, s: Signals, cap: usize) {
+        for (values, x) in [
+            (&mut self.loss_cv, s.loss_cv),
+            (&mut self.grad_cv, s.grad_cv),
+            (&mut self.cos, s.cos),
+        ] {
+            values.extend(x);
+            while values.len() > cap {
+                values.pop_front();
+            }
+        }
+        self.steps += 1;
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -135,7 +180,18 @@ struct Baselines {
     loss_cv: Option<Baseline>,
     grad_cv: Option<Baseline>,
     cos: Option<Baseline>,
-    noise_cosine: Option<f64>,
+}
+
+impl Baselines {
+    fn learn(h: &mut History, c: &SilentInconsistencyConfig) -> Self {
+        let (rel, abs) = (c.rel_floor, c.abs_floor);
+        Baselines {
+            loss_cv: Baseline::learn(h.loss_cv.make_contiguous(), rel, abs),
+            grad_cv: Baseline::learn(h.grad_cv.make_contiguous(), rel, abs),
+            // C_w lives in [-1, 1]: its floor is relative to 1, not to its median.
+            cos: Baseline::learn(h.cos.make_contiguous(), 0.0, abs.max(rel * 0.1)),
+        }
+    }
 }
 
 /// The `silent_inconsistency` detector for one run.
@@ -143,8 +199,7 @@ struct Baselines {
 pub struct SilentInconsistency {
     run: RunId,
     config: SilentInconsistencyConfig,
-    warmup: Warmup,
-    baselines: Option<Baselines>,
+    history: History,
     trackers: Trackers<()>,
 }
 
@@ -155,15 +210,14 @@ impl SilentInconsistency {
         Ok(SilentInconsistency {
             run,
             config,
-            warmup: Warmup::default(),
-            baselines: None,
+            history: History::default(),
             trackers: Trackers::new(),
         })
     }
 
-    /// Whether the warm-up baseline is in place.
+    /// Whether the warm-up is over (alerts can fire).
     pub fn is_warmed_up(&self) -> bool {
-        self.baselines.is_some()
+        self.history.steps >= self.config.warmup_steps
     }
 
     /// Ranks whose values deviate from the other ranks', most deviant first, with their score.
@@ -201,69 +255,21 @@ impl SilentInconsistency {
         named
     }
 
-    fn learn(&mut self, stats: &StepStats) {
-        let w = &mut self.warmup;
-        let push = |v: &mut Vec<f64>, x: Option<f64>| v.extend(x.filter(|x| x.is_finite()));
-        push(
-            &mut w.loss_cv,
-            stats.loss.filter(|d| d.count >= 2).and_then(|d| d.cv),
-        );
-        push(
-            &mut w.grad_cv,
-            stats.grad_norm.filter(|d| d.count >= 2).and_then(|d| d.cv),
-        );
-        push(&mut w.cos, stats.cos_weighted);
-        if let Some(n) = stats.noise {
-            push(&mut w.signal_sq, Some(n.signal_sq));
-            push(&mut w.noise_sq, Some(n.noise_sq));
-        }
-        w.steps += 1;
-        if w.steps < self.config.warmup_steps {
-            return;
-        }
-        let (rel, abs) = (self.config.rel_floor, self.config.abs_floor);
-        let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
-        // Average the moments before dividing, as for the noise scale itself.
-        let noise_cosine = match (mean(&w.signal_sq), mean(&w.noise_sq)) {
-            (Some(signal_sq), Some(noise_sq)) if signal_sq > 0.0 && noise_sq >= 0.0 => Some(
-                NoiseEstimate {
-                    signal_sq,
-                    noise_sq,
-                }
-                .expected_pair_cosine(),
-            ),
-            _ => None,
-        };
-        self.baselines = Some(Baselines {
-            loss_cv: Baseline::learn(&w.loss_cv, rel, abs),
-            grad_cv: Baseline::learn(&w.grad_cv, rel, abs),
-            // C_w lives in [-1, 1]: its floor is relative to 1, not to its median.
-            cos: Baseline::learn(&w.cos, 0.0, abs.max(rel * 0.1)),
-            noise_cosine,
-        });
-    }
-
-    fn signal(&self, b: &Baselines, stats: &StepStats, obs: &StepObservation) -> Signal {
+    fn signal(&self, b: &Baselines, s: Signals, obs: &StepObservation) -> Signal {
         let c = &self.config;
-        let loss_cv = stats.loss.filter(|d| d.count >= 2).and_then(|d| d.cv);
-        let grad_cv = stats.grad_norm.filter(|d| d.count >= 2).and_then(|d| d.cv);
+        let (loss_cv, grad_cv) = (s.loss_cv, s.grad_cv);
         let z_loss = b.loss_cv.zip(loss_cv).map(|(b, x)| b.z(x));
         let z_grad = b.grad_cv.zip(grad_cv).map(|(b, x)| b.z(x));
-        let z_cos = b.cos.zip(stats.cos_weighted).map(|(b, x)| -b.z(x));
-        let below_noise = match (stats.cos_weighted, b.noise_cosine) {
-            (Some(cw), Some(expected)) => cw < expected - c.noise_margin,
-            (Some(_), None) => true,
-            _ => false,
-        };
+        let z_cos = b.cos.zip(s.cos).map(|(b, x)| -b.z(x));
         let mut reasons = Vec::new();
         let mut worst = 0.0f64;
-        let mut check = |z: Option<f64>, gate: bool, text: &dyn Fn(f64) -> String| {
-            if let Some(z) = z.filter(|z| *z >= c.z_threshold && gate) {
+        let mut check = |z: Option<f64>, text: &dyn Fn(f64) -> String| {
+            if let Some(z) = z.filter(|z| *z >= c.z_threshold) {
                 worst = worst.max(z);
                 reasons.push(text(z));
             }
         };
-        check(z_loss, true, &|z| {
+        check(z_loss, &|z| {
             format!(
                 "loss CV {} vs baseline {} (z={:.1})",
                 short(loss_cv.unwrap_or(f64::NAN)),
@@ -271,7 +277,7 @@ impl SilentInconsistency {
                 z
             )
         });
-        check(z_grad, true, &|z| {
+        check(z_grad, &|z| {
             format!(
                 "gradient-norm CV {} vs baseline {} (z={:.1})",
                 short(grad_cv.unwrap_or(f64::NAN)),
@@ -279,14 +285,10 @@ impl SilentInconsistency {
                 z
             )
         });
-        check(z_cos, below_noise, &|z| {
-            let noise = b
-                .noise_cosine
-                .map(|n| format!(", noise predicts {}", short(n)))
-                .unwrap_or_default();
+        check(z_cos, &|z| {
             format!(
-                "worker cosine C_w {} vs baseline {}{noise} (z={:.1})",
-                short(stats.cos_weighted.unwrap_or(f64::NAN)),
+                "worker cosine C_w {} vs baseline {} (z={:.1})",
+                short(s.cos.unwrap_or(f64::NAN)),
                 short(b.cos.map_or(f64::NAN, |b| b.median)),
                 z
             )
@@ -327,12 +329,20 @@ impl Detector for SilentInconsistency {
     type Observation = StepObservation;
 
     fn observe(&mut self, obs: &StepObservation) -> Vec<Alert> {
-        let stats = StepStats::compute(&obs.ranks, obs.world_size);
-        let Some(baselines) = self.baselines.clone() else {
-            self.learn(&stats);
+        let signals = Signals::of(&StepStats::compute(&obs.ranks, obs.world_size));
+        if signals.is_empty() {
             return vec![];
-        };
-        let signal = self.signal(&baselines, &stats, obs);
+        }
+        let c = self.config;
+        if self.history.steps < c.warmup_steps {
+            self.history.push(signals, c.baseline_steps);
+            return vec![];
+        }
+        let baselines = Baselines::learn(&mut self.history, &c);
+        let signal = self.signal(&baselines, signals, obs);
+        if signal == Signal::Clear {
+            self.history.push(signals, c.baseline_steps);
+        }
         let key = || AlertKey {
             run: self.run.clone(),
             rule: Rule::SilentInconsistency,

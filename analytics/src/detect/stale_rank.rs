@@ -93,12 +93,12 @@ impl Detector for StaleRank {
         let seen = || obs.last_seen.iter().flatten();
         let freshest = seen().map(|&(_, t)| t).max();
         let lead = seen().map(|&(s, _)| s).max().unwrap_or(0);
-        let active = freshest.is_some_and(|t| obs.now_ms - t <= c.timeout_ms);
+        let active = freshest.is_some_and(|t| obs.now_ms.saturating_sub(t) <= c.timeout_ms);
         let mut changed = Vec::new();
         for (rank, last) in obs.last_seen.iter().enumerate() {
             let rank = rank as u32;
             let since = last.map_or(obs.run_started_ms, |(_, t)| t);
-            let silent = obs.now_ms - since;
+            let silent = obs.now_ms.saturating_sub(since);
             let lag = last.map_or(lead, |(s, _)| lead.saturating_sub(s));
             let breach = |value: f64, threshold: f64, explanation: String| {
                 Signal::Breach(Breach {

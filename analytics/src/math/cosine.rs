@@ -25,7 +25,9 @@ pub fn cos_weighted(norms: &[f64], mean_norm: f64) -> Option<f64> {
 }
 
 /// The K×K matrix of sketch cosines ⟨s_i,s_j⟩/(n_i n_j), with a unit diagonal. Estimates are
-/// not clipped to [−1, 1]: clipping would bias them; a UI may clip for display.
+/// not clipped to [−1, 1]: clipping would bias them; a UI may clip for display. A rank whose
+/// norm is zero or not finite has no direction: its row and column are NaN (diagonal included),
+/// shown as such rather than hidden.
 pub fn sketch_cosine_matrix(sketches: &[&[f32]], norms: &[f64]) -> Result<DMatrix<f64>> {
     let k = sketches.len();
     if norms.len() != k {
@@ -43,7 +45,11 @@ pub fn sketch_cosine_matrix(sketches: &[&[f32]], norms: &[f64]) -> Result<DMatri
             first.len()
         )));
     }
+    let usable = |i: usize| norms[i].is_finite() && norms[i] > 0.0;
     Ok(DMatrix::from_fn(k, k, |i, j| {
+        if !usable(i) || !usable(j) {
+            return f64::NAN;
+        }
         if i == j {
             return 1.0;
         }
@@ -56,17 +62,16 @@ pub fn sketch_cosine_matrix(sketches: &[&[f32]], norms: &[f64]) -> Result<DMatri
     }))
 }
 
-/// Mean of the strictly upper triangle of a cosine matrix; `None` below two ranks.
+/// Mean of the finite entries of the strictly upper triangle of a cosine matrix; `None` when
+/// there is no such entry (fewer than two usable ranks).
 pub fn cos_pair_mean(matrix: &DMatrix<f64>) -> Option<f64> {
     let k = matrix.nrows();
-    if k < 2 {
-        return None;
-    }
-    let sum: f64 = (0..k)
+    let pairs: Vec<f64> = (0..k)
         .flat_map(|i| (i + 1..k).map(move |j| (i, j)))
         .map(|(i, j)| matrix[(i, j)])
-        .sum();
-    Some(sum / (k * (k - 1) / 2) as f64)
+        .filter(|c| c.is_finite())
+        .collect();
+    (!pairs.is_empty()).then(|| pairs.iter().sum::<f64>() / pairs.len() as f64)
 }
 
 #[cfg(test)]
@@ -94,5 +99,16 @@ mod tests {
             .to_string();
         assert!(err.contains("sketch 1 has 1 entries"), "{err}");
         assert!(sketch_cosine_matrix(&[&a], &[1.0, 2.0]).is_err());
+    }
+
+    #[test]
+    fn a_zero_norm_rank_is_nan_and_skipped_in_the_mean() {
+        let s = [1.0f32, 0.0];
+        let m = sketch_cosine_matrix(&[&s, &s, &[0.0, 0.0]], &[1.0, 1.0, 0.0]).unwrap();
+        assert!(m[(0, 2)].is_nan() && m[(2, 1)].is_nan() && m[(2, 2)].is_nan());
+        assert_eq!(m[(0, 1)], 1.0);
+        assert_eq!(cos_pair_mean(&m), Some(1.0));
+        let lone = sketch_cosine_matrix(&[&s, &s], &[1.0, f64::INFINITY]).unwrap();
+        assert_eq!(cos_pair_mean(&lone), None);
     }
 }

@@ -11,6 +11,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
+
 /// One step's estimates.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct NoiseEstimate {
@@ -61,15 +63,23 @@ pub struct NoiseScaleTracker {
 
 impl NoiseScaleTracker {
     /// `alpha` in (0, 1] is the weight of each new step.
-    pub fn new(alpha: f64) -> Self {
-        NoiseScaleTracker {
-            alpha: alpha.clamp(f64::MIN_POSITIVE, 1.0),
-            smoothed: None,
+    pub fn new(alpha: f64) -> Result<Self> {
+        if !(alpha > 0.0 && alpha <= 1.0) {
+            return Err(Error::Config(format!(
+                "noise-scale smoothing alpha must be in (0, 1], got {alpha}"
+            )));
         }
+        Ok(NoiseScaleTracker {
+            alpha,
+            smoothed: None,
+        })
     }
 
-    /// Folds in one step.
-    pub fn update(&mut self, e: NoiseEstimate) -> NoiseEstimate {
+    /// Folds in one step; a non-finite estimate is skipped so it cannot poison the average.
+    pub fn update(&mut self, e: NoiseEstimate) -> Option<NoiseEstimate> {
+        if !(e.signal_sq.is_finite() && e.noise_sq.is_finite()) {
+            return self.smoothed;
+        }
         let s = match self.smoothed {
             None => e,
             Some(p) => NoiseEstimate {
@@ -78,7 +88,7 @@ impl NoiseScaleTracker {
             },
         };
         self.smoothed = Some(s);
-        s
+        Some(s)
     }
 
     /// The current smoothed estimate.
@@ -103,16 +113,18 @@ mod tests {
     }
 
     #[test]
-    fn tracker_smooths() {
-        let mut t = NoiseScaleTracker::new(0.5);
-        t.update(NoiseEstimate {
-            signal_sq: 2.0,
-            noise_sq: 0.0,
-        });
-        let s = t.update(NoiseEstimate {
-            signal_sq: 4.0,
-            noise_sq: 2.0,
-        });
+    fn tracker_smooths_and_skips_non_finite_steps() {
+        let e = |signal_sq, noise_sq| NoiseEstimate {
+            signal_sq,
+            noise_sq,
+        };
+        let mut t = NoiseScaleTracker::new(0.5).unwrap();
+        t.update(e(2.0, 0.0));
+        let s = t.update(e(4.0, 2.0)).unwrap();
         assert_eq!((s.signal_sq, s.noise_sq), (3.0, 1.0));
+        let s = t.update(e(f64::NAN, 2.0)).unwrap();
+        assert_eq!((s.signal_sq, s.noise_sq), (3.0, 1.0));
+        assert!(NoiseScaleTracker::new(f64::NAN).is_err());
+        assert!(NoiseScaleTracker::new(0.0).is_err());
     }
 }

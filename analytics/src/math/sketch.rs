@@ -117,12 +117,39 @@ impl FromStr for SketchKind {
     }
 }
 
-/// A sketch definition: kind, shared seed and output dimension k.
+/// A sketch definition: kind, shared seed and output dimension k. Built only through
+/// [`Sketch::new`] (deserialisation too), so k is always valid.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SketchSpec", into = "SketchSpec")]
 pub struct Sketch {
-    pub kind: SketchKind,
-    pub seed: u32,
-    pub dim: usize,
+    kind: SketchKind,
+    seed: u32,
+    dim: usize,
+}
+
+/// The serialised form of a [`Sketch`].
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct SketchSpec {
+    kind: SketchKind,
+    seed: u32,
+    dim: usize,
+}
+
+impl TryFrom<SketchSpec> for Sketch {
+    type Error = Error;
+    fn try_from(s: SketchSpec) -> Result<Self> {
+        Sketch::new(s.kind, s.seed, s.dim)
+    }
+}
+
+impl From<Sketch> for SketchSpec {
+    fn from(s: Sketch) -> Self {
+        SketchSpec {
+            kind: s.kind,
+            seed: s.seed,
+            dim: s.dim,
+        }
+    }
 }
 
 impl Sketch {
@@ -134,6 +161,21 @@ impl Sketch {
             )));
         }
         Ok(Sketch { kind, seed, dim })
+    }
+
+    /// The projection used.
+    pub fn kind(&self) -> SketchKind {
+        self.kind
+    }
+
+    /// The seed shared by all ranks.
+    pub fn seed(&self) -> u32 {
+        self.seed
+    }
+
+    /// The output dimension k.
+    pub fn dim(&self) -> usize {
+        self.dim
     }
 
     /// Adds the contribution of `chunk`, the coordinates `offset..offset+chunk.len()` of the
@@ -221,13 +263,25 @@ mod tests {
     }
 
     #[test]
-    fn countsketch_preserves_the_signed_sum_per_bucket() {
-        // With one bucket, CountSketch is Σ sign(i)·g_i, so its square's expectation is ‖g‖².
+    fn countsketch_with_one_bucket_is_the_signed_sum() {
+        // With one bucket every coordinate lands in it with its hash's sign.
         let sk = Sketch::new(SketchKind::CountSketch, 1, 1).unwrap();
-        let s = sk.project(&[1.0, 1.0, 1.0]);
-        assert!([-3.0, -1.0, 1.0, 3.0].contains(&s[0]), "{}", s[0]);
+        let g = [1.0f32, 2.0, 4.0];
+        let expected: f64 = (0..3)
+            .map(|i| sign_of(hash32(1, i as u64)) * f64::from(g[i]))
+            .sum();
+        assert_eq!(f64::from(sk.project(&g)[0]), expected);
         assert!(Sketch::new(SketchKind::CountSketch, 1, 0).is_err());
         assert!("dense".parse::<SketchKind>().is_err());
+        // Deserialisation goes through the same check.
+        let bad = r#"{"kind":"countsketch","seed":1,"dim":0}"#;
+        assert!(serde_json::from_str::<Sketch>(bad).is_err());
+        let good: Sketch =
+            serde_json::from_str(r#"{"kind":"rademacher","seed":1,"dim":8}"#).unwrap();
+        assert_eq!(
+            (good.kind(), good.seed(), good.dim()),
+            (SketchKind::Rademacher, 1, 8)
+        );
     }
 
     #[test]

@@ -35,7 +35,9 @@ pub struct StepStats {
     /// Only when every rank of the world reported its norm: C_w needs all K terms.
     pub cos_weighted: Option<f64>,
     pub noise: Option<NoiseEstimate>,
-    /// B_simple in tokens when every rank reported tokens, else in local batches.
+    /// B_simple in tokens, from this step alone: only when every rank reported its tokens and
+    /// the |G|² estimate is positive. Single-step estimates are noisy; smooth them over steps
+    /// with [`crate::math::NoiseScaleTracker`] before reading trends.
     pub noise_scale: Option<f64>,
     pub perplexity: Option<f64>,
 }
@@ -49,7 +51,15 @@ impl StepStats {
         let losses = collect(|r| r.loss);
         let norms = collect(|r| r.grad_norm);
         let grad_norm_mean = Dispersion::of(&collect(|r| r.grad_norm_mean)).map(|d| d.median);
-        let complete = norms.len() == world_size as usize && world_size >= 2;
+        // Distinct ranks: a rank reported twice must not stand in for a missing one.
+        let reporting: std::collections::BTreeSet<u32> = ranks
+            .iter()
+            .filter(|r| r.grad_norm.is_some())
+            .map(|r| r.rank)
+            .collect();
+        let complete = world_size >= 2
+            && norms.len() == world_size as usize
+            && reporting.len() == world_size as usize;
         let cos_weighted = grad_norm_mean
             .filter(|_| complete)
             .and_then(|m| cos_weighted(&norms, m));
@@ -57,14 +67,10 @@ impl StepStats {
             .filter(|_| complete)
             .and_then(|m| NoiseEstimate::from_norms(&norms, m));
         let tokens = collect(|r| r.tokens);
-        let noise_scale = noise.map(|n| {
-            let batch = if tokens.len() == ranks.len() && !tokens.is_empty() {
-                tokens.iter().sum::<f64>() / tokens.len() as f64
-            } else {
-                1.0
-            };
-            n.noise_scale(batch)
-        });
+        let noise_scale = noise
+            .filter(|n| n.signal_sq > 0.0 && n.noise_sq >= 0.0)
+            .filter(|_| tokens.len() == ranks.len() && !tokens.is_empty())
+            .map(|n| n.noise_scale(tokens.iter().sum::<f64>() / tokens.len() as f64));
         let pairs: Vec<(f64, f64)> = ranks
             .iter()
             .filter_map(|r| Some((r.loss?, r.tokens?)))
@@ -145,5 +151,18 @@ mod tests {
         let s = StepStats::compute(&ranks[..3], 4);
         assert_eq!(s.cos_weighted, None);
         assert_eq!(s.loss.unwrap().count, 3);
+        // A rank reported twice does not stand in for a missing one.
+        let doubled = [&ranks[..3], &ranks[..1]].concat();
+        assert_eq!(StepStats::compute(&doubled, 4).cos_weighted, None);
+        // Without every rank's tokens there is no noise scale (no silent change of unit), and a
+        // non-positive |G|² estimate gives none either.
+        let mut no_tokens = ranks.clone();
+        no_tokens[2].tokens = None;
+        assert_eq!(StepStats::compute(&no_tokens, 4).noise_scale, None);
+        let mut opposed = ranks.clone();
+        opposed
+            .iter_mut()
+            .for_each(|r| r.grad_norm_mean = Some(0.1));
+        assert_eq!(StepStats::compute(&opposed, 4).noise_scale, None);
     }
 }

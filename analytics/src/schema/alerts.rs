@@ -6,7 +6,7 @@ use std::sync::{Arc, LazyLock};
 use arrow_array::cast::AsArray;
 use arrow_array::types::UInt32Type;
 use arrow_array::{
-    ArrayRef, Float64Array, ListArray, RecordBatch, StringArray, TimestampMillisecondArray,
+    Array, ArrayRef, Float64Array, ListArray, RecordBatch, StringArray, TimestampMillisecondArray,
     UInt32Array, UInt64Array,
 };
 use arrow_schema::{DataType, Field, SchemaRef};
@@ -111,6 +111,13 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Alert>> {
         .map(|i| {
             let at = c.at(i);
             let ranks = outliers.value(i);
+            let ranks = ranks.as_primitive::<UInt32Type>();
+            if ranks.null_count() > 0 {
+                return Err(at(crate::error::Error::Schema {
+                    table: TABLE,
+                    reason: "column \"outlier_ranks\" holds a null rank".to_owned(),
+                }));
+            }
             Ok(Alert {
                 id: s("id").value(i).to_owned(),
                 run: RunId::new(s("run").value(i)).map_err(&at)?,
@@ -123,11 +130,7 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Alert>> {
                     .transpose()
                     .map_err(&at)?,
                 rank: opt(c.u32s("rank"), i),
-                outlier_ranks: ranks
-                    .as_primitive::<UInt32Type>()
-                    .iter()
-                    .flatten()
-                    .collect(),
+                outlier_ranks: ranks.values().to_vec(),
                 value: c.f64s("value").value(i),
                 threshold: c.f64s("threshold").value(i),
                 first_step: c.u64s("first_step").value(i),
