@@ -16,6 +16,37 @@ pub const MAX_RUN_ID_LEN: usize = 128;
 /// Longest accepted metric name, in bytes.
 pub const MAX_METRIC_NAME_LEN: usize = 128;
 
+/// The string conversions every validated identifier has; parsing goes through `new`.
+macro_rules! validated_string {
+    ($ty:ident) => {
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                $ty::new(s)
+            }
+        }
+
+        impl TryFrom<String> for $ty {
+            type Error = Error;
+            fn try_from(s: String) -> Result<Self> {
+                $ty::new(s)
+            }
+        }
+
+        impl From<$ty> for String {
+            fn from(value: $ty) -> String {
+                value.0
+            }
+        }
+    };
+}
+
 /// A run's identifier: 1–128 of `[A-Za-z0-9._-]`, not starting with `.` or `-`, not ending with
 /// `.`. Ids are case-sensitive; on a case-insensitive file system `Run` and `run` would share a
 /// directory, so deployments there should keep to one case.
@@ -60,31 +91,7 @@ impl RunId {
     }
 }
 
-impl fmt::Display for RunId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl FromStr for RunId {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        RunId::new(s)
-    }
-}
-
-impl TryFrom<String> for RunId {
-    type Error = Error;
-    fn try_from(s: String) -> Result<Self> {
-        RunId::new(s)
-    }
-}
-
-impl From<RunId> for String {
-    fn from(id: RunId) -> String {
-        id.0
-    }
-}
+validated_string!(RunId);
 
 /// A metric's name: a vocabulary metric or a user scalar. 1–128 of `[A-Za-z0-9._:/-]`,
 /// starting with a letter.
@@ -137,31 +144,7 @@ impl From<Metric> for MetricName {
     }
 }
 
-impl fmt::Display for MetricName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl FromStr for MetricName {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        MetricName::new(s)
-    }
-}
-
-impl TryFrom<String> for MetricName {
-    type Error = Error;
-    fn try_from(s: String) -> Result<Self> {
-        MetricName::new(s)
-    }
-}
-
-impl From<MetricName> for String {
-    fn from(m: MetricName) -> String {
-        m.0
-    }
-}
+validated_string!(MetricName);
 
 #[cfg(test)]
 mod tests {

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
-use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::math::dispersion::median;
 use crate::validate::RunId;
@@ -84,7 +84,6 @@ type Subject = (Option<u32>, Site, Option<u32>);
 /// The `activation_outlier` detector for one run, per (layer, site, rank).
 #[derive(Debug, Clone)]
 pub struct ActivationOutlier {
-    run: RunId,
     config: ActivationOutlierConfig,
     early: BTreeMap<Subject, Vec<f64>>,
     trackers: Trackers<Subject>,
@@ -95,10 +94,11 @@ impl ActivationOutlier {
     pub fn new(run: RunId, config: ActivationOutlierConfig) -> Result<Self> {
         config.validate()?;
         Ok(ActivationOutlier {
-            run,
             config,
             early: BTreeMap::new(),
-            trackers: Trackers::new(),
+            trackers: Trackers::new(run, Rule::ActivationOutlier, |&(layer, site, rank)| {
+                (layer, Some(site), rank)
+            }),
         })
     }
 }
@@ -169,17 +169,8 @@ impl Detector for ActivationOutlier {
                 Signal::Hold
             }
         };
-        let key = || AlertKey {
-            run: self.run.clone(),
-            rule: Rule::ActivationOutlier,
-            layer: obs.layer,
-            site: Some(obs.site),
-            rank: obs.rank,
-        };
         self.trackers
-            .observe(&subject, key, obs.step, obs.time_ms, signal, &c.lifecycle)
-            .into_iter()
-            .collect()
+            .observe(&subject, obs.step, obs.time_ms, signal, &c.lifecycle)
     }
 
     fn open_alerts(&self) -> Vec<Alert> {

@@ -5,8 +5,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::alert::{Alert, AlertKey, AlertState, Severity};
+use crate::alert::{Alert, AlertKey, AlertState, Rule, Severity};
 use crate::error::{Error, Result};
+use crate::validate::RunId;
+use crate::vocab::Site;
 
 /// Persistence in observations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -177,15 +179,25 @@ fn apply(alert: &mut Alert, breach: Breach, step: u64, time_ms: i64) {
     alert.updated_at_ms = time_ms;
 }
 
-/// Trackers for the subjects of one rule in one run, keyed by `K` (a layer, a rank, ...).
+/// Where in the run an alert's subject is: (layer, site, rank), as in [`AlertKey`].
+pub(crate) type Place = (Option<u32>, Option<Site>, Option<u32>);
+
+/// Trackers for the subjects of one rule in one run, keyed by `K` (a layer, a rank, ...);
+/// `place` maps a subject to the layer, site and rank of its alert key.
 #[derive(Debug, Clone)]
 pub(crate) struct Trackers<K: Ord> {
+    run: RunId,
+    rule: Rule,
+    place: fn(&K) -> Place,
     map: BTreeMap<K, AlertTracker>,
 }
 
 impl<K: Ord + Clone> Trackers<K> {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(run: RunId, rule: Rule, place: fn(&K) -> Place) -> Self {
         Trackers {
+            run,
+            rule,
+            place,
             map: BTreeMap::new(),
         }
     }
@@ -195,20 +207,31 @@ impl<K: Ord + Clone> Trackers<K> {
         self.map.get(subject).and_then(AlertTracker::breach_started)
     }
 
-    /// Applies `signal` to `subject`'s tracker, creating it with `key` on first use.
+    /// Applies `signal` to `subject`'s tracker; the alerts that changed (zero or one).
     pub(crate) fn observe(
         &mut self,
         subject: &K,
-        key: impl FnOnce() -> AlertKey,
         step: u64,
         time_ms: i64,
         signal: Signal,
         config: &LifecycleConfig,
-    ) -> Option<Alert> {
+    ) -> Vec<Alert> {
+        let (run, rule, place) = (&self.run, self.rule, self.place);
         self.map
             .entry(subject.clone())
-            .or_insert_with(|| AlertTracker::new(key()))
+            .or_insert_with(|| {
+                let (layer, site, rank) = place(subject);
+                AlertTracker::new(AlertKey {
+                    run: run.clone(),
+                    rule,
+                    layer,
+                    site,
+                    rank,
+                })
+            })
             .observe(step, time_ms, signal, config)
+            .into_iter()
+            .collect()
     }
 
     pub(crate) fn open(&self) -> Vec<Alert> {
@@ -222,8 +245,6 @@ impl<K: Ord + Clone> Trackers<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alert::Rule;
-    use crate::validate::RunId;
 
     fn breach(severity: Severity) -> Signal {
         Signal::Breach(Breach {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
-use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA};
 use crate::validate::RunId;
@@ -78,7 +78,6 @@ pub struct LossObservation {
 /// The `loss_spike` detector for one run, per series.
 #[derive(Debug, Clone)]
 pub struct LossSpike {
-    run: RunId,
     config: LossSpikeConfig,
     history: std::collections::BTreeMap<Option<u32>, VecDeque<f64>>,
     trackers: Trackers<Option<u32>>,
@@ -89,10 +88,9 @@ impl LossSpike {
     pub fn new(run: RunId, config: LossSpikeConfig) -> Result<Self> {
         config.validate()?;
         Ok(LossSpike {
-            run,
             config,
             history: Default::default(),
-            trackers: Trackers::new(),
+            trackers: Trackers::new(run, Rule::LossSpike, |rank| (None, None, *rank)),
         })
     }
 }
@@ -140,17 +138,8 @@ impl Detector for LossSpike {
         while history.len() > c.window {
             history.pop_front();
         }
-        let key = || AlertKey {
-            run: self.run.clone(),
-            rule: Rule::LossSpike,
-            layer: None,
-            site: None,
-            rank: obs.rank,
-        };
         self.trackers
-            .observe(&obs.rank, key, obs.step, obs.time_ms, signal, &c.lifecycle)
-            .into_iter()
-            .collect()
+            .observe(&obs.rank, obs.step, obs.time_ms, signal, &c.lifecycle)
     }
 
     fn open_alerts(&self) -> Vec<Alert> {

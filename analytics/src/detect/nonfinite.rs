@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Detector;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
-use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::alert::{Alert, Rule, Severity};
 use crate::error::Result;
 use crate::validate::RunId;
 
@@ -42,7 +42,6 @@ pub struct NonfiniteObservation {
 /// The `nonfinite` detector for one run, per rank.
 #[derive(Debug, Clone)]
 pub struct Nonfinite {
-    run: RunId,
     config: NonfiniteConfig,
     trackers: Trackers<Option<u32>>,
 }
@@ -52,9 +51,8 @@ impl Nonfinite {
     pub fn new(run: RunId, config: NonfiniteConfig) -> Result<Self> {
         config.lifecycle.validate("nonfinite")?;
         Ok(Nonfinite {
-            run,
             config,
-            trackers: Trackers::new(),
+            trackers: Trackers::new(run, Rule::Nonfinite, |rank| (None, None, *rank)),
         })
     }
 }
@@ -83,24 +81,13 @@ impl Detector for Nonfinite {
         } else {
             Signal::Clear
         };
-        let key = || AlertKey {
-            run: self.run.clone(),
-            rule: Rule::Nonfinite,
-            layer: None,
-            site: None,
-            rank: obs.rank,
-        };
-        self.trackers
-            .observe(
-                &obs.rank,
-                key,
-                obs.step,
-                obs.time_ms,
-                signal,
-                &self.config.lifecycle,
-            )
-            .into_iter()
-            .collect()
+        self.trackers.observe(
+            &obs.rank,
+            obs.step,
+            obs.time_ms,
+            signal,
+            &self.config.lifecycle,
+        )
     }
 
     fn open_alerts(&self) -> Vec<Alert> {

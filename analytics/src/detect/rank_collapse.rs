@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
-use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::validate::RunId;
 
@@ -112,7 +112,6 @@ struct LayerState {
 /// The `rank_collapse` detector for one run, all layers.
 #[derive(Debug, Clone)]
 pub struct RankCollapse {
-    run: RunId,
     config: RankCollapseConfig,
     layers: BTreeMap<u32, LayerState>,
     trackers: Trackers<u32>,
@@ -123,10 +122,9 @@ impl RankCollapse {
     pub fn new(run: RunId, config: RankCollapseConfig) -> Result<Self> {
         config.validate()?;
         Ok(RankCollapse {
-            run,
             config,
             layers: BTreeMap::new(),
-            trackers: Trackers::new(),
+            trackers: Trackers::new(run, Rule::RankCollapse, |layer| (Some(*layer), None, None)),
         })
     }
 }
@@ -312,24 +310,13 @@ impl Detector for RankCollapse {
         let state = state.clone();
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
         let signal = self.signal(obs.layer, &state, fresh, since, obs.step);
-        let key = || AlertKey {
-            run: self.run.clone(),
-            rule: Rule::RankCollapse,
-            layer: Some(obs.layer),
-            site: None,
-            rank: None,
-        };
-        self.trackers
-            .observe(
-                &obs.layer,
-                key,
-                obs.step,
-                obs.time_ms,
-                signal,
-                &self.config.lifecycle,
-            )
-            .into_iter()
-            .collect()
+        self.trackers.observe(
+            &obs.layer,
+            obs.step,
+            obs.time_ms,
+            signal,
+            &self.config.lifecycle,
+        )
     }
 
     fn open_alerts(&self) -> Vec<Alert> {

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
-use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA, robust_z_scores};
 use crate::math::step::{RankValues, StepStats};
@@ -197,7 +197,6 @@ impl Baselines {
 /// The `silent_inconsistency` detector for one run.
 #[derive(Debug, Clone)]
 pub struct SilentInconsistency {
-    run: RunId,
     config: SilentInconsistencyConfig,
     history: History,
     trackers: Trackers<()>,
@@ -208,10 +207,9 @@ impl SilentInconsistency {
     pub fn new(run: RunId, config: SilentInconsistencyConfig) -> Result<Self> {
         config.validate()?;
         Ok(SilentInconsistency {
-            run,
             config,
             history: History::default(),
-            trackers: Trackers::new(),
+            trackers: Trackers::new(run, Rule::SilentInconsistency, |_| (None, None, None)),
         })
     }
 
@@ -343,24 +341,8 @@ impl Detector for SilentInconsistency {
         if signal == Signal::Clear {
             self.history.push(signals, c.baseline_steps);
         }
-        let key = || AlertKey {
-            run: self.run.clone(),
-            rule: Rule::SilentInconsistency,
-            layer: None,
-            site: None,
-            rank: None,
-        };
         self.trackers
-            .observe(
-                &(),
-                key,
-                obs.step,
-                obs.time_ms,
-                signal,
-                &self.config.lifecycle,
-            )
-            .into_iter()
-            .collect()
+            .observe(&(), obs.step, obs.time_ms, signal, &self.config.lifecycle)
     }
 
     fn open_alerts(&self) -> Vec<Alert> {

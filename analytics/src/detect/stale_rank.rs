@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Detector;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
-use crate::alert::{Alert, AlertKey, Rule, Severity};
+use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::validate::RunId;
 
@@ -64,7 +64,6 @@ pub struct RankActivity {
 /// The `stale_rank` detector for one run.
 #[derive(Debug, Clone)]
 pub struct StaleRank {
-    run: RunId,
     config: StaleRankConfig,
     trackers: Trackers<u32>,
 }
@@ -74,9 +73,8 @@ impl StaleRank {
     pub fn new(run: RunId, config: StaleRankConfig) -> Result<Self> {
         config.validate()?;
         Ok(StaleRank {
-            run,
             config,
-            trackers: Trackers::new(),
+            trackers: Trackers::new(run, Rule::StaleRank, |rank| (None, None, Some(*rank))),
         })
     }
 }
@@ -130,22 +128,11 @@ impl Detector for StaleRank {
             } else {
                 Signal::Clear
             };
-            let key = || AlertKey {
-                run: self.run.clone(),
-                rule: Rule::StaleRank,
-                layer: None,
-                site: None,
-                rank: Some(rank),
-            };
             let step = last.map_or(0, |(s, _)| s);
-            changed.extend(self.trackers.observe(
-                &rank,
-                key,
-                step,
-                obs.now_ms,
-                signal,
-                &c.lifecycle,
-            ));
+            changed.extend(
+                self.trackers
+                    .observe(&rank, step, obs.now_ms, signal, &c.lifecycle),
+            );
         }
         changed
     }

@@ -6,12 +6,11 @@ use std::sync::{Arc, LazyLock};
 use arrow_array::cast::AsArray;
 use arrow_array::types::UInt32Type;
 use arrow_array::{
-    Array, ArrayRef, Float64Array, ListArray, RecordBatch, StringArray, TimestampMillisecondArray,
-    UInt32Array, UInt64Array,
+    Array, ArrayRef, Float64Array, ListArray, RecordBatch, StringArray, UInt32Array, UInt64Array,
 };
 use arrow_schema::{DataType, Field, SchemaRef};
 
-use super::{Columns, field, opt, opt_str, schema, timestamp_type};
+use super::{Columns, field, opt, opt_str, schema, timestamp_type, utc_times};
 use crate::alert::Alert;
 use crate::error::Result;
 use crate::validate::RunId;
@@ -52,10 +51,6 @@ pub fn schema_ref() -> SchemaRef {
     SCHEMA.clone()
 }
 
-fn times(values: impl Iterator<Item = Option<i64>>) -> ArrayRef {
-    Arc::new(TimestampMillisecondArray::from_iter(values).with_timezone("UTC"))
-}
-
 /// Rows to a batch.
 pub fn to_batch(rows: &[Alert]) -> Result<RecordBatch> {
     let strs = |f: fn(&Alert) -> &str| -> ArrayRef {
@@ -93,10 +88,10 @@ pub fn to_batch(rows: &[Alert]) -> Result<RecordBatch> {
         Arc::new(UInt64Array::from_iter_values(
             rows.iter().map(|a| a.last_step),
         )),
-        times(rows.iter().map(|a| Some(a.started_at_ms))),
-        times(rows.iter().map(|a| Some(a.updated_at_ms))),
-        times(rows.iter().map(|a| a.fired_at_ms)),
-        times(rows.iter().map(|a| a.resolved_at_ms)),
+        utc_times(rows.iter().map(|a| Some(a.started_at_ms))),
+        utc_times(rows.iter().map(|a| Some(a.updated_at_ms))),
+        utc_times(rows.iter().map(|a| a.fired_at_ms)),
+        utc_times(rows.iter().map(|a| a.resolved_at_ms)),
         strs(|a| &a.explanation),
     ];
     Ok(RecordBatch::try_new(schema_ref(), columns)?)

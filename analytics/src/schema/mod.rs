@@ -149,6 +149,11 @@ pub(crate) fn opt_str(a: &StringArray, row: usize) -> Option<&str> {
     a.is_valid(row).then(|| a.value(row))
 }
 
+/// A timestamp column in milliseconds, annotated UTC.
+pub(crate) fn utc_times(values: impl IntoIterator<Item = Option<i64>>) -> arrow_array::ArrayRef {
+    Arc::new(arrow_array::TimestampMillisecondArray::from_iter(values).with_timezone("UTC"))
+}
+
 pub(crate) fn field(name: &str, data_type: DataType, nullable: bool) -> Field {
     Field::new(name, data_type, nullable)
 }

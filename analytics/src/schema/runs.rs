@@ -3,10 +3,10 @@
 
 use std::sync::{Arc, LazyLock};
 
-use arrow_array::{ArrayRef, RecordBatch, StringArray, TimestampMillisecondArray, UInt32Array};
+use arrow_array::{ArrayRef, RecordBatch, StringArray, UInt32Array};
 use arrow_schema::{DataType, SchemaRef};
 
-use super::{Columns, field, schema, timestamp_type};
+use super::{Columns, field, schema, timestamp_type, utc_times};
 use crate::error::{Error, Result};
 use crate::record::{ModelLayout, RunInfo};
 use crate::validate::RunId;
@@ -44,10 +44,7 @@ pub fn to_batch(rows: &[RunInfo]) -> Result<RecordBatch> {
         Arc::new(UInt32Array::from_iter_values(
             rows.iter().map(|r| r.world_size),
         )),
-        Arc::new(
-            TimestampMillisecondArray::from_iter_values(rows.iter().map(|r| r.started_at_ms))
-                .with_timezone("UTC"),
-        ),
+        utc_times(rows.iter().map(|r| Some(r.started_at_ms))),
         Arc::new(StringArray::from_iter_values(
             rows.iter().map(|r| r.layout.family.as_str()),
         )),

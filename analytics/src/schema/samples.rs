@@ -3,13 +3,10 @@
 use std::str::FromStr;
 use std::sync::{Arc, LazyLock};
 
-use arrow_array::{
-    ArrayRef, Float64Array, RecordBatch, StringArray, TimestampMillisecondArray, UInt32Array,
-    UInt64Array,
-};
+use arrow_array::{ArrayRef, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use arrow_schema::{DataType, SchemaRef};
 
-use super::{Columns, field, opt, opt_str, schema, timestamp_type};
+use super::{Columns, field, opt, opt_str, schema, timestamp_type, utc_times};
 use crate::error::Result;
 use crate::record::Sample;
 use crate::validate::{MetricName, RunId};
@@ -44,10 +41,7 @@ pub fn to_batch(rows: &[Sample]) -> Result<RecordBatch> {
         )),
         Arc::new(UInt32Array::from_iter(rows.iter().map(|s| s.rank))),
         Arc::new(UInt64Array::from_iter_values(rows.iter().map(|s| s.step))),
-        Arc::new(
-            TimestampMillisecondArray::from_iter_values(rows.iter().map(|s| s.time_ms))
-                .with_timezone("UTC"),
-        ),
+        utc_times(rows.iter().map(|s| Some(s.time_ms))),
         Arc::new(StringArray::from_iter_values(
             rows.iter().map(|s| s.metric.as_str()),
         )),

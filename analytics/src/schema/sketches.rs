@@ -5,12 +5,11 @@ use std::sync::{Arc, LazyLock};
 use arrow_array::cast::AsArray;
 use arrow_array::types::Float32Type;
 use arrow_array::{
-    Array, ArrayRef, Float64Array, ListArray, RecordBatch, StringArray, TimestampMillisecondArray,
-    UInt32Array, UInt64Array,
+    Array, ArrayRef, Float64Array, ListArray, RecordBatch, StringArray, UInt32Array, UInt64Array,
 };
 use arrow_schema::{DataType, Field, SchemaRef};
 
-use super::{Columns, field, schema, timestamp_type};
+use super::{Columns, field, schema, timestamp_type, utc_times};
 use crate::error::{Error, Result};
 use crate::record::SketchRecord;
 use crate::validate::RunId;
@@ -52,10 +51,7 @@ pub fn to_batch(rows: &[SketchRecord]) -> Result<RecordBatch> {
         )),
         Arc::new(UInt32Array::from_iter_values(rows.iter().map(|r| r.rank))),
         Arc::new(UInt64Array::from_iter_values(rows.iter().map(|r| r.step))),
-        Arc::new(
-            TimestampMillisecondArray::from_iter_values(rows.iter().map(|r| r.time_ms))
-                .with_timezone("UTC"),
-        ),
+        utc_times(rows.iter().map(|r| Some(r.time_ms))),
         Arc::new(StringArray::from_iter_values(
             rows.iter().map(|r| r.kind.as_str()),
         )),
