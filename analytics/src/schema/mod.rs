@@ -15,9 +15,7 @@ pub mod sketches;
 use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::{
-    Float64Type, Int64Type, TimestampMillisecondType, UInt32Type, UInt64Type,
-};
+use arrow_array::types::{Float64Type, TimestampMillisecondType, UInt32Type, UInt64Type};
 use arrow_array::{Array, ArrowPrimitiveType, PrimitiveArray, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 
@@ -116,11 +114,6 @@ impl<'a> Columns<'a> {
     pub(crate) fn times(&self, name: &str) -> &'a PrimitiveArray<TimestampMillisecondType> {
         self.primitive(name)
     }
-    #[allow(dead_code)]
-    pub(crate) fn i64s(&self, name: &str) -> &'a PrimitiveArray<Int64Type> {
-        self.primitive(name)
-    }
-
     pub(crate) fn list(&self, name: &str) -> &'a arrow_array::ListArray {
         self.column(name).as_list::<i32>()
     }
