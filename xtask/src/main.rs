@@ -58,20 +58,6 @@ fn cargo() -> Command {
     cmd
 }
 
-/// Runs `cmd`, echoing it, and fails with its exit status.
-fn run(step: &str, mut cmd: Command) -> Result<()> {
-    println!("\n==> {step}: {cmd:?}");
-    let started = Instant::now();
-    let status = cmd
-        .status()
-        .with_context(|| format!("{step}: could not start {cmd:?}"))?;
-    if !status.success() {
-        bail!("{step} failed ({status})");
-    }
-    println!("==> {step}: ok in {:.1}s", started.elapsed().as_secs_f64());
-    Ok(())
-}
-
 /// Makes sure a rustup component is installed for the pinned toolchain.
 fn ensure_component(component: &str, probe: &[&str]) -> Result<()> {
     let present = cargo()
@@ -117,19 +103,23 @@ impl Tally {
     }
 }
 
-/// Runs a `cargo test` command, passing its output through and tallying its results.
-fn run_counted(step: &str, mut cmd: Command, tally: &mut Tally) -> Result<()> {
+/// Runs `cmd`, echoing it, and fails with its exit status. With a tally, its stdout is passed
+/// through line by line and cargo's test result lines are counted.
+fn run_with(step: &str, mut cmd: Command, tally: Option<&mut Tally>) -> Result<()> {
     println!("\n==> {step}: {cmd:?}");
     let started = Instant::now();
+    if tally.is_some() {
+        cmd.stdout(Stdio::piped());
+    }
     let mut child = cmd
-        .stdout(Stdio::piped())
         .spawn()
         .with_context(|| format!("{step}: could not start {cmd:?}"))?;
-    let stdout = child.stdout.take().context("piped stdout")?;
-    for line in BufReader::new(stdout).lines() {
-        let line = line.context("reading test output")?;
-        println!("{line}");
-        tally.add_cargo_line(&line);
+    if let (Some(tally), Some(stdout)) = (tally, child.stdout.take()) {
+        for line in BufReader::new(stdout).lines() {
+            let line = line.context("reading test output")?;
+            println!("{line}");
+            tally.add_cargo_line(&line);
+        }
     }
     let status = child.wait()?;
     if !status.success() {
@@ -137,6 +127,10 @@ fn run_counted(step: &str, mut cmd: Command, tally: &mut Tally) -> Result<()> {
     }
     println!("==> {step}: ok in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+fn run(step: &str, cmd: Command) -> Result<()> {
+    run_with(step, cmd, None)
 }
 
 fn test(extra: &[String]) -> Result<()> {
@@ -159,7 +153,7 @@ fn test(extra: &[String]) -> Result<()> {
     let mut tally = Tally::default();
     let mut tests = cargo();
     tests.args(["test", "--workspace", "--locked"]).args(extra);
-    let outcome = run_counted("rust tests", tests, &mut tally);
+    let outcome = run_with("rust tests", tests, Some(&mut tally));
     // The closing line CI reads: the totals over every suite.
     println!(
         "\ntotal: {} passed, {} failed, {} skipped",

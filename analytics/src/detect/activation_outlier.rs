@@ -81,11 +81,36 @@ pub struct ActivationObservation {
 
 type Subject = (Option<u32>, Site, Option<u32>);
 
+/// A series' baseline: its first finite values until there are enough, then their median.
+#[derive(Debug, Clone)]
+enum Baseline {
+    Learning(Vec<f64>),
+    Learned(f64),
+}
+
+impl Baseline {
+    /// The learned value, after folding in `value` if still learning.
+    fn update(&mut self, value: f64, needed: usize) -> Option<f64> {
+        match self {
+            Baseline::Learned(b) => Some(*b),
+            Baseline::Learning(early) => {
+                if value.is_finite() {
+                    early.push(value.abs());
+                }
+                if early.len() >= needed {
+                    *self = Baseline::Learned(median(early));
+                }
+                None
+            }
+        }
+    }
+}
+
 /// The `activation_outlier` detector for one run, per (layer, site, rank).
 #[derive(Debug, Clone)]
 pub struct ActivationOutlier {
     config: ActivationOutlierConfig,
-    early: BTreeMap<Subject, Vec<f64>>,
+    baselines: BTreeMap<Subject, Baseline>,
     trackers: Trackers<Subject>,
 }
 
@@ -95,7 +120,7 @@ impl ActivationOutlier {
         config.validate()?;
         Ok(ActivationOutlier {
             config,
-            early: BTreeMap::new(),
+            baselines: BTreeMap::new(),
             trackers: Trackers::new(run, Rule::ActivationOutlier, |&(layer, site, rank)| {
                 (layer, Some(site), rank)
             }),
@@ -109,19 +134,21 @@ impl Detector for ActivationOutlier {
     fn observe(&mut self, obs: &ActivationObservation) -> Vec<Alert> {
         let c = self.config;
         let subject = (obs.layer, obs.site, obs.rank);
-        let early = self.early.entry(subject).or_default();
-        let baseline = (early.len() >= c.baseline_observations).then(|| median(&mut early.clone()));
-        if baseline.is_none() && obs.value.is_finite() {
-            early.push(obs.value.abs());
-        }
-        let place = match obs.layer {
+        let baseline = self
+            .baselines
+            .entry(subject)
+            .or_insert_with(|| Baseline::Learning(Vec::new()))
+            .update(obs.value, c.baseline_observations);
+        // Where the value was taken, for an explanation; built only on a breach.
+        let place = || match obs.layer {
             Some(l) => format!("layer {l} {}", obs.site),
             None => obs.site.to_string(),
         };
-        let on = obs
-            .rank
-            .map(|r| format!(" on rank {r}"))
-            .unwrap_or_default();
+        let on = || {
+            obs.rank
+                .map(|r| format!(" on rank {r}"))
+                .unwrap_or_default()
+        };
         let v = obs.value.abs();
         let growth_limit = baseline
             .zip(c.growth_factor)
@@ -132,7 +159,7 @@ impl Detector for ActivationOutlier {
                 severity: Severity::Critical,
                 value: obs.value,
                 threshold: c.absolute_limit.unwrap_or(f64::MAX),
-                explanation: format!("{place}: activation maximum is {}{on}", obs.value),
+                explanation: format!("{}: activation maximum is {}{}", place(), obs.value, on()),
                 outlier_ranks: obs.rank.into_iter().collect(),
             })
         } else if let Some(limit) = c.absolute_limit.filter(|l| v >= *l) {
@@ -141,9 +168,11 @@ impl Detector for ActivationOutlier {
                 value: v,
                 threshold: limit,
                 explanation: format!(
-                    "{place}: activation maximum {} above the absolute limit {}{on}",
+                    "{}: activation maximum {} above the absolute limit {}{}",
+                    place(),
                     short(v),
-                    short(limit)
+                    short(limit),
+                    on()
                 ),
                 outlier_ranks: obs.rank.into_iter().collect(),
             })
@@ -154,10 +183,12 @@ impl Detector for ActivationOutlier {
                 value: v,
                 threshold: limit,
                 explanation: format!(
-                    "{place}: activation maximum {} grew {:.1}× over its baseline {}{on}",
+                    "{}: activation maximum {} grew {:.1}× over its baseline {}{}",
+                    place(),
                     short(v),
                     v / b,
-                    short(b)
+                    short(b),
+                    on()
                 ),
                 outlier_ranks: obs.rank.into_iter().collect(),
             })

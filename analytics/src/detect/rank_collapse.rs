@@ -162,7 +162,7 @@ fn fitted_trend(ys: &VecDeque<f64>) -> Option<(f64, f64, f64)> {
     Some((slope, t, last_fit))
 }
 
-impl RankCollapse {
+impl RankCollapseConfig {
     /// Only values that arrived with this observation can breach (so one out-of-band probe is
     /// not counted again by the token-cosine observations that follow it); the latest known
     /// values decide whether the layer is clear.
@@ -174,8 +174,9 @@ impl RankCollapse {
         since: u64,
         step: u64,
     ) -> Signal {
-        let c = &self.config;
-        let cosine_note = match (state.token_cosine, state.previous_token_cosine) {
+        let c = self;
+        // Explanations are built only on a breach: most observations are clear.
+        let cosine_note = || match (state.token_cosine, state.previous_token_cosine) {
             (Some(tc), Some(prev)) if tc > prev + 1e-3 => {
                 format!("; token cosine {} and rising", short(tc))
             }
@@ -185,10 +186,12 @@ impl RankCollapse {
             (Some(tc), _) => format!("; token cosine {}", short(tc)),
             _ => String::new(),
         };
-        let ratio_note = state
-            .ratio
-            .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
-            .unwrap_or_default();
+        let ratio_note = || {
+            state
+                .ratio
+                .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
+                .unwrap_or_default()
+        };
         if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine)
             && tc >= c.token_cosine_critical
         {
@@ -197,9 +200,10 @@ impl RankCollapse {
                 value: tc,
                 threshold: c.token_cosine_critical,
                 explanation: format!(
-                    "layer {layer}: token cosine {} ≥ {}: token states are collapsing onto one direction{ratio_note}",
+                    "layer {layer}: token cosine {} ≥ {}: token states are collapsing onto one direction{}",
                     short(tc),
-                    short(c.token_cosine_critical)
+                    short(c.token_cosine_critical),
+                    ratio_note()
                 ),
                 outlier_ranks: vec![],
             });
@@ -227,10 +231,10 @@ impl RankCollapse {
         layer: u32,
         ratio: f64,
         state: &LayerState,
-        cosine_note: &str,
+        cosine_note: &dyn Fn() -> String,
         steps: u64,
     ) -> Option<Breach> {
-        let c = &self.config;
+        let c = self;
         let band = format!("{}–{}", short(c.band_low), short(c.band_high));
         if ratio < c.band_low || ratio > c.band_high {
             let (side, edge) = if ratio > c.band_high {
@@ -243,8 +247,9 @@ impl RankCollapse {
                 value: ratio,
                 threshold: edge,
                 explanation: format!(
-                    "layer {layer}: MLP/attention spectral ratio {} {side} band {band} for {steps} steps{cosine_note}",
-                    short(ratio)
+                    "layer {layer}: MLP/attention spectral ratio {} {side} band {band} for {steps} steps{}",
+                    short(ratio),
+                    cosine_note()
                 ),
                 outlier_ranks: vec![],
             });
@@ -264,11 +269,12 @@ impl RankCollapse {
                     value: ratio,
                     threshold: edge,
                     explanation: format!(
-                        "layer {layer}: MLP/attention spectral ratio {} trending {} ({:+.1}% per probe), projected to leave band {band} within {} probes{cosine_note}",
+                        "layer {layer}: MLP/attention spectral ratio {} trending {} ({:+.1}% per probe), projected to leave band {band} within {} probes{}",
                         short(ratio),
                         if slope > 0.0 { "up" } else { "down" },
                         (slope.exp() - 1.0) * 100.0,
-                        short(c.trend_horizon)
+                        short(c.trend_horizon),
+                        cosine_note()
                     ),
                     outlier_ranks: vec![],
                 });
@@ -307,9 +313,8 @@ impl Detector for RankCollapse {
             ratio: fresh_ratio.is_some(),
             token_cosine: fresh_tc.is_some(),
         };
-        let state = state.clone();
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
-        let signal = self.signal(obs.layer, &state, fresh, since, obs.step);
+        let signal = self.config.signal(obs.layer, state, fresh, since, obs.step);
         self.trackers.observe(
             &obs.layer,
             obs.step,

@@ -26,7 +26,7 @@ use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
-use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA, robust_z_scores};
+use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA};
 use crate::math::step::{RankValues, StepStats};
 use crate::validate::RunId;
 
@@ -235,7 +235,7 @@ impl SilentInconsistency {
                 continue;
             };
             let floor = self.config.rank_rel_floor * d.median.abs().max(1e-12);
-            for (s, z) in score.iter_mut().zip(robust_z_scores(&values, floor)) {
+            for (s, z) in score.iter_mut().zip(d.z_scores(&values, floor)) {
                 // For loss and norm either direction is suspicious; for cosine only low.
                 let z = if direction < 0.0 { -z } else { z.abs() };
                 if z.is_finite() {

@@ -63,6 +63,12 @@ impl Dispersion {
     pub fn robust_sigma(&self) -> f64 {
         MAD_TO_SIGMA * self.mad
     }
+
+    /// Robust z-scores of `values` against these statistics (see [`robust_z_scores`]).
+    pub fn z_scores(&self, values: &[f64], min_scale: f64) -> Vec<f64> {
+        let scale = self.robust_sigma().max(min_scale).max(f64::MIN_POSITIVE);
+        values.iter().map(|v| (v - self.median) / scale).collect()
+    }
 }
 
 /// Median of finite values (the slice is reordered). NaN for an empty slice.
@@ -83,11 +89,10 @@ pub fn median(values: &mut [f64]) -> f64 {
 /// `min_scale` keeps the score finite when most values are identical (ranks fed the same
 /// data), which is exactly when a single deviating rank matters most.
 pub fn robust_z_scores(values: &[f64], min_scale: f64) -> Vec<f64> {
-    let Some(d) = Dispersion::of(values) else {
-        return vec![f64::NAN; values.len()];
-    };
-    let scale = d.robust_sigma().max(min_scale).max(f64::MIN_POSITIVE);
-    values.iter().map(|v| (v - d.median) / scale).collect()
+    match Dispersion::of(values) {
+        Some(d) => d.z_scores(values, min_scale),
+        None => vec![f64::NAN; values.len()],
+    }
 }
 
 #[cfg(test)]

@@ -19,10 +19,6 @@ pub trait LinearOperator<T: RealField> {
     fn apply(&self, x: &DVector<T>) -> DVector<T>;
     /// x = Aᵀ y, with `y.len() == nrows()`.
     fn apply_transpose(&self, y: &DVector<T>) -> DVector<T>;
-    /// ‖A‖_F², when it is cheap to know (a stored matrix); `None` for compositions.
-    fn frobenius_sq(&self) -> Option<T> {
-        None
-    }
 }
 
 impl<T: RealField + Copy> LinearOperator<T> for DMatrix<T> {
@@ -42,9 +38,6 @@ impl<T: RealField + Copy> LinearOperator<T> for DMatrix<T> {
         x.gemv_tr(T::one(), self, y, T::zero());
         x
     }
-    fn frobenius_sq(&self) -> Option<T> {
-        Some(self.norm_squared())
-    }
 }
 
 impl<T: RealField, A: LinearOperator<T> + ?Sized> LinearOperator<T> for &A {
@@ -59,9 +52,6 @@ impl<T: RealField, A: LinearOperator<T> + ?Sized> LinearOperator<T> for &A {
     }
     fn apply_transpose(&self, y: &DVector<T>) -> DVector<T> {
         (**self).apply_transpose(y)
-    }
-    fn frobenius_sq(&self) -> Option<T> {
-        (**self).frobenius_sq()
     }
 }
 
@@ -81,9 +71,6 @@ impl<T: RealField, A: LinearOperator<T>> LinearOperator<T> for Transposed<A> {
     }
     fn apply_transpose(&self, y: &DVector<T>) -> DVector<T> {
         self.0.apply(y)
-    }
-    fn frobenius_sq(&self) -> Option<T> {
-        self.0.frobenius_sq()
     }
 }
 
