@@ -96,9 +96,10 @@ impl Sample {
                     info.world_size
                 )));
             }
+            // An empty layout means "not discovered", not "no layers".
             if let Some(layer) = self.layer {
                 let count = info.layout.layer_count();
-                if layer >= count {
+                if count > 0 && layer >= count {
                     return Err(fail(format!(
                         "layer {layer} out of range: the model has {count} layers"
                     )));
@@ -262,7 +263,7 @@ mod tests {
             sample("spectral.sigma", Some(3), Some(0), Some(Site::Down)),
             sample("act_max", Some(0), None, Some(Site::Embed)),
             sample("perplexity", None, None, None),
-            sample("train/lr", None, Some(1), Some(Site::Q)),
+            sample("user/train/lr", None, Some(1), Some(Site::Q)),
         ];
         for s in &ok {
             s.validate(Some(&run)).unwrap();

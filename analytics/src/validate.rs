@@ -1,7 +1,8 @@
 //! Validated identifiers. A [`RunId`] becomes a directory name (`run=<id>`) in the Hive layout,
 //! so its charset is closed: nothing that is a path separator, a Hive delimiter, or a dot-only
-//! name. A [`MetricName`] is either a vocabulary metric or a user scalar with the same charset
-//! rules, so a label flood of arbitrary bytes cannot enter storage.
+//! name. A [`MetricName`] is either a vocabulary metric or a user scalar under the `user/`
+//! namespace, with a closed charset, so a label flood of arbitrary bytes cannot enter storage and
+//! a misspelt vocabulary name (`spectral.ratoi`) is refused instead of becoming a new series.
 
 use std::fmt;
 use std::str::FromStr;
@@ -93,8 +94,12 @@ impl RunId {
 
 validated_string!(RunId);
 
-/// A metric's name: a vocabulary metric or a user scalar. 1–128 of `[A-Za-z0-9._:/-]`,
-/// starting with a letter.
+/// Prefix of user scalars (`run.log(step, lr=…)` is stored as `user/lr`).
+pub const USER_PREFIX: &str = "user/";
+
+/// A metric's name: a vocabulary metric, or a user scalar `user/<name>` where `<name>` is
+/// 1–123 of `[A-Za-z0-9._:/-]` starting with a letter. Anything else is refused, so a typo of a
+/// vocabulary name is an error rather than a silent new metric.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct MetricName(String);
@@ -124,7 +129,16 @@ impl MetricName {
                 "character {c:?} not allowed (use letters, digits, '.', '_', ':', '/', '-')"
             )));
         }
-        Ok(MetricName(name))
+        match name.strip_prefix(USER_PREFIX) {
+            Some(rest) if !rest.starts_with(|c: char| c.is_ascii_alphabetic()) => Err(fail(
+                format!("a user scalar needs a name starting with a letter after '{USER_PREFIX}'"),
+            )),
+            Some(_) => Ok(MetricName(name)),
+            None if name.parse::<Metric>().is_ok() => Ok(MetricName(name)),
+            None => Err(fail(format!(
+                "unknown metric: not in the vocabulary (user scalars go under '{USER_PREFIX}')"
+            ))),
+        }
     }
 
     /// The name as a string slice.
@@ -170,8 +184,19 @@ mod tests {
             MetricName::new("spectral.ratio").unwrap().known(),
             Some(Metric::SpectralRatio)
         );
-        assert_eq!(MetricName::new("train/lr").unwrap().known(), None);
-        for bad in ["", "1abc", "a b", "a\"b", "a{b}", "ä"] {
+        assert_eq!(MetricName::new("user/train/lr").unwrap().known(), None);
+        for bad in [
+            "",
+            "1abc",
+            "a b",
+            "a\"b",
+            "a{b}",
+            "ä",
+            "train/lr",
+            "spectral.ratoi",
+            "user/",
+            "user/1x",
+        ] {
             assert!(MetricName::new(bad).is_err(), "{bad:?}");
         }
         let err = MetricName::new("a b").unwrap_err().to_string();

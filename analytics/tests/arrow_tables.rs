@@ -42,7 +42,7 @@ fn run_id() -> impl Strategy<Value = RunId> {
 fn metric() -> impl Strategy<Value = MetricName> {
     prop_oneof![
         prop::sample::select(Metric::ALL.to_vec()).prop_map(MetricName::from),
-        "[a-z][a-z0-9_./:-]{0,30}".prop_map(|s| MetricName::new(s).unwrap()),
+        "user/[a-z][a-z0-9_./:-]{0,30}".prop_map(|s| MetricName::new(s).unwrap()),
     ]
 }
 

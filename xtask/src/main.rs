@@ -3,7 +3,11 @@
 //! `test` is the project's one test command (the README's and CI's): it checks formatting,
 //! runs clippy with warnings denied, then every test in the workspace. Each step first makes
 //! sure what it needs is installed (rustfmt and clippy components), so it works on a fresh
-//! machine with only the pinned toolchain. Later suites (Python SDK, browser) join here.
+//! machine with only the pinned toolchain. After the Rust tests come the Python suites, which
+//! use real outside readers and servers against the real `rankwatch` binary: pyarrow and
+//! DuckDB reading the Parquet files, a real Prometheus scraping `/metrics`, and schemathesis
+//! fuzzing the API from its OpenAPI document. Their tools are installed on demand: a
+//! git-ignored virtual environment `.venv` (PyPI) and Debian's `prometheus` package.
 //! `bench` runs the benchmarks and prints their tables.
 
 use std::env;
@@ -20,7 +24,9 @@ usage: cargo xtask <task>
 tasks:
   demo     the main job; today: the detectors on a simulated 8-rank run with injected faults
   test     formatting, clippy (-D warnings) and every test of the workspace
-  bench    benchmarks: power iteration vs dense SVD (criterion; several minutes)
+  bench [all|analytics|collector] [ingest|queries|memory]
+           benchmarks, printed as tables: power iteration vs dense SVD (criterion), and the
+           collector's ingest, query and memory targets beside VictoriaMetrics and DuckDB
   help     this text
 ";
 
@@ -82,6 +88,27 @@ struct Tally {
 }
 
 impl Tally {
+    /// Adds the counts of a pytest summary line (`==== 5 passed, 1 skipped in 3.2s ====`).
+    fn add_pytest_line(&mut self, line: &str) {
+        let line = line.trim().trim_matches('=').trim();
+        if !line.contains(" in ") {
+            return;
+        }
+        for part in line.split(',') {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next())
+                && let Ok(n) = n.parse::<u64>()
+            {
+                match what {
+                    "passed" => self.passed += n,
+                    "failed" | "error" | "errors" => self.failed += n,
+                    "skipped" | "xfailed" => self.skipped += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+
     /// Adds the counts of a cargo `test result: ok. 9 passed; 0 failed; 1 ignored; ...` line.
     fn add_cargo_line(&mut self, line: &str) {
         let Some(rest) = line.strip_prefix("test result: ") else {
@@ -105,7 +132,16 @@ impl Tally {
 
 /// Runs `cmd`, echoing it, and fails with its exit status. With a tally, its stdout is passed
 /// through line by line and cargo's test result lines are counted.
-fn run_with(step: &str, mut cmd: Command, tally: Option<&mut Tally>) -> Result<()> {
+fn run_with(step: &str, cmd: Command, tally: Option<&mut Tally>) -> Result<()> {
+    run_counting(step, cmd, tally, Tally::add_cargo_line)
+}
+
+fn run_counting(
+    step: &str,
+    mut cmd: Command,
+    tally: Option<&mut Tally>,
+    count: fn(&mut Tally, &str),
+) -> Result<()> {
     println!("\n==> {step}: {cmd:?}");
     let started = Instant::now();
     if tally.is_some() {
@@ -118,7 +154,7 @@ fn run_with(step: &str, mut cmd: Command, tally: Option<&mut Tally>) -> Result<(
         for line in BufReader::new(stdout).lines() {
             let line = line.context("reading test output")?;
             println!("{line}");
-            tally.add_cargo_line(&line);
+            count(tally, &line);
         }
     }
     let status = child.wait()?;
@@ -153,7 +189,10 @@ fn test(extra: &[String]) -> Result<()> {
     let mut tally = Tally::default();
     let mut tests = cargo();
     tests.args(["test", "--workspace", "--locked"]).args(extra);
-    let outcome = run_with("rust tests", tests, Some(&mut tally));
+    let mut outcome = run_with("rust tests", tests, Some(&mut tally));
+    if outcome.is_ok() {
+        outcome = python_suites(&mut tally);
+    }
     // The closing line CI reads: the totals over every suite.
     println!(
         "\ntotal: {} passed, {} failed, {} skipped",
@@ -164,6 +203,95 @@ fn test(extra: &[String]) -> Result<()> {
         bail!("no test ran");
     }
     Ok(())
+}
+
+/// The Python virtual environment with the test requirements, created or updated when the
+/// requirements changed. Returns its interpreter.
+fn ensure_venv() -> Result<PathBuf> {
+    let venv = root().join(".venv");
+    let python = venv.join("bin").join("python");
+    let requirements = root().join("collector/tests/python/requirements.txt");
+    let wanted = std::fs::read_to_string(&requirements)
+        .with_context(|| format!("reading {}", requirements.display()))?;
+    let stamp = venv.join(".rankwatch-requirements");
+    if python.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&wanted) {
+        return Ok(python);
+    }
+    if !python.exists() {
+        let mut cmd = Command::new("python3");
+        cmd.current_dir(root()).args(["-m", "venv"]).arg(&venv);
+        run("create .venv", cmd)?;
+    }
+    let mut pip = Command::new(&python);
+    pip.current_dir(root())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+        ])
+        .arg(&requirements);
+    run("install python test requirements", pip)?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(python)
+}
+
+/// Installs a Debian package when `binary` is missing.
+fn ensure_debian(package: &str, binary: &str) -> Result<()> {
+    if Path::new(binary).exists() {
+        return Ok(());
+    }
+    let root_user = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    let apt = |args: &[&str]| {
+        let mut cmd = if root_user {
+            Command::new("apt-get")
+        } else {
+            let mut c = Command::new("sudo");
+            c.arg("apt-get");
+            c
+        };
+        cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        cmd
+    };
+    run("apt-get update", apt(&["update", "-qq"]))?;
+    run(
+        &format!("install {package}"),
+        apt(&["install", "-y", "-qq", "--no-install-recommends", package]),
+    )
+}
+
+fn python_suites(tally: &mut Tally) -> Result<()> {
+    ensure_debian("prometheus", "/usr/bin/prometheus")?;
+    let python = ensure_venv()?;
+    let mut build = cargo();
+    build.args([
+        "build",
+        "--locked",
+        "-p",
+        "rankwatch-collector",
+        "--bin",
+        "rankwatch",
+    ]);
+    run("build rankwatch", build)?;
+    let mut pytest = Command::new(python);
+    pytest
+        .current_dir(root())
+        .args([
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "collector/tests/python",
+        ])
+        .env("RANKWATCH_BIN", root().join("target/debug/rankwatch"))
+        .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
+    run_counting("python suites", pytest, Some(tally), Tally::add_pytest_line)
 }
 
 fn demo(extra: &[String]) -> Result<()> {
@@ -182,17 +310,43 @@ fn demo(extra: &[String]) -> Result<()> {
 }
 
 fn bench(extra: &[String]) -> Result<()> {
-    let mut cmd = cargo();
-    cmd.args([
-        "bench",
-        "-p",
-        "rankwatch-analytics",
-        "--features",
-        "bench-svd",
-        "--bench",
-        "power_vs_svd",
-        "--",
-    ])
-    .args(extra);
-    run("bench power_vs_svd", cmd)
+    let which = extra.first().map(String::as_str).unwrap_or("all");
+    if matches!(which, "all" | "analytics") {
+        let mut cmd = cargo();
+        cmd.args([
+            "bench",
+            "-p",
+            "rankwatch-analytics",
+            "--features",
+            "bench-svd",
+            "--bench",
+            "power_vs_svd",
+        ]);
+        run("bench power_vs_svd", cmd)?;
+    }
+    if matches!(which, "all" | "collector") {
+        ensure_debian("victoria-metrics", "/usr/bin/victoria-metrics")?;
+        let python = ensure_venv()?;
+        let mut build = cargo();
+        build.args([
+            "build",
+            "--release",
+            "--locked",
+            "-p",
+            "rankwatch-collector",
+            "--bin",
+            "rankwatch",
+        ]);
+        run("build rankwatch (release)", build)?;
+        let mut cmd = Command::new(python);
+        cmd.current_dir(root())
+            .arg("bench/collector_bench.py")
+            .args(extra.iter().skip(1))
+            .env("RANKWATCH_BIN", root().join("target/release/rankwatch"));
+        run("bench collector", cmd)?;
+    }
+    if !matches!(which, "all" | "analytics" | "collector") {
+        bail!("unknown benchmark {which:?}: all, analytics or collector");
+    }
+    Ok(())
 }

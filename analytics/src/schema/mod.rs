@@ -34,6 +34,40 @@ fn same_type(expected: &DataType, actual: &DataType) -> bool {
     }
 }
 
+/// Checks `batch` against `schema` and returns it in the schema's own column order and field
+/// types (timestamps re-annotated as UTC), so batches from different writers concatenate.
+pub(crate) fn normalize(
+    table: &'static str,
+    schema: &SchemaRef,
+    batch: &RecordBatch,
+) -> Result<RecordBatch> {
+    Columns::new(table, schema, batch)?;
+    let columns = schema
+        .fields()
+        .iter()
+        .map(|field| {
+            let column =
+                batch
+                    .column_by_name(field.name())
+                    .cloned()
+                    .ok_or_else(|| Error::Schema {
+                        table,
+                        reason: format!("missing column {:?}", field.name()),
+                    })?;
+            Ok(match field.data_type() {
+                DataType::Timestamp(TimeUnit::Millisecond, _) => Arc::new(
+                    column
+                        .as_primitive::<TimestampMillisecondType>()
+                        .clone()
+                        .with_timezone("UTC"),
+                ) as _,
+                _ => column,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RecordBatch::try_new(schema.clone(), columns)?)
+}
+
 /// Typed, checked access to the columns of a batch of one table.
 pub(crate) struct Columns<'a> {
     table: &'static str,

@@ -35,6 +35,11 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("layouts and tags serialise")
 }
 
+/// Checks the schema of `batch` (not its values) and returns it in canonical column order.
+pub fn normalize(batch: &RecordBatch) -> Result<RecordBatch> {
+    super::normalize(TABLE, &SCHEMA, batch)
+}
+
 /// Rows to a batch.
 pub fn to_batch(rows: &[RunInfo]) -> Result<RecordBatch> {
     let columns: Vec<ArrayRef> = vec![

@@ -89,6 +89,11 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Sample>> {
         .collect()
 }
 
+/// Checks the schema of `batch` (not its values) and returns it in canonical column order.
+pub fn normalize(batch: &RecordBatch) -> Result<RecordBatch> {
+    super::normalize(TABLE, &SCHEMA, batch)
+}
+
 /// NaN and ±Inf values in a batch's `value` column: data to store and count, not to refuse.
 pub fn nonfinite_values(batch: &RecordBatch) -> Result<usize> {
     let c = Columns::new(TABLE, &SCHEMA, batch)?;

@@ -39,6 +39,11 @@ pub fn schema_ref() -> SchemaRef {
     SCHEMA.clone()
 }
 
+/// Checks the schema of `batch` (not its values) and returns it in canonical column order.
+pub fn normalize(batch: &RecordBatch) -> Result<RecordBatch> {
+    super::normalize(TABLE, &SCHEMA, batch)
+}
+
 /// Rows to a batch.
 pub fn to_batch(rows: &[SketchRecord]) -> Result<RecordBatch> {
     let vectors = ListArray::from_iter_primitive::<Float32Type, _, _>(

@@ -1,0 +1,297 @@
+//! Route handlers: thin adapters from HTTP to the ingest path and the query engine.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::Stream;
+use futures_util::StreamExt;
+use rankwatch_analytics::{AlertState, RunId};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio_stream::wrappers::BroadcastStream;
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
+
+use super::AppState;
+use super::extract::Query;
+use crate::decode::Table;
+use crate::error::{Error, Result};
+use crate::ingest::Format;
+use crate::query::json;
+use crate::query::views::{HeatmapQuery, SeriesQuery, WorkersQuery};
+use crate::store::Event;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct IngestQuery {
+    table: Option<String>,
+}
+
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(Error::BodyTooLarge { limit });
+    }
+    axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| Error::BodyTooLarge { limit })
+}
+
+pub(super) async fn ingest(
+    State(state): State<AppState>,
+    Query(q): Query<IngestQuery>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<crate::ingest::Ack>> {
+    let ingestor = &state.inner.ingestor;
+    let result = async {
+        if !state.is_ready() {
+            return Err(Error::Unavailable("the collector is shutting down".into()));
+        }
+        let format = Format::from_content_type(
+            headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+        )?;
+        let table = Table::parse(q.table.as_deref().unwrap_or("samples"))?;
+        let body = read_body(body, &headers, state.inner.max_body_bytes).await?;
+        let key = match headers.get("idempotency-key") {
+            Some(v) => Some(
+                v.to_str()
+                    .map_err(|_| Error::bad("Idempotency-Key is not visible ASCII"))?
+                    .to_owned(),
+            ),
+            None => None,
+        };
+        Ok((body, format, table, key))
+    }
+    .await;
+    let (body, format, table, key) = match result {
+        Ok(parts) => parts,
+        Err(e) => {
+            state
+                .inner
+                .telemetry
+                .rejects
+                .get_or_create(&vec![("reason", e.reason())])
+                .inc();
+            return Err(e);
+        }
+    };
+    Ok(Json(
+        ingestor.ingest(body, format, table, key.as_deref()).await?,
+    ))
+}
+
+pub(super) async fn runs(State(state): State<AppState>) -> Json<Value> {
+    Json(state.inner.engine.runs())
+}
+
+pub(super) async fn catalog(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+) -> Result<Json<Value>> {
+    Ok(Json(state.inner.engine.catalog(&run)?))
+}
+
+pub(super) async fn series(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    Query(q): Query<SeriesQuery>,
+) -> Result<Json<Value>> {
+    Ok(Json(state.inner.engine.series(&run, q).await?))
+}
+
+pub(super) async fn heatmap(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    Query(q): Query<HeatmapQuery>,
+) -> Result<Json<Value>> {
+    Ok(Json(state.inner.engine.heatmap(&run, q).await?))
+}
+
+pub(super) async fn workers(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    Query(q): Query<WorkersQuery>,
+) -> Result<Json<Value>> {
+    Ok(Json(state.inner.engine.workers(&run, q).await?))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AlertsQuery {
+    run: Option<String>,
+    state: Option<String>,
+}
+
+fn parse_state(s: &str) -> Result<AlertState> {
+    serde_json::from_value(Value::String(s.to_owned())).map_err(|_| {
+        Error::bad(format!(
+            "unknown alert state {s:?}; expected pending, firing or resolved"
+        ))
+    })
+}
+
+pub(super) async fn alerts(
+    State(state): State<AppState>,
+    Query(q): Query<AlertsQuery>,
+) -> Result<Json<Value>> {
+    let run = q.run.map(RunId::new).transpose()?;
+    let wanted = q.state.as_deref().map(parse_state).transpose()?;
+    let alerts: Vec<_> = state
+        .inner
+        .engine
+        .store()
+        .alerts(run.as_ref())
+        .into_iter()
+        .filter(|a| wanted.is_none_or(|s| a.state == s))
+        .collect();
+    Ok(Json(json!({ "alerts": alerts })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EventsQuery {
+    run: Option<String>,
+}
+
+pub(super) async fn events(
+    State(state): State<AppState>,
+    Query(q): Query<EventsQuery>,
+) -> Result<Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>>> {
+    let run = q.run.map(RunId::new).transpose()?.map(|r| r.to_string());
+    let receiver = state.inner.engine.store().subscribe();
+    let gauge = ClientGauge::new(state.inner.telemetry.sse_clients.clone());
+    let stream = BroadcastStream::new(receiver).filter_map(move |item| {
+        let _alive = &gauge;
+        let event = match item {
+            Ok(event) => {
+                let matches = match (&run, &event) {
+                    (None, _) => true,
+                    (Some(r), Event::Samples { run, .. } | Event::Run { run, .. }) => r == run,
+                    (Some(r), Event::Alert { alert }) => alert.run.as_str() == r,
+                };
+                matches.then(|| {
+                    let name = match &event {
+                        Event::Samples { .. } => "samples",
+                        Event::Run { .. } => "run",
+                        Event::Alert { .. } => "alert",
+                    };
+                    SseEvent::default()
+                        .event(name)
+                        .data(serde_json::to_string(&event).unwrap_or_default())
+                })
+            }
+            // A slow client missed events; it learns how many and can re-query.
+            Err(BroadcastStreamRecvError::Lagged(n)) => Some(
+                SseEvent::default()
+                    .event("lagged")
+                    .data(json!({ "type": "lagged", "missed": n }).to_string()),
+            ),
+        };
+        std::future::ready(event.map(Ok))
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// Counts connected event subscribers for as long as the stream lives.
+struct ClientGauge(prometheus_client::metrics::gauge::Gauge);
+
+impl ClientGauge {
+    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        ClientGauge(gauge)
+    }
+}
+
+impl Drop for ClientGauge {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SqlRequest {
+    sql: String,
+}
+
+pub(super) async fn sql(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>> {
+    let bytes = read_body(body, &headers, 1 << 20).await?;
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    let sql = if is_json {
+        serde_json::from_slice::<SqlRequest>(&bytes)?.sql
+    } else {
+        String::from_utf8(bytes.to_vec()).map_err(|_| Error::bad("the SQL text is not UTF-8"))?
+    };
+    if sql.trim().is_empty() {
+        return Err(Error::bad("empty SQL"));
+    }
+    let (batches, truncated) = state.inner.engine.sql(&sql).await?;
+    let columns: Vec<String> = batches
+        .first()
+        .map(|b| {
+            b.schema()
+                .fields()
+                .iter()
+                .map(|f| f.name().clone())
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Json(json!({
+        "columns": columns,
+        "rows": json::rows(&batches),
+        "truncated": truncated,
+    })))
+}
+
+pub(super) async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.inner.exporter.render(),
+    )
+        .into_response()
+}
+
+pub(super) async fn healthz() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+pub(super) async fn readyz(State(state): State<AppState>) -> Response {
+    if state.is_ready() {
+        Json(json!({ "status": "ready" })).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "not ready" })),
+        )
+            .into_response()
+    }
+}
+
+pub(super) async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], super::OPENAPI).into_response()
+}
+
+pub(super) async fn not_found() -> Error {
+    Error::NotFound
+}

@@ -1,0 +1,116 @@
+//! The HTTP API. [`app`] builds the whole router from an [`AppState`], so tests can drive it
+//! without a socket; the server binds it to a listener.
+//!
+//! Routes are in three groups: ingest (guarded by the ingest token), reads and `/metrics`
+//! (guarded by the read token), and the always-open probes and OpenAPI document. Every error
+//! is a JSON body `{"error": "...", "reason": "..."}` with a 4xx or 5xx status (see
+//! [`crate::error`]).
+
+mod auth;
+mod extract;
+mod handlers;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+
+use crate::ingest::Ingestor;
+use crate::query::Engine;
+use crate::telemetry::{Exporter, Telemetry};
+
+/// The OpenAPI document of this API.
+pub const OPENAPI: &str = include_str!("../../openapi.json");
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub(crate) inner: Arc<Shared>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) ingestor: Ingestor,
+    pub(crate) engine: Engine,
+    pub(crate) telemetry: Arc<Telemetry>,
+    pub(crate) exporter: Exporter,
+    pub(crate) ingest_token: Option<String>,
+    pub(crate) read_token: Option<String>,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) ready: AtomicBool,
+}
+
+impl AppState {
+    /// Shared state from its parts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ingestor: Ingestor,
+        engine: Engine,
+        telemetry: Arc<Telemetry>,
+        exporter: Exporter,
+        ingest_token: Option<String>,
+        read_token: Option<String>,
+        max_body_bytes: usize,
+    ) -> Self {
+        AppState {
+            inner: Arc::new(Shared {
+                ingestor,
+                engine,
+                telemetry,
+                exporter,
+                ingest_token,
+                read_token,
+                max_body_bytes,
+                ready: AtomicBool::new(true),
+            }),
+        }
+    }
+
+    /// Marks the collector as not ready (shutting down): `/readyz` answers 503 and ingest
+    /// refuses new batches.
+    pub fn set_ready(&self, ready: bool) {
+        self.inner.ready.store(ready, Ordering::Release);
+    }
+
+    pub(crate) fn is_ready(&self) -> bool {
+        self.inner.ready.load(Ordering::Acquire) && !self.inner.ingestor.wal.is_failed()
+    }
+}
+
+/// The whole API.
+pub fn app(state: AppState) -> Router {
+    let ingest = Router::new()
+        .route("/api/v1/ingest", post(handlers::ingest))
+        // The ingest handler enforces its own, configurable limit with a clear message.
+        .layer(DefaultBodyLimit::disable())
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::ingest,
+        ));
+    let read = Router::new()
+        .route("/api/v1/runs", get(handlers::runs))
+        .route("/api/v1/runs/{run}/catalog", get(handlers::catalog))
+        .route("/api/v1/runs/{run}/series", get(handlers::series))
+        .route("/api/v1/runs/{run}/heatmap", get(handlers::heatmap))
+        .route("/api/v1/runs/{run}/workers", get(handlers::workers))
+        .route("/api/v1/alerts", get(handlers::alerts))
+        .route("/api/v1/events", get(handlers::events))
+        .route("/api/v1/sql", post(handlers::sql))
+        .route("/metrics", get(handlers::metrics))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::read,
+        ));
+    let open = Router::new()
+        .route("/healthz", get(handlers::healthz))
+        .route("/readyz", get(handlers::readyz))
+        .route("/api/v1/openapi.json", get(handlers::openapi));
+    Router::new()
+        .merge(ingest)
+        .merge(read)
+        .merge(open)
+        .fallback(handlers::not_found)
+        .with_state(state)
+}

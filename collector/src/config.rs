@@ -1,0 +1,210 @@
+//! Command line and environment configuration (`rankwatch serve --help`).
+//!
+//! Every flag has a `RANKWATCH_*` environment variable and a default that gives an embedded,
+//! zero-setup instance: a local data directory and a loopback port.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::error::{Error, Result};
+
+/// rankwatch: training observability for PyTorch jobs.
+#[derive(Debug, Parser)]
+#[command(name = "rankwatch", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The binary's subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the collector: ingest, storage, queries and /metrics.
+    Serve(ServeConfig),
+}
+
+/// Configuration of `rankwatch serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeConfig {
+    /// Directory for the write-ahead log, Parquet tables and manifests.
+    #[arg(long, env = "RANKWATCH_DATA_DIR", default_value = "./rankwatch-data")]
+    pub data_dir: PathBuf,
+
+    /// Address to listen on. A non-loopback address needs both tokens, or --insecure.
+    #[arg(long, env = "RANKWATCH_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+
+    /// Bearer token required by POST /api/v1/ingest (unset: ingest is open).
+    #[arg(long, env = "RANKWATCH_INGEST_TOKEN", hide_env_values = true)]
+    pub ingest_token: Option<String>,
+
+    /// Bearer token required by the read API and /metrics (unset: reads are open).
+    #[arg(long, env = "RANKWATCH_READ_TOKEN", hide_env_values = true)]
+    pub read_token: Option<String>,
+
+    /// Allow a non-loopback listen address without tokens.
+    #[arg(long, env = "RANKWATCH_INSECURE")]
+    pub insecure: bool,
+
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "RANKWATCH_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+
+    /// Largest accepted batch, in rows.
+    #[arg(long, env = "RANKWATCH_MAX_BATCH_ROWS", default_value_t = 1_000_000)]
+    pub max_batch_rows: usize,
+
+    /// Most distinct series (metric, layer, site, rank) one run may have.
+    #[arg(long, env = "RANKWATCH_MAX_SERIES_PER_RUN", default_value_t = 200_000)]
+    pub max_series_per_run: usize,
+
+    /// Hot-buffer size at which a flush to Parquet starts early, in bytes. Ingest answers 429
+    /// once the buffer reaches twice this size.
+    #[arg(long, env = "RANKWATCH_HOT_BUDGET_BYTES", default_value_t = 64 << 20)]
+    pub hot_budget_bytes: usize,
+
+    /// How often the hot buffer is flushed to Parquet.
+    #[arg(long, env = "RANKWATCH_FLUSH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub flush_interval: Duration,
+
+    /// How often small Parquet files are compacted.
+    #[arg(long, env = "RANKWATCH_COMPACT_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub compact_interval: Duration,
+
+    /// Files with fewer rows than this are merged by compaction.
+    #[arg(
+        long,
+        env = "RANKWATCH_COMPACT_SMALL_ROWS",
+        default_value_t = 1_000_000
+    )]
+    pub compact_small_rows: u64,
+
+    /// Most rows one compaction reads into memory (bounds its peak memory).
+    #[arg(long, env = "RANKWATCH_COMPACT_MAX_ROWS", default_value_t = 4_000_000)]
+    pub compact_max_rows: u64,
+
+    /// Size at which the write-ahead log starts a new segment, in bytes.
+    #[arg(long, env = "RANKWATCH_WAL_SEGMENT_BYTES", default_value_t = 64 << 20)]
+    pub wal_segment_bytes: u64,
+
+    /// A run is "active" for /metrics while it has reported within this window.
+    #[arg(long, env = "RANKWATCH_ACTIVE_WINDOW", default_value = "15m", value_parser = parse_duration)]
+    pub active_window: Duration,
+
+    /// Most runs exported with a `run` label on /metrics (the most recently seen win).
+    #[arg(long, env = "RANKWATCH_MAX_ACTIVE_RUNS", default_value_t = 32)]
+    pub max_active_runs: usize,
+
+    /// Rows a /api/v1/sql answer may hold.
+    #[arg(long, env = "RANKWATCH_SQL_MAX_ROWS", default_value_t = 10_000)]
+    pub sql_max_rows: usize,
+
+    /// Time a query may run before it is cancelled.
+    #[arg(long, env = "RANKWATCH_QUERY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub query_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// A configuration with every default and the given data directory (tests, embedding).
+    pub fn with_data_dir(data_dir: impl Into<PathBuf>) -> Self {
+        let mut config = match Cli::try_parse_from(["rankwatch", "serve"]) {
+            Ok(Cli {
+                command: Command::Serve(config),
+            }) => config,
+            // The defaults above always parse; this arm exists for the type checker.
+            Err(e) => panic!("default configuration does not parse: {e}"),
+        };
+        config.data_dir = data_dir.into();
+        config
+    }
+
+    /// Refuses configurations that would expose data or cannot work.
+    pub fn check(&self) -> Result<()> {
+        let ip = self.listen.ip();
+        if !ip.is_loopback() && !self.insecure {
+            let missing: Vec<&str> = [
+                ("--ingest-token", &self.ingest_token),
+                ("--read-token", &self.read_token),
+            ]
+            .into_iter()
+            .filter(|(_, t)| t.as_deref().is_none_or(str::is_empty))
+            .map(|(flag, _)| flag)
+            .collect();
+            if !missing.is_empty() {
+                return Err(Error::bad(format!(
+                    "refusing to listen on non-loopback address {} without {}; set the token(s) or pass --insecure",
+                    self.listen,
+                    missing.join(" and ")
+                )));
+            }
+        }
+        for (name, token) in [("ingest", &self.ingest_token), ("read", &self.read_token)] {
+            if token.as_deref() == Some("") {
+                return Err(Error::bad(format!("the {name} token is empty")));
+            }
+        }
+        if self.max_body_bytes == 0 || self.max_batch_rows == 0 || self.hot_budget_bytes == 0 {
+            return Err(Error::bad(
+                "body, batch-row and hot-buffer limits must be positive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parses `500ms`, `10s`, `5m`, `1h`.
+pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("duration {text:?} needs a unit (ms, s, m, h)"))?;
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("duration {text:?} does not start with a number"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        _ => Err(format!(
+            "duration {text:?}: unknown unit {unit:?} (ms, s, m, h)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("15m").unwrap(), Duration::from_secs(900));
+        assert!(parse_duration("10").unwrap_err().contains("needs a unit"));
+        assert!(parse_duration("10d").unwrap_err().contains("unknown unit"));
+    }
+
+    #[test]
+    fn non_loopback_needs_tokens_or_insecure() {
+        let mut c = ServeConfig::with_data_dir("/tmp/x");
+        assert!(c.check().is_ok());
+        c.listen = "0.0.0.0:7070".parse().unwrap();
+        let err = c.check().unwrap_err().to_string();
+        assert!(err.contains("--ingest-token and --read-token"), "{err}");
+        c.ingest_token = Some("a".into());
+        let err = c.check().unwrap_err().to_string();
+        assert!(
+            err.contains("--read-token") && !err.contains("--ingest-token"),
+            "{err}"
+        );
+        c.read_token = Some("b".into());
+        assert!(c.check().is_ok());
+        c.read_token = None;
+        c.insecure = true;
+        assert!(c.check().is_ok());
+    }
+}

@@ -1,0 +1,168 @@
+//! The collector's one error type, and its mapping to HTTP status codes in one place.
+//!
+//! Client mistakes (malformed bodies, unknown metrics, hostile run ids) become 4xx responses
+//! whose JSON body carries the lowercase message that names the problem. Server faults become
+//! 5xx and are logged; their message is still returned, because an operator reading an agent's
+//! log should see why a batch was refused.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+/// Everything that can go wrong in the collector.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request that is malformed or breaks a rule of the data model.
+    #[error("{0}")]
+    BadRequest(String),
+
+    /// Domain data that the analytics crate refused (bad run id, unknown site, bad scope...).
+    #[error(transparent)]
+    Domain(#[from] rankwatch_analytics::Error),
+
+    /// An Arrow IPC body that could not be decoded.
+    #[error("malformed arrow ipc stream: {0}")]
+    Arrow(#[source] arrow_schema::ArrowError),
+
+    /// A JSON body that could not be parsed.
+    #[error("malformed json body: {0}")]
+    Json(#[from] serde_json::Error),
+
+    /// A body over the configured size limit.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+
+    /// A batch over the configured row limit.
+    #[error("batch of {rows} rows exceeds the limit of {limit} rows")]
+    TooManyRows { rows: usize, limit: usize },
+
+    /// A run that would exceed a cardinality limit (series, metrics).
+    #[error("{0}")]
+    Cardinality(String),
+
+    /// A content type the endpoint does not speak.
+    #[error(
+        "unsupported content type {0:?}; send application/vnd.apache.arrow.stream or application/json"
+    )]
+    UnsupportedMediaType(String),
+
+    /// Missing or wrong bearer token.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+
+    /// No such route.
+    #[error("no such endpoint; see /api/v1/openapi.json")]
+    NotFound,
+
+    /// A run the collector has never seen.
+    #[error("unknown run {0:?}")]
+    UnknownRun(String),
+
+    /// The same idempotency key is being written by another request right now.
+    #[error("a batch with idempotency key {0:?} is being written; retry")]
+    InFlight(String),
+
+    /// The hot buffer is over its memory budget; the client should retry later.
+    #[error(
+        "the collector is over its memory budget ({bytes} bytes buffered); retry after {retry_after_s} s"
+    )]
+    Backpressure { bytes: usize, retry_after_s: u64 },
+
+    /// A read-only SQL endpoint asked to write, or a query that failed to plan or run.
+    #[error("sql: {0}")]
+    Sql(String),
+
+    /// The collector is shutting down or its write-ahead log has failed.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+
+    /// File-system trouble.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+
+    /// Parquet encoding or decoding trouble.
+    #[error("parquet: {0}")]
+    Parquet(#[from] parquet::errors::ParquetError),
+
+    /// A query-engine failure on stored data.
+    #[error("query: {0}")]
+    Query(#[from] datafusion::error::DataFusionError),
+
+    /// A stored file that does not parse (manifest, key snapshot).
+    #[error("corrupt {what}: {reason}")]
+    Corrupt { what: String, reason: String },
+}
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The HTTP status this error maps to.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Error::BadRequest(_)
+            | Error::Domain(_)
+            | Error::Arrow(_)
+            | Error::Json(_)
+            | Error::Sql(_) => StatusCode::BAD_REQUEST,
+            Error::BodyTooLarge { .. } | Error::TooManyRows { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::Cardinality(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Error::UnknownRun(_) | Error::NotFound => StatusCode::NOT_FOUND,
+            Error::InFlight(_) => StatusCode::CONFLICT,
+            Error::Backpressure { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    /// A short, stable reason label for the `rejects` counter.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Error::BadRequest(_) => "bad_request",
+            Error::Domain(_) => "invalid_data",
+            Error::Arrow(_) => "malformed_arrow",
+            Error::Json(_) => "malformed_json",
+            Error::BodyTooLarge { .. } => "body_too_large",
+            Error::TooManyRows { .. } => "too_many_rows",
+            Error::Cardinality(_) => "cardinality",
+            Error::UnsupportedMediaType(_) => "media_type",
+            Error::Unauthorized(_) => "unauthorized",
+            Error::UnknownRun(_) => "unknown_run",
+            Error::NotFound => "not_found",
+            Error::InFlight(_) => "in_flight",
+            Error::Backpressure { .. } => "backpressure",
+            Error::Sql(_) => "sql",
+            Error::Unavailable(_) => "unavailable",
+            Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
+                "internal"
+            }
+        }
+    }
+
+    /// Shorthand for a [`Error::BadRequest`].
+    pub fn bad(message: impl Into<String>) -> Self {
+        Error::BadRequest(message.into())
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(error = %self, "request failed");
+        }
+        let body = serde_json::json!({ "error": self.to_string(), "reason": self.reason() });
+        let mut response = (status, axum::Json(body)).into_response();
+        let headers = response.headers_mut();
+        if let Error::Backpressure { retry_after_s, .. } = self {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}

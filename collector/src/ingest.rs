@@ -1,0 +1,194 @@
+//! The ingest path, independent of HTTP: decode, admit, log, apply, acknowledge.
+//!
+//! A batch is acknowledged only after its write-ahead-log record is fsynced *and* its rows are
+//! in the hot buffer, so a successful response means "durable and queryable". A batch whose
+//! idempotency key was already applied is acknowledged again without being written.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::decode::{self, Entry, Limits, Table};
+use crate::error::{Error, Result};
+use crate::idempotency::Key;
+use crate::store::{Admission, Store};
+use crate::telemetry::Telemetry;
+use crate::wal::WalHandle;
+
+/// The body's format, from its content type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Arrow,
+    Json,
+}
+
+impl Format {
+    /// Picks the format from a `Content-Type` value (parameters ignored).
+    pub fn from_content_type(value: Option<&str>) -> Result<Format> {
+        let media = value
+            .unwrap_or("")
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        match media.as_str() {
+            decode::ARROW_STREAM => Ok(Format::Arrow),
+            "application/json" => Ok(Format::Json),
+            "" => Err(Error::UnsupportedMediaType("(none)".into())),
+            _ => Err(Error::UnsupportedMediaType(media)),
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Format::Arrow => "arrow",
+            Format::Json => "json",
+        }
+    }
+}
+
+/// What the collector answers to an accepted batch.
+#[derive(Debug, Serialize)]
+pub struct Ack {
+    /// `stored`, or `duplicate` for an idempotency key already applied.
+    pub status: &'static str,
+    pub run: String,
+    pub rows: usize,
+    pub nonfinite: usize,
+    /// Write-ahead-log sequence number (absent for duplicates).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+}
+
+/// Everything ingest needs.
+#[derive(Debug, Clone)]
+pub struct Ingestor {
+    pub store: Arc<Store>,
+    pub wal: WalHandle,
+    pub telemetry: Arc<Telemetry>,
+    pub limits: Limits,
+}
+
+impl Ingestor {
+    /// Ingests one request body.
+    pub async fn ingest(
+        &self,
+        body: Bytes,
+        format: Format,
+        table: Table,
+        key: Option<&str>,
+    ) -> Result<Ack> {
+        let result = self.ingest_inner(body, format, table, key).await;
+        if let Err(e) = &result {
+            self.telemetry
+                .rejects
+                .get_or_create(&vec![("reason", e.reason())])
+                .inc();
+        }
+        result
+    }
+
+    async fn ingest_inner(
+        &self,
+        body: Bytes,
+        format: Format,
+        table: Table,
+        key: Option<&str>,
+    ) -> Result<Ack> {
+        let key = key.map(Key::parse).transpose()?;
+        let store = self.store.clone();
+        let limits = self.limits;
+        let body_len = body.len();
+        let decode_body = body.clone();
+        let entry = tokio::task::spawn_blocking(move || {
+            let known = |run: &rankwatch_analytics::RunId| store.run_info(run);
+            match format {
+                Format::Arrow => decode::decode_arrow(&decode_body, table, limits, &known),
+                Format::Json => decode::decode_json(&decode_body, limits, crate::now_ms(), &known),
+            }
+        })
+        .await
+        .map_err(|e| Error::Unavailable(format!("decoder task failed: {e}")))??;
+        if let Some(key) = &key
+            && key.run != entry.run
+        {
+            return Err(Error::bad(format!(
+                "Idempotency-Key names run {:?} but the batch holds run {:?}",
+                key.run.as_str(),
+                entry.run.as_str()
+            )));
+        }
+        let rows = entry.rows();
+        let nonfinite = entry.nonfinite();
+        if let Admission::Duplicate = self.store.begin(key.as_ref(), &entry)? {
+            self.telemetry.ingest_duplicates.inc();
+            return Ok(Ack {
+                status: "duplicate",
+                run: entry.run.to_string(),
+                rows,
+                nonfinite,
+                seq: None,
+            });
+        }
+        let raw = (format == Format::Arrow).then_some((table, &body[..]));
+        let payload =
+            match decode::encode_entry(key.as_ref().map(|k| k.to_string()).as_deref(), &entry, raw)
+            {
+                Ok(p) => p,
+                Err(e) => {
+                    if let Some(k) = &key {
+                        self.store.abort(k);
+                    }
+                    return Err(e);
+                }
+            };
+        let run = entry.run.to_string();
+        let store = self.store.clone();
+        let applied_key = key.clone();
+        let apply_entry: Entry = entry;
+        let table_label = table.as_str();
+        let seq = self
+            .wal
+            .append(
+                payload,
+                Box::new(move |seq| {
+                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, crate::now_ms()) {
+                        tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
+                    }
+                }),
+            )
+            .await;
+        let seq = match seq {
+            Ok(seq) => seq,
+            Err(e) => {
+                if let Some(k) = &key {
+                    self.store.abort(k);
+                }
+                return Err(e);
+            }
+        };
+        let t = &self.telemetry;
+        let table_name = if format == Format::Json {
+            "mixed"
+        } else {
+            table_label
+        };
+        t.ingest_rows
+            .get_or_create(&vec![("table", table_name)])
+            .inc_by(rows as u64);
+        t.ingest_batches
+            .get_or_create(&vec![("format", format.label())])
+            .inc();
+        t.ingest_bytes.inc_by(body_len as u64);
+        t.ingest_nonfinite.inc_by(nonfinite as u64);
+        Ok(Ack {
+            status: "stored",
+            run,
+            rows,
+            nonfinite,
+            seq: Some(seq),
+        })
+    }
+}

@@ -1,0 +1,36 @@
+//! The rankwatch collector: the daemon every training agent streams to and the dashboard
+//! reads from.
+//!
+//! A batch travels: HTTP body ([`api`]) → decoded and checked ([`decode`]) → admitted
+//! (memory budget, cardinality, idempotency: [`store`], [`idempotency`]) → appended to the
+//! write-ahead log with group commit ([`wal`]) → applied to the queryable hot buffer → flushed
+//! to sorted, zstd Parquet in a Hive layout and compacted ([`store`]). Reads go through
+//! DataFusion over the Parquet files and the hot buffer ([`query`]). The collector's own health
+//! and bounded per-run aggregates are exported for Prometheus ([`telemetry`]). [`server`] ties
+//! start-up (recovery first), background work and graceful shutdown together.
+
+pub mod api;
+pub mod config;
+pub mod decode;
+pub mod error;
+pub mod fsutil;
+pub mod idempotency;
+pub mod ingest;
+pub mod query;
+pub mod server;
+pub mod store;
+pub mod telemetry;
+pub mod wal;
+
+pub use api::{AppState, app};
+pub use config::{Cli, Command, ServeConfig};
+pub use error::{Error, Result};
+pub use server::{Collector, serve};
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

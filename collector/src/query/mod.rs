@@ -1,0 +1,278 @@
+//! Read queries: DataFusion over the Parquet files ∪ the hot buffer of a run.
+//!
+//! A query takes a [`TableView`](crate::store::TableView) of the store (files and in-memory
+//! batches, consistent with each other), scans both with the same filter — pushed down into
+//! Parquet, where row-group and page statistics on the sort columns skip everything else — and
+//! unions them. The endpoints then shape the rows in Rust (downsampling, grids, matrices),
+//! which keeps non-finite handling explicit. Runs and catalogs come from the run index.
+
+pub mod downsample;
+pub mod json;
+pub mod views;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::prelude::{
+    DataFrame, Expr, ParquetReadOptions, SQLOptions, SessionConfig, SessionContext, lit,
+};
+use rankwatch_analytics::RunId;
+use rankwatch_analytics::schema::{alerts, runs};
+
+use crate::decode::Table;
+use crate::error::{Error, Result};
+use crate::store::{Store, files};
+
+/// Runs queries against the store.
+#[derive(Clone)]
+pub struct Engine {
+    store: Arc<Store>,
+    ctx: SessionContext,
+    timeout: Duration,
+    sql_max_rows: usize,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("timeout", &self.timeout)
+            .field("sql_max_rows", &self.sql_max_rows)
+            .finish_non_exhaustive()
+    }
+}
+
+fn session(runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>) -> SessionContext {
+    let mut config = SessionConfig::new()
+        .with_target_partitions(2)
+        .with_information_schema(true);
+    let options = config.options_mut();
+    options.execution.parquet.pushdown_filters = true;
+    options.execution.parquet.reorder_filters = true;
+    options.execution.parquet.enable_page_index = true;
+    SessionContext::new_with_config_rt(config, runtime)
+}
+
+impl Engine {
+    /// An engine over `store`.
+    pub fn new(store: Arc<Store>, timeout: Duration, sql_max_rows: usize) -> Result<Self> {
+        let runtime = Arc::new(RuntimeEnvBuilder::new().build()?);
+        Ok(Engine {
+            ctx: session(runtime),
+            store,
+            timeout,
+            sql_max_rows,
+        })
+    }
+
+    /// The store queried.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    async fn with_timeout<T>(&self, work: impl Future<Output = Result<T>>) -> Result<T> {
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Unavailable(format!(
+                "query cancelled after {:?}; narrow the step range",
+                self.timeout
+            ))),
+        }
+    }
+
+    /// A data frame over one table of one run (file schema, no `run` column).
+    async fn frame(
+        &self,
+        ctx: &SessionContext,
+        table: Table,
+        run: &RunId,
+    ) -> Result<Option<DataFrame>> {
+        let view = self.store.view(table, run);
+        let schema = files::file_schema(table);
+        let mut frame: Option<DataFrame> = None;
+        if !view.files.is_empty() {
+            let paths: Vec<String> = view
+                .files
+                .iter()
+                .map(|p| p.to_string_lossy().into_owned())
+                .collect();
+            let options = ParquetReadOptions::default().schema(&schema);
+            frame = Some(ctx.read_parquet(paths, options).await?);
+        }
+        if !view.batches.is_empty() {
+            let hot = ctx.read_batches(view.batches)?;
+            frame = Some(match frame {
+                Some(cold) => cold.union(hot)?,
+                None => hot,
+            });
+        }
+        Ok(frame)
+    }
+
+    /// Rows of `table` for `run` that pass `filter`, with the given columns.
+    pub async fn scan(
+        &self,
+        table: Table,
+        run: &RunId,
+        filter: Expr,
+        columns: &[&str],
+    ) -> Result<Vec<RecordBatch>> {
+        self.with_timeout(async {
+            let Some(frame) = self.frame(&self.ctx, table, run).await? else {
+                return Ok(Vec::new());
+            };
+            Ok(frame
+                .filter(filter)?
+                .select_columns(columns)?
+                .collect()
+                .await?)
+        })
+        .await
+    }
+
+    /// Rebuilds the run index from the Parquet files (at start, before log replay).
+    pub async fn rebuild_index(&self) -> Result<()> {
+        use arrow_array::Array;
+        use arrow_array::cast::AsArray;
+        use arrow_array::types::{Int64Type, TimestampMillisecondType, UInt32Type, UInt64Type};
+        use datafusion::functions::math::expr_fn::isnan;
+        use datafusion::functions_aggregate::expr_fn::{count, max, min, sum};
+        use datafusion::prelude::{col, when};
+
+        for run in self.store.runs_with_files(Table::Samples) {
+            let Some(frame) = self.frame(&self.ctx, Table::Samples, &run).await? else {
+                continue;
+            };
+            let value = || col("value");
+            let nonfinite = when(
+                isnan(value())
+                    .or(value().eq(lit(f64::INFINITY)))
+                    .or(value().eq(lit(f64::NEG_INFINITY))),
+                lit(1i64),
+            )
+            .otherwise(lit(0i64))?;
+            let batches = frame
+                .aggregate(
+                    vec![col("metric"), col("layer"), col("site"), col("rank")],
+                    vec![
+                        count(lit(1i64)).alias("n"),
+                        sum(nonfinite).alias("nonfinite"),
+                        min(col("step")).alias("first"),
+                        max(col("step")).alias("last"),
+                        max(col("time")).alias("time"),
+                    ],
+                )?
+                .collect()
+                .await?;
+            self.store.with_run_mut(&run, |summary| {
+                for b in &batches {
+                    let metric = b.column(0).as_string::<i32>();
+                    let layer = b.column(1).as_primitive::<UInt32Type>();
+                    let site = b.column(2).as_string::<i32>();
+                    let rank = b.column(3).as_primitive::<UInt32Type>();
+                    let n = b.column(4).as_primitive::<Int64Type>();
+                    let nf = b.column(5).as_primitive::<Int64Type>();
+                    let first = b.column(6).as_primitive::<UInt64Type>();
+                    let last = b.column(7).as_primitive::<UInt64Type>();
+                    let time = b.column(8).as_primitive::<TimestampMillisecondType>();
+                    for i in 0..b.num_rows() {
+                        let key = crate::store::index::SeriesKey {
+                            metric: Arc::from(metric.value(i)),
+                            layer: layer.is_valid(i).then(|| layer.value(i)),
+                            site: site
+                                .is_valid(i)
+                                .then(|| site.value(i).parse().ok())
+                                .flatten(),
+                            rank: rank.is_valid(i).then(|| rank.value(i)),
+                        };
+                        summary.add_rebuilt(
+                            key,
+                            n.value(i) as u64,
+                            nf.value(i) as u64,
+                            (first.value(i), last.value(i)),
+                            time.value(i),
+                        );
+                    }
+                }
+            });
+        }
+        for f in self
+            .store
+            .files()
+            .iter()
+            .filter(|f| f.table == Table::Sketches.as_str())
+        {
+            self.store.with_run_mut(&f.run, |s| s.sketches += f.rows);
+        }
+        Ok(())
+    }
+
+    /// Runs read-only SQL over `samples`, `sketches`, `runs` and `alerts` (every run, with a
+    /// `run` column). Returns the rows and whether the row limit cut the answer.
+    pub async fn sql(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
+        self.with_timeout(async {
+            let ctx = session(self.ctx.runtime_env());
+            for table in [Table::Samples, Table::Sketches] {
+                let mut all: Option<DataFrame> = None;
+                for run in self
+                    .store
+                    .with_runs(|r| r.keys().cloned().collect::<Vec<_>>())
+                {
+                    let Some(frame) = self.frame(&ctx, table, &run).await? else {
+                        continue;
+                    };
+                    let mut columns = vec![lit(run.as_str()).alias("run")];
+                    columns.extend(
+                        files::file_schema(table)
+                            .fields()
+                            .iter()
+                            .map(|f| datafusion::prelude::col(f.name().as_str())),
+                    );
+                    let frame = frame.select(columns)?;
+                    all = Some(match all {
+                        Some(a) => a.union(frame)?,
+                        None => frame,
+                    });
+                }
+                let frame = match all {
+                    Some(f) => f,
+                    None => {
+                        ctx.read_batch(RecordBatch::new_empty(crate::decode::schema_of(table)))?
+                    }
+                };
+                ctx.register_table(table.as_str(), frame.into_view())?;
+            }
+            let infos: Vec<_> = self
+                .store
+                .with_runs(|r| r.values().filter_map(|s| s.info.clone()).collect());
+            ctx.register_batch(runs::TABLE, runs::to_batch(&infos)?)?;
+            ctx.register_batch(alerts::TABLE, alerts::to_batch(&self.store.alerts(None))?)?;
+            let options = SQLOptions::new()
+                .with_allow_ddl(false)
+                .with_allow_dml(false)
+                .with_allow_statements(false);
+            let frame = ctx
+                .sql_with_options(sql, options)
+                .await
+                .map_err(|e| Error::Sql(e.to_string()))?;
+            let batches = frame
+                .limit(0, Some(self.sql_max_rows + 1))
+                .map_err(|e| Error::Sql(e.to_string()))?
+                .collect()
+                .await
+                .map_err(|e| Error::Sql(e.to_string()))?;
+            let rows: usize = batches.iter().map(RecordBatch::num_rows).sum();
+            let truncated = rows > self.sql_max_rows;
+            let batches = if truncated {
+                let all = arrow_select::concat::concat_batches(&batches[0].schema(), &batches)
+                    .map_err(Error::Arrow)?;
+                vec![all.slice(0, self.sql_max_rows)]
+            } else {
+                batches
+            };
+            Ok((batches, truncated))
+        })
+        .await
+    }
+}

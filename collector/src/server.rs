@@ -1,0 +1,231 @@
+//! Start-up, background work and shutdown of the collector.
+//!
+//! Start-up order matters for durability: load the manifest (deleting files it does not list),
+//! rebuild the run index from Parquet, replay the write-ahead log after the manifest's
+//! `flushed_seq` into the hot buffer, and only then start the log writer and accept requests.
+//! Shutdown stops accepting, lets in-flight requests finish, flushes the hot buffer to Parquet
+//! and truncates the log, so a clean restart replays nothing.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::api::{AppState, app};
+use crate::config::ServeConfig;
+use crate::decode::{self, Limits};
+use crate::error::Result;
+use crate::idempotency::Key;
+use crate::ingest::Ingestor;
+use crate::query::Engine;
+use crate::store::{Store, StoreLimits};
+use crate::telemetry::{Exporter, Telemetry};
+use crate::wal::{self, WalHandle};
+
+/// An open collector: store, log writer, background tasks and the API state.
+#[derive(Debug)]
+pub struct Collector {
+    state: AppState,
+    store: Arc<Store>,
+    wal: WalHandle,
+    wal_thread: Option<std::thread::JoinHandle<()>>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Collector {
+    /// Opens the data directory, recovers, and starts the background tasks.
+    pub async fn open(config: &ServeConfig) -> Result<Collector> {
+        config.check()?;
+        let telemetry = Arc::new(Telemetry::default());
+        let store_cell = Arc::new(OnceLock::new());
+        let exporter = Exporter::new(
+            &telemetry,
+            store_cell.clone(),
+            config.active_window,
+            config.max_active_runs,
+        );
+        let limits = StoreLimits {
+            hot_budget_bytes: config.hot_budget_bytes,
+            max_series_per_run: config.max_series_per_run,
+            compact_small_rows: config.compact_small_rows,
+            compact_max_rows: config.compact_max_rows,
+            file_grace: config.query_timeout + Duration::from_secs(5),
+        };
+        let store = Arc::new(Store::open(&config.data_dir, limits, telemetry.clone())?);
+        let _ = store_cell.set(Arc::downgrade(&store));
+        let engine = Engine::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
+        engine.rebuild_index().await?;
+
+        let wal_dir = config.data_dir.join("wal");
+        let report = wal::replay(&wal_dir, store.flushed_seq())?;
+        let replayed = report.records.len();
+        for record in report.records {
+            match decode::decode_entry(&record.payload) {
+                Ok((key, entry)) => {
+                    let key = key.as_deref().map(Key::parse).transpose().ok().flatten();
+                    store.apply(record.seq, key.as_ref(), &entry, 0)?;
+                }
+                Err(e) => {
+                    tracing::error!(seq = record.seq, error = %e, "unreadable write-ahead-log entry skipped");
+                }
+            }
+        }
+        if replayed > 0 || report.torn_bytes > 0 {
+            tracing::info!(
+                replayed,
+                torn_bytes = report.torn_bytes,
+                "recovered from the write-ahead log"
+            );
+        }
+        let (wal, wal_thread) = WalHandle::start(
+            wal_dir,
+            report.next_seq,
+            config.wal_segment_bytes,
+            telemetry.clone(),
+        )?;
+        // Segments wholly flushed before a crash are deleted now.
+        wal.truncate(store.flushed_seq());
+
+        let ingestor = Ingestor {
+            store: store.clone(),
+            wal: wal.clone(),
+            telemetry: telemetry.clone(),
+            limits: Limits {
+                max_rows: config.max_batch_rows,
+            },
+        };
+        let state = AppState::new(
+            ingestor,
+            engine,
+            telemetry,
+            exporter,
+            config.ingest_token.clone(),
+            config.read_token.clone(),
+            config.max_body_bytes,
+        );
+        let (stop, stopped) = watch::channel(false);
+        let tasks = vec![
+            tokio::spawn(flusher(
+                store.clone(),
+                wal.clone(),
+                config.flush_interval,
+                stopped.clone(),
+            )),
+            tokio::spawn(compactor(store.clone(), config.compact_interval, stopped)),
+        ];
+        Ok(Collector {
+            state,
+            store,
+            wal,
+            wal_thread: Some(wal_thread),
+            stop,
+            tasks,
+        })
+    }
+
+    /// The API router.
+    pub fn app(&self) -> axum::Router {
+        app(self.state.clone())
+    }
+
+    /// The API state.
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// Flushes the hot buffer now and truncates the log (tests, shutdown).
+    pub async fn flush(&self) -> Result<()> {
+        if let Some(seq) = self.store.flush().await? {
+            self.wal.truncate(seq);
+            self.wal.barrier().await;
+        }
+        Ok(())
+    }
+
+    /// Stops background work, flushes everything and closes the log.
+    pub async fn shutdown(mut self) -> Result<()> {
+        self.state.set_ready(false);
+        let _ = self.stop.send(true);
+        for task in self.tasks.drain(..) {
+            let _ = task.await;
+        }
+        let flushed = self.flush().await;
+        drop(self.state);
+        drop(self.wal);
+        if let Some(thread) = self.wal_thread.take() {
+            // The writer exits when the last handle is gone; the store's apply closures hold
+            // none, so this returns once queued appends are done.
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+        flushed
+    }
+}
+
+async fn flusher(
+    store: Arc<Store>,
+    wal: WalHandle,
+    every: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = store.flush_requested() => {}
+            _ = stop.changed() => return,
+        }
+        match store.flush().await {
+            Ok(Some(seq)) => wal.truncate(seq),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "flush failed; the rows stay in memory and the log, retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+async fn compactor(store: Arc<Store>, every: Duration, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+        if let Err(e) = store.compact().await {
+            tracing::error!(error = %e, "compaction failed; will retry");
+        }
+    }
+}
+
+/// Runs `rankwatch serve` until `shutdown` resolves. Prints the bound address (useful with
+/// port 0) once requests are accepted.
+pub async fn serve(
+    config: ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let collector = Collector::open(&config).await?;
+    let listener = TcpListener::bind(config.listen).await?;
+    let address: SocketAddr = listener.local_addr()?;
+    tracing::info!(%address, data_dir = %config.data_dir.display(), "rankwatch collector listening");
+    println!("rankwatch listening on http://{address}");
+    let state = collector.state().clone();
+    let router = collector.app();
+    let served = axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            state.set_ready(false);
+            tracing::info!("shutting down: finishing requests, flushing to Parquet");
+        })
+        .await;
+    let closed = collector.shutdown().await;
+    served?;
+    closed
+}

@@ -1,0 +1,208 @@
+//! The in-memory index of runs: what `/api/v1/runs`, the catalog, cardinality limits and the
+//! per-run gauges of `/metrics` read, without scanning Parquet.
+//!
+//! It holds, per run, the metadata the agent announced, counts, the step range, every distinct
+//! series (metric, layer, site, rank) and the latest values of the few metrics `/metrics`
+//! exports. It is rebuilt on start from the Parquet files (one aggregate query per run) and
+//! from write-ahead-log replay, so it is never a second source of truth.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float64Type, TimestampMillisecondType, UInt32Type, UInt64Type};
+use arrow_array::{Array, RecordBatch};
+use rankwatch_analytics::{RunInfo, Site};
+use serde::Serialize;
+
+/// One series of a run.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct SeriesKey {
+    pub metric: Arc<str>,
+    pub layer: Option<u32>,
+    pub site: Option<Site>,
+    pub rank: Option<u32>,
+}
+
+/// A value with the step it was measured at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Latest {
+    pub step: u64,
+    pub value: f64,
+}
+
+fn keep_latest(slot: &mut Option<Latest>, step: u64, value: f64) {
+    if slot.is_none_or(|l| l.step <= step) {
+        *slot = Some(Latest { step, value });
+    }
+}
+
+/// What the index knows about one run.
+#[derive(Debug, Default)]
+pub struct RunSummary {
+    pub info: Option<RunInfo>,
+    pub samples: u64,
+    pub nonfinite: u64,
+    pub sketches: u64,
+    pub first_step: Option<u64>,
+    pub last_step: Option<u64>,
+    /// Latest measurement time seen, ms since the epoch.
+    pub last_time_ms: Option<i64>,
+    /// Wall-clock time the collector last received data for the run (0 after a restart until
+    /// new data arrives).
+    pub last_seen_ms: i64,
+    pub series: HashSet<SeriesKey>,
+    metrics: HashMap<String, Arc<str>>,
+    pub loss_by_rank: HashMap<u32, Latest>,
+    pub ratio_by_layer: HashMap<u32, Latest>,
+    pub perplexity: Option<Latest>,
+    pub loss_cv: Option<Latest>,
+    pub grad_norm_cv: Option<Latest>,
+    /// Latest step with a per-rank sample, per rank.
+    pub rank_steps: HashMap<u32, u64>,
+}
+
+impl RunSummary {
+    fn intern(&mut self, metric: &str) -> Arc<str> {
+        if let Some(m) = self.metrics.get(metric) {
+            return m.clone();
+        }
+        let m: Arc<str> = Arc::from(metric);
+        self.metrics.insert(metric.to_owned(), m.clone());
+        m
+    }
+
+    /// Series of `batch` (file schema) that the run does not have yet.
+    pub fn new_series(&self, batch: &RecordBatch) -> usize {
+        let mut fresh = HashSet::new();
+        for_each_key(batch, |metric, layer, site, rank| {
+            let key = SeriesKey {
+                metric: Arc::from(metric),
+                layer,
+                site,
+                rank,
+            };
+            if !self.series.contains(&key) {
+                fresh.insert(key);
+            }
+        });
+        fresh.len()
+    }
+
+    /// Takes a batch of samples (file schema) into account.
+    pub fn add_samples(&mut self, batch: &RecordBatch, seen_ms: i64) {
+        let rows = batch.num_rows();
+        if rows == 0 {
+            return;
+        }
+        let rank = batch.column(0).as_primitive::<UInt32Type>();
+        let step = batch.column(1).as_primitive::<UInt64Type>();
+        let time = batch.column(2).as_primitive::<TimestampMillisecondType>();
+        let metric = batch.column(3).as_string::<i32>();
+        let layer = batch.column(4).as_primitive::<UInt32Type>();
+        let site = batch.column(5).as_string::<i32>();
+        let value = batch.column(6).as_primitive::<Float64Type>();
+        self.samples += rows as u64;
+        self.last_seen_ms = self.last_seen_ms.max(seen_ms);
+        let mut last_metric: Option<(usize, Arc<str>)> = None;
+        for i in 0..rows {
+            let s = step.value(i);
+            let v = value.value(i);
+            if !v.is_finite() {
+                self.nonfinite += 1;
+            }
+            self.first_step = Some(self.first_step.map_or(s, |f| f.min(s)));
+            self.last_step = Some(self.last_step.map_or(s, |l| l.max(s)));
+            let t = time.value(i);
+            self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
+            let m = metric.value(i);
+            let interned = match &last_metric {
+                Some((_, a)) if a.as_ref() == m => a.clone(),
+                _ => {
+                    let a = self.intern(m);
+                    last_metric = Some((i, a.clone()));
+                    a
+                }
+            };
+            let r = rank.is_valid(i).then(|| rank.value(i));
+            let l = layer.is_valid(i).then(|| layer.value(i));
+            let site = site
+                .is_valid(i)
+                .then(|| site.value(i).parse::<Site>().ok())
+                .flatten();
+            if let Some(r) = r {
+                let e = self.rank_steps.entry(r).or_insert(s);
+                *e = (*e).max(s);
+            }
+            match (m, r, l) {
+                ("loss", Some(r), _) => {
+                    let mut slot = self.loss_by_rank.get(&r).copied();
+                    keep_latest(&mut slot, s, v);
+                    self.loss_by_rank
+                        .insert(r, slot.unwrap_or(Latest { step: s, value: v }));
+                }
+                ("spectral.ratio", _, Some(l)) => {
+                    let mut slot = self.ratio_by_layer.get(&l).copied();
+                    keep_latest(&mut slot, s, v);
+                    self.ratio_by_layer
+                        .insert(l, slot.unwrap_or(Latest { step: s, value: v }));
+                }
+                ("perplexity", ..) => keep_latest(&mut self.perplexity, s, v),
+                ("loss_cv", ..) => keep_latest(&mut self.loss_cv, s, v),
+                ("grad_norm_cv", ..) => keep_latest(&mut self.grad_norm_cv, s, v),
+                _ => {}
+            }
+            let key = SeriesKey {
+                metric: interned,
+                layer: l,
+                site,
+                rank: r,
+            };
+            if !self.series.contains(&key) {
+                self.series.insert(key);
+            }
+        }
+    }
+
+    /// Merges an aggregate row from the Parquet rebuild.
+    pub fn add_rebuilt(
+        &mut self,
+        key: SeriesKey,
+        count: u64,
+        nonfinite: u64,
+        steps: (u64, u64),
+        time_ms: i64,
+    ) {
+        self.samples += count;
+        self.nonfinite += nonfinite;
+        self.first_step = Some(self.first_step.map_or(steps.0, |f| f.min(steps.0)));
+        self.last_step = Some(self.last_step.map_or(steps.1, |l| l.max(steps.1)));
+        self.last_time_ms = Some(self.last_time_ms.map_or(time_ms, |l| l.max(time_ms)));
+        if let Some(r) = key.rank {
+            let e = self.rank_steps.entry(r).or_insert(steps.1);
+            *e = (*e).max(steps.1);
+        }
+        let metric = self.intern(&key.metric);
+        self.series.insert(SeriesKey { metric, ..key });
+    }
+}
+
+fn for_each_key(
+    batch: &RecordBatch,
+    mut f: impl FnMut(&str, Option<u32>, Option<Site>, Option<u32>),
+) {
+    let rank = batch.column(0).as_primitive::<UInt32Type>();
+    let metric = batch.column(3).as_string::<i32>();
+    let layer = batch.column(4).as_primitive::<UInt32Type>();
+    let site = batch.column(5).as_string::<i32>();
+    for i in 0..batch.num_rows() {
+        f(
+            metric.value(i),
+            layer.is_valid(i).then(|| layer.value(i)),
+            site.is_valid(i)
+                .then(|| site.value(i).parse::<Site>().ok())
+                .flatten(),
+            rank.is_valid(i).then(|| rank.value(i)),
+        );
+    }
+}

@@ -1,0 +1,144 @@
+//! The manifest: which Parquet files make up each table, and how far the write-ahead log has
+//! been flushed into them. It is the commit point of every flush and compaction: a file that
+//! is not listed does not exist for readers, and is deleted on start.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use rankwatch_analytics::RunId;
+use serde::{Deserialize, Serialize};
+
+use crate::decode::Table;
+use crate::error::{Error, Result};
+use crate::fsutil::write_atomic;
+
+const FILE: &str = "manifest.json";
+const VERSION: u32 = 1;
+
+/// One Parquet file of one table and run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub table: String,
+    pub run: RunId,
+    pub part: u64,
+    pub rows: u64,
+    pub bytes: u64,
+    pub min_step: Option<u64>,
+    pub max_step: Option<u64>,
+}
+
+impl FileMeta {
+    /// Path relative to the data directory, in the Hive layout.
+    pub fn relative(&self) -> PathBuf {
+        file_path(&self.table, &self.run, self.part)
+    }
+
+    /// Whether this file belongs to `table` of `run`.
+    pub fn is(&self, table: Table, run: &RunId) -> bool {
+        self.table == table.as_str() && self.run == *run
+    }
+}
+
+/// `table=<t>/run=<id>/part-<n>.parquet`.
+pub fn file_path(table: &str, run: &RunId, part: u64) -> PathBuf {
+    Path::new(&format!("table={table}"))
+        .join(format!("run={run}"))
+        .join(format!("part-{part}.parquet"))
+}
+
+/// The durable description of the Parquet side of the store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub version: u32,
+    /// Every write-ahead-log record at or below this sequence number is in `files`.
+    pub flushed_seq: u64,
+    /// The part number the next file gets.
+    pub next_part: u64,
+    pub files: Vec<FileMeta>,
+}
+
+impl Default for Manifest {
+    fn default() -> Self {
+        Manifest {
+            version: VERSION,
+            flushed_seq: 0,
+            next_part: 0,
+            files: Vec::new(),
+        }
+    }
+}
+
+impl Manifest {
+    /// Loads the manifest of `dir`, or an empty one for a new directory.
+    pub fn load(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(FILE);
+        match fs::read(&path) {
+            Ok(bytes) => {
+                let manifest: Manifest =
+                    serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+                        what: path.display().to_string(),
+                        reason: e.to_string(),
+                    })?;
+                if manifest.version != VERSION {
+                    return Err(Error::Corrupt {
+                        what: path.display().to_string(),
+                        reason: format!("unsupported manifest version {}", manifest.version),
+                    });
+                }
+                Ok(manifest)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest::default()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Replaces the manifest durably.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        write_atomic(&dir.join(FILE), &serde_json::to_vec_pretty(self)?)
+    }
+
+    /// Deletes Parquet files the manifest does not list (left by a crash between writing a
+    /// file and committing it) and temporary files. Returns how many were removed.
+    pub fn remove_unlisted(&self, dir: &Path) -> Result<usize> {
+        let listed: std::collections::HashSet<PathBuf> =
+            self.files.iter().map(|f| dir.join(f.relative())).collect();
+        let mut removed = 0;
+        for table in read_dir_if_exists(dir)? {
+            if !is_dir_named(&table, "table=") {
+                continue;
+            }
+            for run in read_dir_if_exists(&table)? {
+                if !is_dir_named(&run, "run=") {
+                    continue;
+                }
+                for file in read_dir_if_exists(&run)? {
+                    let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                    let ours = name.starts_with("part-")
+                        && (name.ends_with(".parquet") || name.ends_with(".tmp"));
+                    if ours && !listed.contains(&file) {
+                        tracing::info!(file = %file.display(), "removing a file no manifest lists");
+                        fs::remove_file(&file)?;
+                        removed += 1;
+                    }
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+fn read_dir_if_exists(dir: &Path) -> Result<Vec<PathBuf>> {
+    match fs::read_dir(dir) {
+        Ok(entries) => Ok(entries.filter_map(|e| e.ok().map(|e| e.path())).collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn is_dir_named(path: &Path, prefix: &str) -> bool {
+    path.is_dir()
+        && path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(prefix))
+}

@@ -1,0 +1,754 @@
+//! The store: write-ahead log → hot in-memory Arrow buffer → Parquet, with one consistent
+//! view for readers.
+//!
+//! # Design
+//!
+//! Everything mutable lives in one [`State`] behind a mutex held only for bookkeeping (never
+//! across I/O): the hot batches per (table, run), batches being flushed, the list of Parquet
+//! files from the manifest, the idempotency keys and the run index. A reader takes a
+//! [`TableView`] — file paths plus hot and flushing batches — in one critical section, so it
+//! sees every acknowledged row exactly once whatever flush or compaction is doing.
+//!
+//! Ingest appends to the write-ahead log; after the group fsync, the log's writer thread
+//! *applies* the batch: rows go into the hot buffer, the key becomes applied, the run index
+//! learns the series. The hot buffer is thus always "every durable record up to
+//! `applied_seq`".
+//!
+//! A flush moves all hot batches to `flushing` (still readable), writes one sorted Parquet
+//! file per (table, run) without holding the lock, saves the key snapshot, then commits a new
+//! manifest (`flushed_seq` = the `applied_seq` it started from) and drops the flushed batches
+//! in the same critical section. Only then is the log truncated. Compaction merges small files
+//! of one run into one, commits the manifest, and deletes the old files after a grace period
+//! so queries already planned on them finish. A crash anywhere leaves the previous manifest,
+//! the log records after its `flushed_seq`, and possibly unlisted files, which start-up
+//! deletes.
+
+pub mod files;
+pub mod index;
+pub mod manifest;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use arrow_array::RecordBatch;
+use rankwatch_analytics::schema::{alerts, runs};
+use rankwatch_analytics::{Alert, RunId, RunInfo};
+use tokio::sync::{Notify, broadcast};
+
+use crate::decode::{Entry, Table};
+use crate::error::{Error, Result};
+use crate::idempotency::{Check, Key, KeySet};
+use crate::telemetry::Telemetry;
+use index::RunSummary;
+use manifest::{FileMeta, Manifest};
+
+/// What changed, for `/api/v1/events` subscribers.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// New samples arrived for a run.
+    Samples {
+        run: String,
+        rows: usize,
+        first_step: u64,
+        last_step: u64,
+    },
+    /// A run announced (or changed) its metadata.
+    Run { run: String, world_size: u32 },
+    /// An alert changed state.
+    Alert { alert: Box<Alert> },
+}
+
+/// Limits the store enforces at ingest.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreLimits {
+    pub hot_budget_bytes: usize,
+    pub max_series_per_run: usize,
+    pub compact_small_rows: u64,
+    pub compact_max_rows: u64,
+    pub file_grace: Duration,
+}
+
+/// Rows of one table of one run, as a reader sees them.
+#[derive(Debug, Clone, Default)]
+pub struct TableView {
+    /// Parquet files, absolute paths.
+    pub files: Vec<PathBuf>,
+    /// Hot and flushing batches, file schema.
+    pub batches: Vec<RecordBatch>,
+}
+
+#[derive(Debug, Default)]
+struct HotPart {
+    batches: Vec<RecordBatch>,
+    bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    hot: HashMap<(Table, RunId), HotPart>,
+    hot_bytes: usize,
+    flushing: Vec<((Table, RunId), HotPart)>,
+    manifest: Manifest,
+    applied_seq: u64,
+    keys: KeySet,
+    runs: BTreeMap<RunId, RunSummary>,
+    runs_dirty: Vec<RunId>,
+    alerts: BTreeMap<String, Alert>,
+    alerts_dirty: Vec<RunId>,
+    /// Files replaced by compaction, deleted once no query can still be reading them.
+    graveyard: Vec<(Instant, PathBuf)>,
+}
+
+/// The store; shared by the HTTP layer, the log writer and the background tasks.
+#[derive(Debug)]
+pub struct Store {
+    dir: PathBuf,
+    state: Mutex<State>,
+    limits: StoreLimits,
+    events: broadcast::Sender<Event>,
+    flush_wanted: Notify,
+    telemetry: Arc<Telemetry>,
+    /// Serialises flushes and compactions (each commits a manifest).
+    maintenance: tokio::sync::Mutex<()>,
+}
+
+/// Outcome of [`Store::begin`].
+#[derive(Debug)]
+pub enum Admission {
+    /// Write it.
+    Write,
+    /// Already durable; acknowledge.
+    Duplicate,
+}
+
+impl Store {
+    /// Opens the store in `dir`: loads the manifest, deletes unlisted files, loads the key
+    /// snapshot and rebuilds the run index from Parquet. Replay comes after, via
+    /// [`Store::apply`].
+    pub fn open(dir: &Path, limits: StoreLimits, telemetry: Arc<Telemetry>) -> Result<Store> {
+        std::fs::create_dir_all(dir)?;
+        let manifest = Manifest::load(dir)?;
+        let removed = manifest.remove_unlisted(dir)?;
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "removed files left by an interrupted flush or compaction"
+            );
+        }
+        let keys = KeySet::load(dir, manifest.flushed_seq)?;
+        let state = State {
+            applied_seq: manifest.flushed_seq,
+            manifest,
+            keys,
+            ..Default::default()
+        };
+        let (events, _) = broadcast::channel(1024);
+        let store = Store {
+            dir: dir.to_owned(),
+            state: Mutex::new(state),
+            limits,
+            events,
+            flush_wanted: Notify::new(),
+            telemetry,
+            maintenance: tokio::sync::Mutex::new(()),
+        };
+        store.load_runs_and_alerts()?;
+        store.report_sizes();
+        Ok(store)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock would be a bug; the data stays consistent because
+        // every critical section is bookkeeping that completes or is not started.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The sequence number flushed to Parquet.
+    pub fn flushed_seq(&self) -> u64 {
+        self.lock().manifest.flushed_seq
+    }
+
+    /// Subscribes to change events.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    /// Publishes an event (no subscriber is fine).
+    pub fn publish(&self, event: Event) {
+        let _ = self.events.send(event);
+    }
+
+    /// Waits until ingest asks for an early flush.
+    pub async fn flush_requested(&self) {
+        self.flush_wanted.notified().await;
+    }
+
+    /// The metadata a run announced, if any.
+    pub fn run_info(&self, run: &RunId) -> Option<RunInfo> {
+        self.lock().runs.get(run).and_then(|r| r.info.clone())
+    }
+
+    /// Admission control before a batch is logged: memory budget, cardinality, idempotency.
+    pub fn begin(&self, key: Option<&Key>, entry: &Entry) -> Result<Admission> {
+        let mut state = self.lock();
+        if let Some(key) = key {
+            match state.keys.begin(key) {
+                Check::Applied => return Ok(Admission::Duplicate),
+                Check::InFlight => return Err(Error::InFlight(key.to_string())),
+                Check::New => {}
+            }
+        }
+        let refuse = |state: &mut State, error: Error| -> Result<Admission> {
+            if let Some(key) = key {
+                state.keys.abort(key);
+            }
+            Err(error)
+        };
+        if state.hot_bytes >= self.limits.hot_budget_bytes.saturating_mul(2) {
+            self.flush_wanted.notify_one();
+            let bytes = state.hot_bytes;
+            return refuse(
+                &mut state,
+                Error::Backpressure {
+                    bytes,
+                    retry_after_s: 1,
+                },
+            );
+        }
+        if let Some(samples) = &entry.samples {
+            let summary = state.runs.get(&entry.run);
+            let have = summary.map_or(0, |s| s.series.len());
+            let batch = files::without_run(samples)?;
+            let fresh = match summary {
+                Some(s) => s.new_series(&batch),
+                None => RunSummary::default().new_series(&batch),
+            };
+            if have + fresh > self.limits.max_series_per_run {
+                let limit = self.limits.max_series_per_run;
+                return refuse(
+                    &mut state,
+                    Error::Cardinality(format!(
+                        "run {} would have {} series (metric, layer, site, rank), over the limit of {limit}; \
+                         this batch adds {fresh} new ones",
+                        entry.run,
+                        have + fresh
+                    )),
+                );
+            }
+        }
+        Ok(Admission::Write)
+    }
+
+    /// Forgets an in-flight key whose write failed.
+    pub fn abort(&self, key: &Key) {
+        self.lock().keys.abort(key);
+    }
+
+    /// Applies a durable entry (called by the log writer in sequence order, and by replay).
+    pub fn apply(&self, seq: u64, key: Option<&Key>, entry: &Entry, seen_ms: i64) -> Result<()> {
+        let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
+        let sketches = entry
+            .sketches
+            .as_ref()
+            .map(files::without_run)
+            .transpose()?;
+        let mut events = Vec::new();
+        {
+            let mut state = self.lock();
+            let state = &mut *state;
+            state.applied_seq = state.applied_seq.max(seq);
+            if let Some(key) = key {
+                state.keys.commit(key);
+            }
+            let summary = state.runs.entry(entry.run.clone()).or_default();
+            summary.last_seen_ms = summary.last_seen_ms.max(seen_ms);
+            if let Some(info) = &entry.info {
+                if summary.info.as_ref() != Some(info) {
+                    summary.info = Some(info.clone());
+                    state.runs_dirty.push(entry.run.clone());
+                }
+                events.push(Event::Run {
+                    run: entry.run.to_string(),
+                    world_size: info.world_size,
+                });
+            }
+            if let Some(batch) = &samples {
+                summary.add_samples(batch, seen_ms);
+                let (first, last) = files::step_range(batch);
+                events.push(Event::Samples {
+                    run: entry.run.to_string(),
+                    rows: batch.num_rows(),
+                    first_step: first.unwrap_or(0),
+                    last_step: last.unwrap_or(0),
+                });
+            }
+            if let Some(batch) = &sketches {
+                summary.sketches += batch.num_rows() as u64;
+            }
+            for (table, batch) in [(Table::Samples, samples), (Table::Sketches, sketches)] {
+                if let Some(batch) = batch {
+                    let bytes = batch.get_array_memory_size();
+                    let part = state.hot.entry((table, entry.run.clone())).or_default();
+                    part.bytes += bytes;
+                    part.batches.push(batch);
+                    state.hot_bytes += bytes;
+                }
+            }
+            self.telemetry.hot_bytes.set(state.hot_bytes as i64);
+            if state.hot_bytes >= self.limits.hot_budget_bytes {
+                self.flush_wanted.notify_one();
+            }
+        }
+        for event in events {
+            self.publish(event);
+        }
+        Ok(())
+    }
+
+    /// What a reader of `table` for `run` sees now.
+    pub fn view(&self, table: Table, run: &RunId) -> TableView {
+        let state = self.lock();
+        let files = state
+            .manifest
+            .files
+            .iter()
+            .filter(|f| f.is(table, run))
+            .map(|f| self.dir.join(f.relative()))
+            .collect();
+        let key = (table, run.clone());
+        let mut batches: Vec<RecordBatch> = state
+            .flushing
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .flat_map(|(_, p)| p.batches.iter().cloned())
+            .collect();
+        if let Some(part) = state.hot.get(&key) {
+            batches.extend(part.batches.iter().cloned());
+        }
+        TableView { files, batches }
+    }
+
+    /// Runs the closure on the run index (read-only).
+    pub fn with_runs<T>(&self, f: impl FnOnce(&BTreeMap<RunId, RunSummary>) -> T) -> T {
+        f(&self.lock().runs)
+    }
+
+    /// Alerts, filtered.
+    pub fn alerts(&self, run: Option<&RunId>) -> Vec<Alert> {
+        self.lock()
+            .alerts
+            .values()
+            .filter(|a| run.is_none_or(|r| a.run == *r))
+            .cloned()
+            .collect()
+    }
+
+    /// Records an alert's new state (the alert engine's entry point); persisted at the next
+    /// flush, announced at once.
+    pub fn upsert_alert(&self, alert: Alert) {
+        {
+            let mut state = self.lock();
+            state.alerts_dirty.push(alert.run.clone());
+            state.alerts.insert(alert.id.clone(), alert.clone());
+        }
+        self.publish(Event::Alert {
+            alert: Box::new(alert),
+        });
+    }
+
+    /// Bytes in the hot buffer.
+    pub fn hot_bytes(&self) -> usize {
+        self.lock().hot_bytes
+    }
+
+    /// Moves every hot batch into Parquet and commits a manifest. Returns the flushed sequence
+    /// number when something was committed.
+    pub async fn flush(self: &Arc<Self>) -> Result<Option<u64>> {
+        let _guard = self.maintenance.lock().await;
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.flush_blocking())
+            .await
+            .map_err(|e| Error::Unavailable(format!("flush task failed: {e}")))?
+    }
+
+    fn flush_blocking(&self) -> Result<Option<u64>> {
+        let started = Instant::now();
+        let (through, parts, infos, alerts, keys) = {
+            let mut state = self.lock();
+            let nothing_new = state.applied_seq == state.manifest.flushed_seq
+                && state.runs_dirty.is_empty()
+                && state.alerts_dirty.is_empty();
+            if nothing_new && state.hot.is_empty() {
+                return Ok(None);
+            }
+            let through = state.applied_seq;
+            let hot = std::mem::take(&mut state.hot);
+            state.hot_bytes = 0;
+            let parts: Vec<(Table, RunId)> = hot.keys().cloned().collect();
+            state.flushing.extend(hot);
+            let infos: Vec<RunInfo> = dedup(std::mem::take(&mut state.runs_dirty))
+                .iter()
+                .filter_map(|r| state.runs.get(r).and_then(|s| s.info.clone()))
+                .collect();
+            let alerts: Vec<(RunId, Vec<Alert>)> = dedup(std::mem::take(&mut state.alerts_dirty))
+                .into_iter()
+                .map(|run| {
+                    let of_run = state
+                        .alerts
+                        .values()
+                        .filter(|a| a.run == run)
+                        .cloned()
+                        .collect();
+                    (run, of_run)
+                })
+                .collect();
+            // The key snapshot must describe exactly the records up to `through`.
+            (through, parts, infos, alerts, state.keys.clone())
+        };
+        let written = keys
+            .save(&self.dir, through)
+            .and_then(|_| self.write_flush(&parts, &infos, &alerts))
+            .and_then(|(new_files, replaced)| {
+                let mut manifest = self.lock().manifest.clone();
+                manifest.files.retain(|f| !replaced.contains(&f.relative()));
+                let rows: u64 = new_files.iter().map(|f| f.rows).sum();
+                manifest.next_part += new_files.len() as u64;
+                manifest.files.extend(new_files);
+                manifest.flushed_seq = through;
+                manifest.save(&self.dir)?;
+                Ok((manifest, replaced, rows))
+            });
+        let mut state = self.lock();
+        match written {
+            Ok((manifest, replaced, rows)) => {
+                // Commit for readers: the new files appear as the flushed batches vanish.
+                state.manifest = manifest;
+                state.flushing.clear();
+                let now = Instant::now();
+                state
+                    .graveyard
+                    .extend(replaced.into_iter().map(|p| (now, self.dir.join(p))));
+                drop(state);
+                let _ = KeySet::prune(&self.dir, through);
+                self.telemetry.flushes.inc();
+                self.telemetry.flushed_rows.inc_by(rows);
+                self.telemetry
+                    .flush_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                self.report_sizes();
+                Ok(Some(through))
+            }
+            Err(e) => {
+                // Put the batches back so the next flush retries them; nothing is lost since
+                // the log still holds them.
+                let flushing = std::mem::take(&mut state.flushing);
+                for (key, part) in flushing {
+                    state.hot_bytes += part.bytes;
+                    let slot = state.hot.entry(key).or_default();
+                    slot.bytes += part.bytes;
+                    let mut batches = part.batches;
+                    batches.append(&mut slot.batches);
+                    slot.batches = batches;
+                }
+                state.runs_dirty.extend(infos.into_iter().map(|i| i.run));
+                state
+                    .alerts_dirty
+                    .extend(alerts.into_iter().map(|(r, _)| r));
+                self.telemetry.flush_errors.inc();
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the Parquet files of a flush; returns the new files and the relative paths of
+    /// files they replace (older run metadata and alert files).
+    fn write_flush(
+        &self,
+        parts: &[(Table, RunId)],
+        infos: &[RunInfo],
+        alerts: &[(RunId, Vec<Alert>)],
+    ) -> Result<(Vec<FileMeta>, Vec<PathBuf>)> {
+        let mut next_part = self.lock().manifest.next_part;
+        let mut new_files = Vec::new();
+        let mut replaced = Vec::new();
+        for (table, run) in parts {
+            let batches: Vec<RecordBatch> = {
+                let state = self.lock();
+                state
+                    .flushing
+                    .iter()
+                    .filter(|(k, _)| k.0 == *table && k.1 == *run)
+                    .flat_map(|(_, p)| p.batches.iter().cloned())
+                    .collect()
+            };
+            if batches.is_empty() {
+                continue;
+            }
+            let batch = files::sorted(*table, &batches)?;
+            new_files.push(self.write_file(table.as_str(), *table, run, next_part, &batch)?);
+            next_part += 1;
+        }
+        for info in infos {
+            let batch = files::without_run(&runs::to_batch(std::slice::from_ref(info))?)?;
+            replaced.extend(self.files_of(runs::TABLE, &info.run));
+            new_files.push(self.write_file(
+                runs::TABLE,
+                Table::Runs,
+                &info.run,
+                next_part,
+                &batch,
+            )?);
+            next_part += 1;
+        }
+        for (run, of_run) in alerts {
+            replaced.extend(self.files_of(alerts::TABLE, run));
+            if of_run.is_empty() {
+                continue;
+            }
+            let batch = files::without_run(&alerts::to_batch(of_run)?)?;
+            new_files.push(self.write_file(alerts::TABLE, Table::Runs, run, next_part, &batch)?);
+            next_part += 1;
+        }
+        Ok((new_files, replaced))
+    }
+
+    fn files_of(&self, table: &str, run: &RunId) -> Vec<PathBuf> {
+        self.lock()
+            .manifest
+            .files
+            .iter()
+            .filter(|f| f.table == table && f.run == *run)
+            .map(FileMeta::relative)
+            .collect()
+    }
+
+    /// Writes one file; `layout` picks the sort columns (side tables are not sorted).
+    fn write_file(
+        &self,
+        name: &str,
+        layout: Table,
+        run: &RunId,
+        part: u64,
+        batch: &RecordBatch,
+    ) -> Result<FileMeta> {
+        let relative = manifest::file_path(name, run, part);
+        let bytes = files::write(layout, batch, &self.dir.join(&relative))?;
+        let (min_step, max_step) = files::step_range(batch);
+        Ok(FileMeta {
+            table: name.to_owned(),
+            run: run.clone(),
+            part,
+            rows: batch.num_rows() as u64,
+            bytes,
+            min_step,
+            max_step,
+        })
+    }
+
+    /// Merges the small sample and sketch files of each run (see the module docs). Returns
+    /// how many files were merged away.
+    pub async fn compact(self: &Arc<Self>) -> Result<usize> {
+        let _guard = self.maintenance.lock().await;
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.compact_blocking())
+            .await
+            .map_err(|e| Error::Unavailable(format!("compaction task failed: {e}")))?
+    }
+
+    fn compact_blocking(&self) -> Result<usize> {
+        self.bury_old_files();
+        let candidates: Vec<(Table, RunId, Vec<FileMeta>)> = {
+            let state = self.lock();
+            let mut groups: BTreeMap<(&str, RunId), Vec<FileMeta>> = BTreeMap::new();
+            for f in &state.manifest.files {
+                if (f.table == "samples" || f.table == "sketches")
+                    && f.rows < self.limits.compact_small_rows
+                {
+                    groups
+                        .entry((
+                            if f.table == "samples" {
+                                "samples"
+                            } else {
+                                "sketches"
+                            },
+                            f.run.clone(),
+                        ))
+                        .or_default()
+                        .push(f.clone());
+                }
+            }
+            groups
+                .into_iter()
+                .filter_map(|((t, run), mut fs)| {
+                    fs.sort_by_key(|f| f.part);
+                    // Oldest first, up to the memory bound.
+                    let mut total = 0;
+                    fs.retain(|f| {
+                        total += f.rows;
+                        total <= self.limits.compact_max_rows
+                    });
+                    let table = if t == "samples" {
+                        Table::Samples
+                    } else {
+                        Table::Sketches
+                    };
+                    (fs.len() >= 2).then_some((table, run, fs))
+                })
+                .collect()
+        };
+        let mut merged = 0;
+        for (table, run, group) in candidates {
+            let started = Instant::now();
+            let mut batches = Vec::new();
+            for f in &group {
+                batches.extend(files::read(&self.dir.join(f.relative()))?);
+            }
+            let batch = files::sorted(table, &batches)?;
+            let part = {
+                let mut state = self.lock();
+                let p = state.manifest.next_part;
+                state.manifest.next_part += 1;
+                p
+            };
+            let meta = self.write_file(table.as_str(), table, &run, part, &batch)?;
+            let old: Vec<PathBuf> = group.iter().map(FileMeta::relative).collect();
+            let mut manifest = self.lock().manifest.clone();
+            manifest.files.retain(|f| !old.contains(&f.relative()));
+            manifest.files.push(meta);
+            manifest.save(&self.dir)?;
+            {
+                let mut state = self.lock();
+                // Keep the part counter reserved above.
+                manifest.next_part = manifest.next_part.max(state.manifest.next_part);
+                state.manifest = manifest;
+                let now = Instant::now();
+                state
+                    .graveyard
+                    .extend(old.iter().map(|p| (now, self.dir.join(p))));
+            }
+            merged += group.len();
+            self.telemetry.compactions.inc();
+            self.telemetry.compacted_files.inc_by(group.len() as u64);
+            self.telemetry
+                .compaction_seconds
+                .observe(started.elapsed().as_secs_f64());
+        }
+        self.report_sizes();
+        Ok(merged)
+    }
+
+    /// Deletes replaced files whose grace period is over.
+    fn bury_old_files(&self) {
+        let due: Vec<PathBuf> = {
+            let mut state = self.lock();
+            let grace = self.limits.file_grace;
+            let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut state.graveyard)
+                .into_iter()
+                .partition(|(t, _)| t.elapsed() >= grace);
+            state.graveyard = keep;
+            due.into_iter().map(|(_, p)| p).collect()
+        };
+        for path in due {
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(file = %path.display(), error = %e, "could not delete a replaced file");
+            }
+        }
+    }
+
+    fn report_sizes(&self) {
+        let state = self.lock();
+        self.telemetry
+            .parquet_files
+            .set(state.manifest.files.len() as i64);
+        self.telemetry
+            .parquet_bytes
+            .set(state.manifest.files.iter().map(|f| f.bytes as i64).sum());
+        self.telemetry.hot_bytes.set(state.hot_bytes as i64);
+    }
+
+    /// Loads run metadata and alerts from their files.
+    fn load_runs_and_alerts(&self) -> Result<()> {
+        let files: Vec<FileMeta> = self.lock().manifest.files.clone();
+        for f in files
+            .iter()
+            .filter(|f| f.table == runs::TABLE || f.table == alerts::TABLE)
+        {
+            for batch in files::read(&self.dir.join(f.relative()))? {
+                let with_run = add_run_column(&batch, &f.run)?;
+                let mut state = self.lock();
+                if f.table == runs::TABLE {
+                    for info in runs::from_batch(&with_run)? {
+                        let run = info.run.clone();
+                        state.runs.entry(run).or_default().info = Some(info);
+                    }
+                } else {
+                    for alert in alerts::from_batch(&with_run)? {
+                        state.alerts.insert(alert.id.clone(), alert);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Merges a rebuilt summary row (from the Parquet scan at start).
+    pub fn with_run_mut<T>(&self, run: &RunId, f: impl FnOnce(&mut RunSummary) -> T) -> T {
+        let mut state = self.lock();
+        f(state.runs.entry(run.clone()).or_default())
+    }
+
+    /// Runs that have Parquet sample files.
+    pub fn runs_with_files(&self, table: Table) -> Vec<RunId> {
+        let state = self.lock();
+        let mut runs: Vec<RunId> = state
+            .manifest
+            .files
+            .iter()
+            .filter(|f| f.table == table.as_str())
+            .map(|f| f.run.clone())
+            .collect();
+        runs.sort();
+        runs.dedup();
+        runs
+    }
+
+    /// Every Parquet file with its metadata (for tests and tooling).
+    pub fn files(&self) -> Vec<FileMeta> {
+        self.lock().manifest.files.clone()
+    }
+}
+
+fn dedup(mut runs: Vec<RunId>) -> Vec<RunId> {
+    runs.sort();
+    runs.dedup();
+    runs
+}
+
+/// Puts the partition column back in front of a stored batch.
+pub fn add_run_column(batch: &RecordBatch, run: &RunId) -> Result<RecordBatch> {
+    let mut fields = vec![Arc::new(arrow_schema::Field::new(
+        "run",
+        arrow_schema::DataType::Utf8,
+        false,
+    ))];
+    fields.extend(batch.schema().fields().iter().cloned());
+    let mut columns: Vec<arrow_array::ArrayRef> =
+        vec![Arc::new(arrow_array::StringArray::from(vec![
+            run.as_str();
+            batch
+                .num_rows(
+                )
+        ]))];
+    columns.extend(batch.columns().iter().cloned());
+    RecordBatch::try_new(Arc::new(arrow_schema::Schema::new(fields)), columns).map_err(Error::Arrow)
+}

@@ -1,0 +1,491 @@
+//! Bad input gets a 4xx that names the problem, the daemon keeps serving, and nothing already
+//! stored changes. The decoder is fuzzed with proptest: random bytes and mutations of valid
+//! Arrow IPC streams never panic and never store anything.
+
+mod common;
+
+use arrow_array::{Float64Array, Int32Array, RecordBatch};
+use arrow_schema::{DataType, Field, Schema};
+use common::*;
+use proptest::prelude::*;
+use rankwatch_collector::Collector;
+use serde_json::json;
+use std::sync::Arc;
+
+async fn stored(c: &Collector) -> serde_json::Value {
+    let runs = get(c, "/api/v1/runs").await.json();
+    json!([
+        runs,
+        get(c, "/api/v1/runs/good/series?metric=loss&rank=0")
+            .await
+            .json()
+    ])
+}
+
+async fn refuse(
+    c: &Collector,
+    content_type: &str,
+    uri: &str,
+    key: Option<&str>,
+    body: Vec<u8>,
+    status: u16,
+    needle: &str,
+) {
+    let before = stored(c).await;
+    let r = post(c, uri, content_type, key, body).await;
+    assert_eq!(r.status.as_u16(), status, "{uri}: {}", r.text());
+    let message = r.error();
+    assert!(
+        message.contains(needle),
+        "expected {needle:?} in {message:?}"
+    );
+    assert_eq!(stored(c).await, before, "nothing stored changed");
+    assert_eq!(get(c, "/healthz").await.status, 200);
+}
+
+#[tokio::test]
+async fn each_kind_of_bad_input_is_refused_with_a_message_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.max_body_bytes = 64 * 1024;
+    config.max_batch_rows = 1000;
+    config.max_series_per_run = 50;
+    let c = Collector::open(&config).await.unwrap();
+    let good = workload("good", 2, 5, 2);
+    assert_eq!(
+        post(&c, "/api/v1/ingest", ARROW, None, samples_ipc(&good, false))
+            .await
+            .status,
+        200
+    );
+    let valid = samples_ipc(&good[..4], false);
+    let ingest = "/api/v1/ingest";
+
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        None,
+        b"not arrow at all".to_vec(),
+        400,
+        "malformed arrow ipc",
+    )
+    .await;
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        None,
+        valid[..valid.len() / 2].to_vec(),
+        400,
+        "malformed arrow ipc",
+    )
+    .await;
+    refuse(&c, ARROW, ingest, None, Vec::new(), 400, "arrow").await;
+    // Wrong schema: a column missing, a wrong type.
+    let wrong = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![
+            Field::new("run", DataType::Int32, false),
+            Field::new("value", DataType::Float64, false),
+        ])),
+        vec![
+            Arc::new(Int32Array::from(vec![1])),
+            Arc::new(Float64Array::from(vec![1.0])),
+        ],
+    )
+    .unwrap();
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        None,
+        ipc(&wrong, false),
+        400,
+        "table samples",
+    )
+    .await;
+    refuse(
+        &c,
+        ARROW,
+        "/api/v1/ingest?table=sketches",
+        None,
+        valid.clone(),
+        400,
+        "table sketches",
+    )
+    .await;
+    refuse(
+        &c,
+        ARROW,
+        "/api/v1/ingest?table=nope",
+        None,
+        valid.clone(),
+        400,
+        "unknown table",
+    )
+    .await;
+    refuse(
+        &c,
+        "text/csv",
+        ingest,
+        None,
+        valid.clone(),
+        415,
+        "unsupported content type",
+    )
+    .await;
+    // JSON errors name the position or the field.
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        b"{\"run\": \"x\", ".to_vec(),
+        400,
+        "malformed json body",
+    )
+    .await;
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        br#"{"run":"x","samples":[{"step":1,"metric":"loss","value":"lots"}]}"#.to_vec(),
+        400,
+        "\"lots\" is not a number",
+    )
+    .await;
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        br#"{"run":"x","bogus":1}"#.to_vec(),
+        400,
+        "unknown field `bogus`",
+    )
+    .await;
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        br#"{"run":"x"}"#.to_vec(),
+        400,
+        "holds nothing",
+    )
+    .await;
+    // Oversized bodies and batches.
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        None,
+        vec![0u8; 70 * 1024],
+        413,
+        "exceeds the limit of 65536 bytes",
+    )
+    .await;
+    let many: Vec<_> = (0..1001)
+        .map(|s| sample("good", Some(0), s, "loss", None, None, 1.0))
+        .collect();
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        None,
+        samples_ipc(&many, true),
+        413,
+        "1001 rows exceeds the limit of 1000",
+    )
+    .await;
+    // Hostile run ids, in the body and in the key.
+    for (run, why) in [
+        ("../x", "invalid run id"),
+        ("", "invalid run id"),
+        (&"r".repeat(10_000)[..], "invalid run id"),
+    ] {
+        let body = json!({"run": run, "samples": [{"rank": 0, "step": 1, "metric": "loss", "value": 1.0}]});
+        refuse(
+            &c,
+            "application/json",
+            ingest,
+            None,
+            body.to_string().into_bytes(),
+            400,
+            why,
+        )
+        .await;
+    }
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        Some("../x/0/s/1"),
+        valid.clone(),
+        400,
+        "Idempotency-Key",
+    )
+    .await;
+    refuse(
+        &c,
+        ARROW,
+        ingest,
+        Some("other/0/s/1"),
+        valid.clone(),
+        400,
+        "names run \"other\"",
+    )
+    .await;
+    let r = get(&c, "/api/v1/runs/..%2Fetc/series?metric=loss").await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.error().contains("invalid run id"));
+    // Unknown metric names and sites.
+    let body = json!({"run": "good", "samples": [{"rank": 0, "step": 1, "metric": "spectral.ratoi", "layer": 0, "value": 1.0}]});
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        body.to_string().into_bytes(),
+        400,
+        "unknown metric",
+    )
+    .await;
+    let body = json!({"run": "good", "samples": [{"rank": 0, "step": 1, "metric": "act_max", "layer": 0, "site": "elbow", "value": 1.0}]});
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        body.to_string().into_bytes(),
+        400,
+        "unknown site \"elbow\"",
+    )
+    .await;
+    // A flood of distinct series (user scalars, layers) hits the per-run cardinality limit.
+    let flood: Vec<_> = (0..100)
+        .map(|i| json!({"rank": 0, "step": 1, "metric": format!("user/m{i}"), "value": 1.0}))
+        .collect();
+    let body = json!({"run": "good", "samples": flood});
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        body.to_string().into_bytes(),
+        422,
+        "over the limit of 50",
+    )
+    .await;
+    // Bad query parameters.
+    for (uri, needle) in [
+        (
+            "/api/v1/runs/good/series?metric=loss&points=0",
+            "points must be between",
+        ),
+        (
+            "/api/v1/runs/good/series?metric=loss&from=9&to=2",
+            "from (9) is after to (2)",
+        ),
+        (
+            "/api/v1/runs/good/series?metric=loss&rank=minus",
+            "invalid query string",
+        ),
+        ("/api/v1/runs/good/series", "missing field `metric`"),
+        (
+            "/api/v1/runs/good/heatmap?metric=act_max&site=elbow",
+            "unknown site",
+        ),
+        ("/api/v1/alerts?state=sleeping", "unknown alert state"),
+    ] {
+        let r = get(&c, uri).await;
+        assert_eq!(r.status, 400, "{uri}: {}", r.text());
+        assert!(r.error().contains(needle), "{uri}: {}", r.error());
+    }
+    assert_eq!(get(&c, "/api/v1/runs/nobody/catalog").await.status, 404);
+    // SQL is read-only.
+    for sql in [
+        "CREATE TABLE t (a INT)",
+        "INSERT INTO samples VALUES (1)",
+        "DROP TABLE samples",
+        "COPY samples TO '/tmp/x.parquet'",
+        "SET datafusion.execution.batch_size = 1",
+    ] {
+        let r = post(
+            &c,
+            "/api/v1/sql",
+            "application/json",
+            None,
+            json!({ "sql": sql }).to_string().into_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{sql}: {}", r.text());
+        assert!(r.error().starts_with("sql:"), "{sql}: {}", r.error());
+    }
+    let r = post(
+        &c,
+        "/api/v1/sql",
+        "application/json",
+        None,
+        json!({ "sql": "SELECT nope FROM samples" })
+            .to_string()
+            .into_bytes(),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    // Still serving, data intact.
+    assert_eq!(
+        get(&c, "/api/v1/runs/good/series?metric=loss&rank=0")
+            .await
+            .json()["series"][0]["buckets"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+    c.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn tokens_guard_ingest_and_reads_separately() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.ingest_token = Some("in-secret".into());
+    config.read_token = Some("read-secret".into());
+    let c = Collector::open(&config).await.unwrap();
+    let body = samples_ipc(&workload("t", 1, 2, 1), false);
+    let send = |token: Option<&'static str>, uri: &'static str, body: Vec<u8>| {
+        let mut r = axum::http::Request::post(uri).header("content-type", ARROW);
+        if let Some(t) = token {
+            r = r.header("authorization", format!("Bearer {t}"));
+        }
+        r.body(axum::body::Body::from(body)).unwrap()
+    };
+    assert_eq!(
+        call(&c, send(None, "/api/v1/ingest", body.clone()))
+            .await
+            .status,
+        401
+    );
+    assert_eq!(
+        call(
+            &c,
+            send(Some("read-secret"), "/api/v1/ingest", body.clone())
+        )
+        .await
+        .status,
+        401
+    );
+    assert_eq!(
+        call(&c, send(Some("in-secret"), "/api/v1/ingest", body.clone()))
+            .await
+            .status,
+        200
+    );
+    let read = |token: Option<&str>| {
+        let mut r = axum::http::Request::get("/api/v1/runs");
+        if let Some(t) = token {
+            r = r.header("authorization", format!("Bearer {t}"));
+        }
+        r.body(axum::body::Body::empty()).unwrap()
+    };
+    assert_eq!(call(&c, read(None)).await.status, 401);
+    assert_eq!(call(&c, read(Some("in-secret"))).await.status, 401);
+    assert_eq!(call(&c, read(Some("read-secret"))).await.status, 200);
+    assert_eq!(get(&c, "/healthz").await.status, 200);
+    c.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn over_the_memory_budget_ingest_answers_429_with_retry_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.hot_budget_bytes = 4 * 1024;
+    let c = Collector::open(&config).await.unwrap();
+    let mut statuses = Vec::new();
+    for i in 0..20 {
+        let r = post(
+            &c,
+            "/api/v1/ingest",
+            ARROW,
+            None,
+            samples_ipc(&workload("bp", 4, 10 + i, 4), false),
+        )
+        .await;
+        if r.status == 429 {
+            assert_eq!(r.headers["retry-after"], "1");
+            assert!(r.error().contains("memory budget"));
+        }
+        statuses.push(r.status.as_u16());
+    }
+    assert!(statuses.contains(&429), "{statuses:?}");
+    c.flush().await.unwrap();
+    assert_eq!(
+        post(
+            &c,
+            "/api/v1/ingest",
+            ARROW,
+            None,
+            samples_ipc(&workload("bp", 1, 1, 1), false)
+        )
+        .await
+        .status,
+        200
+    );
+    c.shutdown().await.unwrap();
+}
+
+fn fuzz_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Mutated and truncated valid streams, and random bytes: the decoder answers with an
+    /// error or a valid batch, never a panic; and when it errs nothing is stored.
+    #[test]
+    fn the_ingest_decoder_survives_hostile_bytes(
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+        cut in any::<prop::sample::Index>(),
+        noise in proptest::collection::vec(any::<u8>(), 0..512),
+        use_noise in any::<bool>(),
+    ) {
+        let valid = samples_ipc(&workload("fz", 2, 3, 2), false);
+        let body = if use_noise {
+            noise
+        } else {
+            let mut b = valid.clone();
+            for (i, x) in &flips {
+                let i = i.index(b.len());
+                b[i] ^= x;
+            }
+            b.truncate(cut.index(b.len()) + 1);
+            b
+        };
+        let known = |_: &rankwatch_analytics::RunId| None;
+        let limits = rankwatch_collector::decode::Limits { max_rows: 10_000 };
+        let _ = rankwatch_collector::decode::decode_arrow(&body, rankwatch_collector::decode::Table::Samples, limits, &known);
+        let _ = rankwatch_collector::decode::decode_arrow(&body, rankwatch_collector::decode::Table::Sketches, limits, &known);
+        let _ = rankwatch_collector::decode::decode_json(&body, limits, 0, &known);
+        let _ = rankwatch_collector::decode::decode_entry(&body);
+        // Through the whole router too: a 4xx, or a 200 for a still-valid stream.
+        let rt = fuzz_runtime();
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(async {
+            let c = open(dir.path()).await;
+            let r = post(&c, "/api/v1/ingest", ARROW, None, body).await;
+            prop_assert!(r.status == 200 || r.status.is_client_error(), "{}", r.status);
+            let runs = get(&c, "/api/v1/runs").await.json();
+            if r.status != 200 {
+                prop_assert_eq!(runs["runs"].as_array().unwrap().len(), 0);
+            }
+            c.shutdown().await.unwrap();
+            Ok(())
+        })?;
+    }
+}

@@ -1,0 +1,224 @@
+//! Shared helpers: an in-process collector driven through `tower::ServiceExt::oneshot`, and
+//! batch builders.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+use arrow_ipc::writer::{IpcWriteOptions, StreamWriter};
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use rankwatch_analytics::math::sketch::SketchKind;
+use rankwatch_analytics::schema::{samples, sketches};
+use rankwatch_analytics::{
+    LayerLayout, MetricName, ModelLayout, RunId, RunInfo, Sample, Site, SketchRecord,
+};
+use rankwatch_collector::{Collector, ServeConfig};
+use serde_json::Value;
+use tower::ServiceExt;
+
+pub const ARROW: &str = "application/vnd.apache.arrow.stream";
+
+pub fn config(dir: &Path) -> ServeConfig {
+    let mut c = ServeConfig::with_data_dir(dir);
+    // Background flushes are driven by the tests themselves.
+    c.flush_interval = std::time::Duration::from_secs(3600);
+    c.compact_interval = std::time::Duration::from_secs(3600);
+    c
+}
+
+pub async fn open(dir: &Path) -> Collector {
+    Collector::open(&config(dir))
+        .await
+        .expect("collector opens")
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: axum::http::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not json ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn error(&self) -> String {
+        self.json()["error"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+pub async fn call(c: &Collector, request: Request<Body>) -> Reply {
+    let response = c.app().oneshot(request).await.expect("router answers");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub async fn get(c: &Collector, uri: &str) -> Reply {
+    call(c, Request::get(uri).body(Body::empty()).unwrap()).await
+}
+
+pub async fn post(
+    c: &Collector,
+    uri: &str,
+    content_type: &str,
+    key: Option<&str>,
+    body: Vec<u8>,
+) -> Reply {
+    let mut request = Request::post(uri).header("content-type", content_type);
+    if let Some(k) = key {
+        request = request.header("idempotency-key", k);
+    }
+    call(c, request.body(Body::from(body)).unwrap()).await
+}
+
+pub fn ipc(batch: &RecordBatch, zstd: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    let options = if zstd {
+        IpcWriteOptions::default()
+            .try_with_compression(Some(arrow_ipc::CompressionType::ZSTD))
+            .unwrap()
+    } else {
+        IpcWriteOptions::default()
+    };
+    let mut w = StreamWriter::try_new_with_options(&mut out, &batch.schema(), options).unwrap();
+    w.write(batch).unwrap();
+    w.finish().unwrap();
+    drop(w);
+    out
+}
+
+pub fn sample(
+    run: &str,
+    rank: Option<u32>,
+    step: u64,
+    metric: &str,
+    layer: Option<u32>,
+    site: Option<Site>,
+    value: f64,
+) -> Sample {
+    Sample {
+        run: RunId::new(run).unwrap(),
+        rank,
+        step,
+        time_ms: 1_700_000_000_000 + step as i64,
+        metric: MetricName::new(metric).unwrap(),
+        layer,
+        site,
+        value,
+    }
+}
+
+pub fn samples_ipc(rows: &[Sample], zstd: bool) -> Vec<u8> {
+    ipc(&samples::to_batch(rows).unwrap(), zstd)
+}
+
+pub fn sketch(run: &str, rank: u32, step: u64, vector: Vec<f32>) -> SketchRecord {
+    let norm = vector
+        .iter()
+        .map(|v| (*v as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    SketchRecord {
+        run: RunId::new(run).unwrap(),
+        rank,
+        step,
+        time_ms: 1_700_000_000_000,
+        kind: SketchKind::Rademacher,
+        seed: 7,
+        norm,
+        vector,
+    }
+}
+
+pub fn sketches_ipc(rows: &[SketchRecord]) -> Vec<u8> {
+    ipc(&sketches::to_batch(rows).unwrap(), false)
+}
+
+pub fn info(run: &str, world: u32, layers: u32) -> RunInfo {
+    RunInfo {
+        run: RunId::new(run).unwrap(),
+        world_size: world,
+        started_at_ms: 1_700_000_000_000,
+        layout: ModelLayout {
+            family: "llama".into(),
+            layers: (0..layers)
+                .map(|i| LayerLayout {
+                    index: i,
+                    sites: vec![
+                        Site::Q,
+                        Site::K,
+                        Site::V,
+                        Site::O,
+                        Site::Up,
+                        Site::Gate,
+                        Site::Down,
+                    ],
+                    attention: None,
+                    experts: None,
+                })
+                .collect(),
+        },
+        tags: Default::default(),
+    }
+}
+
+pub fn runs_ipc(info: &RunInfo) -> Vec<u8> {
+    ipc(
+        &rankwatch_analytics::schema::runs::to_batch(std::slice::from_ref(info)).unwrap(),
+        false,
+    )
+}
+
+/// A run of `ranks` ranks × `steps` steps: per-rank loss, per-layer spectral ratio per rank.
+pub fn workload(run: &str, ranks: u32, steps: u64, layers: u32) -> Vec<Sample> {
+    let mut rows = Vec::new();
+    for step in 0..steps {
+        for rank in 0..ranks {
+            rows.push(sample(
+                run,
+                Some(rank),
+                step,
+                "loss",
+                None,
+                None,
+                3.0 - step as f64 * 0.01 + rank as f64 * 0.001,
+            ));
+            for layer in 0..layers {
+                rows.push(sample(
+                    run,
+                    Some(rank),
+                    step,
+                    "spectral.ratio",
+                    Some(layer),
+                    None,
+                    1.0 + layer as f64 * 0.1 + step as f64 * 0.001,
+                ));
+            }
+        }
+    }
+    rows
+}
+
+pub fn shared<T>(t: T) -> Arc<T> {
+    Arc::new(t)
+}
