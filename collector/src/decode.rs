@@ -11,7 +11,7 @@
 //! rank?, layer?) combination through [`Sample::validate`], ranges once per row. Values are not
 //! checked: NaN and ±Inf are stored and counted.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::io::Cursor;
 
 use arrow_array::cast::AsArray;
@@ -255,7 +255,7 @@ fn check_samples(batch: &RecordBatch, info: Option<&RunInfo>) -> Result<()> {
     let site = batch.column(6).as_string::<i32>();
     let world = info.map(|i| i.world_size);
     let layers = info.map(|i| i.layout.layer_count()).filter(|&n| n > 0);
-    let mut seen: HashMap<(&str, Option<&str>, bool, bool), ()> = HashMap::new();
+    let mut seen: HashSet<(&str, Option<&str>, bool, bool)> = HashSet::new();
     for row in 0..batch.num_rows() {
         let row_rank = rank.is_valid(row).then(|| rank.value(row));
         let row_layer = layer.is_valid(row).then(|| layer.value(row));
@@ -271,7 +271,7 @@ fn check_samples(batch: &RecordBatch, info: Option<&RunInfo>) -> Result<()> {
             row,
             source: Box::new(source),
         };
-        if !seen.contains_key(&key) {
+        if !seen.contains(&key) {
             // One representative row per shape runs the full scope check.
             let sample = Sample {
                 run: run.clone(),
@@ -284,7 +284,7 @@ fn check_samples(batch: &RecordBatch, info: Option<&RunInfo>) -> Result<()> {
                 value: 0.0,
             };
             sample.validate(None).map_err(at)?;
-            seen.insert(key, ());
+            seen.insert(key);
         }
         if let (Some(r), Some(w)) = (row_rank, world)
             && r >= w

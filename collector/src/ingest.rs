@@ -82,10 +82,7 @@ impl Ingestor {
     ) -> Result<Ack> {
         let result = self.ingest_inner(body, format, table, key).await;
         if let Err(e) = &result {
-            self.telemetry
-                .rejects
-                .get_or_create(&vec![("reason", e.reason())])
-                .inc();
+            self.telemetry.reject(e);
         }
         result
     }
@@ -133,17 +130,14 @@ impl Ingestor {
             });
         }
         let raw = (format == Format::Arrow).then_some((table, &body[..]));
-        let payload =
-            match decode::encode_entry(key.as_ref().map(|k| k.to_string()).as_deref(), &entry, raw)
-            {
-                Ok(p) => p,
-                Err(e) => {
-                    if let Some(k) = &key {
-                        self.store.abort(k);
-                    }
-                    return Err(e);
-                }
-            };
+        let abort = |e: Error| {
+            if let Some(k) = &key {
+                self.store.abort(k);
+            }
+            e
+        };
+        let key_text = key.as_ref().map(|k| k.to_string());
+        let payload = decode::encode_entry(key_text.as_deref(), &entry, raw).map_err(abort)?;
         let run = entry.run.to_string();
         let store = self.store.clone();
         let applied_key = key.clone();
@@ -159,16 +153,8 @@ impl Ingestor {
                     }
                 }),
             )
-            .await;
-        let seq = match seq {
-            Ok(seq) => seq,
-            Err(e) => {
-                if let Some(k) = &key {
-                    self.store.abort(k);
-                }
-                return Err(e);
-            }
-        };
+            .await
+            .map_err(abort)?;
         let t = &self.telemetry;
         let table_name = if format == Format::Json {
             "mixed"

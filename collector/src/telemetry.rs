@@ -82,6 +82,15 @@ impl Default for Telemetry {
     }
 }
 
+impl Telemetry {
+    /// Counts a refused request under its reason label.
+    pub fn reject(&self, error: &crate::error::Error) {
+        self.rejects
+            .get_or_create(&vec![("reason", error.reason())])
+            .inc();
+    }
+}
+
 impl WalObserver for Telemetry {
     fn fsynced(&self, records: usize, _bytes: usize, seconds: f64) {
         self.wal_fsync_seconds.observe(seconds);
@@ -324,7 +333,7 @@ impl RunGauges {
                 })
                 .collect()
         });
-        rows.sort_by(|a, b| b.0.cmp(&a.0));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.0));
         rows.truncate(self.max_runs);
         rows.into_iter().map(|(_, r)| r).collect()
     }

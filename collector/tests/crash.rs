@@ -77,7 +77,7 @@ fn batch(rank: u32, seq: u64) -> Vec<u8> {
             )
         })
         .collect();
-    samples_ipc(&rows, seq % 2 == 0)
+    samples_ipc(&rows, seq.is_multiple_of(2))
 }
 
 fn sql(base: &str, query: &str) -> Value {

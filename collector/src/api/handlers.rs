@@ -77,12 +77,7 @@ pub(super) async fn ingest(
     let (body, format, table, key) = match result {
         Ok(parts) => parts,
         Err(e) => {
-            state
-                .inner
-                .telemetry
-                .rejects
-                .get_or_create(&vec![("reason", e.reason())])
-                .inc();
+            state.inner.telemetry.reject(&e);
             return Err(e);
         }
     };

@@ -24,6 +24,13 @@ pub const MAX_SERIES: usize = 512;
 /// A rank this many steps behind the newest is left out of "latest step" for workers.
 const STALE_STEPS: u64 = 1_000;
 
+/// (layer, site, rank) of one series of a metric.
+type SeriesId = (Option<u32>, Option<String>, Option<u32>);
+/// (metric, layer, site) of one per-rank series at a step.
+type WorkerSeries = (String, Option<u32>, Option<String>);
+/// A catalog entry being built: layers, sites, ranks, series count.
+type CatalogEntry = (BTreeSet<u32>, BTreeSet<&'static str>, BTreeSet<u32>, usize);
+
 /// Parameters of `GET /runs/{run}/series`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -132,8 +139,7 @@ impl Engine {
             )
             .await?;
         let buckets = Buckets::new(from, to, points);
-        let mut cells: BTreeMap<(Option<u32>, Option<String>, Option<u32>), Vec<Cell>> =
-            BTreeMap::new();
+        let mut cells: BTreeMap<SeriesId, Vec<Cell>> = BTreeMap::new();
         for b in &batches {
             let layer = b.column(0).as_primitive::<UInt32Type>();
             let site = b.column(1).as_string::<i32>();
@@ -278,8 +284,7 @@ impl Engine {
             )
             .await?;
         let mut ranks = BTreeSet::new();
-        let mut metrics: BTreeMap<(String, Option<u32>, Option<String>), BTreeMap<u32, f64>> =
-            BTreeMap::new();
+        let mut metrics: BTreeMap<WorkerSeries, BTreeMap<u32, f64>> = BTreeMap::new();
         for b in &samples {
             let metric = b.column(0).as_string::<i32>();
             let layer = b.column(1).as_primitive::<UInt32Type>();
@@ -367,10 +372,7 @@ impl Engine {
     pub fn catalog(&self, run: &str) -> Result<Value> {
         let run = self.known_run(run)?;
         let metrics = self.store().with_runs(|runs| {
-            let mut by_metric: BTreeMap<
-                &str,
-                (BTreeSet<u32>, BTreeSet<&'static str>, BTreeSet<u32>, usize),
-            > = BTreeMap::new();
+            let mut by_metric: BTreeMap<&str, CatalogEntry> = BTreeMap::new();
             if let Some(s) = runs.get(&run) {
                 for key in &s.series {
                     let e = by_metric.entry(key.metric.as_ref()).or_default();

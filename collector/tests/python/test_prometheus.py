@@ -69,7 +69,7 @@ def test_prometheus_scrapes_metrics_and_answers_queries(collector, tmp_path):
         assert results and all(results.values()), results
         value = lambda k: float(results[k][0]["value"][1])  # noqa: E731
         assert value("up") == 1
-        assert value("rows") == len(samples)
+        assert value("rows") == len(samples) + 1  # the samples and the run's info row
         assert value("step") == 9
         assert value("loss") == 2.5  # mean of the ranks' latest loss
         assert value("ratio") == 2.5
