@@ -268,16 +268,12 @@ fn ensure_debian(package: &str, binary: &str) -> Result<()> {
 fn python_suites(tally: &mut Tally) -> Result<()> {
     ensure_debian("prometheus", "/usr/bin/prometheus")?;
     let python = ensure_venv()?;
-    let mut build = cargo();
-    build.args([
-        "build",
-        "--locked",
-        "-p",
-        "rankwatch-collector",
-        "--bin",
-        "rankwatch",
-    ]);
-    run("build rankwatch", build)?;
+    // `cargo test` has just built the binary for the collector's integration tests; a separate
+    // `cargo build` would compile it again under another profile.
+    let binary = root().join("target/debug/rankwatch");
+    if !binary.exists() {
+        bail!("{} is missing: the Rust tests build it", binary.display());
+    }
     let mut pytest = Command::new(python);
     pytest
         .current_dir(root())
@@ -289,7 +285,7 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
             "-q",
             "collector/tests/python",
         ])
-        .env("RANKWATCH_BIN", root().join("target/debug/rankwatch"))
+        .env("RANKWATCH_BIN", binary)
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
     run_counting("python suites", pytest, Some(tally), Tally::add_pytest_line)
 }
