@@ -116,21 +116,124 @@ pub struct Limits {
     pub max_rows: usize,
 }
 
-/// Reads every batch of an Arrow IPC stream. The decoder must never take the daemon down, so
-/// a panic inside it (a bug in a dependency on hostile input) becomes an error too.
-pub fn read_ipc(body: &[u8]) -> Result<Vec<RecordBatch>> {
+/// Most bytes the buffers of one body may decompress to, as a multiple of the body's size.
+/// Metric columns compress well, but not a thousandfold; a larger claim is a decompression bomb.
+const MAX_EXPANSION: usize = 1000;
+
+fn malformed(why: String) -> Error {
+    Error::Arrow(arrow_schema::ArrowError::IpcError(why))
+}
+
+fn read_i32(body: &[u8], at: usize) -> Result<i32> {
+    body.get(at..at + 4)
+        .and_then(|b| b.try_into().ok())
+        .map(i32::from_le_bytes)
+        .ok_or_else(|| malformed("cut short inside a message header".into()))
+}
+
+/// Walks the stream's framing before any decoding: every message and body must lie inside the
+/// request, no dictionary batches (no table has dictionaries), at most `max_rows` rows, and
+/// declared decompressed sizes within [`MAX_EXPANSION`] times the body. The decoder trusts these
+/// lengths when it allocates, so without this check a few hostile bytes could make it ask for
+/// terabytes and abort the process.
+fn preflight(body: &[u8], max_rows: usize) -> Result<()> {
+    let fail = malformed;
+    let max_decoded = body.len().saturating_mul(MAX_EXPANSION);
+    let (mut at, mut rows, mut decoded) = (0usize, 0i64, 0usize);
+    while at < body.len() {
+        let mut len = read_i32(body, at)?;
+        at += 4;
+        if len == -1 {
+            len = read_i32(body, at)?;
+            at += 4;
+        }
+        if len == 0 {
+            break; // end-of-stream marker
+        }
+        let len = usize::try_from(len).map_err(|_| fail("negative message length".into()))?;
+        let meta = body.get(at..at.saturating_add(len)).ok_or_else(|| {
+            fail(format!(
+                "a message header of {len} bytes runs past the body"
+            ))
+        })?;
+        at += len;
+        let message = arrow_ipc::root_as_message(meta)
+            .map_err(|e| fail(format!("unreadable message header: {e}")))?;
+        let body_len = usize::try_from(message.bodyLength())
+            .map_err(|_| fail("negative message body length".into()))?;
+        let message_body = body.get(at..at.saturating_add(body_len)).ok_or_else(|| {
+            fail(format!(
+                "a message body of {body_len} bytes runs past the request"
+            ))
+        })?;
+        if message.header_as_dictionary_batch().is_some() {
+            return Err(fail("dictionary batches are not accepted".into()));
+        }
+        if let Some(batch) = message.header_as_record_batch() {
+            rows = rows.saturating_add(batch.length().max(0));
+            if rows as u64 > max_rows as u64 {
+                return Err(Error::TooManyRows {
+                    rows: usize::try_from(rows).unwrap_or(usize::MAX),
+                    limit: max_rows,
+                });
+            }
+            let compressed = batch.compression().is_some();
+            for buffer in batch.buffers().iter().flatten() {
+                let (offset, length) = (buffer.offset(), buffer.length());
+                let (Ok(offset), Ok(length)) = (usize::try_from(offset), usize::try_from(length))
+                else {
+                    return Err(fail("negative buffer offset or length".into()));
+                };
+                let bytes = message_body
+                    .get(offset..offset.saturating_add(length))
+                    .ok_or_else(|| fail("a buffer lies outside its message body".into()))?;
+                let size = match (compressed, bytes.get(..8)) {
+                    (true, Some(prefix)) => {
+                        let declared = i64::from_le_bytes(prefix.try_into().unwrap_or([0; 8]));
+                        if declared < 0 {
+                            length
+                        } else {
+                            usize::try_from(declared).unwrap_or(usize::MAX)
+                        }
+                    }
+                    _ => length,
+                };
+                decoded = decoded.saturating_add(size);
+                if decoded > max_decoded {
+                    return Err(fail(format!(
+                        "buffers claim to decompress to more than {MAX_EXPANSION} times the body"
+                    )));
+                }
+            }
+        }
+        at += body_len;
+    }
+    Ok(())
+}
+
+/// Reads every batch of an Arrow IPC stream whose schema is `expected`'s. The framing is checked
+/// first ([`preflight`]) and the schema before any batch is decoded; a panic inside the decoder
+/// (a bug in a dependency on hostile input) becomes an error too.
+pub fn read_ipc(body: &[u8], table: Table, max_rows: usize) -> Result<Vec<RecordBatch>> {
+    preflight(body, max_rows)?;
     let body = body.to_vec();
     std::panic::catch_unwind(move || -> Result<Vec<RecordBatch>> {
         let reader = StreamReader::try_new(Cursor::new(body), None).map_err(Error::Arrow)?;
+        // The schema message alone says whether the batches can be ours.
+        normalizer(table)(&RecordBatch::new_empty(reader.schema()))?;
         reader
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(Error::Arrow)
     })
-    .unwrap_or_else(|_| {
-        Err(Error::bad(
-            "malformed arrow ipc stream: the decoder rejected it",
-        ))
-    })
+    .unwrap_or_else(|_| Err(malformed("the decoder rejected it".into())))
+}
+
+fn normalizer(table: Table) -> fn(&RecordBatch) -> rankwatch_analytics::Result<RecordBatch> {
+    match table {
+        Table::Samples => samples::normalize,
+        Table::Sketches => sketches::normalize,
+        Table::Runs => runs::normalize,
+    }
 }
 
 fn concat(table: Table, batches: Vec<RecordBatch>, limits: Limits) -> Result<RecordBatch> {
@@ -147,14 +250,9 @@ fn concat(table: Table, batches: Vec<RecordBatch>, limits: Limits) -> Result<Rec
             table.as_str()
         )));
     }
-    let normalize = match table {
-        Table::Samples => samples::normalize,
-        Table::Sketches => sketches::normalize,
-        Table::Runs => runs::normalize,
-    };
     let batches = batches
         .iter()
-        .map(normalize)
+        .map(normalizer(table))
         .collect::<rankwatch_analytics::Result<Vec<_>>>()?;
     let schema = batches[0].schema();
     arrow_select::concat::concat_batches(&schema, &batches).map_err(Error::Arrow)
@@ -168,7 +266,7 @@ pub fn decode_arrow(
     limits: Limits,
     known: &dyn Fn(&RunId) -> Option<RunInfo>,
 ) -> Result<Entry> {
-    let batch = concat(table, read_ipc(body)?, limits)?;
+    let batch = concat(table, read_ipc(body, table, limits.max_rows)?, limits)?;
     entry_from_batch(table, batch, known)
 }
 
@@ -589,7 +687,7 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
         if payload.remaining() < len {
             return Err(corrupt("cut short"));
         }
-        let batch = concat(table, read_ipc(&payload[..len])?, limits)?;
+        let batch = concat(table, read_ipc(&payload[..len], table, usize::MAX)?, limits)?;
         payload.advance(len);
         let part = entry_from_batch(table, batch, &|_| None)?;
         match entry.as_mut() {

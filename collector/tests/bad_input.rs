@@ -436,6 +436,60 @@ async fn over_the_memory_budget_ingest_answers_429_with_retry_after() {
     c.shutdown().await.unwrap();
 }
 
+/// Offsets of each record-batch body in a stream, with its buffers' (offset, length).
+fn batch_bodies(stream: &[u8]) -> Vec<(usize, Vec<(usize, usize)>)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + 8 <= stream.len() {
+        let len = i32::from_le_bytes(stream[at + 4..at + 8].try_into().unwrap()) as usize;
+        at += 8;
+        if len == 0 {
+            break;
+        }
+        let message = arrow_ipc::root_as_message(&stream[at..at + len]).unwrap();
+        at += len;
+        if let Some(batch) = message.header_as_record_batch() {
+            let buffers = batch
+                .buffers()
+                .unwrap()
+                .iter()
+                .map(|b| (b.offset() as usize, b.length() as usize))
+                .collect();
+            out.push((at, buffers));
+        }
+        at += message.bodyLength() as usize;
+    }
+    out
+}
+
+#[tokio::test]
+async fn lengths_that_would_make_the_decoder_allocate_terabytes_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open(dir.path()).await;
+    let valid = samples_ipc(&workload("bomb", 2, 3, 2), true);
+    let (body, buffers) = batch_bodies(&valid).remove(0);
+    // A zstd buffer that claims to decompress to 2^50 bytes.
+    let (offset, length) = *buffers.iter().find(|(_, l)| *l >= 8).unwrap();
+    let _ = length;
+    let mut bomb = valid.clone();
+    bomb[body + offset..body + offset + 8].copy_from_slice(&(1i64 << 50).to_le_bytes());
+    let r = post(&c, "/api/v1/ingest", ARROW, None, bomb).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.error().contains("decompress to more than"),
+        "{}",
+        r.error()
+    );
+    // A message body that claims to run past the request.
+    let mut long = valid.clone();
+    long.truncate(body + 16);
+    let r = post(&c, "/api/v1/ingest", ARROW, None, long).await;
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("runs past the request"), "{}", r.error());
+    assert_eq!(get(&c, "/healthz").await.status, 200);
+    c.shutdown().await.unwrap();
+}
+
 fn fuzz_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -455,7 +509,7 @@ proptest! {
         noise in proptest::collection::vec(any::<u8>(), 0..512),
         use_noise in any::<bool>(),
     ) {
-        let valid = samples_ipc(&workload("fz", 2, 3, 2), false);
+        let valid = samples_ipc(&workload("fz", 2, 3, 2), cut.index(2) == 1);
         let body = if use_noise {
             noise
         } else {
