@@ -196,7 +196,6 @@ def bench_queries(total: int = 10_000_000) -> None:
             last = run["last_step"]
             series = lambda: s.get(f"{url}/api/v1/runs/q/series", params={"metric": "spectral.ratio", "layer": 17, "rank": 3, "points": 1000}, timeout=60).json()  # noqa: E731
             heat = lambda: s.get(f"{url}/api/v1/runs/q/heatmap", params={"metric": "spectral.ratio", "points": 1000}, timeout=60).json()  # noqa: E731
-            assert sum(b["count"] for b in series()["series"][0]["buckets"]) == last + 1 - 0 or True
             rw_series, rw_heat = p50(series), p50(heat)
         finally:
             stop(proc)
