@@ -279,7 +279,7 @@ fn entry_from_batch(
         Table::Samples => {
             let run = single_run(&batch)?;
             let info = known(&run);
-            check_samples(&batch, info.as_ref())?;
+            check_samples(&run, &batch, info.as_ref())?;
             Ok(Entry {
                 run,
                 samples: Some(batch),
@@ -289,7 +289,7 @@ fn entry_from_batch(
         }
         Table::Sketches => {
             let rows = sketches::from_batch(&batch)?;
-            let run = one_run(rows.iter().map(|r| &r.run))?;
+            let run = single_run(&batch)?;
             let info = known(&run);
             check_sketches(&rows, info.as_ref())?;
             Ok(Entry {
@@ -319,18 +319,7 @@ fn entry_from_batch(
     }
 }
 
-fn one_run<'a>(mut runs: impl Iterator<Item = &'a RunId>) -> Result<RunId> {
-    let first = runs
-        .next()
-        .ok_or_else(|| Error::bad("the batch holds no rows"))?;
-    if let Some(other) = runs.find(|r| *r != first) {
-        return Err(Error::bad(format!(
-            "a batch must hold rows of one run; found {first:?} and {other:?}"
-        )));
-    }
-    Ok(first.clone())
-}
-
+/// The run of a normalized batch (its first column), which must be the same on every row.
 fn single_run(batch: &RecordBatch) -> Result<RunId> {
     let column = batch.column(0).as_string::<i32>();
     let first = column.value(0);
@@ -344,8 +333,7 @@ fn single_run(batch: &RecordBatch) -> Result<RunId> {
 }
 
 /// Checks every row of a normalized samples batch (see the module docs).
-fn check_samples(batch: &RecordBatch, info: Option<&RunInfo>) -> Result<()> {
-    let run = RunId::new(batch.column(0).as_string::<i32>().value(0))?;
+fn check_samples(run: &RunId, batch: &RecordBatch, info: Option<&RunInfo>) -> Result<()> {
     let rank = batch.column(1).as_primitive::<UInt32Type>();
     let step = batch.column(2).as_primitive::<UInt64Type>();
     let metric = batch.column(4).as_string::<i32>();
@@ -572,7 +560,7 @@ pub fn decode_json(
             })
             .collect::<Result<Vec<_>>>()?;
         let batch = samples::to_batch(&rows)?;
-        check_samples(&batch, known_info.as_ref())?;
+        check_samples(&run, &batch, known_info.as_ref())?;
         Some(batch)
     };
     let sketches = if doc.sketches.is_empty() {

@@ -24,18 +24,18 @@ use rankwatch_analytics::math::dispersion::Dispersion;
 use crate::store::Store;
 use crate::wal::WalObserver;
 
-/// Label set with one `reason` label.
-pub type ReasonLabels = Vec<(&'static str, &'static str)>;
+/// A label set of fixed, low-cardinality labels (`reason`, `table`, `format`).
+pub type Labels = Vec<(&'static str, &'static str)>;
 
 /// Every metric the collector maintains itself.
 #[derive(Debug)]
 pub struct Telemetry {
-    pub ingest_rows: Family<Vec<(&'static str, &'static str)>, Counter>,
+    pub ingest_rows: Family<Labels, Counter>,
     pub ingest_bytes: Counter,
-    pub ingest_batches: Family<Vec<(&'static str, &'static str)>, Counter>,
+    pub ingest_batches: Family<Labels, Counter>,
     pub ingest_nonfinite: Counter,
     pub ingest_duplicates: Counter,
-    pub rejects: Family<ReasonLabels, Counter>,
+    pub rejects: Family<Labels, Counter>,
     pub wal_fsync_seconds: Histogram,
     pub wal_group_records: Histogram,
     pub wal_bytes: Gauge,
@@ -293,11 +293,13 @@ impl RunGauges {
             runs.iter()
                 .filter(|(_, s)| s.last_seen_ms > 0 && now - s.last_seen_ms <= window)
                 .map(|(run, s)| {
-                    let losses: Vec<f64> = s.loss_by_rank.values().map(|l| l.value).collect();
+                    let losses: Vec<f64> =
+                        s.loss_by_rank.values().flatten().map(|l| l.value).collect();
                     let dispersion = Dispersion::of(&losses);
                     let ratios = s
                         .ratio_by_layer
                         .values()
+                        .flatten()
                         .map(|l| l.value)
                         .filter(|v| v.is_finite());
                     let (min, max) =

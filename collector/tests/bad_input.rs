@@ -469,8 +469,7 @@ async fn lengths_that_would_make_the_decoder_allocate_terabytes_are_refused() {
     let valid = samples_ipc(&workload("bomb", 2, 3, 2), true);
     let (body, buffers) = batch_bodies(&valid).remove(0);
     // A zstd buffer that claims to decompress to 2^50 bytes.
-    let (offset, length) = *buffers.iter().find(|(_, l)| *l >= 8).unwrap();
-    let _ = length;
+    let (offset, _) = *buffers.iter().find(|(_, l)| *l >= 8).unwrap();
     let mut bomb = valid.clone();
     bomb[body + offset..body + offset + 8].copy_from_slice(&(1i64 << 50).to_le_bytes());
     let r = post(&c, "/api/v1/ingest", ARROW, None, bomb).await;

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, UInt32Type, UInt64Type};
 use arrow_array::{Array, RecordBatch};
-use datafusion::prelude::{col, lit};
+use datafusion::prelude::{Expr, col, lit};
 use rankwatch_analytics::math::cosine::{cos_pair_mean, sketch_cosine_matrix};
 use rankwatch_analytics::{MetricName, RunId, Site};
 use serde::{Deserialize, Serialize};
@@ -82,6 +82,18 @@ fn points(p: Option<usize>) -> Result<usize> {
     Ok(p)
 }
 
+/// Rows of `metric` with `from <= step <= to`, of one rank when given.
+fn metric_in_range(metric: &MetricName, from: u64, to: u64, rank: Option<u32>) -> Expr {
+    let filter = col("metric")
+        .eq(lit(metric.as_str()))
+        .and(col("step").gt_eq(lit(from)))
+        .and(col("step").lt_eq(lit(to)));
+    match rank {
+        Some(r) => filter.and(col("rank").eq(lit(r))),
+        None => filter,
+    }
+}
+
 fn site(s: Option<&str>) -> Result<Option<Site>> {
     Ok(s.map(str::parse::<Site>).transpose()?)
 }
@@ -117,18 +129,12 @@ impl Engine {
         let site = site(q.site.as_deref())?;
         let points = points(q.points)?;
         let (from, to) = self.range(&run, q.from, q.to)?;
-        let mut filter = col("metric")
-            .eq(lit(metric.as_str()))
-            .and(col("step").gt_eq(lit(from)))
-            .and(col("step").lt_eq(lit(to)));
+        let mut filter = metric_in_range(&metric, from, to, q.rank);
         if let Some(l) = q.layer {
             filter = filter.and(col("layer").eq(lit(l)));
         }
         if let Some(s) = site {
             filter = filter.and(col("site").eq(lit(s.as_str())));
-        }
-        if let Some(r) = q.rank {
-            filter = filter.and(col("rank").eq(lit(r)));
         }
         let batches = self
             .scan(
@@ -186,18 +192,11 @@ impl Engine {
         let site = site(q.site.as_deref())?;
         let points = points(q.points)?;
         let (from, to) = self.range(&run, q.from, q.to)?;
-        let mut filter = col("metric")
-            .eq(lit(metric.as_str()))
-            .and(col("layer").is_not_null())
-            .and(col("step").gt_eq(lit(from)))
-            .and(col("step").lt_eq(lit(to)));
-        filter = match site {
+        let filter = metric_in_range(&metric, from, to, q.rank).and(col("layer").is_not_null());
+        let filter = match site {
             Some(s) => filter.and(col("site").eq(lit(s.as_str()))),
             None => filter.and(col("site").is_null()),
         };
-        if let Some(r) = q.rank {
-            filter = filter.and(col("rank").eq(lit(r)));
-        }
         let batches = self
             .scan(Table::Samples, &run, filter, &["layer", "step", "value"])
             .await?;

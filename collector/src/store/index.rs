@@ -52,9 +52,10 @@ pub struct RunSummary {
     /// new data arrives).
     pub last_seen_ms: i64,
     pub series: HashSet<SeriesKey>,
-    metrics: HashMap<String, Arc<str>>,
-    pub loss_by_rank: HashMap<u32, Latest>,
-    pub ratio_by_layer: HashMap<u32, Latest>,
+    /// Interned metric names, so series keys share one allocation per name.
+    metrics: HashSet<Arc<str>>,
+    pub loss_by_rank: HashMap<u32, Option<Latest>>,
+    pub ratio_by_layer: HashMap<u32, Option<Latest>>,
     pub perplexity: Option<Latest>,
     pub loss_cv: Option<Latest>,
     pub grad_norm_cv: Option<Latest>,
@@ -68,25 +69,29 @@ impl RunSummary {
             return m.clone();
         }
         let m: Arc<str> = Arc::from(metric);
-        self.metrics.insert(metric.to_owned(), m.clone());
+        self.metrics.insert(m.clone());
         m
     }
 
     /// Series of `batch` (file schema) that the run does not have yet.
     pub fn new_series(&self, batch: &RecordBatch) -> usize {
-        let mut fresh = HashSet::new();
+        // Distinct keys of the batch first (borrowed, no allocation per row), then one
+        // lookup each.
+        let mut distinct = HashSet::new();
         for_each_key(batch, |metric, layer, site, rank| {
-            let key = SeriesKey {
-                metric: Arc::from(metric),
-                layer,
-                site,
-                rank,
-            };
-            if !self.series.contains(&key) {
-                fresh.insert(key);
-            }
+            distinct.insert((metric, layer, site, rank));
         });
-        fresh.len()
+        distinct
+            .into_iter()
+            .filter(|&(metric, layer, site, rank)| {
+                !self.series.contains(&SeriesKey {
+                    metric: Arc::from(metric),
+                    layer,
+                    site,
+                    rank,
+                })
+            })
+            .count()
     }
 
     /// Takes a batch of samples (file schema) into account.
@@ -104,7 +109,7 @@ impl RunSummary {
         let value = batch.column(6).as_primitive::<Float64Type>();
         self.samples += rows as u64;
         self.last_seen_ms = self.last_seen_ms.max(seen_ms);
-        let mut last_metric: Option<(usize, Arc<str>)> = None;
+        let mut last_metric: Option<Arc<str>> = None;
         for i in 0..rows {
             let s = step.value(i);
             let v = value.value(i);
@@ -116,36 +121,26 @@ impl RunSummary {
             let t = time.value(i);
             self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
             let m = metric.value(i);
+            // Rows arrive grouped by metric; intern once per run of equal names.
             let interned = match &last_metric {
-                Some((_, a)) if a.as_ref() == m => a.clone(),
+                Some(a) if a.as_ref() == m => a.clone(),
                 _ => {
                     let a = self.intern(m);
-                    last_metric = Some((i, a.clone()));
+                    last_metric = Some(a.clone());
                     a
                 }
             };
             let r = rank.is_valid(i).then(|| rank.value(i));
             let l = layer.is_valid(i).then(|| layer.value(i));
-            let site = site
-                .is_valid(i)
-                .then(|| site.value(i).parse::<Site>().ok())
-                .flatten();
+            let site = site_at(site, i);
             if let Some(r) = r {
                 let e = self.rank_steps.entry(r).or_insert(s);
                 *e = (*e).max(s);
             }
             match (m, r, l) {
-                ("loss", Some(r), _) => {
-                    let mut slot = self.loss_by_rank.get(&r).copied();
-                    keep_latest(&mut slot, s, v);
-                    self.loss_by_rank
-                        .insert(r, slot.unwrap_or(Latest { step: s, value: v }));
-                }
+                ("loss", Some(r), _) => keep_latest(self.loss_by_rank.entry(r).or_default(), s, v),
                 ("spectral.ratio", _, Some(l)) => {
-                    let mut slot = self.ratio_by_layer.get(&l).copied();
-                    keep_latest(&mut slot, s, v);
-                    self.ratio_by_layer
-                        .insert(l, slot.unwrap_or(Latest { step: s, value: v }));
+                    keep_latest(self.ratio_by_layer.entry(l).or_default(), s, v)
                 }
                 ("perplexity", ..) => keep_latest(&mut self.perplexity, s, v),
                 ("loss_cv", ..) => keep_latest(&mut self.loss_cv, s, v),
@@ -158,9 +153,7 @@ impl RunSummary {
                 site,
                 rank: r,
             };
-            if !self.series.contains(&key) {
-                self.series.insert(key);
-            }
+            self.series.insert(key);
         }
     }
 
@@ -187,9 +180,15 @@ impl RunSummary {
     }
 }
 
-fn for_each_key(
-    batch: &RecordBatch,
-    mut f: impl FnMut(&str, Option<u32>, Option<Site>, Option<u32>),
+fn site_at(site: &arrow_array::StringArray, i: usize) -> Option<Site> {
+    site.is_valid(i)
+        .then(|| site.value(i).parse::<Site>().ok())
+        .flatten()
+}
+
+fn for_each_key<'a>(
+    batch: &'a RecordBatch,
+    mut f: impl FnMut(&'a str, Option<u32>, Option<Site>, Option<u32>),
 ) {
     let rank = batch.column(0).as_primitive::<UInt32Type>();
     let metric = batch.column(3).as_string::<i32>();
@@ -199,9 +198,7 @@ fn for_each_key(
         f(
             metric.value(i),
             layer.is_valid(i).then(|| layer.value(i)),
-            site.is_valid(i)
-                .then(|| site.value(i).parse::<Site>().ok())
-                .flatten(),
+            site_at(site, i),
             rank.is_valid(i).then(|| rank.value(i)),
         );
     }

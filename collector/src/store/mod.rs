@@ -701,7 +701,7 @@ impl Store {
         Ok(())
     }
 
-    /// Merges a rebuilt summary row (from the Parquet scan at start).
+    /// Runs the closure on one run's summary, creating it if needed (the index rebuild).
     pub fn with_run_mut<T>(&self, run: &RunId, f: impl FnOnce(&mut RunSummary) -> T) -> T {
         let mut state = self.lock();
         f(state.runs.entry(run.clone()).or_default())

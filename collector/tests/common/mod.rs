@@ -4,7 +4,6 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::Path;
-use std::sync::Arc;
 
 use arrow_array::RecordBatch;
 use arrow_ipc::writer::{IpcWriteOptions, StreamWriter};
@@ -217,8 +216,4 @@ pub fn workload(run: &str, ranks: u32, steps: u64, layers: u32) -> Vec<Sample> {
         }
     }
     rows
-}
-
-pub fn shared<T>(t: T) -> Arc<T> {
-    Arc::new(t)
 }
