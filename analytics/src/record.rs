@@ -34,80 +34,101 @@ impl Sample {
     /// Checks that rank, layer and site fit the metric's scope and, when the run is known, its
     /// world size and layer count. User metrics only get the range checks.
     pub fn validate(&self, run: Option<&RunInfo>) -> Result<()> {
-        let fail = |reason: String| Error::InvalidSample {
-            metric: self.metric.to_string(),
-            reason,
-        };
-        if let Some(metric) = self.metric.known() {
-            match metric.scope() {
-                Scope::Rank => {
-                    if self.rank.is_none() {
-                        return Err(fail("a per-rank metric needs a rank".into()));
-                    }
-                    if self.layer.is_some() || self.site.is_some() {
-                        return Err(fail("a per-rank metric takes no layer or site".into()));
-                    }
+        check_shape(
+            &self.metric,
+            self.metric.known(),
+            self.rank,
+            self.layer,
+            self.site,
+            run,
+        )
+    }
+}
+
+/// The checks of [`Sample::validate`] on the parts of a sample, for callers that keep values
+/// in their own compact form (the agent) and have already resolved `known`, the vocabulary
+/// metric `metric` names, if any.
+pub fn check_shape(
+    metric: &MetricName,
+    known: Option<crate::vocab::Metric>,
+    rank: Option<u32>,
+    layer: Option<u32>,
+    site: Option<Site>,
+    run: Option<&RunInfo>,
+) -> Result<()> {
+    let fail = |reason: String| Error::InvalidSample {
+        metric: metric.to_string(),
+        reason,
+    };
+    if let Some(metric) = known {
+        match metric.scope() {
+            Scope::Rank => {
+                if rank.is_none() {
+                    return Err(fail("a per-rank metric needs a rank".into()));
                 }
-                Scope::AllRanks => {
-                    if self.rank.is_some() || self.layer.is_some() || self.site.is_some() {
-                        return Err(fail(
-                            "an all-ranks metric takes no rank, layer or site".into(),
-                        ));
-                    }
+                if layer.is_some() || site.is_some() {
+                    return Err(fail("a per-rank metric takes no layer or site".into()));
                 }
-                Scope::Layer => {
-                    let sites = metric.sites();
-                    match self.site {
-                        None if !sites.is_empty() => {
-                            return Err(fail(format!(
-                                "needs a site, one of {}",
-                                sites
-                                    .iter()
-                                    .map(|s| s.as_str())
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            )));
-                        }
-                        Some(site) if !sites.contains(&site) => {
-                            return Err(fail(format!("does not take site {site}")));
-                        }
-                        _ => {}
+            }
+            Scope::AllRanks => {
+                if rank.is_some() || layer.is_some() || site.is_some() {
+                    return Err(fail(
+                        "an all-ranks metric takes no rank, layer or site".into(),
+                    ));
+                }
+            }
+            Scope::Layer => {
+                let sites = metric.sites();
+                match site {
+                    None if !sites.is_empty() => {
+                        return Err(fail(format!(
+                            "needs a site, one of {}",
+                            sites
+                                .iter()
+                                .map(|s| s.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
                     }
-                    let model_level = self.site.is_some_and(Site::is_model_level);
-                    match (self.layer, model_level) {
-                        (None, false) => return Err(fail("needs a layer".into())),
-                        (Some(layer), true) => {
-                            return Err(fail(format!(
-                                "site {} belongs to the whole model and takes no layer (got {layer})",
-                                self.site.map(Site::as_str).unwrap_or_default()
-                            )));
-                        }
-                        _ => {}
+                    Some(site) if !sites.contains(&site) => {
+                        return Err(fail(format!("does not take site {site}")));
                     }
+                    _ => {}
+                }
+                let model_level = site.is_some_and(Site::is_model_level);
+                match (layer, model_level) {
+                    (None, false) => return Err(fail("needs a layer".into())),
+                    (Some(layer), true) => {
+                        return Err(fail(format!(
+                            "site {} belongs to the whole model and takes no layer (got {layer})",
+                            site.map(Site::as_str).unwrap_or_default()
+                        )));
+                    }
+                    _ => {}
                 }
             }
         }
-        if let Some(info) = run {
-            if let Some(rank) = self.rank
-                && rank >= info.world_size
-            {
+    }
+    if let Some(info) = run {
+        if let Some(rank) = rank
+            && rank >= info.world_size
+        {
+            return Err(fail(format!(
+                "rank {rank} out of range: world size is {}",
+                info.world_size
+            )));
+        }
+        // An empty layout means "not discovered", not "no layers".
+        if let Some(layer) = layer {
+            let count = info.layout.layer_count();
+            if count > 0 && layer >= count {
                 return Err(fail(format!(
-                    "rank {rank} out of range: world size is {}",
-                    info.world_size
+                    "layer {layer} out of range: the model has {count} layers"
                 )));
             }
-            // An empty layout means "not discovered", not "no layers".
-            if let Some(layer) = self.layer {
-                let count = info.layout.layer_count();
-                if count > 0 && layer >= count {
-                    return Err(fail(format!(
-                        "layer {layer} out of range: the model has {count} layers"
-                    )));
-                }
-            }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// The k-dimensional random projection of one rank's local gradient at one step.

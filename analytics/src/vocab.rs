@@ -166,6 +166,8 @@ metrics! {
     CosToMean = "cos_to_mean", Rank, NONE;
     /// Count of NaN/Inf in the loss and gradients.
     Nonfinite = "nonfinite", Rank, NONE;
+    /// Records the rank's agent dropped because its queue and spool were full (cumulative).
+    Dropped = "dropped", Rank, NONE;
     /// σ₁ of one weight matrix of a block.
     SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
     /// σ_mlp = ‖W_down·W_up‖₂.
