@@ -67,6 +67,7 @@ pub struct FlushReport {
 /// their timeout.
 #[derive(Debug)]
 pub struct Agent {
+    run: rankwatch_analytics::RunId,
     rank: u32,
     session: String,
     tx: SyncSender<Msg>,
@@ -95,6 +96,7 @@ impl Agent {
             .spawn(move || sender.run())
             .map_err(|e| Error::Config(format!("cannot start the sender thread: {e}")))?;
         Ok(Agent {
+            run: config.run.clone(),
             rank: config.rank,
             session,
             tx,
@@ -103,6 +105,11 @@ impl Agent {
             info: RwLock::new(None),
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// The run this agent reports to.
+    pub fn run(&self) -> &rankwatch_analytics::RunId {
+        &self.run
     }
 
     /// This process's rank.
