@@ -441,7 +441,8 @@ impl Sender {
                 spool.sync();
             }
         } else {
-            let lost: u64 = self.backlog.memory.iter().map(|b| b.rows).sum();
+            let lost: u64 = self.backlog.memory.drain(..).map(|b| b.rows).sum();
+            self.backlog.memory_bytes = 0;
             if lost > 0 {
                 stats.dropped_spool_full.fetch_add(lost, Relaxed);
                 stats.error(format!(

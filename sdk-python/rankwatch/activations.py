@@ -173,7 +173,7 @@ class ActivationProbe:
         if not self._armed:
             return None
         mask = kwargs.get("attention_mask")
-        if False:
+        if mask is None and self._mask_position is not None and len(args) > self._mask_position:
             mask = args[self._mask_position]
         # Only a 2-D [batch, seq] mask says which tokens are real; 4-D additive masks do not.
         self._forward_mask = mask.detach() != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None

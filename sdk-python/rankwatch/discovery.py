@@ -367,7 +367,9 @@ def _decoder_mlp(
     block: nn.Module, family: str, spec: _DecoderSpec, where: str
 ) -> tuple[dict[str, MatrixAccessor], int | None, nn.Module, nn.Module | None]:
     # Mixtral before transformers 5 called its sparse block `block_sparse_moe`.
-    mlp = _get(block, "mlp") or _get(block, "block_sparse_moe")
+    mlp = _get(block, "mlp")
+    if mlp is None:
+        mlp = _get(block, "block_sparse_moe")
     if not isinstance(mlp, nn.Module):
         raise DiscoveryError(f"{family} layout: expected `mlp` in {where}, but it is missing")
     experts = getattr(mlp, "experts", None)

@@ -169,11 +169,14 @@ class Run:
         activations: bool = True,
         spectral: bool = True,
         gate: bool = False,
+        ddp: torch.nn.parallel.DistributedDataParallel | None = None,
     ) -> Run:
         """Finds the model's blocks and installs the probes (and the DDP hook under DDP).
 
         Raises `rankwatch.DiscoveryError` when the model's layout cannot be found; pass
         `mapping=` to describe it. Call before `torch.compile` and before the first backward.
+        `ddp=` names the DistributedDataParallel wrapper when `model` is the module inside it
+        (frameworks that wrap a container module).
         """
         if self._agent is None:
             return self
@@ -199,10 +202,12 @@ class Run:
             self._activations = ActivationProbe(model, layout, gate=gate)
             if Cadence.due(self.cadence.activations, 0):
                 self._activations.arm()
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.cadence.grad > 0:
+        if ddp is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            ddp = model
+        if ddp is not None and self.cadence.grad > 0:
             from .ddp import install
 
-            self._grad_state = install(model, dot_mode=self.dot_mode, sketch_dim=self.sketch_dim, sketch_seed=_sketch_seed(self.id))
+            self._grad_state = install(ddp, dot_mode=self.dot_mode, sketch_dim=self.sketch_dim, sketch_seed=_sketch_seed(self.id))
             self._grad_state.sketch_due = Cadence.due(self.cadence.sketch, 0)
         elif optimizer is not None and self.cadence.grad > 0:
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -389,7 +394,7 @@ class Run:
         if self.mode == "online" and not stats["ever_connected"]:
             where = f" They wait in {self.spool_dir}; send them with rankwatch.sync({str(self.spool_dir)!r})." if stats["spooled_batches"] else ""
             self._warn("never-connected", f"rankwatch: the run finished without reaching the collector at {self.collector}.{where}")
-        elif stats["backlog_batches"]:
+        elif self.mode == "online" and stats["backlog_batches"]:
             self._warn("undelivered", f"rankwatch: {stats['backlog_batches']} batches were not delivered before finish(); they are spooled in {self.spool_dir}")
         return stats
 

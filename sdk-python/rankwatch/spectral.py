@@ -25,7 +25,7 @@ Device discipline: `compute` never reads a value back to the host. Results are 0
 tensors on the weights' device; degenerate cases (a zero or non-finite iterate) are handled with
 `torch.where`, not Python branches, and keep the previous estimate so one bad step does not
 poison the state. Everything runs in float32: bf16/fp16 weights are upcast once per call per
-matrix (a temporary copy; the parameters themselves are never written).
+matrix (a temporary copy, one layer at a time; the parameters themselves are never written).
 
 Mixture of experts: 3-D (experts, out, in) weights are batched with `bmm`, one singular vector
 per expert. Per-matrix σ and σ_mlp report the MAX over experts (the expert closest to blowing

@@ -13,3 +13,80 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 SDK_ROOT = Path(__file__).resolve().parent.parent
 if str(SDK_ROOT) not in sys.path:
     sys.path.insert(0, str(SDK_ROOT))
+
+
+# --- the real collector, for end-to-end tests -------------------------------------------------
+
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = SDK_ROOT.parent
+
+
+def collector_binary() -> str:
+    binary = os.environ.get("RANKWATCH_BIN") or str(REPO / "target" / "debug" / "rankwatch")
+    if not Path(binary).exists():
+        raise RuntimeError(f"the rankwatch binary is not built at {binary}; run `cargo xtask test` (or set RANKWATCH_BIN)")
+    return binary
+
+
+class Collector:
+    """A real `rankwatch serve` on loopback, restartable on the same port and data directory."""
+
+    def __init__(self, data_dir: Path, port: int = 0) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.proc: subprocess.Popen[str] | None = None
+        self.start()
+
+    def start(self) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            proc = subprocess.Popen(
+                [collector_binary(), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir), "--flush-interval", "1s"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env={**os.environ, "RANKWATCH_LOG": "warn"},
+            )
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line.startswith("rankwatch listening on http://"):
+                break
+            proc.wait()
+            # The port of a killed collector can take a moment to be free again.
+            assert time.monotonic() < deadline, f"collector did not start: {line!r}"
+            time.sleep(0.2)
+        self.proc = proc
+        self.url = line.strip().rsplit(" ", 1)[1]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def sql(self, query: str) -> list[dict]:
+        import requests
+
+        r = requests.post(f"{self.url}/api/v1/sql", json={"sql": query}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["rows"]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Iterator[Collector]:
+    c = Collector(tmp_path / "data")
+    yield c
+    if c.proc is not None and c.proc.poll() is None:
+        c.proc.kill()
+        c.proc.wait()

@@ -332,3 +332,22 @@ def test_no_host_sync_on_meta_tensors() -> None:
     results = probe.collect()
     assert len(results) == 10
     assert all(v.device.type == "meta" and v.dim() == 0 and not v.requires_grad for *_, v in results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_sync_on_cuda() -> None:
+    model = tiny_nanogpt().cuda()
+    ids, mask = padded_batch(64)
+    ids, mask = ids.cuda(), mask.cuda()
+    probe = ActivationProbe(model, discover(model))
+    probe.arm()
+    model(ids, attention_mask=mask)  # warm-up outside the check (kernel selection may sync)
+    probe.collect()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(ids, attention_mask=mask)
+        results = probe.collect()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(results) == 10 and all(v.is_cuda for *_, v in results)

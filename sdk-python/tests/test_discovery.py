@@ -229,6 +229,47 @@ def test_mixtral_3d_experts() -> None:
             assert shares_storage(block.matrices["gate"](), experts.gate_up_proj)
 
 
+class LegacyMixtralExpert(nn.Module):
+    """MixtralBlockSparseTop2MLP as in transformers < 5 (experts were a ModuleList of these)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+
+
+def test_legacy_modulelist_experts_and_block_sparse_moe_name() -> None:
+    model = build("MixtralConfig", "MixtralForCausalLM", **DECODER, num_local_experts=4, num_experts_per_tok=2)
+    qwen_mlp = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeMLP
+    qwen_config = transformers.Qwen2MoeConfig(**DECODER)
+    for index, layer in enumerate(model.model.layers):
+        sparse = layer.mlp
+        if index == 0:  # old Mixtral: `block_sparse_moe` holding w1/w2/w3 experts
+            sparse.experts = nn.ModuleList([LegacyMixtralExpert(32, 48) for _ in range(4)])
+            del layer.mlp
+            layer.block_sparse_moe = sparse
+        else:  # old Qwen-MoE: a ModuleList of gate/up/down_proj MLPs
+            sparse.experts = nn.ModuleList([qwen_mlp(qwen_config, intermediate_size=24) for _ in range(4)])
+    layout = discover(model)
+    check_common(layout, "mixtral", 3)
+    for index, block in enumerate(layout.blocks):
+        sparse = model.model.layers[index].block_sparse_moe if index == 0 else model.model.layers[index].mlp
+        assert block.mlp_module is sparse and block.experts == 4
+        width = 48 if index == 0 else 24
+        assert block.matrices["up"]().shape == (4, width, 32)
+        for expert in (0, 3):
+            module = sparse.experts[expert]
+            act = module.act_fn
+            rebuilt = {s: block.matrices[s]()[expert] for s in ("up", "gate", "down")}
+            x = torch.randn(5, 32)
+            close(module(x), (act(x @ rebuilt["gate"].T) * (x @ rebuilt["up"].T)) @ rebuilt["down"].T)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_qwen_moe_experts_and_dense_layers(family: str) -> None:
     names = {"qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}

@@ -285,3 +285,18 @@ def test_zero_matrix_does_not_poison_the_estimate() -> None:
     for _ in range(500):
         latest = probe.compute()
     assert_matches(as_dict(latest), reference(layout.blocks))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_sync_on_cuda() -> None:
+    torch.manual_seed(0)
+    model = NanoGPT(NanoGPTConfig(n_layer=2, n_embd=32)).cuda().to(torch.bfloat16)
+    probe = SpectralProbe(discover(model))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising op raises
+    try:
+        for _ in range(2):
+            results = probe.compute()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(v.is_cuda and v.dtype == torch.float32 for *_, v in results)

@@ -1,0 +1,87 @@
+"""Misuse gets a clear error (configuration) or a warning (the training loop), never a crash."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import rankwatch
+from rankwatch.models import NanoGPT, NanoGPTConfig
+
+from conftest import Collector
+
+
+def offline(tmp_path: Path, **kw) -> rankwatch.Run:
+    return rankwatch.init(run="bad-use", mode="offline", spool_dir=tmp_path / "spool", **kw)
+
+
+def test_an_unknown_model_is_refused_with_a_way_out(tmp_path: Path) -> None:
+    run = offline(tmp_path)
+    with pytest.raises(rankwatch.DiscoveryError, match="mapping"):
+        run.watch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    run.finish()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "sometimes"}, "mode must be"),
+        ({"collector": "ftp://x"}, "http://"),
+        ({"rank": 4, "world_size": 4}, "not within world size"),
+        ({"every": {"spectrum": 3}}, "unknown probe"),
+        ({"every": 0}, "at least 1"),
+        ({"run": "///"}, "no usable characters"),
+    ],
+)
+def test_bad_init_arguments_name_the_problem(kwargs: dict, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        rankwatch.init(**kwargs)
+
+
+def test_wrong_types_nan_and_misuse_in_the_loop_only_warn(tmp_path: Path, collector: Collector) -> None:
+    run = rankwatch.init(run="bad-loop", collector=collector.url, spool_dir=tmp_path / "spool")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.log(0, loss=1.5, note="a string", vec=torch.ones(3), ok=2.0)
+        run.log(-1, loss=1.0)
+        run.log("3", loss=1.0)  # type: ignore[arg-type]
+        run.log(1, **{"bad name!": 1.0})
+        run.log(2, spectral_ratio=1.0)  # a user scalar, fine
+        run.log(3, loss=torch.tensor(float("nan")))
+        run.log(4, loss=float("inf"))
+        stats = run.finish(timeout=10)
+        run.finish()
+        run.log(5, loss=1.0)
+    messages = " | ".join(str(w.message) for w in caught)
+    for expected in ("'note' is a str", "shape (3,)", "step that is an int >= 0", "bad name!", "loss is nan at step 3", "called twice", "after finish"):
+        assert expected in messages, f"no warning about {expected!r}: {messages}"
+    assert all(issubclass(w.category, rankwatch.RankwatchWarning) for w in caught)
+    assert stats["refused_rows"] == 0 and stats["dropped_rows"] == 0
+    rows = {(r["metric"], r["step"]): r["value"] for r in collector.sql("SELECT metric, step, value FROM samples")}
+    assert rows[("loss", 0)] == 1.5 and rows[("user/ok", 0)] == 2.0
+    assert ("user/note", 0) not in rows and ("user/vec", 0) not in rows
+    assert rows[("user/spectral_ratio", 2)] == 1.0
+    assert rows[("loss", 3)] == "NaN" and rows[("nonfinite", 3)] == 1.0, "NaN is stored and counted"
+    assert rows[("loss", 4)] == "Infinity"
+    assert not any(step == 5 for _, step in rows)
+
+
+def test_disabled_mode_is_a_no_op(tmp_path: Path) -> None:
+    run = rankwatch.init(mode="disabled")
+    model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))
+    assert run.watch(model) is run
+    run.log(0, loss=torch.tensor(1.0))
+    assert run.finish() == {} and run.stats() == {}
+    assert not list(model.modules())[0]._forward_hooks
+
+
+def test_context_manager_finishes(tmp_path: Path) -> None:
+    with offline(tmp_path) as run:
+        run.log(0, loss=math.pi)
+    assert run._finished
+    report_dir = tmp_path / "spool" / "bad-use"
+    assert any(report_dir.rglob("*.spool")), "offline data waits in the spool"

@@ -1,0 +1,84 @@
+"""The Hugging Face and Lightning callbacks, each on a real (tiny) training run on CPU."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import Collector
+
+
+def _runs(collector: Collector) -> dict[str, dict]:
+    return {r["run"]: r for r in requests.get(f"{collector.url}/api/v1/runs", timeout=10).json()["runs"]}
+
+
+def test_hugging_face_trainer_callback(collector: Collector, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from rankwatch.integrations.transformers import RankwatchCallback
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    data = [{"input_ids": torch.randint(0, 64, (12,)), "labels": torch.randint(0, 64, (12,))} for _ in range(16)]
+    for row in data[::2]:
+        row["labels"][:4] = -100  # ignored tokens must not count
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
+    )
+    callback = RankwatchCallback(run="hf-trainer", collector=collector.url, spool_dir=tmp_path / "spool", every={"spectral": 2, "activations": 2})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert callback.run is not None and callback.run._finished
+
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    rows = {r["step"]: r["value"] for r in collector.sql("SELECT step, value FROM samples WHERE run = 'hf-trainer' AND metric = 'loss'")}
+    assert sorted(rows) == [1, 2, 3, 4]
+    for step, value in logged.items():
+        # Trainer rounds its logged loss to 4 decimals; ours is the exact per-rank value.
+        assert math.isclose(rows[step], value, abs_tol=1e-3), (step, rows[step], value)
+    tokens = collector.sql("SELECT sum(value) AS n FROM samples WHERE run = 'hf-trainer' AND metric = 'tokens'")[0]["n"]
+    # One epoch of 16 rows, causal LM: 11 predicted positions per row, and 8 rows ignore 3.
+    assert tokens == 16 * 11 - 8 * 3
+    ratios = collector.sql("SELECT DISTINCT layer FROM samples WHERE run = 'hf-trainer' AND metric = 'spectral.ratio' ORDER BY layer")
+    assert [r["layer"] for r in ratios] == [0, 1]
+    info = _runs(collector)["hf-trainer"]
+    assert (info["family"], info["layers"]) == ("llama", 2)
+
+
+def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
+    L = pytest.importorskip("lightning.pytorch")
+    from rankwatch.integrations.lightning import RankwatchCallback
+    from rankwatch.models import NanoGPT, NanoGPTConfig
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = NanoGPT(NanoGPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+            self.seen: list[float] = []
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            _, loss = self.model(batch, torch.roll(batch, -1, 1))
+            self.seen.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 40, (32, 16)), batch_size=4)
+    module = Module()
+    callback = RankwatchCallback(run="pl-fit", collector=collector.url, spool_dir=tmp_path / "spool", every={"spectral": 2})
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(module, loader)
+    rows = {r["step"]: r["value"] for r in collector.sql("SELECT step, value FROM samples WHERE run = 'pl-fit' AND metric = 'loss'")}
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    assert [rows[s] for s in sorted(rows)] == pytest.approx(module.seen, rel=1e-6)
+    grad = collector.sql("SELECT count(*) AS n FROM samples WHERE run = 'pl-fit' AND metric = 'grad_norm'")[0]["n"]
+    assert grad == 5, "the optimizer hook measured ‖g‖ at every step"
+    assert _runs(collector)["pl-fit"]["family"] == "nanogpt"
