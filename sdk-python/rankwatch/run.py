@@ -224,8 +224,10 @@ class Run:
 
     # -- the hot path ----------------------------------------------------------------------
 
-    def log(self, step: int, loss: Any = None, tokens: Any = None, **scalars: Any) -> None:
-        """Records this rank's values for `step`. Tensors are accepted and never read on the
+    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, loss: Any = None, tokens: Any = None, **scalars: Any) -> None:
+        """Records this rank's values for `step`: `run.log(step, loss=l, tokens=n, lr=lr)`, or
+        with a dict, `run.log(step, {"loss": l, "lr": lr})` (cheapest for many scalars: the
+        dict is read as it is, never copied). Tensors are accepted and never read on the
         training thread; names outside the vocabulary are stored as `user/<name>`."""
         if self._agent is None:
             return
@@ -239,8 +241,13 @@ class Run:
             scalars["loss"] = loss
         if tokens is not None:
             scalars["tokens"] = tokens
+        if metrics is not None:
+            if not isinstance(metrics, Mapping):
+                self._warn("metrics-type", f"rankwatch: log(step, metrics) needs a dict of name → value, got {type(metrics).__name__}; ignored")
+                return
+            scalars = {**metrics, **scalars} if scalars else metrics  # type: ignore[assignment]
         try:
-            others = self._agent.log(step, scalars) if scalars else None
+            others = self._agent.log(step, scalars if isinstance(scalars, dict) else dict(scalars)) if scalars else None
         except ValueError as e:
             self._warn(f"log-{e}", f"rankwatch: log(step={step}) ignored: {e}")
             return

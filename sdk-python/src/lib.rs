@@ -63,10 +63,31 @@ struct Series {
     points: Vec<Point>,
 }
 
+/// Hashes an object address: addresses are already well spread apart from their low
+/// alignment bits, so a multiply is enough (SipHash would cost more than the whole look-up).
+#[derive(Debug, Default, Clone, Copy)]
+struct AddressHasher(u64);
+
+impl std::hash::Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type AddressMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<AddressHasher>>;
+
 #[derive(Debug, Default)]
 struct Caches {
     /// Keyed by the address of the key's Python string; the string is kept alive beside it.
-    by_object: HashMap<usize, (Py<PyString>, Metric)>,
+    by_object: AddressMap<(Py<PyString>, Metric)>,
     series: Vec<Series>,
 }
 
@@ -141,7 +162,11 @@ impl Agent {
             Duration::try_from_secs_f64(s)
                 .ok()
                 .filter(|d| !d.is_zero())
-                .ok_or_else(|| value_error(format!("{name} must be a positive number of seconds, got {s}")))
+                .ok_or_else(|| {
+                    value_error(format!(
+                        "{name} must be a positive number of seconds, got {s}"
+                    ))
+                })
         };
         config.batch_interval = seconds("batch_interval_s", batch_interval_s)?;
         config.request_timeout = seconds("request_timeout_s", request_timeout_s)?;
@@ -170,7 +195,12 @@ impl Agent {
     /// all other values are returned (in order) for the caller to resolve — tensors, numpy
     /// scalars, or mistakes. Returns `None` when every value was taken. Raises `ValueError`
     /// naming a key that is not a valid metric name, and queues nothing in that case.
-    fn log(&self, py: Python<'_>, step: u64, values: &Bound<'_, PyDict>) -> PyResult<Option<Vec<String>>> {
+    fn log(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        values: &Bound<'_, PyDict>,
+    ) -> PyResult<Option<Vec<String>>> {
         let mut points = Vec::with_capacity(values.len());
         let mut others: Option<Vec<String>> = None;
         {
@@ -184,7 +214,9 @@ impl Agent {
                 } else if value.is_instance_of::<PyInt>() {
                     value.extract::<f64>()?
                 } else {
-                    others.get_or_insert_with(Vec::new).push(key.to_str()?.to_owned());
+                    others
+                        .get_or_insert_with(Vec::new)
+                        .push(key.to_str()?.to_owned());
                     continue;
                 };
                 let address = key.as_ptr() as usize;
@@ -209,7 +241,15 @@ impl Agent {
         }
         let _ = py;
         if !points.is_empty() {
-            self.inner.log(step, points).map_err(agent_error)?;
+            // Valid by construction: `scalar_metric` admits only per-rank and user metrics,
+            // and each point carries this rank and no layer or site.
+            self.inner
+                .push(rankwatch_agent::Record::Points {
+                    step,
+                    time_ms: now_ms(),
+                    points,
+                })
+                .map_err(agent_error)?;
         }
         Ok(others)
     }
@@ -217,7 +257,10 @@ impl Agent {
     /// Registers a fixed list of series `(metric, layer, site, all_ranks)` and returns its id
     /// for [`Agent::log_series`]. `all_ranks` marks values that are the same on every rank
     /// (weights), stored with a null rank.
-    fn register(&self, series: Vec<(String, Option<u32>, Option<String>, bool)>) -> PyResult<usize> {
+    fn register(
+        &self,
+        series: Vec<(String, Option<u32>, Option<String>, bool)>,
+    ) -> PyResult<usize> {
         let mut points = Vec::with_capacity(series.len());
         for (name, layer, site, all_ranks) in series {
             let metric = Metric::new(&name).map_err(value_error)?;
@@ -263,7 +306,14 @@ impl Agent {
 
     /// Queues a gradient sketch of this rank.
     #[pyo3(signature = (step, kind, seed, norm, vector))]
-    fn sketch(&self, step: u64, kind: &str, seed: u32, norm: f64, vector: Vec<f32>) -> PyResult<bool> {
+    fn sketch(
+        &self,
+        step: u64,
+        kind: &str,
+        seed: u32,
+        norm: f64,
+        vector: Vec<f32>,
+    ) -> PyResult<bool> {
         let kind: SketchKind = kind.parse().map_err(value_error)?;
         let record = SketchRecord {
             run: RunId::new(self.run_id()).map_err(value_error)?,
@@ -348,7 +398,8 @@ fn sync<'py>(
     token: Option<String>,
     timeout_s: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let timeout = Duration::try_from_secs_f64(timeout_s.max(0.1)).unwrap_or(Duration::from_secs(10));
+    let timeout =
+        Duration::try_from_secs_f64(timeout_s.max(0.1)).unwrap_or(Duration::from_secs(10));
     let report = py
         .detach(|| rankwatch_agent::sync_spool(&spool_dir, collector, token.as_deref(), timeout))
         .map_err(agent_error)?;
@@ -374,7 +425,11 @@ fn vocabulary() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
                 vocab::Scope::Layer => "layer",
                 vocab::Scope::AllRanks => "all_ranks",
             };
-            (m.as_str(), scope, m.sites().iter().map(|s| s.as_str()).collect())
+            (
+                m.as_str(),
+                scope,
+                m.sites().iter().map(|s| s.as_str()).collect(),
+            )
         })
         .collect()
 }

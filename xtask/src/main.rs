@@ -205,14 +205,25 @@ fn test(extra: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Requirement files of the Python suites, installed together into one `.venv`.
+const REQUIREMENTS: [&str; 2] = [
+    "collector/tests/python/requirements.txt",
+    "sdk-python/tests/requirements.txt",
+];
+
 /// The Python virtual environment with the test requirements, created or updated when the
 /// requirements changed. Returns its interpreter.
 fn ensure_venv() -> Result<PathBuf> {
     let venv = root().join(".venv");
     let python = venv.join("bin").join("python");
-    let requirements = root().join("collector/tests/python/requirements.txt");
-    let wanted = std::fs::read_to_string(&requirements)
-        .with_context(|| format!("reading {}", requirements.display()))?;
+    let mut wanted = String::new();
+    for file in REQUIREMENTS {
+        let path = root().join(file);
+        wanted.push_str(
+            &std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?,
+        );
+    }
     let stamp = venv.join(".rankwatch-requirements");
     if python.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(&wanted) {
         return Ok(python);
@@ -223,19 +234,44 @@ fn ensure_venv() -> Result<PathBuf> {
         run("create .venv", cmd)?;
     }
     let mut pip = Command::new(&python);
-    pip.current_dir(root())
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "-r",
-        ])
-        .arg(&requirements);
+    pip.current_dir(root()).args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+    ]);
+    for file in REQUIREMENTS {
+        pip.arg("-r").arg(file);
+    }
     run("install python test requirements", pip)?;
     std::fs::write(&stamp, wanted)?;
     Ok(python)
+}
+
+/// Builds the SDK's native module into the venv (`maturin develop`, editable install). Cargo
+/// reuses the workspace's `target/`, so after `cargo test` this only links the extension.
+fn ensure_native_module(python: &Path, release: bool) -> Result<()> {
+    let venv = root().join(".venv");
+    let mut cmd = Command::new(venv.join("bin").join("maturin"));
+    cmd.current_dir(root().join("sdk-python"))
+        .args(["develop", "--quiet"])
+        .env("VIRTUAL_ENV", &venv)
+        .env(
+            "PATH",
+            format!(
+                "{}:{}",
+                venv.join("bin").display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        );
+    if release {
+        cmd.arg("--release");
+    }
+    run("build rankwatch._native (maturin develop)", cmd)?;
+    let mut check = Command::new(python);
+    check.args(["-c", "import rankwatch._native"]);
+    run("import rankwatch._native", check)
 }
 
 /// Installs a Debian package when `binary` is missing.
@@ -274,7 +310,7 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
     if !binary.exists() {
         bail!("{} is missing: the Rust tests build it", binary.display());
     }
-    let mut pytest = Command::new(python);
+    let mut pytest = Command::new(&python);
     pytest
         .current_dir(root())
         .args([
@@ -285,9 +321,17 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
             "-q",
             "collector/tests/python",
         ])
-        .env("RANKWATCH_BIN", binary)
+        .env("RANKWATCH_BIN", &binary)
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
-    run_counting("python suites", pytest, Some(tally), Tally::add_pytest_line)
+    run_counting("python suites", pytest, Some(tally), Tally::add_pytest_line)?;
+    // The SDK's suite: its own conftest (a second one in the same pytest session would clash).
+    ensure_native_module(&python, false)?;
+    let mut sdk = Command::new(&python);
+    sdk.current_dir(root().join("sdk-python"))
+        .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", "tests"])
+        .env("RANKWATCH_BIN", &binary)
+        .env("HF_HUB_OFFLINE", "1");
+    run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)
 }
 
 fn demo(extra: &[String]) -> Result<()> {
@@ -341,8 +385,28 @@ fn bench(extra: &[String]) -> Result<()> {
             .env("RANKWATCH_BIN", root().join("target/release/rankwatch"));
         run("bench collector", cmd)?;
     }
-    if !matches!(which, "all" | "analytics" | "collector") {
-        bail!("unknown benchmark {which:?}: all, analytics or collector");
+    if matches!(which, "all" | "sdk") {
+        let python = ensure_venv()?;
+        let mut pip = Command::new(&python);
+        pip.current_dir(root()).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+            "bench/sdk-requirements.txt",
+        ]);
+        run("install the comparison loggers", pip)?;
+        ensure_native_module(&python, true)?;
+        let mut cmd = Command::new(python);
+        cmd.current_dir(root())
+            .arg("bench/sdk_bench.py")
+            .args(extra.iter().skip(1));
+        run("bench sdk", cmd)?;
+    }
+    if !matches!(which, "all" | "analytics" | "collector" | "sdk") {
+        bail!("unknown benchmark {which:?}: all, analytics, collector or sdk");
     }
     Ok(())
 }
