@@ -12,48 +12,12 @@ use arrow_array::{
 };
 use arrow_ipc::CompressionType;
 use arrow_ipc::writer::{IpcWriteOptions, StreamWriter};
+pub use rankwatch_analytics::schema::Table;
 use rankwatch_analytics::schema::{runs, samples, sketches};
 use rankwatch_analytics::{RunId, RunInfo, SketchRecord};
 
 use crate::error::{Error, Result};
 use crate::record::Point;
-
-/// The collector's three ingest tables.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Table {
-    Samples,
-    Sketches,
-    Runs,
-}
-
-impl Table {
-    /// The `?table=` value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Table::Samples => "samples",
-            Table::Sketches => "sketches",
-            Table::Runs => "runs",
-        }
-    }
-
-    /// The spool's one-byte tag.
-    pub(crate) fn tag(self) -> u8 {
-        match self {
-            Table::Samples => 0,
-            Table::Sketches => 1,
-            Table::Runs => 2,
-        }
-    }
-
-    pub(crate) fn from_tag(tag: u8) -> Option<Table> {
-        match tag {
-            0 => Some(Table::Samples),
-            1 => Some(Table::Sketches),
-            2 => Some(Table::Runs),
-            _ => None,
-        }
-    }
-}
 
 /// A point with its step and time, as it waits to be batched.
 #[derive(Debug, Clone, PartialEq)]

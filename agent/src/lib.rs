@@ -51,6 +51,7 @@ pub use error::{Error, Result};
 pub use record::{Metric, Point, Record};
 pub use stats::StatsSnapshot;
 
+pub use sender::now_ms;
 use sender::{Msg, Sender, Shared};
 
 /// What [`Agent::flush`] achieved before its deadline.
@@ -132,9 +133,15 @@ impl Agent {
                 point.validate(info.as_ref())?;
             }
         }
+        self.log_prevalidated(step, points)
+    }
+
+    /// [`Agent::log`] without the per-point checks, for callers whose points are valid by
+    /// construction (the Python SDK's per-rank scalars). Never waits; `Ok(false)`: dropped.
+    pub fn log_prevalidated(&self, step: u64, points: Vec<Point>) -> Result<bool> {
         self.push(Record::Points {
             step,
-            time_ms: sender::now_ms(),
+            time_ms: now_ms(),
             points,
         })
     }
@@ -196,22 +203,10 @@ impl Agent {
             c.flush_requested
         };
         let _ = self.tx.try_send(Msg::Wake);
-        let mut c = self.shared.control();
-        while c.flush_done < ticket && !c.exited {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                drop(c);
-                return self.report(false);
-            }
-            c = self
-                .shared
-                .changed
-                .wait_timeout(c, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        drop(c);
-        self.report(true)
+        let completed = self
+            .shared
+            .wait_until(deadline, |c| c.flush_done >= ticket || c.exited);
+        self.report(completed)
     }
 
     fn report(&self, completed: bool) -> FlushReport {
@@ -234,21 +229,7 @@ impl Agent {
             }
         }
         let _ = self.tx.try_send(Msg::Wake);
-        let mut c = self.shared.control();
-        while !c.exited {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            c = self
-                .shared
-                .changed
-                .wait_timeout(c, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        let exited = c.exited;
-        drop(c);
+        let exited = self.shared.wait_until(deadline, |c| c.exited);
         if exited && let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take()
         {
             let _ = thread.join();

@@ -59,6 +59,23 @@ impl Shared {
     pub(crate) fn control(&self) -> std::sync::MutexGuard<'_, Control> {
         self.control.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Waits until `done` holds for the control state, or `deadline`; returns whether it held.
+    pub(crate) fn wait_until(&self, deadline: Instant, done: impl Fn(&Control) -> bool) -> bool {
+        let mut c = self.control();
+        while !done(&c) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            c = self
+                .changed
+                .wait_timeout(c, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
 }
 
 /// Batches waiting for delivery: memory first, disk when the collector is away or memory is full.
@@ -458,7 +475,8 @@ impl Sender {
     }
 }
 
-pub(crate) fn now_ms() -> i64 {
+/// Wall-clock milliseconds since the Unix epoch (the `time` of records).
+pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)

@@ -241,7 +241,7 @@ impl Spool {
                     // The framed records from here on were counted as waiting; a torn tail
                     // was not, but is still one lost record.
                     let framed = count_records(&segment.path, segment.bytes)
-                        .saturating_sub(count_records_until(&segment.path, self.read_offset));
+                        .saturating_sub(count_records(&segment.path, self.read_offset));
                     self.corrupt += framed.max(1);
                     self.records = self.records.saturating_sub(framed);
                     self.read_offset = segment.bytes;
@@ -313,12 +313,8 @@ fn read_record(path: &Path, offset: u64, size: u64) -> Option<(Batch, u64)> {
     Batch::decode(&payload).map(|b| (b, HEADER + len))
 }
 
-/// Whole records (by their framing only) in the first `size` bytes of a segment.
-fn count_records(path: &Path, size: u64) -> u64 {
-    count_records_until(path, size)
-}
-
-fn count_records_until(path: &Path, limit: u64) -> u64 {
+/// Whole records (by their framing only) in the first `limit` bytes of a segment.
+fn count_records(path: &Path, limit: u64) -> u64 {
     let Ok(mut file) = File::open(path) else {
         return 0;
     };

@@ -29,55 +29,15 @@ use crate::error::{Error, Result};
 /// Media type of Arrow IPC stream bodies.
 pub const ARROW_STREAM: &str = "application/vnd.apache.arrow.stream";
 
-/// The tables a body can carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Table {
-    Samples,
-    Sketches,
-    Runs,
-}
+pub use rankwatch_analytics::schema::Table;
 
-impl Table {
-    /// The table's name (Hive directory `table=<name>`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Table::Samples => samples::TABLE,
-            Table::Sketches => sketches::TABLE,
-            Table::Runs => runs::TABLE,
-        }
-    }
-
-    fn tag(self) -> u8 {
-        match self {
-            Table::Samples => 1,
-            Table::Sketches => 2,
-            Table::Runs => 3,
-        }
-    }
-
-    fn from_tag(tag: u8) -> Result<Self> {
-        match tag {
-            1 => Ok(Table::Samples),
-            2 => Ok(Table::Sketches),
-            3 => Ok(Table::Runs),
-            _ => Err(Error::Corrupt {
-                what: "write-ahead-log entry".into(),
-                reason: format!("unknown table tag {tag}"),
-            }),
-        }
-    }
-
-    /// Parses the `?table=` parameter.
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "samples" => Ok(Table::Samples),
-            "sketches" => Ok(Table::Sketches),
-            "runs" => Ok(Table::Runs),
-            _ => Err(Error::bad(format!(
-                "unknown table {name:?}; expected samples, sketches or runs"
-            ))),
-        }
-    }
+/// Parses the `?table=` parameter.
+pub fn parse_table(name: &str) -> Result<Table> {
+    Table::from_name(name).ok_or_else(|| {
+        Error::bad(format!(
+            "unknown table {name:?}; expected samples, sketches or runs"
+        ))
+    })
 }
 
 /// One ingest request's data, checked: rows of one run.
@@ -670,7 +630,11 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
         if payload.remaining() < 5 {
             return Err(corrupt("cut short"));
         }
-        let table = Table::from_tag(payload.get_u8())?;
+        let tag = payload.get_u8();
+        let table = Table::from_tag(tag).ok_or_else(|| Error::Corrupt {
+            what: "write-ahead-log entry".into(),
+            reason: format!("unknown table tag {tag}"),
+        })?;
         let len = payload.get_u32_le() as usize;
         if payload.remaining() < len {
             return Err(corrupt("cut short"));

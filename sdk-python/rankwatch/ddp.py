@@ -29,8 +29,9 @@ import torch.distributed as dist
 _MASK32 = 0xFFFFFFFF
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+def _fmix32(h: Any) -> Any:
+    """murmur3's 32-bit finaliser on values in [0, 2^32): Python ints or int64 tensors (the
+    products may wrap in int64, which leaves the low 32 bits that the mask keeps exact)."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _MASK32
     h = h ^ (h >> 13)
@@ -38,17 +39,9 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _fmix32_int(h: int) -> int:
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _MASK32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
-
-
 def countsketch_coordinates(seed: int, bucket_index: int, n: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Output bucket and sign of coordinates 0..n of gradient bucket `bucket_index`."""
-    key = _fmix32_int((seed ^ 0x9E3779B9) & _MASK32)
+    key = _fmix32((seed ^ 0x9E3779B9) & _MASK32)
     lo = torch.arange(n, device=device, dtype=torch.int64)
     hi = bucket_index & _MASK32
     h = _fmix32(((_fmix32(lo ^ key) ^ hi) + key) & _MASK32)

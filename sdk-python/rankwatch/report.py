@@ -32,7 +32,7 @@ class _InFlight:
     n: int
     host: torch.Tensor
     event: Any  # torch.cuda.Event | None
-    sketch: tuple[int, float | None, int] | None  # (dim, norm index marker, seed)
+    sketch: tuple[int, int] | None  # (dimension, seed) of a sketch after the scalars
 
 
 class Reporter:
@@ -88,8 +88,11 @@ class Reporter:
             event = torch.cuda.Event()
             event.record()
         sid = self._series_id(tuple(keys)) if keys else -1
-        sketch_info = (sketch[0].numel(), None, sketch[1]) if sketch is not None else None
+        sketch_info = (sketch[0].numel(), sketch[1]) if sketch is not None else None
         self._inflight.append(_InFlight(step, sid, len(keys), host, event, sketch_info))
+        if not self._cuda:
+            # Host memory: the values are there already, no reason to hold them a report.
+            self.drain()
 
     def drain(self, wait: bool = False) -> None:
         """Hands every finished copy to the agent, oldest first."""
@@ -107,7 +110,7 @@ class Reporter:
                 if self._on_values is not None:
                     self._on_values(item.step, self._keys_by_id[item.series_id], scalars)
             if item.sketch is not None:
-                dim, _, seed = item.sketch
+                dim, seed = item.sketch
                 vector = values[item.n : item.n + dim]
                 norm = _grad_norm_of(self._keys_by_id.get(item.series_id, ()), scalars)
                 if norm is not None:

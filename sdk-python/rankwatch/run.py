@@ -282,13 +282,15 @@ class Run:
                     nonfinite = nonfinite + self._grad_state.nonfinite
                 values.append(nonfinite)
             return
-        if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
+        if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars: host values
             try:
-                keys.append((metric, None, None, False))
-                values.append(torch.tensor(float(value.item()), dtype=torch.float64))
-                return
+                number = float(value.item())
             except (TypeError, ValueError):
                 pass
+            else:
+                keys.append((metric, None, None, False))
+                values.append(torch.tensor(number, dtype=torch.float64))
+                return
         self._warn(f"type-{name}", f"rankwatch: log() value {name!r} is a {type(value).__name__}; expected a number or a tensor, skipped")
 
     def _probe(self, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
@@ -332,8 +334,6 @@ class Run:
         reporter.drain()
         if values or sketch is not None:
             reporter.submit(step, keys, values, sketch)
-            if reporter._device.type != "cuda":
-                reporter.drain()
 
     def _remember(self, step: int, keys: Any, values: list[float]) -> None:
         for key, value in zip(keys, values):

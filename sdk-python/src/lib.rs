@@ -17,7 +17,9 @@ use std::time::Duration;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFloat, PyInt, PyString};
-use rankwatch_agent::{Agent as RustAgent, AgentConfig, Metric, Mode, Point, StatsSnapshot};
+use rankwatch_agent::{
+    Agent as RustAgent, AgentConfig, Metric, Mode, Point, StatsSnapshot, now_ms,
+};
 use rankwatch_analytics::math::sketch::SketchKind;
 use rankwatch_analytics::{ModelLayout, RunId, RunInfo, Site, SketchRecord, vocab};
 
@@ -244,11 +246,7 @@ impl Agent {
             // Valid by construction: `scalar_metric` admits only per-rank and user metrics,
             // and each point carries this rank and no layer or site.
             self.inner
-                .push(rankwatch_agent::Record::Points {
-                    step,
-                    time_ms: now_ms(),
-                    points,
-                })
+                .log_prevalidated(step, points)
                 .map_err(agent_error)?;
         }
         Ok(others)
@@ -316,7 +314,7 @@ impl Agent {
     ) -> PyResult<bool> {
         let kind: SketchKind = kind.parse().map_err(value_error)?;
         let record = SketchRecord {
-            run: RunId::new(self.run_id()).map_err(value_error)?,
+            run: self.inner.run().clone(),
             rank: self.rank,
             step,
             time_ms: now_ms(),
@@ -340,7 +338,7 @@ impl Agent {
         let layout: ModelLayout = serde_json::from_str(layout_json)
             .map_err(|e| value_error(format!("invalid layout JSON: {e}")))?;
         let info = RunInfo {
-            run: RunId::new(self.run_id()).map_err(value_error)?,
+            run: self.inner.run().clone(),
             world_size,
             started_at_ms: started_at_ms.unwrap_or_else(now_ms),
             layout,
@@ -374,18 +372,6 @@ impl Agent {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.inner.stats())
     }
-}
-
-impl Agent {
-    fn run_id(&self) -> String {
-        self.inner.run().to_string()
-    }
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// Sends a spool directory (an offline run, or what a crashed process left) to `collector`.

@@ -233,7 +233,14 @@ fn ensure_venv() -> Result<PathBuf> {
         cmd.current_dir(root()).args(["-m", "venv"]).arg(&venv);
         run("create .venv", cmd)?;
     }
-    let mut pip = Command::new(&python);
+    pip_install(&python, &REQUIREMENTS, "install python test requirements")?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(python)
+}
+
+/// `pip install -r` each of `files` (paths relative to the repository) into `python`'s env.
+fn pip_install(python: &Path, files: &[&str], step: &str) -> Result<()> {
+    let mut pip = Command::new(python);
     pip.current_dir(root()).args([
         "-m",
         "pip",
@@ -241,12 +248,10 @@ fn ensure_venv() -> Result<PathBuf> {
         "--quiet",
         "--disable-pip-version-check",
     ]);
-    for file in REQUIREMENTS {
+    for file in files {
         pip.arg("-r").arg(file);
     }
-    run("install python test requirements", pip)?;
-    std::fs::write(&stamp, wanted)?;
-    Ok(python)
+    run(step, pip)
 }
 
 /// Builds the SDK's native module into the venv (`maturin develop`, editable install). Cargo
@@ -387,17 +392,11 @@ fn bench(extra: &[String]) -> Result<()> {
     }
     if matches!(which, "all" | "sdk") {
         let python = ensure_venv()?;
-        let mut pip = Command::new(&python);
-        pip.current_dir(root()).args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "-r",
-            "bench/sdk-requirements.txt",
-        ]);
-        run("install the comparison loggers", pip)?;
+        pip_install(
+            &python,
+            &["bench/sdk-requirements.txt"],
+            "install the comparison loggers",
+        )?;
         ensure_native_module(&python, true)?;
         let mut cmd = Command::new(python);
         cmd.current_dir(root())

@@ -11,6 +11,9 @@ pub mod alerts;
 pub mod runs;
 pub mod samples;
 pub mod sketches;
+mod table;
+
+pub use table::Table;
 
 use std::sync::Arc;
 

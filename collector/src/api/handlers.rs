@@ -19,7 +19,7 @@ use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
 use super::AppState;
 use super::extract::Query;
-use crate::decode::Table;
+use crate::decode::parse_table;
 use crate::error::{Error, Result};
 use crate::ingest::Format;
 use crate::query::json;
@@ -61,7 +61,7 @@ pub(super) async fn ingest(
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok()),
         )?;
-        let table = Table::parse(q.table.as_deref().unwrap_or("samples"))?;
+        let table = parse_table(q.table.as_deref().unwrap_or("samples"))?;
         let body = read_body(body, &headers, state.inner.max_body_bytes).await?;
         let key = match headers.get("idempotency-key") {
             Some(v) => Some(
