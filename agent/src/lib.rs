@@ -25,6 +25,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod alerts;
 mod backoff;
 mod config;
 mod encode;

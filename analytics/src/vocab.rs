@@ -204,6 +204,11 @@ metrics! {
     NoiseScale = "noise_scale", AllRanks, NONE;
     /// exp of the token-weighted mean loss over all ranks.
     Perplexity = "perplexity", AllRanks, NONE;
+    /// Token-weighted mean of the ranks' losses: the averaged curve ordinary trackers show.
+    LossMean = "loss_mean", AllRanks, NONE;
+    /// Ranks of the world that had reported nothing for the step when the aligner closed it
+    /// (on its timeout): their values are absent from the step's other statistics.
+    RanksMissing = "ranks_missing", AllRanks, NONE;
 }
 
 impl Metric {
@@ -219,17 +224,21 @@ impl fmt::Display for Metric {
     }
 }
 
+impl Metric {
+    /// The vocabulary metric called `name`, if any (no allocation: the alert engine asks this
+    /// of every row).
+    pub fn from_name(name: &str) -> Option<Metric> {
+        Metric::ALL.iter().copied().find(|m| m.as_str() == name)
+    }
+}
+
 impl FromStr for Metric {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Error> {
-        Metric::ALL
-            .iter()
-            .copied()
-            .find(|m| m.as_str() == s)
-            .ok_or_else(|| Error::InvalidMetricName {
-                name: s.to_owned(),
-                reason: "not a metric of the vocabulary".to_owned(),
-            })
+        Metric::from_name(s).ok_or_else(|| Error::InvalidMetricName {
+            name: s.to_owned(),
+            reason: "not a metric of the vocabulary".to_owned(),
+        })
     }
 }
 

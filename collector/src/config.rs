@@ -23,7 +23,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the collector: ingest, storage, queries and /metrics.
-    Serve(ServeConfig),
+    Serve(Box<ServeConfig>),
+    /// Print the alert rules in force as TOML: the documented defaults, or a rules file's
+    /// (checked first, like `serve --rules` does).
+    Rules {
+        /// A rules file to check and show merged over the defaults.
+        #[arg(long, env = "RANKWATCH_RULES")]
+        rules: Option<PathBuf>,
+    },
 }
 
 /// Configuration of `rankwatch serve`.
@@ -105,6 +112,65 @@ pub struct ServeConfig {
     /// Time a query may run before it is cancelled.
     #[arg(long, env = "RANKWATCH_QUERY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub query_timeout: Duration,
+
+    /// Store only: no step aligner, no all-ranks statistics, no alerts (a storage shard whose
+    /// runs are analysed by another collector, or a read-only replay).
+    #[arg(long, env = "RANKWATCH_NO_ALERT_ENGINE")]
+    pub no_alert_engine: bool,
+
+    /// Alert rules: a TOML file naming the thresholds it changes from the documented defaults
+    /// (docs/detection.md). Checked at start; a bad file stops the collector with its line.
+    #[arg(long, env = "RANKWATCH_RULES")]
+    pub rules: Option<PathBuf>,
+
+    /// The step aligner closes a step this long after its first row even if some rank never
+    /// reported it (those ranks are counted in `ranks_missing`).
+    #[arg(long, env = "RANKWATCH_ALIGN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub align_timeout: Duration,
+
+    /// Runs silent this long are dropped from the alert engine's memory.
+    #[arg(long, env = "RANKWATCH_IDLE_EVICT", default_value = "1h", value_parser = parse_duration)]
+    pub idle_evict: Duration,
+
+    /// Generic JSON webhook receiving alerts as they fire and resolve (repeatable; the
+    /// variable takes a comma-separated list).
+    #[arg(
+        long = "webhook-url",
+        env = "RANKWATCH_WEBHOOK_URLS",
+        value_delimiter = ','
+    )]
+    pub webhook_urls: Vec<String>,
+
+    /// Slack incoming-webhook URL (repeatable).
+    #[arg(
+        long = "slack-webhook-url",
+        env = "RANKWATCH_SLACK_WEBHOOK_URLS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub slack_webhook_urls: Vec<String>,
+
+    /// Prometheus Alertmanager base URL, e.g. http://127.0.0.1:9093 (repeatable); alerts are
+    /// posted to its /api/v2/alerts.
+    #[arg(
+        long = "alertmanager-url",
+        env = "RANKWATCH_ALERTMANAGER_URLS",
+        value_delimiter = ','
+    )]
+    pub alertmanager_urls: Vec<String>,
+
+    /// How often firing alerts are re-posted to Alertmanager (keep it below its resolve_timeout).
+    #[arg(long, env = "RANKWATCH_ALERTMANAGER_RESEND", default_value = "60s", value_parser = parse_duration)]
+    pub alertmanager_resend: Duration,
+
+    /// Attempts per alert delivery (exponential backoff from 0.5 s to 30 s) before it is
+    /// counted as failed.
+    #[arg(long, env = "RANKWATCH_ALERT_MAX_ATTEMPTS", default_value_t = 8)]
+    pub alert_max_attempts: u32,
+
+    /// The dashboard's public base URL, for links in alert payloads.
+    #[arg(long, env = "RANKWATCH_EXTERNAL_URL")]
+    pub external_url: Option<String>,
 }
 
 impl ServeConfig {
@@ -113,9 +179,10 @@ impl ServeConfig {
         let mut config = match Cli::try_parse_from(["rankwatch", "serve"]) {
             Ok(Cli {
                 command: Command::Serve(config),
-            }) => config,
-            // The defaults above always parse; this arm exists for the type checker.
+            }) => *config,
+            // The defaults above always parse into `serve`; this arm exists for the type checker.
             Err(e) => panic!("default configuration does not parse: {e}"),
+            Ok(_) => panic!("`rankwatch serve` parsed as another command"),
         };
         config.data_dir = data_dir.into();
         config
@@ -145,6 +212,21 @@ impl ServeConfig {
             if token.as_deref() == Some("") {
                 return Err(Error::bad(format!("the {name} token is empty")));
             }
+        }
+        for url in self
+            .webhook_urls
+            .iter()
+            .chain(&self.slack_webhook_urls)
+            .chain(&self.alertmanager_urls)
+        {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(Error::bad(format!(
+                    "alert receiver {url:?} is not an http:// or https:// URL"
+                )));
+            }
+        }
+        if self.align_timeout.is_zero() {
+            return Err(Error::bad("--align-timeout must be positive"));
         }
         if self.max_body_bytes == 0 || self.max_batch_rows == 0 || self.hot_budget_bytes == 0 {
             return Err(Error::bad(

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::Serialize;
 
+use crate::alerting::EngineHandle;
 use crate::decode::{self, Entry, Limits, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
@@ -69,6 +70,9 @@ pub struct Ingestor {
     pub wal: WalHandle,
     pub telemetry: Arc<Telemetry>,
     pub limits: Limits,
+    /// Where accepted batches go next; `None` for the engine's own writes (its derived
+    /// samples must not feed back into it).
+    pub engine: Option<EngineHandle>,
 }
 
 impl Ingestor {
@@ -119,42 +123,19 @@ impl Ingestor {
         }
         let rows = entry.rows();
         let nonfinite = entry.nonfinite();
-        if let Admission::Duplicate = self.store.begin(key.as_ref(), &entry)? {
+        let raw = (format == Format::Arrow).then_some((table, &body[..]));
+        let run = entry.run.to_string();
+        let Some(seq) = self.commit(key.as_ref(), entry, raw).await? else {
             self.telemetry.ingest_duplicates.inc();
             return Ok(Ack {
                 status: "duplicate",
-                run: entry.run.to_string(),
+                run,
                 rows,
                 nonfinite,
                 seq: None,
             });
-        }
-        let raw = (format == Format::Arrow).then_some((table, &body[..]));
-        let abort = |e: Error| {
-            if let Some(k) = &key {
-                self.store.abort(k);
-            }
-            e
         };
-        let key_text = key.as_ref().map(|k| k.to_string());
-        let payload = decode::encode_entry(key_text.as_deref(), &entry, raw).map_err(abort)?;
-        let run = entry.run.to_string();
-        let store = self.store.clone();
-        let applied_key = key.clone();
-        let apply_entry: Entry = entry;
         let table_label = table.as_str();
-        let seq = self
-            .wal
-            .append(
-                payload,
-                Box::new(move |seq| {
-                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, crate::now_ms()) {
-                        tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
-                    }
-                }),
-            )
-            .await
-            .map_err(abort)?;
         let t = &self.telemetry;
         let table_name = if format == Format::Json {
             "mixed"
@@ -176,5 +157,45 @@ impl Ingestor {
             nonfinite,
             seq: Some(seq),
         })
+    }
+
+    /// Admits, logs and applies a decoded entry, then hands it to the alert engine. Returns
+    /// its log sequence number, or `None` when its key was already applied.
+    pub async fn commit(
+        &self,
+        key: Option<&Key>,
+        entry: Entry,
+        raw: Option<(Table, &[u8])>,
+    ) -> Result<Option<u64>> {
+        if let Admission::Duplicate = self.store.begin(key, &entry)? {
+            return Ok(None);
+        }
+        let abort = |e: Error| {
+            if let Some(k) = key {
+                self.store.abort(k);
+            }
+            e
+        };
+        let key_text = key.map(|k| k.to_string());
+        let payload = decode::encode_entry(key_text.as_deref(), &entry, raw).map_err(abort)?;
+        let store = self.store.clone();
+        let applied_key = key.cloned();
+        let apply_entry = entry.clone();
+        let seq = self
+            .wal
+            .append(
+                payload,
+                Box::new(move |seq| {
+                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, crate::now_ms()) {
+                        tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
+                    }
+                }),
+            )
+            .await
+            .map_err(abort)?;
+        if let Some(engine) = &self.engine {
+            engine.feed(entry).await;
+        }
+        Ok(Some(seq))
     }
 }

@@ -5,10 +5,14 @@
 //! (memory budget, cardinality, idempotency: [`store`], [`idempotency`]) → appended to the
 //! write-ahead log with group commit ([`wal`]) → applied to the queryable hot buffer → flushed
 //! to sorted, zstd Parquet in a Hive layout and compacted ([`store`]). Reads go through
-//! DataFusion over the Parquet files and the hot buffer ([`query`]). The collector's own health
+//! DataFusion over the Parquet files and the hot buffer ([`query`]). Every acknowledged batch
+//! also feeds the alert engine ([`alerting`]): the step aligner's all-ranks statistics and the
+//! detectors run on the live stream, and alerts go to the store, SSE, webhooks, Slack,
+//! Alertmanager and the training process. The collector's own health
 //! and bounded per-run aggregates are exported for Prometheus ([`telemetry`]). [`server`] ties
 //! start-up (recovery first), background work and graceful shutdown together.
 
+pub mod alerting;
 pub mod api;
 pub mod config;
 pub mod decode;

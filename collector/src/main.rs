@@ -19,8 +19,19 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     match cli.command {
+        Command::Rules { rules } => {
+            let config = match rules {
+                Some(path) => rankwatch_collector::alerting::rules::load_file(&path)?,
+                None => Default::default(),
+            };
+            print!(
+                "{}",
+                rankwatch_collector::alerting::rules::to_toml(&config)?
+            );
+            Ok(())
+        }
         Command::Serve(config) => runtime
-            .block_on(rankwatch_collector::serve(config, shutdown_signal()))
+            .block_on(rankwatch_collector::serve(*config, shutdown_signal()))
             .context("rankwatch serve"),
     }
 }

@@ -14,7 +14,12 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::api::{AppState, app};
+use rankwatch_analytics::detect::DetectorsConfig;
+
+use crate::alerting::rules::{self, RuleBook};
+use crate::alerting::sinks::{SinkConfig, Sinks};
+use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig};
+use crate::api::{Alerting, AppState, app};
 use crate::config::ServeConfig;
 use crate::decode::{self, Limits};
 use crate::error::Result;
@@ -29,6 +34,7 @@ use crate::wal::{self, WalHandle};
 #[derive(Debug)]
 pub struct Collector {
     state: AppState,
+    alert_engine: Option<AlertEngine>,
     store: Arc<Store>,
     wal: WalHandle,
     wal_thread: Option<std::thread::JoinHandle<()>>,
@@ -60,23 +66,32 @@ impl Collector {
         let engine = Engine::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
         engine.rebuild_index().await?;
 
+        let base_rules = match &config.rules {
+            Some(path) => rules::load_file(path)?,
+            None => DetectorsConfig::default(),
+        };
+        let rule_book = Arc::new(RuleBook::open(base_rules, config.data_dir.join("rules"))?);
+
         let wal_dir = config.data_dir.join("wal");
         let report = wal::replay(&wal_dir, store.flushed_seq())?;
-        let replayed = report.records.len();
+        let mut replayed = Vec::with_capacity(report.records.len());
         for record in report.records {
             match decode::decode_entry(&record.payload) {
                 Ok((key, entry)) => {
                     let key = key.as_deref().map(Key::parse).transpose().ok().flatten();
                     store.apply(record.seq, key.as_ref(), &entry, 0)?;
+                    let derived =
+                        key.is_some_and(|k| k.rank == ALIGNER_RANK && k.session == ALIGNER_SESSION);
+                    replayed.push((entry, derived));
                 }
                 Err(e) => {
                     tracing::error!(seq = record.seq, error = %e, "unreadable write-ahead-log entry skipped");
                 }
             }
         }
-        if replayed > 0 || report.torn_bytes > 0 {
+        if !replayed.is_empty() || report.torn_bytes > 0 {
             tracing::info!(
-                replayed,
+                replayed = replayed.len(),
                 torn_bytes = report.torn_bytes,
                 "recovered from the write-ahead log"
             );
@@ -90,13 +105,52 @@ impl Collector {
         // Segments wholly flushed before a crash are deleted now.
         wal.truncate(store.flushed_seq());
 
-        let ingestor = Ingestor {
+        // The engine writes its derived statistics through an ingestor of its own, which does
+        // not feed them back to it.
+        let writer = Ingestor {
             store: store.clone(),
             wal: wal.clone(),
             telemetry: telemetry.clone(),
             limits: Limits {
                 max_rows: config.max_batch_rows,
             },
+            engine: None,
+        };
+        let sinks = Sinks::start(
+            &SinkConfig {
+                webhooks: config.webhook_urls.clone(),
+                slack: config.slack_webhook_urls.clone(),
+                alertmanagers: config.alertmanager_urls.clone(),
+                resend_interval: config.alertmanager_resend,
+                max_attempts: config.alert_max_attempts,
+                external_url: config
+                    .external_url
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{}", config.listen)),
+            },
+            telemetry.clone(),
+        );
+        let alert_engine = (!config.no_alert_engine).then(|| {
+            AlertEngine::start(
+                writer.clone(),
+                rule_book.clone(),
+                sinks,
+                EngineConfig {
+                    align_timeout: config.align_timeout,
+                    idle_evict: config.idle_evict,
+                },
+            )
+        });
+        let handle = alert_engine.as_ref().map(AlertEngine::handle);
+        if let Some(handle) = &handle {
+            for (entry, derived) in replayed {
+                handle.replay(entry, derived).await;
+            }
+            handle.replay_done().await;
+        }
+        let ingestor = Ingestor {
+            engine: handle.clone(),
+            ..writer
         };
         let state = AppState::new(
             ingestor,
@@ -106,6 +160,10 @@ impl Collector {
             config.ingest_token.clone(),
             config.read_token.clone(),
             config.max_body_bytes,
+            Alerting {
+                rules: rule_book,
+                engine: handle,
+            },
         );
         let (stop, stopped) = watch::channel(false);
         let tasks = vec![
@@ -119,6 +177,7 @@ impl Collector {
         ];
         Ok(Collector {
             state,
+            alert_engine,
             store,
             wal,
             wal_thread: Some(wal_thread),
@@ -157,6 +216,10 @@ impl Collector {
         let _ = self.stop.send(true);
         for task in self.tasks.drain(..) {
             let _ = task.await;
+        }
+        // Open steps close and their statistics are logged before the final flush.
+        if let Some(engine) = self.alert_engine.take() {
+            engine.shutdown().await;
         }
         let flushed = self.flush().await;
         drop(self.state);

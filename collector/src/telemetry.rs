@@ -51,6 +51,12 @@ pub struct Telemetry {
     pub parquet_bytes: Gauge,
     pub hot_bytes: Gauge,
     pub sse_clients: Gauge,
+    pub alert_transitions: Family<Labels, Counter>,
+    pub alert_notifications: Family<Labels, Counter>,
+    pub aligner_steps: Family<Labels, Counter>,
+    pub aligner_late_rows: Counter,
+    pub derived_samples: Counter,
+    pub alert_engine_errors: Counter,
 }
 
 impl Default for Telemetry {
@@ -78,6 +84,12 @@ impl Default for Telemetry {
             parquet_bytes: Gauge::default(),
             hot_bytes: Gauge::default(),
             sse_clients: Gauge::default(),
+            alert_transitions: Family::default(),
+            alert_notifications: Family::default(),
+            aligner_steps: Family::default(),
+            aligner_late_rows: Counter::default(),
+            derived_samples: Counter::default(),
+            alert_engine_errors: Counter::default(),
         }
     }
 }
@@ -87,6 +99,15 @@ impl Telemetry {
     pub fn reject(&self, error: &crate::error::Error) {
         self.rejects
             .get_or_create(&vec![("reason", error.reason())])
+            .inc();
+    }
+}
+
+impl Telemetry {
+    /// Counts one delivery outcome of an alert sink.
+    pub fn notification(&self, sink: crate::alerting::sinks::SinkKind, outcome: &'static str) {
+        self.alert_notifications
+            .get_or_create(&vec![("sink", sink.as_str()), ("outcome", outcome)])
             .inc();
     }
 }
@@ -222,6 +243,37 @@ impl Exporter {
             "sse_clients",
             "Connected /api/v1/events subscribers",
             t.sse_clients.clone(),
+        );
+        r.register(
+            "alert_transitions",
+            "Alert state changes raised by the alert engine, by rule, state and severity",
+            t.alert_transitions.clone(),
+        );
+        r.register(
+            "alert_notifications",
+            "Alert deliveries to webhooks, Slack and Alertmanager, by sink and outcome \
+             (delivered, retried, failed, dropped)",
+            t.alert_notifications.clone(),
+        );
+        r.register(
+            "aligner_steps",
+            "Steps the aligner closed, by how (complete: every rank moved on; timeout)",
+            t.aligner_steps.clone(),
+        );
+        r.register(
+            "aligner_late_rows",
+            "Rows that arrived after their step had closed (stored, not in the step's statistics)",
+            t.aligner_late_rows.clone(),
+        );
+        r.register(
+            "derived_samples",
+            "All-ranks samples the aligner computed and stored",
+            t.derived_samples.clone(),
+        );
+        r.register(
+            "alert_engine_errors",
+            "Batches or derived writes the alert engine could not process (logged)",
+            t.alert_engine_errors.clone(),
         );
         r.register_collector(Box::new(RunGauges {
             store,

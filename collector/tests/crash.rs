@@ -95,7 +95,7 @@ fn sql(base: &str, query: &str) -> Value {
 fn census(base: &str) -> Vec<(u64, u64, f64)> {
     let v = sql(
         base,
-        "SELECT rank, count(*) AS n, count(DISTINCT step) AS d, sum(value) AS s FROM samples GROUP BY rank ORDER BY rank",
+        "SELECT rank, count(*) AS n, count(DISTINCT step) AS d, sum(value) AS s FROM samples WHERE rank IS NOT NULL GROUP BY rank ORDER BY rank",
     );
     v["rows"]
         .as_array()

@@ -244,7 +244,7 @@ async fn check_everything(
 #[tokio::test]
 async fn every_endpoint_returns_what_was_ingested_hot_flushed_and_after_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     let rows = seed(&c).await;
     check_everything(&c, &rows).await;
 
@@ -269,7 +269,7 @@ async fn every_endpoint_returns_what_was_ingested_hot_flushed_and_after_restart(
     assert_eq!(r.json()["status"], "duplicate");
     c.shutdown().await.unwrap();
 
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     check_everything(&c, &rows).await;
     let r = post(
         &c,
@@ -287,11 +287,11 @@ async fn every_endpoint_returns_what_was_ingested_hot_flushed_and_after_restart(
 #[tokio::test]
 async fn unflushed_batches_come_back_from_the_log() {
     let dir = tempfile::tempdir().unwrap();
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     let rows = seed(&c).await;
     // Simulate a crash: drop without shutdown, so nothing is flushed.
     drop(c);
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     check_everything(&c, &rows).await;
     let r = post(
         &c,
@@ -313,7 +313,7 @@ async fn unflushed_batches_come_back_from_the_log() {
 #[tokio::test]
 async fn compaction_merges_small_files_without_changing_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     let rows = workload("cmp", 2, 30, 2);
     for (i, chunk) in rows.chunks(20).enumerate() {
         let r = post(
@@ -358,7 +358,7 @@ async fn compaction_merges_small_files_without_changing_answers() {
     .json();
     assert_eq!(before, after);
     c.shutdown().await.unwrap();
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     let again = get(
         &c,
         "/api/v1/runs/cmp/series?metric=spectral.ratio&layer=1&rank=0",
@@ -372,7 +372,7 @@ async fn compaction_merges_small_files_without_changing_answers() {
 #[tokio::test]
 async fn metrics_exposition_counts_ingest_and_exports_bounded_run_gauges() {
     let dir = tempfile::tempdir().unwrap();
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     let rows = seed(&c).await;
     let bad = post(&c, "/api/v1/ingest", ARROW, None, b"garbage".to_vec()).await;
     assert_eq!(bad.status, 400);
@@ -414,7 +414,7 @@ async fn metrics_exposition_counts_ingest_and_exports_bounded_run_gauges() {
 #[tokio::test]
 async fn sites_are_checked_per_metric() {
     let dir = tempfile::tempdir().unwrap();
-    let c = open(dir.path()).await;
+    let c = open_store_only(dir.path()).await;
     let ok = vec![sample(
         "s",
         Some(0),

@@ -3,10 +3,15 @@
     python sdk-python/examples/train_ddp.py --nproc 4 --steps 200 --collector http://127.0.0.1:7070
     torchrun --nproc-per-node 4 sdk-python/examples/train_ddp.py --steps 200   # same, via torchrun
 
-The data is a synthetic "language": token sequences from a fixed random bigram table, so the
-loss falls quickly and visibly. Every rank reads its own shard (a different generator seed per
-rank), exactly as a DistributedSampler would give it. `--monitor off` runs the same job without
-rankwatch, for overhead comparisons (`cargo xtask bench sdk`).
+The data is a synthetic "language": a fixed corpus of token sequences drawn from a random bigram
+table, so the loss falls quickly and visibly. Every epoch it is shuffled with a seed all ranks
+share and cut into one shard per rank, exactly as a DistributedSampler does. `--monitor off` runs
+the same job without rankwatch, for overhead comparisons (`cargo xtask bench sdk`).
+
+`--fault KIND@STEP[:key=value...]` (repeatable) injects what goes wrong in real jobs — a rank
+with another data seed, corrupted labels, a silently perturbed local gradient, a layer pushed
+toward collapse, activation growth, NaN, a rank that stops reporting — see `rankwatch.faults`.
+`--on-alert stop` makes the job checkpoint-and-stop when a critical alert arrives.
 """
 
 from __future__ import annotations
@@ -26,21 +31,32 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rankwatch  # noqa: E402
+from rankwatch.faults import Fault, Injector  # noqa: E402
 from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
 
 
-def bigram_batches(rank: int, batch: int, seq: int, vocab: int, seed: int):
-    """An endless stream of (inputs, targets) from a fixed bigram table; rank-specific order."""
-    table_gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(vocab, vocab, generator=table_gen) * 3.0
-    probs = torch.softmax(logits, dim=-1)
-    gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
+def bigram_corpus(sequences: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    """A fixed corpus of token sequences from a random bigram table (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 3.0, dim=-1)
+    tokens = torch.empty(sequences, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (sequences,), generator=gen)
+    for t in range(seq):
+        tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=gen).squeeze(1)
+    return tokens
+
+
+def sharded_batches(corpus: torch.Tensor, rank: int, world: int, batch: int, shuffle_seed: int):
+    """Endless (inputs, targets): each epoch a permutation from `shuffle_seed` (shared by all
+    ranks, as DistributedSampler's), rank `rank` taking every `world`-th sequence of it."""
+    epoch = 0
     while True:
-        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
-        for t in range(seq):
-            tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=gen).squeeze(1)
-        yield tokens[:, :-1], tokens[:, 1:]
+        order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(shuffle_seed + epoch))
+        shard = order[rank::world]
+        for i in range(0, len(shard) - batch + 1, batch):
+            tokens = corpus[shard[i : i + batch]]
+            yield tokens[:, :-1], tokens[:, 1:]
+        epoch += 1
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -53,25 +69,60 @@ def train(args: argparse.Namespace) -> dict:
     model = NanoGPT(config)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    faults = Injector([Fault.parse(f) for f in args.fault], rank)
+    faults.attach(model, list(model.transformer.h))
     run = None
+    alerts: list[dict] = []
     if args.monitor == "on":
-        run = rankwatch.init(run=args.run, collector=args.collector, mode=args.mode, spool_dir=args.spool_dir, tags={"example": "train_ddp", "lr": str(args.lr)})
+        tags = {"example": "train_ddp", "lr": str(args.lr)}
+        if args.fault:
+            tags["faults"] = " ".join(args.fault)
+        run = rankwatch.init(run=args.run, collector=args.collector, mode=args.mode, spool_dir=args.spool_dir, tags=tags, every={k: int(v) for k, v in (kv.split("=") for kv in args.cadence)} or None)
         run.watch(ddp, optimizer)
-    data = bigram_batches(rank, args.batch, args.seq, args.vocab, args.seed)
+        run.on_alert(alerts.append, poll_interval=0.5)
+    corpus = bigram_corpus(args.corpus, args.seq, args.vocab, args.seed)
+    data = sharded_batches(corpus, rank, world, args.batch, faults.data_seed(args.seed))
     step_times = []
+    skipped: list[int] = []
+    stopped_at = None
     for step in range(args.steps):
+        faults.begin_step(step)
         x, y = next(data)
+        y = faults.targets(y)
         started = time.perf_counter()
         _, loss = ddp(x, y)
+        loss = faults.loss(loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
-        if run is not None:
+        # As torch.amp's GradScaler does: a step whose averaged gradient is not finite is
+        # skipped (the same on every rank, since the gradient is the all-reduced one).
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if torch.isfinite(torch.stack(torch._foreach_norm(grads))).all():
+            optimizer.step()
+        else:
+            skipped.append(step)
+        if run is not None and faults.reporting():
             run.log(step, loss=loss.detach(), tokens=y.numel(), lr=args.lr)
         step_times.append(time.perf_counter() - started)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if args.on_alert == "stop" and any(a["severity"] == "critical" and a["state"] == "firing" for a in alerts):
+            # Every rank hears the alert, but not at the same step: agree on stopping (a
+            # rank that stopped alone would hang the others' all-reduce).
+            flag = torch.tensor([1.0])
+        else:
+            flag = torch.tensor([0.0])
+        if args.on_alert == "stop":
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                stopped_at = step
+                if rank == 0 and args.result_dir:
+                    torch.save(model.state_dict(), Path(args.result_dir, "checkpoint.pt"))
+                break
     stats = run.finish() if run is not None else {}
+    faults.remove()
     dist.destroy_process_group()
-    return {"rank": rank, "final_loss": float(loss.detach()), "step_times": step_times, "stats": stats}
+    return {"rank": rank, "final_loss": float(loss.detach()), "step_times": step_times, "stats": stats, "alerts": alerts, "stopped_at": stopped_at, "skipped_steps": skipped}
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -99,7 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--corpus", type=int, default=4096, help="sequences in the synthetic corpus")
+    p.add_argument("--fault", action="append", default=[], help="KIND@STEP[:key=value...], see rankwatch.faults (repeatable)")
+    p.add_argument("--cadence", action="append", default=[], help="probe cadence override, e.g. activations=5 (repeatable)")
+    p.add_argument("--on-alert", default="record", choices=["record", "stop"], help="stop: checkpoint and stop all ranks on a critical alert")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (to pace a demo)")
     args = p.parse_args(argv)
+    for f in args.fault:
+        try:
+            Fault.parse(f)
+        except ValueError as e:
+            p.error(str(e))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         result = train(args)
         if args.result_dir:

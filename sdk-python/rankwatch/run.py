@@ -234,6 +234,8 @@ class Run:
         if self._finished:
             self._warn("after-finish", "rankwatch: log() after finish() is ignored")
             return
+        if self._alert_callbacks:
+            self._deliver_alerts()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             self._warn(f"step-{type(step).__name__}", f"rankwatch: log() needs a step that is an int >= 0, got {step!r}; the call is ignored")
             return
@@ -361,11 +363,42 @@ class Run:
         self._warned.add(key)
         warnings.warn(message, RankwatchWarning, stacklevel=3)
 
-    def on_alert(self, callback: Callable[[dict[str, Any]], None]) -> None:
-        """Registers a function called with each alert the collector raises for this run."""
+    def on_alert(self, callback: Callable[[dict[str, Any]], None], *, poll_interval: float = 2.0) -> None:
+        """Registers a function called with each alert the collector raises for this run: when
+        it fires, escalates, and resolves. The agent polls the collector every `poll_interval`
+        seconds on a thread of its own; callbacks run on the training thread, inside the next
+        `log()` (or `finish()`), so they may checkpoint, or raise to stop the job. The dict is
+        the collector's alert: id, rule, severity, state, layer, rank, outlier_ranks, value,
+        threshold, first_step, last_step, explanation, ... An exception in a callback is
+        reported as a warning unless it is meant to stop the job (SystemExit,
+        KeyboardInterrupt, or an exception the callback raises with `stop=True` set)."""
         if not callable(callback):
             raise TypeError("rankwatch: on_alert needs a callable")
         self._alert_callbacks.append(callback)
+        if self._agent is not None and not self._finished:
+            if not self._agent.watch_alerts(poll_interval):
+                self._warn("alerts-offline", "rankwatch: on_alert has no effect in offline mode (no collector to hear alerts from)")
+
+    def _deliver_alerts(self) -> None:
+        """Calls the on_alert callbacks with what the feed brought since the last call."""
+        if not self._alert_callbacks or self._agent is None:
+            return
+        texts = self._agent.take_alerts()
+        if not texts:
+            return
+        import json
+
+        for text in texts:
+            alert = json.loads(text)
+            for callback in self._alert_callbacks:
+                try:
+                    callback(alert)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except Exception as e:  # noqa: BLE001 - a broken callback must not end the job
+                    if getattr(e, "stop", False):
+                        raise
+                    self._warn(f"callback-{id(callback)}", f"rankwatch: on_alert callback {callback!r} raised {e!r}; further alerts are still delivered")
 
     def stats(self) -> dict[str, Any]:
         """The agent's counters: sent, retried, spooled, dropped, last error."""
@@ -387,6 +420,7 @@ class Run:
         if self._finished:
             self._warn("finish-twice", "rankwatch: finish() called twice; the second call does nothing")
             return dict(self._agent.stats())
+        self._deliver_alerts()
         self._finished = True
         if self._reporter is not None:
             try:

@@ -17,6 +17,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFloat, PyInt, PyString};
+use rankwatch_agent::alerts::AlertFeed;
 use rankwatch_agent::{
     Agent as RustAgent, AgentConfig, Metric, Mode, Point, StatsSnapshot, now_ms,
 };
@@ -99,6 +100,9 @@ struct Agent {
     inner: RustAgent,
     rank: u32,
     caches: Mutex<Caches>,
+    /// Where the alert feed polls, when it is started.
+    collector: Option<(String, Option<String>)>,
+    feed: Mutex<Option<AlertFeed>>,
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, PyDict>> {
@@ -173,11 +177,15 @@ impl Agent {
         config.batch_interval = seconds("batch_interval_s", batch_interval_s)?;
         config.request_timeout = seconds("request_timeout_s", request_timeout_s)?;
         config.session = session;
+        let collector =
+            (config.mode == Mode::Online).then(|| (config.collector.clone(), config.token.clone()));
         let inner = RustAgent::start(config).map_err(agent_error)?;
         Ok(Agent {
             inner,
             rank,
             caches: Mutex::new(Caches::default()),
+            collector,
+            feed: Mutex::new(None),
         })
     }
 
@@ -355,8 +363,57 @@ impl Agent {
         report.completed && report.backlog_batches == 0
     }
 
+    /// Starts polling the collector for this run's alerts every `interval_s` (once; later calls
+    /// do nothing). Returns false in offline mode, where there is no collector to ask.
+    #[pyo3(signature = (interval_s=2.0))]
+    fn watch_alerts(&self, interval_s: f64) -> PyResult<bool> {
+        let Some((collector, token)) = &self.collector else {
+            return Ok(false);
+        };
+        let interval = Duration::try_from_secs_f64(interval_s)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| value_error(format!("interval_s must be positive, got {interval_s}")))?;
+        let mut feed = self.feed.lock().unwrap_or_else(|p| p.into_inner());
+        if feed.is_none() {
+            let started = AlertFeed::start(
+                collector,
+                self.inner.run().as_str(),
+                token.as_deref(),
+                interval,
+            )
+            .map_err(|e| value_error(format!("cannot start the alert feed: {e}")))?;
+            *feed = Some(started);
+        }
+        Ok(true)
+    }
+
+    /// The alert changes received since the last call, as JSON texts, oldest first.
+    fn take_alerts(&self) -> Vec<String> {
+        let feed = self.feed.lock().unwrap_or_else(|p| p.into_inner());
+        feed.as_ref()
+            .map(|f| f.take().iter().map(|a| a.to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    /// The alert feed's counters: changes dropped untaken, failed polls, whether connected.
+    fn alert_feed_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let feed = self.feed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = feed.as_ref() {
+            d.set_item("dropped", f.dropped())?;
+            d.set_item("failed_polls", f.failed_polls())?;
+            d.set_item("connected", f.connected())?;
+        }
+        Ok(d)
+    }
+
     /// Stops the agent (idempotent) and returns its final counters.
     fn shutdown<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyDict>> {
+        let feed = self.feed.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut feed) = feed {
+            py.detach(move || feed.stop());
+        }
         let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::ZERO);
         let stats = py.detach(|| self.inner.shutdown(timeout));
         stats_dict(py, &stats)

@@ -37,9 +37,10 @@ def collector_binary() -> str:
 class Collector:
     """A real `rankwatch serve` on loopback, restartable on the same port and data directory."""
 
-    def __init__(self, data_dir: Path, port: int = 0) -> None:
+    def __init__(self, data_dir: Path, port: int = 0, extra_args: list[str] | None = None) -> None:
         self.data_dir = data_dir
         self.port = port
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[str] | None = None
         self.start()
 
@@ -47,7 +48,7 @@ class Collector:
         deadline = time.monotonic() + 30
         while True:
             proc = subprocess.Popen(
-                [collector_binary(), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir), "--flush-interval", "1s"],
+                [collector_binary(), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir), "--flush-interval", "1s", *self.extra_args],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
@@ -76,6 +77,13 @@ class Collector:
         r = requests.post(f"{self.url}/api/v1/sql", json={"sql": query}, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["rows"]
+
+    def alerts(self, run: str) -> list[dict]:
+        import requests
+
+        r = requests.get(f"{self.url}/api/v1/alerts", params={"run": run}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["alerts"]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -61,6 +61,10 @@ fn root() -> PathBuf {
 fn cargo() -> Command {
     let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(root());
+    if env::var_os("CI").is_some() {
+        // A clean clone is built once: incremental state would only cost disk and time.
+        cmd.env("CARGO_INCREMENTAL", "0");
+    }
     cmd
 }
 
@@ -247,6 +251,8 @@ fn pip_install(python: &Path, files: &[&str], step: &str) -> Result<()> {
         "install",
         "--quiet",
         "--disable-pip-version-check",
+        // torch's wheels are gigabytes; a cached second copy once filled CI's disk.
+        "--no-cache-dir",
     ]);
     for file in files {
         pip.arg("-r").arg(file);
@@ -272,6 +278,9 @@ fn ensure_native_module(python: &Path, release: bool) -> Result<()> {
         );
     if release {
         cmd.arg("--release");
+    }
+    if env::var_os("CI").is_some() {
+        cmd.env("CARGO_INCREMENTAL", "0");
     }
     run("build rankwatch._native (maturin develop)", cmd)?;
     let mut check = Command::new(python);
@@ -308,6 +317,10 @@ fn ensure_debian(package: &str, binary: &str) -> Result<()> {
 
 fn python_suites(tally: &mut Tally) -> Result<()> {
     ensure_debian("prometheus", "/usr/bin/prometheus")?;
+    ensure_debian(
+        "prometheus-alertmanager",
+        "/usr/bin/prometheus-alertmanager",
+    )?;
     let python = ensure_venv()?;
     // `cargo test` has just built the binary for the collector's integration tests; a separate
     // `cargo build` would compile it again under another profile.

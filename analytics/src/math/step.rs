@@ -40,6 +40,9 @@ pub struct StepStats {
     /// with [`crate::math::NoiseScaleTracker`] before reading trends.
     pub noise_scale: Option<f64>,
     pub perplexity: Option<f64>,
+    /// Token-weighted mean loss (plain mean when some rank sent no token count): the averaged
+    /// curve, which hides what the dispersions show.
+    pub loss_mean: Option<f64>,
 }
 
 impl StepStats {
@@ -75,8 +78,16 @@ impl StepStats {
             .iter()
             .filter_map(|r| Some((r.loss?, r.tokens?)))
             .collect();
+        let loss_mean = if pairs.len() == losses.len() && !pairs.is_empty() {
+            let tokens: f64 = pairs.iter().map(|(_, t)| t).sum();
+            (tokens > 0.0).then(|| pairs.iter().map(|(l, t)| l * t).sum::<f64>() / tokens)
+        } else {
+            None
+        }
+        .or_else(|| (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64));
         StepStats {
             ranks: ranks.len(),
+            loss_mean,
             loss: Dispersion::of(&losses),
             grad_norm: Dispersion::of(&norms),
             grad_norm_mean,
@@ -100,6 +111,7 @@ impl StepStats {
             (Metric::CosWeighted, self.cos_weighted),
             (Metric::NoiseScale, self.noise_scale),
             (Metric::Perplexity, self.perplexity),
+            (Metric::LossMean, self.loss_mean),
         ]
         .into_iter()
         .filter_map(|(metric, value)| {
@@ -141,7 +153,8 @@ mod tests {
         assert!((s.cos_weighted.unwrap() - 0.25).abs() < 1e-12);
         assert!((s.noise_scale.unwrap() - 300.0).abs() < 1e-9);
         let samples = s.samples(&RunId::new("r").unwrap(), 9, 0);
-        assert_eq!(samples.len(), 8);
+        assert_eq!(samples.len(), 9);
+        assert!((s.loss_mean.unwrap() - 3.5).abs() < 1e-12);
         assert!(
             samples
                 .iter()

@@ -290,3 +290,90 @@ pub(super) async fn openapi() -> Response {
 pub(super) async fn not_found() -> Error {
     Error::NotFound
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RulesQuery {
+    run: Option<String>,
+}
+
+/// The rules in force: the file's (or the defaults), or one run's with its override.
+pub(super) async fn rules(
+    State(state): State<AppState>,
+    Query(q): Query<RulesQuery>,
+) -> Result<Json<Value>> {
+    let book = &state.inner.alerting.rules;
+    match q.run.map(RunId::new).transpose()? {
+        None => Ok(Json(json!({ "rules": book.base() }))),
+        Some(run) => Ok(Json(json!({
+            "run": run.as_str(),
+            "rules": book.for_run(&run),
+            "override": book.override_of(&run),
+        }))),
+    }
+}
+
+/// Sets a run's rule override (JSON, or TOML as application/toml); the run's detectors
+/// restart under the new rules. A bad override is refused with 400 and changes nothing.
+pub(super) async fn set_rules(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>> {
+    let run = RunId::new(run)?;
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let partial = crate::alerting::rules::parse_override(&body, content_type)?;
+    let alerting = &state.inner.alerting;
+    let config = alerting.rules.set_override(&run, partial.clone())?;
+    if let Some(engine) = &alerting.engine {
+        engine.reset(run.clone()).await;
+    }
+    Ok(Json(json!({
+        "run": run.as_str(),
+        "rules": config,
+        "override": partial,
+    })))
+}
+
+/// Drops a run's override: the file's rules apply again.
+pub(super) async fn clear_rules(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+) -> Result<Json<Value>> {
+    let run = RunId::new(run)?;
+    let alerting = &state.inner.alerting;
+    let config = alerting.rules.clear_override(&run)?;
+    if let Some(engine) = &alerting.engine {
+        engine.reset(run.clone()).await;
+    }
+    Ok(Json(
+        json!({ "run": run.as_str(), "rules": config, "override": null }),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FeedQuery {
+    after: Option<u64>,
+}
+
+/// The alert changes of one run after revision `after`, for the training process: `epoch`
+/// changes when the collector restarts (revisions start again), `revision` is the cursor for
+/// the next call.
+pub(super) async fn alert_feed(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    Query(q): Query<FeedQuery>,
+) -> Result<Json<Value>> {
+    let run = RunId::new(run)?;
+    let store = state.inner.engine.store();
+    let (revision, changes) = store.alert_changes(&run, q.after.unwrap_or(0));
+    Ok(Json(json!({
+        "epoch": store.epoch(),
+        "revision": revision,
+        "alerts": changes,
+    })))
+}

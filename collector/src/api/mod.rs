@@ -40,6 +40,16 @@ pub(crate) struct Shared {
     pub(crate) read_token: Option<String>,
     pub(crate) max_body_bytes: usize,
     pub(crate) ready: AtomicBool,
+    pub(crate) alerting: Alerting,
+}
+
+/// The alert engine's parts the API reaches: the rule book (per-run overrides) and the engine
+/// (to restart a run's detectors under new rules).
+#[derive(Debug, Clone)]
+pub struct Alerting {
+    pub rules: Arc<crate::alerting::rules::RuleBook>,
+    /// `None` with `--no-alert-engine`.
+    pub engine: Option<crate::alerting::EngineHandle>,
 }
 
 impl AppState {
@@ -53,6 +63,7 @@ impl AppState {
         ingest_token: Option<String>,
         read_token: Option<String>,
         max_body_bytes: usize,
+        alerting: Alerting,
     ) -> Self {
         AppState {
             inner: Arc::new(Shared {
@@ -64,6 +75,7 @@ impl AppState {
                 read_token,
                 max_body_bytes,
                 ready: AtomicBool::new(true),
+                alerting,
             }),
         }
     }
@@ -85,6 +97,13 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/ingest", post(handlers::ingest))
         // The ingest handler enforces its own, configurable limit with a clear message.
         .layer(DefaultBodyLimit::disable())
+        // Writes that are not data: per-run rule overrides (axum's default 2 MB body limit) and
+        // the alert feed the training process polls (it holds the ingest token, not the read one).
+        .route(
+            "/api/v1/runs/{run}/rules",
+            axum::routing::put(handlers::set_rules).delete(handlers::clear_rules),
+        )
+        .route("/api/v1/runs/{run}/alerts/feed", get(handlers::alert_feed))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::ingest,
@@ -96,6 +115,7 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/runs/{run}/heatmap", get(handlers::heatmap))
         .route("/api/v1/runs/{run}/workers", get(handlers::workers))
         .route("/api/v1/alerts", get(handlers::alerts))
+        .route("/api/v1/rules", get(handlers::rules))
         .route("/api/v1/events", get(handlers::events))
         .route("/api/v1/sql", post(handlers::sql))
         .route("/metrics", get(handlers::metrics))

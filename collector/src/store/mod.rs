@@ -98,6 +98,10 @@ struct State {
     runs_dirty: Vec<RunId>,
     alerts: BTreeMap<String, Alert>,
     alerts_dirty: Vec<RunId>,
+    /// Revision of each alert's latest change (1, 2, ... since this process started), so the
+    /// training process can poll for what changed.
+    alert_revisions: BTreeMap<String, u64>,
+    alert_revision: u64,
     /// Files replaced by compaction, deleted once no query can still be reading them.
     graveyard: Vec<(Instant, PathBuf)>,
 }
@@ -113,6 +117,7 @@ pub struct Store {
     telemetry: Arc<Telemetry>,
     /// Serialises flushes and compactions (each commits a manifest).
     maintenance: tokio::sync::Mutex<()>,
+    epoch: i64,
 }
 
 /// Outcome of [`Store::begin`].
@@ -154,6 +159,7 @@ impl Store {
             flush_wanted: Notify::new(),
             telemetry,
             maintenance: tokio::sync::Mutex::new(()),
+            epoch: crate::now_ms(),
         };
         store.load_runs_and_alerts()?;
         store.report_sizes();
@@ -357,11 +363,38 @@ impl Store {
         {
             let mut state = self.lock();
             state.alerts_dirty.push(alert.run.clone());
+            state.alert_revision += 1;
+            let revision = state.alert_revision;
+            state.alert_revisions.insert(alert.id.clone(), revision);
             state.alerts.insert(alert.id.clone(), alert.clone());
         }
         self.publish(Event::Alert {
             alert: Box::new(alert),
         });
+    }
+
+    /// The alerts of `run` that changed after `revision`, oldest change first, with the latest
+    /// revision.
+    pub fn alert_changes(&self, run: &RunId, revision: u64) -> (u64, Vec<Alert>) {
+        let state = self.lock();
+        let mut changed: Vec<(u64, Alert)> = state
+            .alert_revisions
+            .iter()
+            .filter(|(_, rev)| **rev > revision)
+            .filter_map(|(id, rev)| state.alerts.get(id).map(|a| (*rev, a)))
+            .filter(|(_, a)| a.run == *run)
+            .map(|(rev, a)| (rev, a.clone()))
+            .collect();
+        changed.sort_by_key(|(rev, _)| *rev);
+        (
+            state.alert_revision,
+            changed.into_iter().map(|(_, a)| a).collect(),
+        )
+    }
+
+    /// When this store was opened (ms since the epoch): alert revisions count from there.
+    pub fn epoch(&self) -> i64 {
+        self.epoch
     }
 
     /// Bytes in the hot buffer.

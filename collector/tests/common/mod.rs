@@ -29,6 +29,14 @@ pub fn config(dir: &Path) -> ServeConfig {
     c
 }
 
+/// A collector that only stores (no alert engine): for tests that count exactly what they
+/// ingested.
+pub async fn open_store_only(dir: &Path) -> Collector {
+    let mut c = config(dir);
+    c.no_alert_engine = true;
+    Collector::open(&c).await.expect("collector opens")
+}
+
 pub async fn open(dir: &Path) -> Collector {
     Collector::open(&config(dir))
         .await

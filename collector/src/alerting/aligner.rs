@@ -1,0 +1,298 @@
+//! The step aligner: gathers one run's per-rank values step by step and closes each step once.
+//!
+//! Ranks report independently, in batches about a second apart, so the rows of step s reach
+//! the collector spread over time and interleaved with other steps. A step is closed when every
+//! rank of the world has moved past it (reported a later step: whatever it had for s has been
+//! sent, because an agent sends in step order) or when `timeout` has passed since its first
+//! row; in the second case the ranks with no row at all for s are reported missing. Steps close
+//! in order, so the detectors downstream see a monotone stream. Rows for a step that is already
+//! closed are late: they stay stored, but are counted instead of reopening the step.
+//!
+//! Sketches travel the same way and give the step's cos_pair_mean when two ranks or more sent
+//! one with the same seed and kind.
+
+use std::collections::BTreeMap;
+
+use rankwatch_analytics::SketchRecord;
+use rankwatch_analytics::math::{RankValues, cos_pair_mean, sketch_cosine_matrix};
+
+/// A step as the aligner closes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClosedStep {
+    pub step: u64,
+    /// Latest sample time of the step (the agents' clocks).
+    pub time_ms: i64,
+    pub ranks: Vec<RankValues>,
+    /// NaN/Inf counts per rank, as reported.
+    pub nonfinite: Vec<(u32, f64)>,
+    /// Ranks of the world with no row for this step (only when it closed on the timeout).
+    pub missing: Vec<u32>,
+    pub cos_pair_mean: Option<f64>,
+    /// Whether it closed because every rank had moved on (else: the timeout).
+    pub complete: bool,
+}
+
+#[derive(Debug, Default)]
+struct OpenStep {
+    first_seen_ms: i64,
+    time_ms: i64,
+    ranks: BTreeMap<u32, RankValues>,
+    nonfinite: BTreeMap<u32, f64>,
+    sketches: BTreeMap<u32, SketchRecord>,
+}
+
+/// One run's aligner.
+#[derive(Debug)]
+pub struct StepAligner {
+    timeout_ms: i64,
+    open: BTreeMap<u64, OpenStep>,
+    /// Latest step each rank reported anything for.
+    latest: BTreeMap<u32, u64>,
+    /// Every step at or below this is closed.
+    closed_through: Option<u64>,
+    late_rows: u64,
+}
+
+/// The per-rank scalar a row carries, when it is one the aligner gathers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RankScalar {
+    Loss,
+    Tokens,
+    GradNorm,
+    GradNormMean,
+    CosToMean,
+    Nonfinite,
+}
+
+impl StepAligner {
+    /// An aligner that closes a step `timeout_ms` after its first row at the latest.
+    pub fn new(timeout_ms: i64) -> Self {
+        StepAligner {
+            timeout_ms,
+            open: BTreeMap::new(),
+            latest: BTreeMap::new(),
+            closed_through: None,
+            late_rows: 0,
+        }
+    }
+
+    /// Rows that arrived for steps already closed.
+    pub fn late_rows(&self) -> u64 {
+        self.late_rows
+    }
+
+    /// Steps waiting to close.
+    pub fn open_steps(&self) -> usize {
+        self.open.len()
+    }
+
+    fn is_closed(&self, step: u64) -> bool {
+        self.closed_through.is_some_and(|c| step <= c)
+    }
+
+    fn step_mut(&mut self, step: u64, now_ms: i64) -> &mut OpenStep {
+        self.open.entry(step).or_insert_with(|| OpenStep {
+            first_seen_ms: now_ms,
+            ..OpenStep::default()
+        })
+    }
+
+    /// Notes that `rank` reported something for `step` (any metric); returns false for a late
+    /// row.
+    pub fn seen(&mut self, rank: u32, step: u64) -> bool {
+        let latest = self.latest.entry(rank).or_insert(step);
+        *latest = (*latest).max(step);
+        if self.is_closed(step) {
+            self.late_rows += 1;
+            return false;
+        }
+        true
+    }
+
+    /// Adds one per-rank scalar.
+    pub fn add(
+        &mut self,
+        rank: u32,
+        step: u64,
+        time_ms: i64,
+        now_ms: i64,
+        what: RankScalar,
+        value: f64,
+    ) {
+        if !self.seen(rank, step) {
+            return;
+        }
+        let open = self.step_mut(step, now_ms);
+        open.time_ms = open.time_ms.max(time_ms);
+        if what == RankScalar::Nonfinite {
+            *open.nonfinite.entry(rank).or_insert(0.0) += value;
+            return;
+        }
+        let values = open.ranks.entry(rank).or_insert_with(|| RankValues {
+            rank,
+            ..RankValues::default()
+        });
+        let slot = match what {
+            RankScalar::Loss => &mut values.loss,
+            RankScalar::Tokens => &mut values.tokens,
+            RankScalar::GradNorm => &mut values.grad_norm,
+            RankScalar::GradNormMean => &mut values.grad_norm_mean,
+            RankScalar::CosToMean => &mut values.cos_to_mean,
+            RankScalar::Nonfinite => unreachable!("handled above"),
+        };
+        *slot = Some(value);
+    }
+
+    /// Adds one rank's gradient sketch.
+    pub fn add_sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
+        if !self.seen(sketch.rank, sketch.step) {
+            return;
+        }
+        let open = self.step_mut(sketch.step, now_ms);
+        open.time_ms = open.time_ms.max(sketch.time_ms);
+        open.sketches.insert(sketch.rank, sketch);
+    }
+
+    /// Closes every step that is ready at `now_ms`, in step order. `world_size` is the run's
+    /// (when known; else the ranks seen so far stand for the world). With `all`, every open
+    /// step closes (the run is being evicted).
+    pub fn close_ready(
+        &mut self,
+        world_size: Option<u32>,
+        now_ms: i64,
+        all: bool,
+    ) -> Vec<ClosedStep> {
+        let world: Vec<u32> = match world_size {
+            Some(n) => (0..n).collect(),
+            None => self.latest.keys().copied().collect(),
+        };
+        // The last step that every rank of the world has moved past. Without a known world
+        // size a rank not yet heard from could still be on its way: only the timeout closes.
+        let moved_past = world_size
+            .and(Some(&world))
+            .into_iter()
+            .flatten()
+            .map(|r| self.latest.get(r).copied())
+            .collect::<Option<Vec<u64>>>()
+            .and_then(|steps| steps.into_iter().min())
+            .filter(|_| world_size.is_some());
+        // The newest step that timed out; every step before it closes with it.
+        let timed_out = self
+            .open
+            .iter()
+            .filter(|(_, s)| all || now_ms - s.first_seen_ms >= self.timeout_ms)
+            .map(|(step, _)| *step)
+            .max();
+        let mut closed = Vec::new();
+        while let Some((&step, _)) = self.open.first_key_value() {
+            let complete = moved_past.is_some_and(|m| m > step);
+            if !complete && timed_out.is_none_or(|t| step > t) {
+                break;
+            }
+            let open = self.open.remove(&step).unwrap_or_default();
+            self.closed_through = Some(step);
+            closed.push(close(step, open, &world, complete));
+        }
+        closed
+    }
+}
+
+fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep {
+    let missing = if complete {
+        Vec::new()
+    } else {
+        world
+            .iter()
+            .copied()
+            .filter(|r| {
+                !open.ranks.contains_key(r)
+                    && !open.nonfinite.contains_key(r)
+                    && !open.sketches.contains_key(r)
+            })
+            .collect()
+    };
+    ClosedStep {
+        step,
+        time_ms: open.time_ms,
+        ranks: open.ranks.into_values().collect(),
+        nonfinite: open.nonfinite.into_iter().collect(),
+        missing,
+        cos_pair_mean: sketch_pair_mean(&open.sketches),
+        complete,
+    }
+}
+
+/// Mean pairwise cosine of the sketches that share the most common (seed, kind, length).
+fn sketch_pair_mean(sketches: &BTreeMap<u32, SketchRecord>) -> Option<f64> {
+    let first = sketches.values().next()?;
+    let same: Vec<&SketchRecord> = sketches
+        .values()
+        .filter(|s| {
+            s.seed == first.seed && s.kind == first.kind && s.vector.len() == first.vector.len()
+        })
+        .collect();
+    if same.len() < 2 {
+        return None;
+    }
+    let vectors: Vec<&[f32]> = same.iter().map(|s| s.vector.as_slice()).collect();
+    let norms: Vec<f64> = same.iter().map(|s| s.norm).collect();
+    let matrix = sketch_cosine_matrix(&vectors, &norms).ok()?;
+    cos_pair_mean(&matrix).filter(|c| c.is_finite())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loss(a: &mut StepAligner, rank: u32, step: u64, now: i64) {
+        a.add(
+            rank,
+            step,
+            step as i64,
+            now,
+            RankScalar::Loss,
+            1.0 + f64::from(rank),
+        );
+    }
+
+    #[test]
+    fn a_step_closes_once_every_rank_moved_past_it() {
+        let mut a = StepAligner::new(10_000);
+        loss(&mut a, 0, 1, 0);
+        loss(&mut a, 1, 1, 0);
+        assert!(a.close_ready(Some(2), 5, false).is_empty());
+        loss(&mut a, 0, 2, 5);
+        assert!(
+            a.close_ready(Some(2), 6, false).is_empty(),
+            "rank 1 may still send step 1"
+        );
+        loss(&mut a, 1, 2, 7);
+        let closed = a.close_ready(Some(2), 8, false);
+        assert_eq!(closed.len(), 1);
+        assert!(closed[0].complete && closed[0].missing.is_empty());
+        assert_eq!(closed[0].ranks.len(), 2);
+        // A late row for step 1 is counted, not reopened.
+        loss(&mut a, 1, 1, 9);
+        assert_eq!(a.late_rows(), 1);
+        assert_eq!(a.open_steps(), 1);
+    }
+
+    #[test]
+    fn the_timeout_closes_in_order_and_names_the_missing_ranks() {
+        let mut a = StepAligner::new(1_000);
+        for step in 1..=3 {
+            loss(&mut a, 0, step, 100 * step as i64);
+            loss(&mut a, 2, step, 100 * step as i64);
+        }
+        assert!(a.close_ready(Some(3), 1_099, false).is_empty());
+        let closed = a.close_ready(Some(3), 1_200, false);
+        assert_eq!(
+            closed.iter().map(|c| c.step).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert!(closed.iter().all(|c| c.missing == vec![1] && !c.complete));
+        let closed = a.close_ready(Some(3), 0, true);
+        assert_eq!(closed.len(), 1);
+        assert_eq!(closed[0].step, 3);
+    }
+}

@@ -1,0 +1,490 @@
+//! The alert engine: cross-worker statistics and the detectors, on the live stream.
+//!
+//! Every batch the collector acknowledges is also handed to one engine task (a bounded
+//! channel: when the engine falls behind, ingest waits rather than the engine losing rows).
+//! The task keeps a [`watch::RunWatch`] per run — a step aligner and the six detectors of
+//! design guide §5 — and never re-reads Parquet: detection is as fresh as ingest. Once a
+//! second (and after each batch) it closes the steps that are ready and checks for stale ranks.
+//!
+//! A closed step's all-ranks statistics are written like any batch (log, then hot buffer, then
+//! Parquet) under the idempotency key `run/4294967295/aligner/<last step>`. That key marks
+//! them on replay: after a crash, the log's batches are fed again *without* closing steps until
+//! the replay is over, and steps the log already holds statistics for are not written twice.
+//!
+//! Alerts go to the store (the `alerts` table and the SSE stream, at once), to the configured
+//! [`sinks`], and count on `/metrics`. Alerts that were open when the collector stopped are
+//! restored with the store and stay open: a detector that raises the same alert again (same
+//! run, rule, layer, site and rank) continues it under its old id, and it resolves when that
+//! detector clears it or when the run goes quiet. (Detector baselines are not persisted: a
+//! fault that persists across a restart becomes part of the new baseline, so quiet detectors
+//! are no evidence that it is gone.)
+
+pub mod aligner;
+pub mod rules;
+pub mod sinks;
+pub mod watch;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::{Array, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use rankwatch_analytics::alert::AlertKey;
+use rankwatch_analytics::schema::{samples, sketches};
+use rankwatch_analytics::{Alert, AlertState, RunId, Site};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::decode::Entry;
+use crate::error::{Error, Result};
+use crate::idempotency::Key;
+use crate::ingest::Ingestor;
+use rules::RuleBook;
+use sinks::Sinks;
+use watch::{Output, Row, RunWatch};
+
+/// The rank number that marks the aligner's own batches in idempotency keys.
+pub const ALIGNER_RANK: u32 = u32::MAX;
+/// The session name of the aligner's batches.
+pub const ALIGNER_SESSION: &str = "aligner";
+
+/// Engine settings.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// A step closes at the latest this long after its first row.
+    pub align_timeout: Duration,
+    /// Runs silent for this long are dropped from memory (their open steps closed first).
+    pub idle_evict: Duration,
+}
+
+enum Msg {
+    Entry(Entry, bool),
+    ReplayDone,
+    Reset(RunId),
+    Stop(oneshot::Sender<()>),
+}
+
+/// The sending side, held by the ingest path.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Msg>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Msg::Entry(..) => "Entry",
+            Msg::ReplayDone => "ReplayDone",
+            Msg::Reset(_) => "Reset",
+            Msg::Stop(_) => "Stop",
+        })
+    }
+}
+
+impl EngineHandle {
+    /// Hands over an acknowledged batch (waits while the engine's queue is full).
+    pub async fn feed(&self, entry: Entry) {
+        let _ = self.tx.send(Msg::Entry(entry, false)).await;
+    }
+
+    /// Hands over a batch replayed from the log at start-up; `derived` when it was the
+    /// aligner's own.
+    pub async fn replay(&self, entry: Entry, derived: bool) {
+        let _ = self.tx.send(Msg::Entry(entry, derived)).await;
+    }
+
+    /// Ends the replay: steps may close from now on.
+    pub async fn replay_done(&self) {
+        let _ = self.tx.send(Msg::ReplayDone).await;
+    }
+
+    /// Restarts a run's detectors under its new rules.
+    pub async fn reset(&self, run: RunId) {
+        let _ = self.tx.send(Msg::Reset(run)).await;
+    }
+}
+
+/// The running engine.
+#[derive(Debug)]
+pub struct AlertEngine {
+    handle: EngineHandle,
+    task: JoinHandle<()>,
+}
+
+impl AlertEngine {
+    /// Starts the engine task. `writer` must have no engine (its writes are the derived ones).
+    pub fn start(
+        writer: Ingestor,
+        rules: Arc<RuleBook>,
+        sinks: Sinks,
+        config: EngineConfig,
+    ) -> AlertEngine {
+        let (tx, rx) = mpsc::channel(256);
+        let restored = writer
+            .store
+            .alerts(None)
+            .into_iter()
+            .filter(|a| a.state != AlertState::Resolved)
+            .map(|a| (a.key(), a))
+            .collect();
+        let task = Engine {
+            writer,
+            rules,
+            sinks: Some(sinks),
+            config,
+            runs: BTreeMap::new(),
+            replaying: true,
+            stopping: false,
+            derived_through: HashMap::new(),
+            restored,
+            continued: HashMap::new(),
+        };
+        AlertEngine {
+            handle: EngineHandle { tx },
+            task: tokio::spawn(task.run(rx)),
+        }
+    }
+
+    /// A handle for the ingest path.
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Closes every open step, writes its statistics, and stops (sinks deliver what they
+    /// hold, within their retry budget).
+    pub async fn shutdown(self) {
+        let (done, wait) = oneshot::channel();
+        if self.handle.tx.send(Msg::Stop(done)).await.is_ok() {
+            let _ = wait.await;
+        }
+        let _ = self.task.await;
+    }
+}
+
+struct Engine {
+    writer: Ingestor,
+    rules: Arc<RuleBook>,
+    sinks: Option<Sinks>,
+    config: EngineConfig,
+    runs: BTreeMap<RunId, RunWatch>,
+    replaying: bool,
+    stopping: bool,
+    /// Last step whose statistics the log already holds, per run (from replay).
+    derived_through: HashMap<RunId, u64>,
+    /// Alerts open when the collector last stopped, not yet raised again.
+    restored: HashMap<AlertKey, Alert>,
+    /// Restored alerts a detector raised again: detector id → the restored alert it continues.
+    continued: HashMap<String, Alert>,
+}
+
+impl Engine {
+    async fn run(mut self, mut rx: mpsc::Receiver<Msg>) {
+        let mut ticker = tokio::time::interval(Duration::from_secs(1));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(Msg::Entry(entry, derived)) => {
+                        let run = entry.run.clone();
+                        self.entry(entry, derived);
+                        if !self.replaying {
+                            self.tick_run(&run, false).await;
+                        }
+                    }
+                    Some(Msg::ReplayDone) => {
+                        self.replaying = false;
+                        self.tick_all(false).await;
+                    }
+                    Some(Msg::Reset(run)) => {
+                        if let Some(mut old) = self.runs.remove(&run) {
+                            // Open alerts are resolved by the new detectors' silence or
+                            // continued by their first breach.
+                            for alert in old.open_alerts() {
+                                self.restored.insert(alert.key(), alert);
+                            }
+                            let world = self.writer.store.run_info(&run).map(|i| i.world_size);
+                            let out = old.tick(world, crate::now_ms(), true);
+                            self.publish(&run, out).await;
+                        }
+                    }
+                    Some(Msg::Stop(done)) => {
+                        self.replaying = false;
+                        self.stopping = true;
+                        self.tick_all(true).await;
+                        if let Some(sinks) = self.sinks.take() {
+                            let _ = tokio::task::spawn_blocking(move || sinks.shutdown()).await;
+                        }
+                        let _ = done.send(());
+                        return;
+                    }
+                    None => return,
+                },
+                _ = ticker.tick(), if !self.replaying => self.tick_all(false).await,
+            }
+        }
+    }
+
+    fn watch(&mut self, run: &RunId, now_ms: i64) -> Option<&mut RunWatch> {
+        if !self.runs.contains_key(run) {
+            let config = self.rules.for_run(run);
+            match RunWatch::new(run.clone(), config, self.align_timeout_ms(), now_ms) {
+                Ok(watch) => {
+                    self.runs.insert(run.clone(), watch);
+                }
+                Err(e) => {
+                    tracing::error!(%run, error = %e, "run not watched: its rules are invalid");
+                    return None;
+                }
+            }
+        }
+        self.runs.get_mut(run)
+    }
+
+    fn align_timeout_ms(&self) -> i64 {
+        self.config.align_timeout.as_millis() as i64
+    }
+
+    fn entry(&mut self, entry: Entry, derived: bool) {
+        let now = crate::now_ms();
+        if derived {
+            if let Some(batch) = &entry.samples {
+                let last = last_step(batch);
+                let through = self.derived_through.entry(entry.run.clone()).or_insert(0);
+                *through = (*through).max(last);
+            }
+            return;
+        }
+        let run = entry.run.clone();
+        let mut alerts = Vec::new();
+        let telemetry = self.writer.telemetry.clone();
+        let Some(watch) = self.watch(&run, now) else {
+            return;
+        };
+        if let Some(batch) = &entry.samples
+            && let Err(e) = for_each_row(batch, |row| alerts.extend(watch.row(row, now)))
+        {
+            tracing::error!(%run, error = %e, "alert engine could not read a samples batch");
+            telemetry.alert_engine_errors.inc();
+        }
+        if let Some(batch) = &entry.sketches {
+            match sketches::from_batch(batch) {
+                Ok(rows) => rows.into_iter().for_each(|s| watch.sketch(s, now)),
+                Err(e) => {
+                    tracing::error!(%run, error = %e, "alert engine could not read a sketches batch");
+                    telemetry.alert_engine_errors.inc();
+                }
+            }
+        }
+        alerts.extend(watch.end_batch());
+        for alert in alerts {
+            self.raise(alert);
+        }
+    }
+
+    async fn tick_all(&mut self, all: bool) {
+        let now = crate::now_ms();
+        let runs: Vec<RunId> = self.runs.keys().cloned().collect();
+        for run in runs {
+            let idle = self.runs.get(&run).is_some_and(|w| {
+                now - w.last_activity_ms > self.config.idle_evict.as_millis() as i64
+            });
+            self.tick_run(&run, all || idle).await;
+            if idle {
+                self.runs.remove(&run);
+                self.resolve_restored(&run, "the run went quiet after the collector restarted");
+            }
+        }
+    }
+
+    async fn tick_run(&mut self, run: &RunId, all: bool) {
+        let world = self.writer.store.run_info(run).map(|i| i.world_size);
+        let Some(watch) = self.runs.get_mut(run) else {
+            return;
+        };
+        let out = watch.tick(world, crate::now_ms(), all);
+        let late = watch.take_late_rows();
+        self.writer.telemetry.aligner_late_rows.inc_by(late);
+        self.publish(run, out).await;
+    }
+
+    async fn publish(&mut self, run: &RunId, out: Output) {
+        let t = self.writer.telemetry.clone();
+        t.aligner_steps
+            .get_or_create(&vec![("outcome", "complete")])
+            .inc_by(out.steps_complete);
+        t.aligner_steps
+            .get_or_create(&vec![("outcome", "timeout")])
+            .inc_by(out.steps_timed_out);
+        for alert in out.alerts {
+            self.raise(alert);
+        }
+        let through = self.derived_through.get(run).copied();
+        let fresh: Vec<_> = out
+            .derived
+            .into_iter()
+            .filter(|s| through.is_none_or(|t| s.step > t))
+            .collect();
+        if let (Some(last), false) = (out.derived_through, fresh.is_empty()) {
+            if let Err(e) = self.write_derived(run, last, &fresh).await {
+                tracing::error!(%run, error = %e, "all-ranks statistics could not be stored");
+                t.alert_engine_errors.inc();
+            } else {
+                t.derived_samples.inc_by(fresh.len() as u64);
+            }
+        }
+    }
+
+    async fn write_derived(
+        &self,
+        run: &RunId,
+        last: u64,
+        rows: &[rankwatch_analytics::Sample],
+    ) -> Result<()> {
+        let key = Key {
+            run: run.clone(),
+            rank: ALIGNER_RANK,
+            session: ALIGNER_SESSION.to_owned(),
+            seq: last,
+        };
+        let entry = Entry {
+            run: run.clone(),
+            samples: Some(samples::to_batch(rows)?),
+            sketches: None,
+            info: None,
+        };
+        // Backpressure (429) is the only refusal a derived batch can meet; wait it out (but not
+        // while stopping: the final flush is about to empty the hot buffer anyway).
+        let attempts = if self.stopping { 1 } else { 30 };
+        for _ in 0..attempts {
+            match self.writer.commit(Some(&key), entry.clone(), None).await {
+                Err(Error::Backpressure { .. }) => tokio::time::sleep(Duration::from_secs(1)).await,
+                other => return other.map(|_| ()),
+            }
+        }
+        Err(Error::Unavailable(
+            "the hot buffer stayed full for 30 s".into(),
+        ))
+    }
+
+    /// Stores, announces and delivers one alert state.
+    fn raise(&mut self, mut alert: Alert) {
+        let key = alert.key();
+        if let Some(old) = self.continued.get(&alert.id).cloned().or_else(|| {
+            let old = self.restored.remove(&key)?;
+            self.continued.insert(alert.id.clone(), old.clone());
+            Some(old)
+        }) {
+            let detector_id = std::mem::replace(&mut alert.id, old.id.clone());
+            alert.first_step = old.first_step;
+            alert.started_at_ms = old.started_at_ms;
+            if old.fired_at_ms.is_some() {
+                alert.fired_at_ms = old.fired_at_ms;
+                if alert.state == AlertState::Pending {
+                    alert.state = AlertState::Firing;
+                }
+            }
+            if alert.state == AlertState::Resolved {
+                self.continued.remove(&detector_id);
+            }
+        }
+        self.writer
+            .telemetry
+            .alert_transitions
+            .get_or_create(&vec![
+                ("rule", alert.rule.as_str()),
+                ("state", alert.state.as_str()),
+                ("severity", alert.severity.as_str()),
+            ])
+            .inc();
+        tracing::info!(run = %alert.run, rule = %alert.rule, state = %alert.state, severity = %alert.severity, "{}", alert.explanation);
+        if let Some(sinks) = &self.sinks {
+            sinks.send(&alert);
+        }
+        self.writer.store.upsert_alert(alert);
+    }
+
+    fn resolve_restored(&mut self, run: &RunId, why: &str) {
+        let keys: Vec<AlertKey> = self
+            .restored
+            .keys()
+            .filter(|k| &k.run == run)
+            .cloned()
+            .collect();
+        for key in keys {
+            if let Some(mut alert) = self.restored.remove(&key) {
+                let now = crate::now_ms();
+                alert.state = AlertState::Resolved;
+                alert.resolved_at_ms = Some(now);
+                alert.updated_at_ms = now;
+                alert.explanation = format!("{} (resolved: {why})", alert.explanation);
+                // Not through `raise`: that would look it up among the restored again.
+                if let Some(sinks) = &self.sinks {
+                    sinks.send(&alert);
+                }
+                self.writer.store.upsert_alert(alert);
+            }
+        }
+    }
+}
+
+fn last_step(batch: &RecordBatch) -> u64 {
+    batch
+        .column_by_name("step")
+        .and_then(|c| c.as_any().downcast_ref::<UInt64Array>())
+        .and_then(|steps| steps.values().iter().copied().max())
+        .unwrap_or(0)
+}
+
+/// Calls `f` with each row of a samples batch (wire schema), borrowing its strings.
+fn for_each_row(batch: &RecordBatch, mut f: impl FnMut(Row<'_>)) -> Result<()> {
+    let batch = samples::normalize(batch)?;
+    let column = |name: &str| {
+        batch
+            .column_by_name(name)
+            .ok_or_else(|| Error::bad(format!("samples batch without column {name}")))
+    };
+    let bad = |name: &str| Error::bad(format!("samples column {name} has an unexpected type"));
+    let rank = column("rank")?
+        .as_any()
+        .downcast_ref::<UInt32Array>()
+        .ok_or_else(|| bad("rank"))?;
+    let step = column("step")?
+        .as_any()
+        .downcast_ref::<UInt64Array>()
+        .ok_or_else(|| bad("step"))?;
+    let time = column("time")?
+        .as_any()
+        .downcast_ref::<arrow_array::TimestampMillisecondArray>()
+        .ok_or_else(|| bad("time"))?;
+    let metric = column("metric")?
+        .as_any()
+        .downcast_ref::<StringArray>()
+        .ok_or_else(|| bad("metric"))?;
+    let layer = column("layer")?
+        .as_any()
+        .downcast_ref::<UInt32Array>()
+        .ok_or_else(|| bad("layer"))?;
+    let site = column("site")?
+        .as_any()
+        .downcast_ref::<StringArray>()
+        .ok_or_else(|| bad("site"))?;
+    let value = column("value")?
+        .as_any()
+        .downcast_ref::<Float64Array>()
+        .ok_or_else(|| bad("value"))?;
+    for i in 0..batch.num_rows() {
+        f(Row {
+            rank: rank.is_valid(i).then(|| rank.value(i)),
+            step: step.value(i),
+            time_ms: time.value(i),
+            metric: metric.value(i),
+            layer: layer.is_valid(i).then(|| layer.value(i)),
+            site: site
+                .is_valid(i)
+                .then(|| site.value(i).parse::<Site>().ok())
+                .flatten(),
+            value: value.value(i),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,297 @@
+//! One run under watch: its aligner and its six detectors, fed row by row from the live stream.
+//!
+//! Rows are routed by metric. Per-rank step scalars (loss, tokens, gradient norms, cosine,
+//! nonfinite) and sketches go to the [`StepAligner`]; when a step closes, its all-ranks
+//! statistics become samples (rank = all) and the step feeds `silent_inconsistency`,
+//! `loss_spike` (the averaged loss) and `nonfinite` (per rank). Per-layer probes go straight to
+//! their detectors as they arrive: `spectral.ratio` and `token_cosine` to `rank_collapse`,
+//! `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
+//! rank's last report as the collector saw it (its own clock, not the agents').
+
+use std::collections::BTreeMap;
+
+use rankwatch_analytics::detect::{
+    ActivationObservation, ActivationOutlier, CollapseObservation, Detector, DetectorsConfig,
+    LossObservation, LossSpike, Nonfinite, NonfiniteObservation, RankActivity, RankCollapse,
+    SilentInconsistency, StaleRank, StepObservation,
+};
+use rankwatch_analytics::math::StepStats;
+use rankwatch_analytics::{Alert, Metric, MetricName, RunId, Sample, SketchRecord};
+
+use super::aligner::{ClosedStep, RankScalar, StepAligner};
+use crate::error::Result;
+
+/// A sample row, borrowed from a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct Row<'a> {
+    pub rank: Option<u32>,
+    pub step: u64,
+    pub time_ms: i64,
+    pub metric: &'a str,
+    pub layer: Option<u32>,
+    pub site: Option<rankwatch_analytics::Site>,
+    pub value: f64,
+}
+
+/// What feeding a run produced.
+#[derive(Debug, Default)]
+pub struct Output {
+    /// All-ranks samples of the steps that closed, with the last such step.
+    pub derived: Vec<Sample>,
+    pub derived_through: Option<u64>,
+    pub alerts: Vec<Alert>,
+    pub steps_complete: u64,
+    pub steps_timed_out: u64,
+}
+
+impl Output {
+    fn merge(&mut self, other: Output) {
+        self.derived.extend(other.derived);
+        self.derived_through = self.derived_through.max(other.derived_through);
+        self.alerts.extend(other.alerts);
+        self.steps_complete += other.steps_complete;
+        self.steps_timed_out += other.steps_timed_out;
+    }
+}
+
+/// One run's aligner and detectors.
+#[derive(Debug)]
+pub struct RunWatch {
+    run: RunId,
+    aligner: StepAligner,
+    rank_collapse: RankCollapse,
+    silent: SilentInconsistency,
+    nonfinite: Nonfinite,
+    loss_spike: LossSpike,
+    activations: ActivationOutlier,
+    stale: StaleRank,
+    /// Collector time of each rank's latest report, with its step.
+    last_seen: BTreeMap<u32, (u64, i64)>,
+    started_ms: i64,
+    pub(crate) last_activity_ms: i64,
+    /// Collapse probes of the batch being fed, merged per (step, layer) so a ratio and a token
+    /// cosine measured at the same step count as one observation.
+    collapse: BTreeMap<(u64, u32), CollapseObservation>,
+    late_reported: u64,
+}
+
+impl RunWatch {
+    /// A fresh watch over `run` with `config` (already validated).
+    pub fn new(
+        run: RunId,
+        config: DetectorsConfig,
+        align_timeout_ms: i64,
+        now_ms: i64,
+    ) -> Result<Self> {
+        Ok(RunWatch {
+            rank_collapse: RankCollapse::new(run.clone(), config.rank_collapse)?,
+            silent: SilentInconsistency::new(run.clone(), config.silent_inconsistency)?,
+            nonfinite: Nonfinite::new(run.clone(), config.nonfinite)?,
+            loss_spike: LossSpike::new(run.clone(), config.loss_spike)?,
+            activations: ActivationOutlier::new(run.clone(), config.activation_outlier)?,
+            stale: StaleRank::new(run.clone(), config.stale_rank)?,
+            run,
+            aligner: StepAligner::new(align_timeout_ms),
+            last_seen: BTreeMap::new(),
+            started_ms: now_ms,
+            last_activity_ms: now_ms,
+            collapse: BTreeMap::new(),
+            late_reported: 0,
+        })
+    }
+
+    /// Rows that came after their step had closed, since the last call.
+    pub fn take_late_rows(&mut self) -> u64 {
+        let late = self.aligner.late_rows();
+        let fresh = late - self.late_reported;
+        self.late_reported = late;
+        fresh
+    }
+
+    /// The open alerts of every detector.
+    pub fn open_alerts(&self) -> Vec<Alert> {
+        let mut open = self.rank_collapse.open_alerts();
+        open.extend(self.silent.open_alerts());
+        open.extend(self.nonfinite.open_alerts());
+        open.extend(self.loss_spike.open_alerts());
+        open.extend(self.activations.open_alerts());
+        open.extend(self.stale.open_alerts());
+        open
+    }
+
+    fn touch(&mut self, rank: u32, step: u64, now_ms: i64) {
+        let seen = self.last_seen.entry(rank).or_insert((step, now_ms));
+        *seen = (seen.0.max(step), now_ms);
+        self.last_activity_ms = now_ms;
+    }
+
+    /// Feeds one sample row; returns the alerts it changed.
+    pub fn row(&mut self, row: Row<'_>, now_ms: i64) -> Vec<Alert> {
+        if let Some(rank) = row.rank {
+            self.touch(rank, row.step, now_ms);
+        }
+        let Some(metric) = Metric::from_name(row.metric) else {
+            // A user metric: it still shows the rank is alive.
+            if let Some(rank) = row.rank {
+                self.aligner.seen(rank, row.step);
+            }
+            return Vec::new();
+        };
+        let scalar = match metric {
+            Metric::Loss => Some(RankScalar::Loss),
+            Metric::Tokens => Some(RankScalar::Tokens),
+            Metric::GradNorm => Some(RankScalar::GradNorm),
+            Metric::GradNormMean => Some(RankScalar::GradNormMean),
+            Metric::CosToMean => Some(RankScalar::CosToMean),
+            Metric::Nonfinite => Some(RankScalar::Nonfinite),
+            _ => None,
+        };
+        if let (Some(what), Some(rank)) = (scalar, row.rank) {
+            self.aligner
+                .add(rank, row.step, row.time_ms, now_ms, what, row.value);
+            return Vec::new();
+        }
+        if let Some(rank) = row.rank {
+            self.aligner.seen(rank, row.step);
+        }
+        match (metric, row.layer) {
+            (Metric::SpectralRatio, Some(layer)) => {
+                self.collapse_probe(row, layer).ratio = Some(row.value);
+                Vec::new()
+            }
+            // Token cosine is measured on every rank; one rank (the lowest that reports it)
+            // stands for the layer, since the weights are the same everywhere.
+            (Metric::TokenCosine, Some(layer)) if row.rank.is_none_or(|r| r == 0) => {
+                self.collapse_probe(row, layer).token_cosine = Some(row.value);
+                Vec::new()
+            }
+            (Metric::ActMax, layer) => match row.site {
+                Some(site) => self.activations.observe(&ActivationObservation {
+                    step: row.step,
+                    time_ms: row.time_ms,
+                    layer,
+                    site,
+                    rank: row.rank,
+                    value: row.value,
+                }),
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+
+    fn collapse_probe(&mut self, row: Row<'_>, layer: u32) -> &mut CollapseObservation {
+        let probe = self
+            .collapse
+            .entry((row.step, layer))
+            .or_insert(CollapseObservation {
+                step: row.step,
+                time_ms: row.time_ms,
+                layer,
+                ratio: None,
+                token_cosine: None,
+            });
+        probe.time_ms = probe.time_ms.max(row.time_ms);
+        probe
+    }
+
+    /// Feeds one gradient sketch.
+    pub fn sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
+        self.touch(sketch.rank, sketch.step, now_ms);
+        self.aligner.add_sketch(sketch, now_ms);
+    }
+
+    /// Ends a batch: feeds the collapse probes it carried, in step order.
+    pub fn end_batch(&mut self) -> Vec<Alert> {
+        let probes = std::mem::take(&mut self.collapse);
+        probes
+            .into_values()
+            .flat_map(|probe| self.rank_collapse.observe(&probe))
+            .collect()
+    }
+
+    /// Closes the steps that are ready and checks for stale ranks. `world_size` comes from the
+    /// run's metadata when it announced it. With `all`, every open step closes.
+    pub fn tick(&mut self, world_size: Option<u32>, now_ms: i64, all: bool) -> Output {
+        let mut out = Output::default();
+        for closed in self.aligner.close_ready(world_size, now_ms, all) {
+            let step_out = self.closed_step(closed, world_size);
+            out.merge(step_out);
+        }
+        if let Some(world) = world_size.filter(|&w| w >= 2) {
+            let last_seen = (0..world)
+                .map(|r| self.last_seen.get(&r).copied())
+                .collect();
+            out.alerts.extend(self.stale.observe(&RankActivity {
+                now_ms,
+                run_started_ms: self.started_ms,
+                last_seen,
+            }));
+        }
+        out
+    }
+
+    fn closed_step(&mut self, closed: ClosedStep, world_size: Option<u32>) -> Output {
+        let world = world_size.unwrap_or(closed.ranks.len() as u32);
+        let stats = StepStats::compute(&closed.ranks, world);
+        let mut derived = stats.samples(&self.run, closed.step, closed.time_ms);
+        let extra = [
+            (Metric::CosPairMean, closed.cos_pair_mean),
+            (
+                Metric::RanksMissing,
+                (!closed.complete).then_some(closed.missing.len() as f64),
+            ),
+        ];
+        derived.extend(extra.into_iter().filter_map(|(metric, value)| {
+            Some(Sample {
+                run: self.run.clone(),
+                rank: None,
+                step: closed.step,
+                time_ms: closed.time_ms,
+                metric: MetricName::from(metric),
+                layer: None,
+                site: None,
+                value: value?,
+            })
+        }));
+        let mut alerts = Vec::new();
+        // Nonfinite first: a NaN step is critical on its own, whatever the other rules say.
+        let mut per_rank: BTreeMap<u32, (u64, Option<f64>)> = BTreeMap::new();
+        for (rank, count) in &closed.nonfinite {
+            per_rank.entry(*rank).or_default().0 = count.max(0.0) as u64;
+        }
+        for values in &closed.ranks {
+            per_rank.entry(values.rank).or_default().1 = values.loss;
+        }
+        for (rank, (count, loss)) in per_rank {
+            alerts.extend(self.nonfinite.observe(&NonfiniteObservation {
+                step: closed.step,
+                time_ms: closed.time_ms,
+                rank: Some(rank),
+                count,
+                loss,
+            }));
+        }
+        if let Some(loss) = stats.loss_mean.filter(|l| l.is_finite()) {
+            alerts.extend(self.loss_spike.observe(&LossObservation {
+                step: closed.step,
+                time_ms: closed.time_ms,
+                rank: None,
+                loss,
+            }));
+        }
+        alerts.extend(self.silent.observe(&StepObservation {
+            step: closed.step,
+            time_ms: closed.time_ms,
+            world_size: world,
+            ranks: closed.ranks,
+        }));
+        Output {
+            derived,
+            derived_through: Some(closed.step),
+            alerts,
+            steps_complete: u64::from(closed.complete),
+            steps_timed_out: u64::from(!closed.complete),
+        }
+    }
+}

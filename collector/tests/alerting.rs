@@ -1,0 +1,415 @@
+//! The alert engine through the real router: the step aligner's all-ranks statistics (exact,
+//! once per step, across a restart), detectors on the live stream, alerts restored after a
+//! restart, per-run rule overrides, and delivery to a webhook, Slack and the training
+//! process's feed.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rankwatch_analytics::math::StepStats;
+use rankwatch_analytics::simulate::{DataParallelSim, Fault};
+use rankwatch_analytics::{Sample, Site};
+use rankwatch_collector::Collector;
+use serde_json::{Value, json};
+
+const WORLD: u32 = 4;
+
+/// Every rank's step scalars as the SDK reports them.
+fn step_rows(run: &str, obs: &rankwatch_analytics::detect::StepObservation) -> Vec<Sample> {
+    let mut rows = Vec::new();
+    for r in &obs.ranks {
+        let mut push = |metric: &str, value: Option<f64>| {
+            if let Some(v) = value {
+                let mut s = sample(run, Some(r.rank), obs.step, metric, None, None, v);
+                s.time_ms = obs.time_ms;
+                rows.push(s);
+            }
+        };
+        push("loss", r.loss);
+        push("tokens", r.tokens);
+        push("grad_norm", r.grad_norm);
+        push("grad_norm_mean", r.grad_norm_mean);
+        push("cos_to_mean", r.cos_to_mean);
+    }
+    rows
+}
+
+async fn announce(c: &Collector, run: &str) {
+    let r = post(
+        c,
+        "/api/v1/ingest?table=runs",
+        ARROW,
+        None,
+        runs_ipc(&info(run, WORLD, 2)),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+async fn ingest(c: &Collector, run: &str, seq: u64, rows: &[Sample]) {
+    let key = format!("{run}/0/t/{seq}");
+    let r = post(
+        c,
+        "/api/v1/ingest",
+        ARROW,
+        Some(&key),
+        samples_ipc(rows, false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+async fn sql(c: &Collector, query: &str) -> Vec<Value> {
+    let q = post(
+        c,
+        "/api/v1/sql",
+        "application/json",
+        None,
+        json!({ "sql": query }).to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(q.status, 200, "{}", q.text());
+    q.json()["rows"].as_array().unwrap().clone()
+}
+
+/// Polls the alerts of `run` until `pred` holds for one of them (10 s at most).
+async fn wait_alert(c: &Collector, run: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let alerts = get(c, &format!("/api/v1/alerts?run={run}")).await.json()["alerts"].clone();
+        if let Some(a) = alerts.as_array().unwrap().iter().find(|a| pred(a)) {
+            return a.clone();
+        }
+        assert!(Instant::now() < deadline, "no such alert; have {alerts:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = "align-1";
+    let c = open(dir.path()).await;
+    announce(&c, run).await;
+    let mut sim = DataParallelSim::new(WORLD, 256, 11);
+    let mut expected = Vec::new();
+    for step in 0..80u64 {
+        let fault = if step >= 50 {
+            Fault::ScaleGradient(2, 6.0)
+        } else {
+            Fault::None
+        };
+        let obs = sim.step(step, fault);
+        expected.push(StepStats::compute(&obs.ranks, WORLD));
+        ingest(&c, run, step, &step_rows(run, &obs)).await;
+    }
+    let alert = wait_alert(&c, run, |a| {
+        a["rule"] == "silent_inconsistency" && a["state"] == "firing"
+    })
+    .await;
+    assert_eq!(alert["outlier_ranks"], json!([2]), "{alert:#}");
+    let first = alert["first_step"].as_u64().unwrap();
+    assert!((50..56).contains(&first), "fired from step {first}");
+    assert!(
+        alert["explanation"].as_str().unwrap().contains("rank 2"),
+        "{alert:#}"
+    );
+
+    // Steps 0..78 close (every rank moved past them; the engine runs behind ingest, so wait);
+    // 79 waits for its timeout or shutdown.
+    let query = format!(
+        "SELECT step, value FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std' ORDER BY step"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut rows = sql(&c, &query).await;
+    while rows.len() < 79 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        rows = sql(&c, &query).await;
+    }
+    assert_eq!(rows.len(), 79);
+    for row in &rows {
+        let step = row["step"].as_u64().unwrap() as usize;
+        let want = expected[step].loss.unwrap().std;
+        assert_eq!(row["value"].as_f64().unwrap(), want, "step {step}");
+    }
+    let cw = sql(&c, &format!(
+        "SELECT step, value FROM samples WHERE run = '{run}' AND metric = 'cos_weighted' AND step = 60"
+    )).await;
+    assert_eq!(
+        cw[0]["value"].as_f64().unwrap(),
+        expected[60].cos_weighted.unwrap()
+    );
+    let id = alert["id"].clone();
+
+    // Shutdown closes the last step; a restart replays nothing twice and keeps the alert.
+    c.shutdown().await.unwrap();
+    let c = open(dir.path()).await;
+    let rows = sql(&c, &format!(
+        "SELECT count(*) AS n, count(DISTINCT step) AS steps FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std'"
+    )).await;
+    assert_eq!(
+        (rows[0]["n"].as_u64(), rows[0]["steps"].as_u64()),
+        (Some(80), Some(80))
+    );
+    let restored = wait_alert(&c, run, |a| a["id"] == id).await;
+    assert_eq!(restored["state"], "firing");
+    // The fault goes on after the restart: the restored alert stays firing (the new detector's
+    // baseline, learned from faulty steps, cannot clear it) and is not duplicated.
+    for step in 80..130u64 {
+        let obs = sim.step(step, Fault::ScaleGradient(2, 6.0));
+        ingest(&c, run, step, &step_rows(run, &obs)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let continued = wait_alert(&c, run, |a| a["id"] == id).await;
+    assert_eq!(continued["state"], "firing");
+    assert_eq!(continued["first_step"], alert["first_step"]);
+    let open_alerts = get(&c, &format!("/api/v1/alerts?run={run}&state=firing"))
+        .await
+        .json()["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["rule"] == "silent_inconsistency")
+        .count();
+    assert_eq!(
+        open_alerts, 1,
+        "one alert, not a second copy after the restart"
+    );
+    let metrics = get(&c, "/metrics").await.text();
+    assert!(
+        metrics.contains("rankwatch_aligner_steps_total{outcome=\"complete\"}"),
+        "{metrics}"
+    );
+    c.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_workers_raise_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = "healthy-1";
+    let c = open(dir.path()).await;
+    announce(&c, run).await;
+    let mut sim = DataParallelSim::new(WORLD, 256, 5);
+    for step in 0..150u64 {
+        let mut rows = step_rows(run, &sim.step(step, Fault::None));
+        for layer in 0..2 {
+            rows.push(sample(
+                run,
+                None,
+                step,
+                "spectral.ratio",
+                Some(layer),
+                None,
+                1.0 + 0.1 * f64::from(layer),
+            ));
+            rows.push(sample(
+                run,
+                Some(0),
+                step,
+                "act_max",
+                Some(layer),
+                Some(Site::Residual),
+                5.0 + (step % 3) as f64,
+            ));
+        }
+        ingest(&c, run, step, &rows).await;
+    }
+    c.shutdown().await.unwrap();
+    let c = open(dir.path()).await;
+    let alerts = get(&c, &format!("/api/v1/alerts?run={run}")).await.json()["alerts"].clone();
+    assert_eq!(alerts, json!([]), "false alerts on a healthy run");
+    c.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rule_overrides_are_checked_applied_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open(dir.path()).await;
+    let put = |body: &'static str, ct: &'static str| {
+        let request = axum::http::Request::put("/api/v1/runs/ov-1/rules")
+            .header("content-type", ct)
+            .body(axum::body::Body::from(body))
+            .unwrap();
+        call(&c, request)
+    };
+    let r = put(
+        r#"{"rank_collapse": {"band_low": 3.0}}"#,
+        "application/json",
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("rank_collapse"), "{}", r.text());
+    let r = put("[loss_spike]\nzz = 1\n", "application/toml").await;
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("zz"), "{}", r.text());
+    let r = get(&c, "/api/v1/rules?run=ov-1").await.json();
+    assert_eq!(
+        r["rules"]["rank_collapse"]["band_low"], 0.5,
+        "the old rules stay in force"
+    );
+    let r = put("[stale_rank]\ntimeout_ms = 5000\n", "application/toml").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["rules"]["stale_rank"]["timeout_ms"], 5000);
+    c.shutdown().await.unwrap();
+    let c = open(dir.path()).await;
+    let r = get(&c, "/api/v1/rules?run=ov-1").await.json();
+    assert_eq!(
+        r["rules"]["stale_rank"]["timeout_ms"], 5000,
+        "kept across a restart"
+    );
+    assert_eq!(
+        get(&c, "/api/v1/rules").await.json()["rules"]["stale_rank"]["timeout_ms"],
+        60000
+    );
+    c.shutdown().await.unwrap();
+}
+
+/// A minimal HTTP receiver: records (path, body) of every POST and answers 200 — after
+/// answering 503 to the first `fail_first` requests, to exercise the retries.
+/// What a receiver got: (path, JSON body) per accepted POST.
+type Received = Arc<Mutex<Vec<(String, Value)>>>;
+
+fn receiver(fail_first: usize) -> (String, Received) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let seen = got.clone();
+    std::thread::spawn(move || {
+        let mut served = 0;
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            if reader.read_line(&mut line).is_err() {
+                continue;
+            }
+            let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+            let mut length = 0;
+            loop {
+                let mut header = String::new();
+                reader.read_line(&mut header).unwrap();
+                if header.trim().is_empty() {
+                    break;
+                }
+                if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap();
+                }
+            }
+            let mut body = vec![0; length];
+            reader.read_exact(&mut body).unwrap();
+            served += 1;
+            let status = if served <= fail_first {
+                "503 Service Unavailable"
+            } else {
+                "200 OK"
+            };
+            if served > fail_first {
+                seen.lock()
+                    .unwrap()
+                    .push((path, serde_json::from_slice(&body).unwrap()));
+            }
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            );
+        }
+    });
+    (url, got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nan_reaches_the_webhook_slack_and_the_training_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, got) = receiver(1);
+    let mut config = config(dir.path());
+    config.webhook_urls = vec![format!("{url}/hook")];
+    config.slack_webhook_urls = vec![format!("{url}/slack")];
+    let c = Collector::open(&config).await.unwrap();
+    let run = "nan-1";
+    announce(&c, run).await;
+    let mut sim = DataParallelSim::new(WORLD, 64, 3);
+    for step in 0..12u64 {
+        let mut obs = sim.step(step, Fault::None);
+        if step == 7 {
+            obs.ranks[1].loss = Some(f64::NAN);
+        }
+        ingest(&c, run, step, &step_rows(run, &obs)).await;
+    }
+    let alert = wait_alert(&c, run, |a| {
+        a["rule"] == "nonfinite" && a["state"] == "firing"
+    })
+    .await;
+    assert_eq!(
+        (alert["first_step"].as_u64(), alert["severity"].as_str()),
+        (Some(7), Some("critical"))
+    );
+    assert_eq!(alert["rank"], 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.lock().unwrap().len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "deliveries: {:?}",
+            got.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = got.lock().unwrap().clone();
+    let hook = &got.iter().find(|(p, _)| p == "/hook").unwrap().1;
+    assert_eq!(hook["alert"]["rule"], "nonfinite");
+    assert_eq!(hook["status"], "firing");
+    let slack = &got.iter().find(|(p, _)| p == "/slack").unwrap().1;
+    assert!(
+        slack["text"].as_str().unwrap().contains("nonfinite"),
+        "{slack:#}"
+    );
+    assert_eq!(slack["attachments"][0]["color"], "#e01e5a");
+    let metrics = get(&c, "/metrics").await.text();
+    assert!(
+        metrics.contains("outcome=\"retried\""),
+        "the first 503 was retried: {metrics}"
+    );
+
+    // The training process's feed: changes after a revision, then nothing new.
+    let feed = get(&c, &format!("/api/v1/runs/{run}/alerts/feed?after=0"))
+        .await
+        .json();
+    assert!(
+        feed["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["id"] == alert["id"])
+    );
+    let revision = feed["revision"].as_u64().unwrap();
+    let again = get(
+        &c,
+        &format!("/api/v1/runs/{run}/alerts/feed?after={revision}"),
+    )
+    .await
+    .json();
+    assert_eq!(again["alerts"], json!([]));
+    c.shutdown().await.unwrap();
+}
+
+#[test]
+fn a_bad_rules_file_stops_the_collector_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(&rules, "[rank_collapse]\nband_low = 2.5\nband_high = 2.0\n").unwrap();
+    let mut config = config(dir.path());
+    config.rules = Some(rules);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let err = runtime
+        .block_on(Collector::open(&config))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rules.toml") && err.contains("line 1") && err.contains("band_low"),
+        "{err}"
+    );
+}

@@ -1,0 +1,170 @@
+"""Fault injection for demos and tests: what goes wrong in real data-parallel jobs, on purpose.
+
+A fault is written ``KIND@STEP[:key=value...]`` (``--fault`` in the example), e.g.
+``grad_scale@60:rank=1:factor=8``. Kinds:
+
+* ``data_seed``   — rank ``rank`` (or ``all``: every rank) shuffles the data with another seed:
+  desynchronised data order, the "silent inconsistency" of arXiv 2602.14462.
+* ``shuffle_labels`` — rank ``rank`` is fed corrupted data: its targets are permuted.
+* ``grad_scale``  — rank ``rank``'s local gradient is multiplied by ``factor`` before the
+  all-reduce (a faulty kernel, silent data corruption on one GPU).
+* ``grad_noise``  — noise of relative size ``sigma`` (×‖g‖) is added to the local gradient.
+* ``grad_flip``   — the ``count`` largest coordinates of each local gradient tensor flip sign.
+* ``collapse``    — layer ``layer``'s MLP weights grow by ``rate`` per step: pushed toward an
+  MLP-dominated layer, the spectral ratio leaves its band.
+* ``act_grow``    — layer ``layer``'s output is multiplied by ``factor`` (activation outliers).
+* ``nan``         — rank ``rank``'s loss becomes NaN at that step (it spreads through the
+  all-reduce, as a real one does).
+* ``stop_reporting`` — rank ``rank`` keeps training but its agent stops reporting (a hung or
+  dead agent: the collector sees a stale rank).
+
+Gradient faults act through tensor hooks on the parameters, so they change the gradient
+*before* DDP's bucket all-reduce sees it — where rankwatch measures ‖g_k‖ — exactly as a
+corrupted local gradient would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+KINDS = ("data_seed", "shuffle_labels", "grad_scale", "grad_noise", "grad_flip", "collapse", "act_grow", "nan", "stop_reporting")
+_DEFAULTS: dict[str, dict[str, float]] = {
+    "grad_scale": {"factor": 8.0},
+    "grad_noise": {"sigma": 2.0},
+    "grad_flip": {"count": 16},
+    "collapse": {"rate": 0.05},
+    "act_grow": {"factor": 100.0},
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None  # None: every rank
+    layer: int | None = None
+    params: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def parse(text: str) -> Fault:
+        """Parses ``KIND@STEP[:key=value...]``; raises ValueError naming what is wrong."""
+        head, *options = text.split(":")
+        kind, at, step = head.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"fault {text!r}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if not at or not step.isdigit():
+            raise ValueError(f"fault {text!r}: needs @STEP with a non-negative integer step")
+        rank: int | None = None
+        layer: int | None = None
+        params = dict(_DEFAULTS.get(kind, {}))
+        for option in options:
+            key, eq, value = option.partition("=")
+            if not eq:
+                raise ValueError(f"fault {text!r}: option {option!r} is not key=value")
+            try:
+                if key == "rank":
+                    rank = None if value == "all" else int(value)
+                elif key == "layer":
+                    layer = int(value)
+                elif key in params:
+                    params[key] = float(value)
+                else:
+                    raise ValueError(f"fault {text!r}: unknown option {key!r} for {kind}")
+            except ValueError as e:
+                if "unknown option" in str(e):
+                    raise
+                raise ValueError(f"fault {text!r}: {key}={value!r} is not a number") from None
+        if kind in ("collapse", "act_grow") and layer is None:
+            raise ValueError(f"fault {text!r}: {kind} needs layer=N")
+        if kind in ("shuffle_labels", "grad_scale", "grad_noise", "grad_flip", "nan", "stop_reporting") and rank is None:
+            raise ValueError(f"fault {text!r}: {kind} needs rank=N")
+        return Fault(kind, int(step), rank, layer, params)
+
+    def applies(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+class Injector:
+    """Applies a list of faults to one rank's training: call `data_seed()` when building the
+    data, `attach(model)` once, `begin_step(step)` before each forward, `targets()` on each
+    batch, `loss()` on each loss, and `reporting()` to ask whether to log this step."""
+
+    def __init__(self, faults: list[Fault], rank: int) -> None:
+        self.rank = rank
+        self.faults = [f for f in faults if f.applies(rank)]
+        self.step = 0
+        self._hooks: list[Any] = []
+
+    def active(self, kind: str) -> Fault | None:
+        return next((f for f in self.faults if f.kind == kind and self.step >= f.step), None)
+
+    def data_seed(self, seed: int) -> int:
+        fault = next((f for f in self.faults if f.kind == "data_seed"), None)
+        return seed if fault is None else seed + 7919 * (self.rank + 1)
+
+    def attach(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(self._gradient))
+        for fault in self.faults:
+            if fault.kind == "act_grow" and blocks is not None:
+                block = blocks[fault.layer]  # type: ignore[index]
+                self._hooks.append(block.register_forward_hook(self._grow(fault)))
+        self._blocks = blocks
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        fault = self.active("collapse")
+        if fault is not None and self._blocks is not None:
+            mlp = self._blocks[fault.layer].mlp  # type: ignore[index]
+            with torch.no_grad():
+                for linear in (mlp.c_fc, mlp.c_proj):
+                    linear.weight.mul_(1.0 + fault.params["rate"])
+
+    def _grow(self, fault: Fault):
+        def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+            if self.step >= fault.step:
+                return output * fault.params["factor"]
+            return None
+
+        return hook
+
+    def _gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        fault = self.active("grad_scale")
+        if fault is not None:
+            grad = grad * fault.params["factor"]
+        fault = self.active("grad_noise")
+        if fault is not None:
+            noise = torch.randn_like(grad)
+            grad = grad + noise * (fault.params["sigma"] * grad.norm() / max(grad.numel(), 1) ** 0.5)
+        fault = self.active("grad_flip")
+        if fault is not None:
+            flat = grad.flatten().clone()
+            k = min(int(fault.params["count"]), flat.numel())
+            idx = flat.abs().topk(k).indices
+            flat[idx] = -flat[idx]
+            grad = flat.view_as(grad)
+        return grad
+
+    def targets(self, targets: torch.Tensor) -> torch.Tensor:
+        if self.active("shuffle_labels") is None:
+            return targets
+        flat = targets.flatten()
+        return flat[torch.randperm(flat.numel())].view_as(targets)
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        fault = self.active("nan")
+        if fault is not None and self.step == fault.step:
+            return loss * float("nan")
+        return loss
+
+    def reporting(self) -> bool:
+        return self.active("stop_reporting") is None
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
