@@ -47,6 +47,16 @@ class Collector:
 
 
 @pytest.fixture
+def store_only(tmp_path: Path) -> Iterator[Collector]:
+    """A collector without the alert engine: it stores exactly what it is sent, nothing derived."""
+    c = Collector(tmp_path / "data", "--no-alert-engine")
+    yield c
+    if c.proc.poll() is None:
+        c.proc.kill()
+        c.proc.wait()
+
+
+@pytest.fixture
 def collector(tmp_path: Path) -> Iterator[Collector]:
     c = Collector(tmp_path / "data")
     yield c

@@ -53,7 +53,8 @@ def arrow_stream(run: str) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def test_pyarrow_and_duckdb_read_back_exactly_the_ingested_rows(collector, tmp_path):
+def test_pyarrow_and_duckdb_read_back_exactly_the_ingested_rows(store_only, tmp_path):
+    collector = store_only
     expected: list[dict] = []
     for run in ["alpha", "beta-2"]:
         rows = rows_for(run, ranks=3, steps=25)
