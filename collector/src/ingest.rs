@@ -27,13 +27,7 @@ pub enum Format {
 impl Format {
     /// Picks the format from a `Content-Type` value (parameters ignored).
     pub fn from_content_type(value: Option<&str>) -> Result<Format> {
-        let media = value
-            .unwrap_or("")
-            .split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
+        let media = media_type(value.unwrap_or(""));
         match media.as_str() {
             decode::ARROW_STREAM => Ok(Format::Arrow),
             "application/json" => Ok(Format::Json),
@@ -48,6 +42,16 @@ impl Format {
             Format::Json => "json",
         }
     }
+}
+
+/// The media type of a `Content-Type` value: lowercase, parameters dropped.
+pub fn media_type(content_type: &str) -> String {
+    content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase()
 }
 
 /// What the collector answers to an accepted batch.
