@@ -147,10 +147,9 @@ impl Poller {
                         self.offer(alert, &mut told);
                     }
                 }
-                Err(why) => {
+                Err(_) => {
                     self.shared.connected.store(false, Relaxed);
                     self.shared.polls_failed.fetch_add(1, Relaxed);
-                    let _ = why;
                 }
             }
             let stop = self.shared.stop.lock().unwrap_or_else(|p| p.into_inner());

@@ -74,24 +74,30 @@ impl Collector {
 
         let wal_dir = config.data_dir.join("wal");
         let report = wal::replay(&wal_dir, store.flushed_seq())?;
-        let mut replayed = Vec::with_capacity(report.records.len());
+        let mut records = 0usize;
+        // Kept to feed the alert engine once it runs (it writes through the log).
+        let mut replayed = Vec::new();
         for record in report.records {
             match decode::decode_entry(&record.payload) {
                 Ok((key, entry)) => {
                     let key = key.as_deref().map(Key::parse).transpose().ok().flatten();
                     store.apply(record.seq, key.as_ref(), &entry, 0)?;
-                    let derived =
-                        key.is_some_and(|k| k.rank == ALIGNER_RANK && k.session == ALIGNER_SESSION);
-                    replayed.push((entry, derived));
+                    records += 1;
+                    if !config.no_alert_engine {
+                        let derived = key.is_some_and(|k| {
+                            k.rank == ALIGNER_RANK && k.session == ALIGNER_SESSION
+                        });
+                        replayed.push((entry, derived));
+                    }
                 }
                 Err(e) => {
                     tracing::error!(seq = record.seq, error = %e, "unreadable write-ahead-log entry skipped");
                 }
             }
         }
-        if !replayed.is_empty() || report.torn_bytes > 0 {
+        if records > 0 || report.torn_bytes > 0 {
             tracing::info!(
-                replayed = replayed.len(),
+                replayed = records,
                 torn_bytes = report.torn_bytes,
                 "recovered from the write-ahead log"
             );

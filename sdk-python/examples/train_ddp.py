@@ -106,13 +106,11 @@ def train(args: argparse.Namespace) -> dict:
         step_times.append(time.perf_counter() - started)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if args.on_alert == "stop" and any(a["severity"] == "critical" and a["state"] == "firing" for a in alerts):
+        if args.on_alert == "stop":
             # Every rank hears the alert, but not at the same step: agree on stopping (a
             # rank that stopped alone would hang the others' all-reduce).
-            flag = torch.tensor([1.0])
-        else:
-            flag = torch.tensor([0.0])
-        if args.on_alert == "stop":
+            critical = any(a["severity"] == "critical" and a["state"] == "firing" for a in alerts)
+            flag = torch.tensor([1.0 if critical else 0.0])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
                 stopped_at = step

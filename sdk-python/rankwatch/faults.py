@@ -97,6 +97,7 @@ class Injector:
         self.faults = [f for f in faults if f.applies(rank)]
         self.step = 0
         self._hooks: list[Any] = []
+        self._blocks: list[torch.nn.Module] | None = None
 
     def active(self, kind: str) -> Fault | None:
         return next((f for f in self.faults if f.kind == kind and self.step >= f.step), None)

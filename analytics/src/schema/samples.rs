@@ -54,9 +54,26 @@ pub fn to_batch(rows: &[Sample]) -> Result<RecordBatch> {
     Ok(RecordBatch::try_new(schema_ref(), columns)?)
 }
 
-/// A batch to rows, checking the schema and every identifier. Scope rules are checked
-/// separately by [`Sample::validate`], which needs the run's metadata.
-pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Sample>> {
+/// One row of a samples batch, borrowing its strings: what a reader that only routes rows
+/// (the collector's alert engine) needs, without an allocation per row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleRow<'a> {
+    pub run: &'a str,
+    pub rank: Option<u32>,
+    pub step: u64,
+    pub time_ms: i64,
+    pub metric: &'a str,
+    pub layer: Option<u32>,
+    pub site: Option<&'a str>,
+    pub value: f64,
+}
+
+/// Checks the schema of `batch` and calls `f` with each row; stops at the first error `f`
+/// returns, naming its row.
+pub fn try_for_each_row<'a>(
+    batch: &'a RecordBatch,
+    mut f: impl FnMut(SampleRow<'a>) -> Result<()>,
+) -> Result<()> {
     let c = Columns::new(TABLE, &SCHEMA, batch)?;
     let (run, rank, step, time) = (
         c.strings("run"),
@@ -70,23 +87,39 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Sample>> {
         c.strings("site"),
         c.f64s("value"),
     );
-    (0..c.rows())
-        .map(|i| {
-            Ok(Sample {
-                run: RunId::new(run.value(i)).map_err(c.at(i))?,
-                rank: opt(rank, i),
-                step: step.value(i),
-                time_ms: time.value(i),
-                metric: MetricName::new(metric.value(i)).map_err(c.at(i))?,
-                layer: opt(layer, i),
-                site: opt_str(site, i)
-                    .map(Site::from_str)
-                    .transpose()
-                    .map_err(c.at(i))?,
-                value: value.value(i),
-            })
+    (0..c.rows()).try_for_each(|i| {
+        f(SampleRow {
+            run: run.value(i),
+            rank: opt(rank, i),
+            step: step.value(i),
+            time_ms: time.value(i),
+            metric: metric.value(i),
+            layer: opt(layer, i),
+            site: opt_str(site, i),
+            value: value.value(i),
         })
-        .collect()
+        .map_err(c.at(i))
+    })
+}
+
+/// A batch to rows, checking the schema and every identifier. Scope rules are checked
+/// separately by [`Sample::validate`], which needs the run's metadata.
+pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Sample>> {
+    let mut rows = Vec::with_capacity(batch.num_rows());
+    try_for_each_row(batch, |row| {
+        rows.push(Sample {
+            run: RunId::new(row.run)?,
+            rank: row.rank,
+            step: row.step,
+            time_ms: row.time_ms,
+            metric: MetricName::new(row.metric)?,
+            layer: row.layer,
+            site: row.site.map(Site::from_str).transpose()?,
+            value: row.value,
+        });
+        Ok(())
+    })?;
+    Ok(rows)
 }
 
 /// Checks the schema of `batch` (not its values) and returns it in canonical column order.

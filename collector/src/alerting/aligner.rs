@@ -13,8 +13,8 @@
 
 use std::collections::BTreeMap;
 
-use rankwatch_analytics::SketchRecord;
 use rankwatch_analytics::math::{RankValues, cos_pair_mean, sketch_cosine_matrix};
+use rankwatch_analytics::{Metric, SketchRecord};
 
 /// A step as the aligner closes it.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,8 +46,8 @@ struct OpenStep {
 pub struct StepAligner {
     timeout_ms: i64,
     open: BTreeMap<u64, OpenStep>,
-    /// Latest step each rank reported anything for.
-    latest: BTreeMap<u32, u64>,
+    /// Latest step each rank reported anything for, and when (the collector's clock).
+    latest: BTreeMap<u32, (u64, i64)>,
     /// Every step at or below this is closed.
     closed_through: Option<u64>,
     late_rows: u64,
@@ -64,6 +64,21 @@ pub enum RankScalar {
     Nonfinite,
 }
 
+impl RankScalar {
+    /// The scalar `metric` is, if the aligner gathers it.
+    pub fn of(metric: Metric) -> Option<RankScalar> {
+        Some(match metric {
+            Metric::Loss => RankScalar::Loss,
+            Metric::Tokens => RankScalar::Tokens,
+            Metric::GradNorm => RankScalar::GradNorm,
+            Metric::GradNormMean => RankScalar::GradNormMean,
+            Metric::CosToMean => RankScalar::CosToMean,
+            Metric::Nonfinite => RankScalar::Nonfinite,
+            _ => return None,
+        })
+    }
+}
+
 impl StepAligner {
     /// An aligner that closes a step `timeout_ms` after its first row at the latest.
     pub fn new(timeout_ms: i64) -> Self {
@@ -76,9 +91,14 @@ impl StepAligner {
         }
     }
 
-    /// Rows that arrived for steps already closed.
-    pub fn late_rows(&self) -> u64 {
-        self.late_rows
+    /// Rows that arrived for steps already closed, since the last call.
+    pub fn take_late_rows(&mut self) -> u64 {
+        std::mem::take(&mut self.late_rows)
+    }
+
+    /// `rank`'s latest step and when the collector saw it, if it reported at all.
+    pub fn last_seen(&self, rank: u32) -> Option<(u64, i64)> {
+        self.latest.get(&rank).copied()
     }
 
     /// Steps waiting to close.
@@ -97,11 +117,11 @@ impl StepAligner {
         })
     }
 
-    /// Notes that `rank` reported something for `step` (any metric); returns false for a late
-    /// row.
-    pub fn seen(&mut self, rank: u32, step: u64) -> bool {
-        let latest = self.latest.entry(rank).or_insert(step);
-        *latest = (*latest).max(step);
+    /// Notes that `rank` reported something for `step` at `now_ms` (any metric); returns false
+    /// for a late row.
+    pub fn seen(&mut self, rank: u32, step: u64, now_ms: i64) -> bool {
+        let latest = self.latest.entry(rank).or_insert((step, now_ms));
+        *latest = (latest.0.max(step), now_ms);
         if self.is_closed(step) {
             self.late_rows += 1;
             return false;
@@ -119,7 +139,7 @@ impl StepAligner {
         what: RankScalar,
         value: f64,
     ) {
-        if !self.seen(rank, step) {
+        if !self.seen(rank, step, now_ms) {
             return;
         }
         let open = self.step_mut(step, now_ms);
@@ -145,7 +165,7 @@ impl StepAligner {
 
     /// Adds one rank's gradient sketch.
     pub fn add_sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
-        if !self.seen(sketch.rank, sketch.step) {
+        if !self.seen(sketch.rank, sketch.step, now_ms) {
             return;
         }
         let open = self.step_mut(sketch.step, now_ms);
@@ -168,14 +188,14 @@ impl StepAligner {
         };
         // The last step that every rank of the world has moved past. Without a known world
         // size a rank not yet heard from could still be on its way: only the timeout closes.
-        let moved_past = world_size
-            .and(Some(&world))
-            .into_iter()
-            .flatten()
-            .map(|r| self.latest.get(r).copied())
-            .collect::<Option<Vec<u64>>>()
-            .and_then(|steps| steps.into_iter().min())
-            .filter(|_| world_size.is_some());
+        let moved_past = world_size.and_then(|_| {
+            world
+                .iter()
+                .map(|r| self.last_seen(*r).map(|(step, _)| step))
+                .collect::<Option<Vec<u64>>>()?
+                .into_iter()
+                .min()
+        });
         // The newest step that timed out; every step before it closes with it.
         let timed_out = self
             .open
@@ -273,7 +293,7 @@ mod tests {
         assert_eq!(closed[0].ranks.len(), 2);
         // A late row for step 1 is counted, not reopened.
         loss(&mut a, 1, 1, 9);
-        assert_eq!(a.late_rows(), 1);
+        assert_eq!(a.take_late_rows(), 1);
         assert_eq!(a.open_steps(), 1);
     }
 

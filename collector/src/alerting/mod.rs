@@ -28,10 +28,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow_array::{Array, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use rankwatch_analytics::alert::AlertKey;
 use rankwatch_analytics::schema::{samples, sketches};
-use rankwatch_analytics::{Alert, AlertState, RunId, Site};
+use rankwatch_analytics::{Alert, AlertState, RunId};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
@@ -41,7 +40,7 @@ use crate::idempotency::Key;
 use crate::ingest::Ingestor;
 use rules::RuleBook;
 use sinks::Sinks;
-use watch::{Output, Row, RunWatch};
+use watch::{Output, RunWatch};
 
 /// The rank number that marks the aligner's own batches in idempotency keys.
 pub const ALIGNER_RANK: u32 = u32::MAX;
@@ -197,12 +196,12 @@ impl Engine {
                     }
                     Some(Msg::Reset(run)) => {
                         if let Some(mut old) = self.runs.remove(&run) {
-                            // Open alerts are resolved by the new detectors' silence or
-                            // continued by their first breach.
+                            // Open alerts are handed over like restored ones: the new
+                            // detectors continue them on their first breach.
                             for alert in old.open_alerts() {
                                 self.restored.insert(alert.key(), alert);
                             }
-                            let world = self.writer.store.run_info(&run).map(|i| i.world_size);
+                            let world = self.writer.store.world_size(&run);
                             let out = old.tick(world, crate::now_ms(), true);
                             self.publish(&run, out).await;
                         }
@@ -248,9 +247,12 @@ impl Engine {
         let now = crate::now_ms();
         if derived {
             if let Some(batch) = &entry.samples {
-                let last = last_step(batch);
                 let through = self.derived_through.entry(entry.run.clone()).or_insert(0);
-                *through = (*through).max(last);
+                // Written by this engine before the crash: its schema was checked then.
+                let _ = samples::try_for_each_row(batch, |row| {
+                    *through = (*through).max(row.step);
+                    Ok(())
+                });
             }
             return;
         }
@@ -261,7 +263,10 @@ impl Engine {
             return;
         };
         if let Some(batch) = &entry.samples
-            && let Err(e) = for_each_row(batch, |row| alerts.extend(watch.row(row, now)))
+            && let Err(e) = samples::try_for_each_row(batch, |row| {
+                alerts.extend(watch.row(row, now));
+                Ok(())
+            })
         {
             tracing::error!(%run, error = %e, "alert engine could not read a samples batch");
             telemetry.alert_engine_errors.inc();
@@ -297,7 +302,7 @@ impl Engine {
     }
 
     async fn tick_run(&mut self, run: &RunId, all: bool) {
-        let world = self.writer.store.run_info(run).map(|i| i.world_size);
+        let world = self.writer.store.world_size(run);
         let Some(watch) = self.runs.get_mut(run) else {
             return;
         };
@@ -324,7 +329,7 @@ impl Engine {
             .into_iter()
             .filter(|s| through.is_none_or(|t| s.step > t))
             .collect();
-        if let (Some(last), false) = (out.derived_through, fresh.is_empty()) {
+        if let Some(last) = fresh.iter().map(|s| s.step).max() {
             if let Err(e) = self.write_derived(run, last, &fresh).await {
                 tracing::error!(%run, error = %e, "all-ranks statistics could not be stored");
                 t.alert_engine_errors.inc();
@@ -366,7 +371,7 @@ impl Engine {
         ))
     }
 
-    /// Stores, announces and delivers one alert state.
+    /// Continues a restored alert when a detector raises it again, then delivers.
     fn raise(&mut self, mut alert: Alert) {
         let key = alert.key();
         if let Some(old) = self.continued.get(&alert.id).cloned().or_else(|| {
@@ -387,6 +392,11 @@ impl Engine {
                 self.continued.remove(&detector_id);
             }
         }
+        self.deliver(alert);
+    }
+
+    /// Counts, logs, hands to the sinks and stores one alert state.
+    fn deliver(&self, alert: Alert) {
         self.writer
             .telemetry
             .alert_transitions
@@ -418,73 +428,8 @@ impl Engine {
                 alert.updated_at_ms = now;
                 alert.explanation = format!("{} (resolved: {why})", alert.explanation);
                 // Not through `raise`: that would look it up among the restored again.
-                if let Some(sinks) = &self.sinks {
-                    sinks.send(&alert);
-                }
-                self.writer.store.upsert_alert(alert);
+                self.deliver(alert);
             }
         }
     }
-}
-
-fn last_step(batch: &RecordBatch) -> u64 {
-    batch
-        .column_by_name("step")
-        .and_then(|c| c.as_any().downcast_ref::<UInt64Array>())
-        .and_then(|steps| steps.values().iter().copied().max())
-        .unwrap_or(0)
-}
-
-/// Calls `f` with each row of a samples batch (wire schema), borrowing its strings.
-fn for_each_row(batch: &RecordBatch, mut f: impl FnMut(Row<'_>)) -> Result<()> {
-    let batch = samples::normalize(batch)?;
-    let column = |name: &str| {
-        batch
-            .column_by_name(name)
-            .ok_or_else(|| Error::bad(format!("samples batch without column {name}")))
-    };
-    let bad = |name: &str| Error::bad(format!("samples column {name} has an unexpected type"));
-    let rank = column("rank")?
-        .as_any()
-        .downcast_ref::<UInt32Array>()
-        .ok_or_else(|| bad("rank"))?;
-    let step = column("step")?
-        .as_any()
-        .downcast_ref::<UInt64Array>()
-        .ok_or_else(|| bad("step"))?;
-    let time = column("time")?
-        .as_any()
-        .downcast_ref::<arrow_array::TimestampMillisecondArray>()
-        .ok_or_else(|| bad("time"))?;
-    let metric = column("metric")?
-        .as_any()
-        .downcast_ref::<StringArray>()
-        .ok_or_else(|| bad("metric"))?;
-    let layer = column("layer")?
-        .as_any()
-        .downcast_ref::<UInt32Array>()
-        .ok_or_else(|| bad("layer"))?;
-    let site = column("site")?
-        .as_any()
-        .downcast_ref::<StringArray>()
-        .ok_or_else(|| bad("site"))?;
-    let value = column("value")?
-        .as_any()
-        .downcast_ref::<Float64Array>()
-        .ok_or_else(|| bad("value"))?;
-    for i in 0..batch.num_rows() {
-        f(Row {
-            rank: rank.is_valid(i).then(|| rank.value(i)),
-            step: step.value(i),
-            time_ms: time.value(i),
-            metric: metric.value(i),
-            layer: layer.is_valid(i).then(|| layer.value(i)),
-            site: site
-                .is_valid(i)
-                .then(|| site.value(i).parse::<Site>().ok())
-                .flatten(),
-            value: value.value(i),
-        });
-    }
-    Ok(())
 }

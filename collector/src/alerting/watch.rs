@@ -16,42 +16,20 @@ use rankwatch_analytics::detect::{
     SilentInconsistency, StaleRank, StepObservation,
 };
 use rankwatch_analytics::math::StepStats;
-use rankwatch_analytics::{Alert, Metric, MetricName, RunId, Sample, SketchRecord};
+use rankwatch_analytics::schema::samples::SampleRow;
+use rankwatch_analytics::{Alert, Metric, MetricName, RunId, Sample, Site, SketchRecord};
 
 use super::aligner::{ClosedStep, RankScalar, StepAligner};
 use crate::error::Result;
 
-/// A sample row, borrowed from a batch.
-#[derive(Debug, Clone, Copy)]
-pub struct Row<'a> {
-    pub rank: Option<u32>,
-    pub step: u64,
-    pub time_ms: i64,
-    pub metric: &'a str,
-    pub layer: Option<u32>,
-    pub site: Option<rankwatch_analytics::Site>,
-    pub value: f64,
-}
-
-/// What feeding a run produced.
+/// What a tick produced.
 #[derive(Debug, Default)]
 pub struct Output {
-    /// All-ranks samples of the steps that closed, with the last such step.
+    /// All-ranks samples of the steps that closed.
     pub derived: Vec<Sample>,
-    pub derived_through: Option<u64>,
     pub alerts: Vec<Alert>,
     pub steps_complete: u64,
     pub steps_timed_out: u64,
-}
-
-impl Output {
-    fn merge(&mut self, other: Output) {
-        self.derived.extend(other.derived);
-        self.derived_through = self.derived_through.max(other.derived_through);
-        self.alerts.extend(other.alerts);
-        self.steps_complete += other.steps_complete;
-        self.steps_timed_out += other.steps_timed_out;
-    }
 }
 
 /// One run's aligner and detectors.
@@ -65,14 +43,11 @@ pub struct RunWatch {
     loss_spike: LossSpike,
     activations: ActivationOutlier,
     stale: StaleRank,
-    /// Collector time of each rank's latest report, with its step.
-    last_seen: BTreeMap<u32, (u64, i64)>,
     started_ms: i64,
     pub(crate) last_activity_ms: i64,
     /// Collapse probes of the batch being fed, merged per (step, layer) so a ratio and a token
     /// cosine measured at the same step count as one observation.
     collapse: BTreeMap<(u64, u32), CollapseObservation>,
-    late_reported: u64,
 }
 
 impl RunWatch {
@@ -92,20 +67,15 @@ impl RunWatch {
             stale: StaleRank::new(run.clone(), config.stale_rank)?,
             run,
             aligner: StepAligner::new(align_timeout_ms),
-            last_seen: BTreeMap::new(),
             started_ms: now_ms,
             last_activity_ms: now_ms,
             collapse: BTreeMap::new(),
-            late_reported: 0,
         })
     }
 
     /// Rows that came after their step had closed, since the last call.
     pub fn take_late_rows(&mut self) -> u64 {
-        let late = self.aligner.late_rows();
-        let fresh = late - self.late_reported;
-        self.late_reported = late;
-        fresh
+        self.aligner.take_late_rows()
     }
 
     /// The open alerts of every detector.
@@ -119,53 +89,36 @@ impl RunWatch {
         open
     }
 
-    fn touch(&mut self, rank: u32, step: u64, now_ms: i64) {
-        let seen = self.last_seen.entry(rank).or_insert((step, now_ms));
-        *seen = (seen.0.max(step), now_ms);
-        self.last_activity_ms = now_ms;
-    }
-
     /// Feeds one sample row; returns the alerts it changed.
-    pub fn row(&mut self, row: Row<'_>, now_ms: i64) -> Vec<Alert> {
+    pub fn row(&mut self, row: SampleRow<'_>, now_ms: i64) -> Vec<Alert> {
+        self.last_activity_ms = now_ms;
+        let metric = Metric::from_name(row.metric);
         if let Some(rank) = row.rank {
-            self.touch(rank, row.step, now_ms);
-        }
-        let Some(metric) = Metric::from_name(row.metric) else {
-            // A user metric: it still shows the rank is alive.
-            if let Some(rank) = row.rank {
-                self.aligner.seen(rank, row.step);
+            // Every row of a rank shows it alive at its step (user metrics too); its step
+            // scalars also join the step.
+            match metric.and_then(RankScalar::of) {
+                Some(what) => {
+                    self.aligner
+                        .add(rank, row.step, row.time_ms, now_ms, what, row.value);
+                    return Vec::new();
+                }
+                None => {
+                    self.aligner.seen(rank, row.step, now_ms);
+                }
             }
-            return Vec::new();
-        };
-        let scalar = match metric {
-            Metric::Loss => Some(RankScalar::Loss),
-            Metric::Tokens => Some(RankScalar::Tokens),
-            Metric::GradNorm => Some(RankScalar::GradNorm),
-            Metric::GradNormMean => Some(RankScalar::GradNormMean),
-            Metric::CosToMean => Some(RankScalar::CosToMean),
-            Metric::Nonfinite => Some(RankScalar::Nonfinite),
-            _ => None,
-        };
-        if let (Some(what), Some(rank)) = (scalar, row.rank) {
-            self.aligner
-                .add(rank, row.step, row.time_ms, now_ms, what, row.value);
-            return Vec::new();
-        }
-        if let Some(rank) = row.rank {
-            self.aligner.seen(rank, row.step);
         }
         match (metric, row.layer) {
-            (Metric::SpectralRatio, Some(layer)) => {
+            (Some(Metric::SpectralRatio), Some(layer)) => {
                 self.collapse_probe(row, layer).ratio = Some(row.value);
                 Vec::new()
             }
             // Token cosine is measured on every rank; one rank (the lowest that reports it)
             // stands for the layer, since the weights are the same everywhere.
-            (Metric::TokenCosine, Some(layer)) if row.rank.is_none_or(|r| r == 0) => {
+            (Some(Metric::TokenCosine), Some(layer)) if row.rank.is_none_or(|r| r == 0) => {
                 self.collapse_probe(row, layer).token_cosine = Some(row.value);
                 Vec::new()
             }
-            (Metric::ActMax, layer) => match row.site {
+            (Some(Metric::ActMax), layer) => match row.site.and_then(|s| s.parse::<Site>().ok()) {
                 Some(site) => self.activations.observe(&ActivationObservation {
                     step: row.step,
                     time_ms: row.time_ms,
@@ -180,7 +133,7 @@ impl RunWatch {
         }
     }
 
-    fn collapse_probe(&mut self, row: Row<'_>, layer: u32) -> &mut CollapseObservation {
+    fn collapse_probe(&mut self, row: SampleRow<'_>, layer: u32) -> &mut CollapseObservation {
         let probe = self
             .collapse
             .entry((row.step, layer))
@@ -197,7 +150,7 @@ impl RunWatch {
 
     /// Feeds one gradient sketch.
     pub fn sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
-        self.touch(sketch.rank, sketch.step, now_ms);
+        self.last_activity_ms = now_ms;
         self.aligner.add_sketch(sketch, now_ms);
     }
 
@@ -215,13 +168,10 @@ impl RunWatch {
     pub fn tick(&mut self, world_size: Option<u32>, now_ms: i64, all: bool) -> Output {
         let mut out = Output::default();
         for closed in self.aligner.close_ready(world_size, now_ms, all) {
-            let step_out = self.closed_step(closed, world_size);
-            out.merge(step_out);
+            self.closed_step(closed, world_size, &mut out);
         }
         if let Some(world) = world_size.filter(|&w| w >= 2) {
-            let last_seen = (0..world)
-                .map(|r| self.last_seen.get(&r).copied())
-                .collect();
+            let last_seen = (0..world).map(|r| self.aligner.last_seen(r)).collect();
             out.alerts.extend(self.stale.observe(&RankActivity {
                 now_ms,
                 run_started_ms: self.started_ms,
@@ -231,10 +181,11 @@ impl RunWatch {
         out
     }
 
-    fn closed_step(&mut self, closed: ClosedStep, world_size: Option<u32>) -> Output {
+    fn closed_step(&mut self, closed: ClosedStep, world_size: Option<u32>, out: &mut Output) {
         let world = world_size.unwrap_or(closed.ranks.len() as u32);
         let stats = StepStats::compute(&closed.ranks, world);
-        let mut derived = stats.samples(&self.run, closed.step, closed.time_ms);
+        let derived = &mut out.derived;
+        derived.extend(stats.samples(&self.run, closed.step, closed.time_ms));
         let extra = [
             (Metric::CosPairMean, closed.cos_pair_mean),
             (
@@ -254,7 +205,7 @@ impl RunWatch {
                 value: value?,
             })
         }));
-        let mut alerts = Vec::new();
+        let alerts = &mut out.alerts;
         // Nonfinite first: a NaN step is critical on its own, whatever the other rules say.
         let mut per_rank: BTreeMap<u32, (u64, Option<f64>)> = BTreeMap::new();
         for (rank, count) in &closed.nonfinite {
@@ -286,12 +237,7 @@ impl RunWatch {
             world_size: world,
             ranks: closed.ranks,
         }));
-        Output {
-            derived,
-            derived_through: Some(closed.step),
-            alerts,
-            steps_complete: u64::from(closed.complete),
-            steps_timed_out: u64::from(!closed.complete),
-        }
+        out.steps_complete += u64::from(closed.complete);
+        out.steps_timed_out += u64::from(!closed.complete);
     }
 }

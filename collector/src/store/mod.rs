@@ -202,6 +202,15 @@ impl Store {
         self.lock().runs.get(run).and_then(|r| r.info.clone())
     }
 
+    /// The world size a run announced, if any (without copying its metadata).
+    pub fn world_size(&self, run: &RunId) -> Option<u32> {
+        self.lock()
+            .runs
+            .get(run)
+            .and_then(|r| r.info.as_ref())
+            .map(|i| i.world_size)
+    }
+
     /// Admission control before a batch is logged: memory budget, cardinality, idempotency.
     pub fn begin(&self, key: Option<&Key>, entry: &Entry) -> Result<Admission> {
         let mut state = self.lock();
