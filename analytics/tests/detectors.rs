@@ -30,6 +30,92 @@ fn collapse_obs(step: u64, layer: u32, ratio: f64, tc: f64) -> CollapseObservati
     }
 }
 
+/// The "1:1 rule" band 0.5–2, off by default, set as a user calibrating it would.
+fn published_band() -> RankCollapseConfig {
+    RankCollapseConfig {
+        band_low: Some(0.5),
+        band_high: Some(2.0),
+        ..Default::default()
+    }
+}
+
+/// The published band, judged from the first step (no warm-up).
+fn band_from_step_0() -> RankCollapseConfig {
+    RankCollapseConfig {
+        warmup_steps: 0,
+        ..published_band()
+    }
+}
+
+#[test]
+fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_baseline() {
+    // Shaped like the real runs of docs/detection.md: the ratio starts near 0.3 (init), settles
+    // at 3 (outside the 0.5–2 band, and healthy), then layer 1 is pushed down 5% per probe.
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut noise = Noise::new(7);
+    let mut events: Vec<(u64, Alert)> = vec![];
+    for i in 0..60u64 {
+        let step = i * 5;
+        for layer in 0..2 {
+            let settled = if i < 6 { 0.3 + 0.45 * i as f64 } else { 3.0 };
+            let pushed = if layer == 1 && i >= 20 { (-0.05 * (i - 20) as f64).exp() } else { 1.0 };
+            let ratio = settled * pushed * (0.03 * noise.next_value()).exp();
+            events.extend(
+                d.observe(&collapse_obs(step, layer, ratio, 0.05))
+                    .into_iter()
+                    .map(|a| (step, a)),
+            );
+        }
+    }
+    let firing: Vec<_> = events
+        .iter()
+        .filter(|(_, a)| a.state == AlertState::Firing)
+        .collect();
+    assert_eq!(firing.len(), 1, "{firing:#?}");
+    let (step, a) = firing[0];
+    assert_eq!((a.layer, a.severity), (Some(1), Severity::Warning));
+    // Out of a ×4 drift (ratio 0.75) at probe 20 + ln 4 / 0.05 ≈ 48; the trend says it sooner.
+    assert!(*step > 100 && *step < 240, "fired at {step}: {}", a.explanation);
+    assert!(a.explanation.starts_with("layer 1: MLP/attention spectral ratio"), "{}", a.explanation);
+    assert!(a.explanation.contains("trending down"), "{}", a.explanation);
+    // An abrupt fall is named against the baseline.
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let drop: Vec<Alert> = (10..25u64)
+        .flat_map(|i| d.observe(&collapse_obs(i * 5, 0, if i < 18 { 3.0 } else { 0.5 }, 0.05)))
+        .collect();
+    assert_eq!(
+        fired(&drop)[0].explanation,
+        "layer 0: MLP/attention spectral ratio 0.5 6× below its baseline 3 for 10 steps; token cosine 0.05"
+    );
+}
+
+#[test]
+fn rank_collapse_token_cosine_warns_after_the_warm_up_and_is_critical_at_any_step() {
+    let tc_run = |tcs: &[(u64, f64)]| {
+        let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+        tcs.iter()
+            .flat_map(|&(step, tc)| {
+                d.observe(&CollapseObservation {
+                    step,
+                    time_ms: 0,
+                    layer: 4,
+                    ratio: None,
+                    token_cosine: Some(tc),
+                })
+            })
+            .collect::<Vec<Alert>>()
+    };
+    // 0.6 early (a transient seen in real runs) is not judged; after the warm-up it warns.
+    assert!(fired(&tc_run(&[(5, 0.6), (10, 0.6), (15, 0.6), (20, 0.3)])).is_empty());
+    let late = tc_run(&[(60, 0.6), (65, 0.62), (70, 0.6)]);
+    assert_eq!(fired(&late)[0].severity, Severity::Warning);
+    assert!(fired(&late)[0].explanation.contains("token cosine 0.6 ≥ 0.5"));
+    // A collapse within the first steps (a learning rate far too high) is critical at once.
+    let early = tc_run(&[(5, 0.95), (10, 0.97), (15, 0.99)]);
+    assert_eq!(fired(&early)[0].severity, Severity::Critical);
+    assert_eq!(fired(&early)[0].first_step, 5);
+}
+
 #[test]
 fn rank_collapse_silent_on_healthy_layers() {
     let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
@@ -51,7 +137,7 @@ fn rank_collapse_silent_on_healthy_layers() {
 
 #[test]
 fn rank_collapse_trend_fires_before_the_band_is_crossed_then_escalates_and_resolves() {
-    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut d = RankCollapse::new(run(), published_band()).unwrap();
     let mut noise = Noise::new(2);
     let mut events: Vec<(u64, Alert)> = vec![];
     let mut crossed_at = None;
@@ -132,7 +218,12 @@ fn rank_collapse_out_of_band_explains_itself_and_the_band_is_configurable() {
         }
         out
     };
-    let events = run_with(RankCollapseConfig::default());
+    let tc_calm = RankCollapseConfig {
+        token_cosine_warning: 0.9,
+        warmup_steps: 0,
+        ..published_band()
+    };
+    let events = run_with(tc_calm);
     let a = fired(&events)[0];
     assert_eq!((a.value, a.threshold, a.first_step), (2.7, 2.0, 0));
     assert_eq!(
@@ -140,24 +231,45 @@ fn rank_collapse_out_of_band_explains_itself_and_the_band_is_configurable() {
         "layer 17: MLP/attention spectral ratio 2.7 above band 0.5–2 for 20 steps; token cosine 0.51 and rising"
     );
     let wide = RankCollapseConfig {
-        band_low: 0.25,
-        band_high: 4.0,
-        ..Default::default()
+        band_low: Some(0.25),
+        band_high: Some(4.0),
+        ..tc_calm
     };
     assert!(run_with(wide).is_empty(), "2.7 is healthy in a 0.25–4 band");
-    let bad = RankCollapseConfig {
-        band_low: 2.0,
-        band_high: 1.0,
+    // By default there is no band: a ratio that stays where it settled is healthy.
+    let settled = RankCollapseConfig {
+        token_cosine_warning: 0.9,
         ..Default::default()
     };
-    assert!(RankCollapse::new(run(), bad).is_err());
+    assert!(run_with(settled).is_empty());
+    for bad in [
+        RankCollapseConfig {
+            band_low: Some(2.0),
+            band_high: Some(1.0),
+            ..Default::default()
+        },
+        RankCollapseConfig {
+            band_low: Some(0.5),
+            ..Default::default()
+        },
+        RankCollapseConfig {
+            token_cosine_warning: 0.95,
+            ..Default::default()
+        },
+        RankCollapseConfig {
+            drift_factor: 1.0,
+            ..Default::default()
+        },
+    ] {
+        assert!(RankCollapse::new(run(), bad).is_err(), "{bad:?}");
+    }
 }
 
 #[test]
 fn rank_collapse_counts_each_probe_once_across_cadences() {
     // Spectral probes every 100 steps, token cosine every 10: one out-of-band probe followed by
     // token-cosine observations must not meet `pending_for = 3` on its own.
-    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut d = RankCollapse::new(run(), band_from_step_0()).unwrap();
     let mut events = vec![];
     for step in (0..300u64).step_by(10) {
         let ratio = (step % 100 == 0).then_some(if step == 100 { 3.0 } else { 1.0 });
@@ -172,7 +284,7 @@ fn rank_collapse_counts_each_probe_once_across_cadences() {
     }
     assert!(fired(&events).is_empty(), "{events:#?}");
     // Three out-of-band probes in a row do fire, whatever arrives between them.
-    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut d = RankCollapse::new(run(), band_from_step_0()).unwrap();
     let events: Vec<Alert> = (0..40u64)
         .flat_map(|i| {
             let ratio = (i % 10 == 0).then_some(3.0);
@@ -191,7 +303,7 @@ fn rank_collapse_counts_each_probe_once_across_cadences() {
 
 #[test]
 fn rank_collapse_zero_and_infinite_ratios_breach_and_token_cosine_alone_resolves() {
-    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut d = RankCollapse::new(run(), band_from_step_0()).unwrap();
     let inf: Vec<Alert> = (0..3u64)
         .flat_map(|s| d.observe(&collapse_obs(s, 1, f64::INFINITY, 0.3)))
         .collect();
@@ -208,10 +320,10 @@ fn rank_collapse_zero_and_infinite_ratios_breach_and_token_cosine_alone_resolves
         "a NaN ratio neither breaches nor clears: {nan:#?}"
     );
     // A layer probed only for token cosine: critical, then resolved once it falls.
-    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut d = RankCollapse::new(run(), band_from_step_0()).unwrap();
     let events: Vec<Alert> = (0..20u64)
         .flat_map(|s| {
-            let tc = if s < 5 { 0.95 } else { 0.4 };
+            let tc = if s < 5 { 0.95 } else { 0.3 };
             d.observe(&CollapseObservation {
                 step: s,
                 time_ms: 0,
@@ -537,10 +649,18 @@ fn activation_outlier_growth_absolute_and_nonfinite() {
         events[1]
             .1
             .explanation
-            .contains("grew 11.9× over its baseline 5.03 on rank 0"),
+            .contains("grew 11.9× over its baseline 5.058 on rank 0"),
         "{}",
         events[1].1.explanation
     );
+
+    // Healthy growth from the initial scale during the warm-up is not an outlier: 0.1 at
+    // init growing to 1.5 by step 50 (as real GPTs' block outputs do), then steady.
+    let mut d = ActivationOutlier::new(run(), ActivationOutlierConfig::default()).unwrap();
+    let events: Vec<Alert> = (0..60u64)
+        .flat_map(|i| d.observe(&act(i * 5, 0, (0.1 + 0.14 * i as f64).min(1.5))))
+        .collect();
+    assert!(events.is_empty(), "{events:#?}");
 
     // With the growth test off, 60 is fine and 500 still breaches the absolute limit.
     let config = ActivationOutlierConfig {
@@ -645,6 +765,7 @@ fn rules_file_overrides_only_what_it_names() {
         [rank_collapse]
         band_low = 0.25
         band_high = 4.0
+        drift_factor = 3.0
         lifecycle = { pending_for = 5, resolve_after = 2 }
 
         [stale_rank]
@@ -654,8 +775,9 @@ fn rules_file_overrides_only_what_it_names() {
     c.validate().unwrap();
     assert_eq!(
         (c.rank_collapse.band_low, c.rank_collapse.band_high),
-        (0.25, 4.0)
+        (Some(0.25), Some(4.0))
     );
+    assert_eq!(c.rank_collapse.drift_factor, 3.0);
     assert_eq!(c.rank_collapse.lifecycle.pending_for, 5);
     assert_eq!(
         c.rank_collapse.trend_window,

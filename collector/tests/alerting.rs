@@ -238,7 +238,7 @@ async fn rule_overrides_are_checked_applied_and_kept() {
         call(&c, request)
     };
     let r = put(
-        r#"{"rank_collapse": {"band_low": 3.0}}"#,
+        r#"{"rank_collapse": {"drift_factor": 0.5}}"#,
         "application/json",
     )
     .await;
@@ -249,7 +249,7 @@ async fn rule_overrides_are_checked_applied_and_kept() {
     assert!(r.error().contains("zz"), "{}", r.text());
     let r = get(&c, "/api/v1/rules?run=ov-1").await.json();
     assert_eq!(
-        r["rules"]["rank_collapse"]["band_low"], 0.5,
+        r["rules"]["rank_collapse"]["drift_factor"], 4.0,
         "the old rules stay in force"
     );
     let r = put("[stale_rank]\ntimeout_ms = 5000\n", "application/toml").await;

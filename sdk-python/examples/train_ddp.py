@@ -109,7 +109,8 @@ def train(args: argparse.Namespace) -> dict:
         if args.on_alert == "stop":
             # Every rank hears the alert, but not at the same step: agree on stopping (a
             # rank that stopped alone would hang the others' all-reduce).
-            critical = any(a["severity"] == "critical" and a["state"] == "firing" for a in alerts)
+            # fired_at_ms, not state: a NaN step's alert may fire and resolve between polls.
+            critical = any(a["severity"] == "critical" and a.get("fired_at_ms") is not None for a in alerts)
             flag = torch.tensor([1.0 if critical else 0.0])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:

@@ -10,8 +10,10 @@ A fault is written ``KIND@STEP[:key=value...]`` (``--fault`` in the example), e.
   all-reduce (a faulty kernel, silent data corruption on one GPU).
 * ``grad_noise``  — noise of relative size ``sigma`` (×‖g‖) is added to the local gradient.
 * ``grad_flip``   — the ``count`` largest coordinates of each local gradient tensor flip sign.
-* ``collapse``    — layer ``layer``'s MLP weights grow by ``rate`` per step: pushed toward an
-  MLP-dominated layer, the spectral ratio leaves its band.
+* ``collapse``    — layer ``layer`` is pushed toward attention-dominated collapse: its value and
+  output projections grow by ``rate`` per step while its query and key projections shrink by
+  it, so its attention flattens into an average over tokens that outweighs the residual
+  stream. The MLP/attention ratio falls away from where it settled; token states converge.
 * ``act_grow``    — layer ``layer``'s output is multiplied by ``factor`` (activation outliers).
 * ``nan``         — rank ``rank``'s loss becomes NaN at that step (it spreads through the
   all-reduce, as a real one does).
@@ -120,10 +122,14 @@ class Injector:
         self.step = step
         fault = self.active("collapse")
         if fault is not None and self._blocks is not None:
-            mlp = self._blocks[fault.layer].mlp  # type: ignore[index]
+            attn = self._blocks[fault.layer].attn  # type: ignore[index]
+            rate = fault.params["rate"]
+            width = attn.c_proj.weight.shape[0]
             with torch.no_grad():
-                for linear in (mlp.c_fc, mlp.c_proj):
-                    linear.weight.mul_(1.0 + fault.params["rate"])
+                # c_attn stacks W_q, W_k, W_v (nanoGPT's layout).
+                attn.c_attn.weight[: 2 * width].mul_(1.0 - rate)
+                attn.c_attn.weight[2 * width :].mul_(1.0 + rate)
+                attn.c_proj.weight.mul_(1.0 + rate)
 
     def _grow(self, fault: Fault):
         def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor | None:

@@ -368,8 +368,10 @@ class Run:
         it fires, escalates, and resolves. The agent polls the collector every `poll_interval`
         seconds on a thread of its own; callbacks run on the training thread, inside the next
         `log()` (or `finish()`), so they may checkpoint, or raise to stop the job. The dict is
-        the collector's alert: id, rule, severity, state, layer, rank, outlier_ranks, value,
-        threshold, first_step, last_step, explanation, ... An exception in a callback is
+        the collector's alert as of that poll: id, rule, severity, state, layer, rank,
+        outlier_ranks, value, threshold, first_step, last_step, fired_at_ms, explanation, ...
+        An alert that fired and resolved between two polls arrives once, resolved, with
+        `fired_at_ms` set: test `fired_at_ms`, not `state`, to ask "did it fire". An exception in a callback is
         reported as a warning unless it is meant to stop the job (SystemExit,
         KeyboardInterrupt, or an exception the callback raises with `stop=True` set)."""
         if not callable(callback):

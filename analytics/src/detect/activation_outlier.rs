@@ -1,6 +1,8 @@
 //! `activation_outlier`: an activation maximum that exceeds an absolute limit (by default the
 //! largest finite FP8 E4M3 value, 448: past it, FP8 training saturates) or grows by
-//! `growth_factor` over its own baseline (the median of its first `baseline_observations`).
+//! `growth_factor` over its own baseline (the median of its first `baseline_observations` after
+//! `warmup_steps`: activations grow several-fold from their initial scale in healthy training, so
+//! a baseline taken at initialisation calls ordinary learning an outlier).
 //! A non-finite maximum is critical. It clears once the value is below `exit_ratio` of every
 //! limit it can breach.
 
@@ -27,7 +29,9 @@ pub struct ActivationOutlierConfig {
     pub absolute_limit: Option<f64>,
     /// Growth over the baseline that breaches; `None` disables it. Default 10.
     pub growth_factor: Option<f64>,
-    /// Observations whose median is the baseline. Default 5.
+    /// Steps whose values do not enter the baseline (initialisation). Default 50.
+    pub warmup_steps: u64,
+    /// Observations after the warm-up whose median is the baseline. Default 5.
     pub baseline_observations: usize,
     /// To clear, the value must be below this fraction of each limit. Default 0.8.
     pub exit_ratio: f64,
@@ -40,6 +44,7 @@ impl Default for ActivationOutlierConfig {
         ActivationOutlierConfig {
             absolute_limit: Some(FP8_E4M3_MAX),
             growth_factor: Some(10.0),
+            warmup_steps: 50,
             baseline_observations: 5,
             exit_ratio: 0.8,
             lifecycle: LifecycleConfig {
@@ -137,8 +142,12 @@ impl Detector for ActivationOutlier {
         let baseline = self
             .baselines
             .entry(subject)
-            .or_insert_with(|| Baseline::Learning(Vec::new()))
-            .update(obs.value, c.baseline_observations);
+            .or_insert_with(|| Baseline::Learning(Vec::new()));
+        let baseline = if obs.step >= c.warmup_steps {
+            baseline.update(obs.value, c.baseline_observations)
+        } else {
+            None
+        };
         // Where the value was taken, for an explanation; built only on a breach.
         let place = || match obs.layer {
             Some(l) => format!("layer {l} {}", obs.site),

@@ -1,14 +1,21 @@
-//! `rank_collapse`: a layer's MLP/attention spectral ratio leaving its healthy band, or
-//! trending out of it, and — critical — its token cosine approaching 1.
+//! `rank_collapse`: a layer's MLP/attention spectral ratio drifting far from where it settled,
+//! or its token states converging onto one direction.
 //!
 //! The ratio σ_mlp/σ_attn is an early, indirect signal (the public "1:1 rule"); token cosine,
-//! the mean pairwise cosine of token states, is the direct one (Noci et al. 2022). The rule
-//! fires a warning when the ratio stays outside `[band_low, band_high]` for `pending_for`
-//! observations, or when a least-squares fit of log(ratio) over the last `trend_window`
-//! observations has a slope with t-statistic ≥ `trend_min_t` that projects it out of the band
-//! within `trend_horizon` observations. It is critical once token cosine reaches
-//! `token_cosine_critical`. It clears only when the ratio is back inside the band shrunk by
-//! `exit_margin` and token cosine is below `token_cosine_exit` (hysteresis).
+//! the mean pairwise cosine of token states, is the direct one (Noci et al. 2022).
+//!
+//! Measured on real training (docs/detection.md), the published 0.5–2 band is not a healthy
+//! range in general: every model starts near 0.3 (initialisation, not learning), and healthy
+//! small GPTs settle anywhere between 1 and 25. So by default the ratio is judged against the
+//! layer's *own* baseline: the median of its first `baseline_observations` probes after
+//! `warmup_steps`. It breaches when it moves `drift_factor` away from that baseline (either
+//! way), or when a least-squares fit of log(ratio) over the last `trend_window` probes has a
+//! slope with t-statistic ≥ `trend_min_t` that projects it out within `trend_horizon` probes.
+//! An absolute band (`band_low`, `band_high`) can be added for models where it has been
+//! calibrated; it is off by default. Token cosine at or above `token_cosine_warning` (after the
+//! warm-up) is a warning, at or above `token_cosine_critical` (at any step) critical. An alert
+//! clears only when the ratio is back inside its bounds shrunk by `exit_margin` and token cosine
+//! is below `token_cosine_exit` (hysteresis).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -18,27 +25,37 @@ use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
+use crate::math::dispersion::median;
 use crate::validate::RunId;
 
 /// Thresholds of `rank_collapse`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RankCollapseConfig {
-    /// Lower edge of the healthy ratio band. Default 0.5.
-    pub band_low: f64,
-    /// Upper edge of the healthy ratio band. Default 2.0.
-    pub band_high: f64,
-    /// To clear, the ratio must be inside [low·(1+m), high/(1+m)]. Default 0.05.
+    /// Steps at the start of training whose ratio is not judged (the initialisation transient),
+    /// nor token cosine below the critical level. Default 50.
+    pub warmup_steps: u64,
+    /// Probes after the warm-up whose median is the layer's baseline ratio. Default 5.
+    pub baseline_observations: usize,
+    /// How far (as a factor, either way) the ratio may move from its baseline. Default 4.
+    pub drift_factor: f64,
+    /// Optional absolute lower edge of the healthy ratio band (the "1:1 rule" says 0.5). Off.
+    pub band_low: Option<f64>,
+    /// Optional absolute upper edge of the healthy ratio band (the "1:1 rule" says 2). Off.
+    pub band_high: Option<f64>,
+    /// To clear, the ratio must be inside its bounds shrunk by the factor 1+m. Default 0.05.
     pub exit_margin: f64,
-    /// Observations in the trend fit (0 disables the trend test). Default 8.
+    /// Probes in the trend fit (0 disables the trend test). Default 8.
     pub trend_window: usize,
-    /// How far ahead, in observations, the trend may project out of the band. Default 10.
+    /// How far ahead, in probes, the trend may project out of the bounds. Default 10.
     pub trend_horizon: f64,
     /// Minimum |t| of the fitted slope for a trend to count. Default 4.
     pub trend_min_t: f64,
+    /// Token cosine at or above this (after the warm-up) is a warning. Default 0.5.
+    pub token_cosine_warning: f64,
     /// Token cosine at or above this is critical. Default 0.9.
     pub token_cosine_critical: f64,
-    /// Token cosine must fall below this to clear. Default 0.8.
+    /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
     /// Default: fire after 3 breaching observations, resolve after 3 clear ones.
     pub lifecycle: LifecycleConfig,
@@ -47,14 +64,18 @@ pub struct RankCollapseConfig {
 impl Default for RankCollapseConfig {
     fn default() -> Self {
         RankCollapseConfig {
-            band_low: 0.5,
-            band_high: 2.0,
+            warmup_steps: 50,
+            baseline_observations: 5,
+            drift_factor: 4.0,
+            band_low: None,
+            band_high: None,
             exit_margin: 0.05,
             trend_window: 8,
             trend_horizon: 10.0,
             trend_min_t: 4.0,
+            token_cosine_warning: 0.5,
             token_cosine_critical: 0.9,
-            token_cosine_exit: 0.8,
+            token_cosine_exit: 0.4,
             lifecycle: LifecycleConfig {
                 pending_for: 3,
                 resolve_after: 3,
@@ -66,18 +87,27 @@ impl Default for RankCollapseConfig {
 impl RankCollapseConfig {
     /// Checks the band and thresholds are coherent.
     pub fn validate(&self) -> Result<()> {
-        let ok = self.band_low > 0.0
-            && self.band_high > self.band_low
+        let margin = 1.0 + self.exit_margin;
+        let band_ok = match (self.band_low, self.band_high) {
+            (None, None) => true,
+            (Some(low), Some(high)) => low > 0.0 && low * margin < high / margin,
+            _ => false,
+        };
+        let ok = band_ok
             && self.exit_margin >= 0.0
-            && self.band_low * (1.0 + self.exit_margin) < self.band_high / (1.0 + self.exit_margin)
+            && self.baseline_observations >= 1
+            && self.drift_factor > margin * margin
             && (self.trend_window == 0 || self.trend_window >= 3)
             && self.trend_horizon >= 0.0
             && self.trend_min_t > 0.0
-            && self.token_cosine_exit <= self.token_cosine_critical;
+            && self.token_cosine_exit <= self.token_cosine_warning
+            && self.token_cosine_warning <= self.token_cosine_critical;
         if !ok {
             return Err(Error::Config(format!(
-                "rank_collapse: need 0 < band_low < band_high with room for exit_margin, \
-                 trend_window 0 or ≥ 3, trend_min_t > 0 and token_cosine_exit ≤ token_cosine_critical; got {self:?}"
+                "rank_collapse: need band_low and band_high both set (0 < band_low < band_high, \
+                 with room for exit_margin) or both unset, baseline_observations ≥ 1, \
+                 drift_factor > (1 + exit_margin)², trend_window 0 or ≥ 3, trend_min_t > 0 and \
+                 token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical; got {self:?}"
             )));
         }
         self.lifecycle.validate("rank_collapse")
@@ -104,9 +134,68 @@ struct Fresh {
 #[derive(Debug, Clone, Default)]
 struct LayerState {
     log_ratios: VecDeque<f64>,
+    /// log(ratio) of the first probes after the warm-up, until the baseline is known.
+    baseline_logs: Vec<f64>,
+    /// The layer's settled ratio (median of `baseline_logs`, as a ratio).
+    baseline: Option<f64>,
     ratio: Option<f64>,
     token_cosine: Option<f64>,
     previous_token_cosine: Option<f64>,
+    warm: bool,
+}
+
+/// The healthy range of one layer's ratio: the band, if set, within the drift bounds around
+/// the baseline, if known.
+#[derive(Debug, Clone, Copy)]
+struct Bounds {
+    low: f64,
+    high: f64,
+}
+
+impl LayerState {
+    fn bounds(&self, c: &RankCollapseConfig) -> Option<Bounds> {
+        let band = c.band_low.zip(c.band_high);
+        let drift = self
+            .baseline
+            .map(|b| (b / c.drift_factor, b * c.drift_factor));
+        match (band, drift) {
+            (None, None) => None,
+            (Some((l, h)), None) | (None, Some((l, h))) => Some(Bounds { low: l, high: h }),
+            (Some((bl, bh)), Some((dl, dh))) => Some(Bounds {
+                low: bl.max(dl),
+                high: bh.min(dh),
+            }),
+        }
+    }
+
+    /// Says which bound `ratio` is measured against, for the explanation.
+    fn describe(&self, c: &RankCollapseConfig, ratio: f64, bounds: Bounds) -> String {
+        let above = ratio > bounds.high;
+        let edge = if above { bounds.high } else { bounds.low };
+        let from_band = if above { c.band_high } else { c.band_low };
+        match (from_band, self.baseline) {
+            (Some(b), _) if b == edge => format!(
+                "{} band {}–{}",
+                if above { "above" } else { "below" },
+                short(c.band_low.unwrap_or(0.0)),
+                short(c.band_high.unwrap_or(0.0))
+            ),
+            (_, Some(baseline)) => {
+                let factor = if above {
+                    ratio / baseline
+                } else {
+                    baseline / ratio
+                };
+                format!(
+                    "{}× {} its baseline {}",
+                    short(factor),
+                    if above { "above" } else { "below" },
+                    short(baseline)
+                )
+            }
+            _ => format!("outside {}–{}", short(bounds.low), short(bounds.high)),
+        }
+    }
 }
 
 /// The `rank_collapse` detector for one run, all layers.
@@ -192,32 +281,43 @@ impl RankCollapseConfig {
                 .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
                 .unwrap_or_default()
         };
-        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine)
-            && tc >= c.token_cosine_critical
-        {
-            return Signal::Breach(Breach {
-                severity: Severity::Critical,
-                value: tc,
-                threshold: c.token_cosine_critical,
-                explanation: format!(
-                    "layer {layer}: token cosine {} ≥ {}: token states are collapsing onto one direction{}",
-                    short(tc),
-                    short(c.token_cosine_critical),
-                    ratio_note()
-                ),
-                outlier_ranks: vec![],
-            });
+        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
+            let level = if tc >= c.token_cosine_critical {
+                Some((Severity::Critical, c.token_cosine_critical, "collapsing onto"))
+            } else if state.warm && tc >= c.token_cosine_warning {
+                Some((Severity::Warning, c.token_cosine_warning, "converging toward"))
+            } else {
+                None
+            };
+            if let Some((severity, threshold, what)) = level {
+                return Signal::Breach(Breach {
+                    severity,
+                    value: tc,
+                    threshold,
+                    explanation: format!(
+                        "layer {layer}: token cosine {} ≥ {}: token states are {what} one direction{}",
+                        short(tc),
+                        short(threshold),
+                        ratio_note()
+                    ),
+                    outlier_ranks: vec![],
+                });
+            }
         }
-        if let Some(ratio) = state.ratio.filter(|_| fresh.ratio) {
+        let bounds = state.bounds(c).filter(|_| state.warm);
+        if let (Some(ratio), Some(bounds)) = (state.ratio.filter(|_| fresh.ratio), bounds) {
             let steps = step.saturating_sub(since);
-            if let Some(breach) = self.ratio_breach(layer, ratio, state, &cosine_note, steps) {
+            if let Some(breach) =
+                self.ratio_breach(layer, ratio, state, bounds, &cosine_note, steps)
+            {
                 return Signal::Breach(breach);
             }
         }
-        let inside = state.ratio.is_none_or(|ratio| {
-            ratio >= c.band_low * (1.0 + c.exit_margin)
-                && ratio <= c.band_high / (1.0 + c.exit_margin)
-        });
+        let margin = 1.0 + c.exit_margin;
+        let inside = match (state.ratio, bounds) {
+            (Some(ratio), Some(b)) => ratio >= b.low * margin && ratio <= b.high / margin,
+            _ => true,
+        };
         let calm = state.token_cosine.is_none_or(|tc| tc < c.token_cosine_exit);
         if inside && calm {
             Signal::Clear
@@ -231,24 +331,25 @@ impl RankCollapseConfig {
         layer: u32,
         ratio: f64,
         state: &LayerState,
+        bounds: Bounds,
         cosine_note: &dyn Fn() -> String,
         steps: u64,
     ) -> Option<Breach> {
         let c = self;
-        let band = format!("{}–{}", short(c.band_low), short(c.band_high));
-        if ratio < c.band_low || ratio > c.band_high {
-            let (side, edge) = if ratio > c.band_high {
-                ("above", c.band_high)
+        if ratio < bounds.low || ratio > bounds.high {
+            let edge = if ratio > bounds.high {
+                bounds.high
             } else {
-                ("below", c.band_low)
+                bounds.low
             };
             return Some(Breach {
                 severity: Severity::Warning,
                 value: ratio,
                 threshold: edge,
                 explanation: format!(
-                    "layer {layer}: MLP/attention spectral ratio {} {side} band {band} for {steps} steps{}",
+                    "layer {layer}: MLP/attention spectral ratio {} {} for {steps} steps{}",
                     short(ratio),
+                    state.describe(c, ratio, bounds),
                     cosine_note()
                 ),
                 outlier_ranks: vec![],
@@ -260,19 +361,21 @@ impl RankCollapseConfig {
             && t.abs() >= c.trend_min_t
         {
             let projected = (last_fit + slope * c.trend_horizon).exp();
-            let leaving =
-                (slope > 0.0 && projected > c.band_high) || (slope < 0.0 && projected < c.band_low);
+            let leaving = (slope > 0.0 && projected > bounds.high)
+                || (slope < 0.0 && projected < bounds.low);
             if leaving {
-                let edge = if slope > 0.0 { c.band_high } else { c.band_low };
+                let edge = if slope > 0.0 { bounds.high } else { bounds.low };
                 return Some(Breach {
                     severity: Severity::Warning,
                     value: ratio,
                     threshold: edge,
                     explanation: format!(
-                        "layer {layer}: MLP/attention spectral ratio {} trending {} ({:+.1}% per probe), projected to leave band {band} within {} probes{}",
+                        "layer {layer}: MLP/attention spectral ratio {} trending {} ({:+.1}% per probe), projected to leave {}–{} within {} probes{}",
                         short(ratio),
                         if slope > 0.0 { "up" } else { "down" },
                         (slope.exp() - 1.0) * 100.0,
+                        short(bounds.low),
+                        short(bounds.high),
                         short(c.trend_horizon),
                         cosine_note()
                     ),
@@ -291,13 +394,23 @@ impl Detector for RankCollapse {
         let window = self.config.trend_window;
         let state = self.layers.entry(obs.layer).or_default();
         // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
+        state.warm |= obs.step >= self.config.warmup_steps;
         let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
         if let Some(r) = fresh_ratio {
             state.ratio = Some(r);
-            if window >= 3 && r.is_finite() && r > 0.0 {
-                state.log_ratios.push_back(r.ln());
-                while state.log_ratios.len() > window {
-                    state.log_ratios.pop_front();
+            // Warm-up probes count for nothing: neither the baseline nor the trend.
+            if state.warm && r.is_finite() && r > 0.0 {
+                if state.baseline.is_none() {
+                    state.baseline_logs.push(r.ln());
+                    if state.baseline_logs.len() >= self.config.baseline_observations {
+                        state.baseline = Some(median(&mut state.baseline_logs).exp());
+                    }
+                }
+                if window >= 3 {
+                    state.log_ratios.push_back(r.ln());
+                    while state.log_ratios.len() > window {
+                        state.log_ratios.pop_front();
+                    }
                 }
             }
         }

@@ -246,14 +246,14 @@ mod tests {
     #[test]
     fn overrides_merge_over_the_base_and_bad_ones_leave_it_in_force() {
         let dir = tempfile::tempdir().unwrap();
-        let base = parse("[rank_collapse]\nband_high = 3.0\n").unwrap();
+        let base = parse("[rank_collapse]\nband_low = 0.5\nband_high = 3.0\n").unwrap();
         let book = RuleBook::open(base, dir.path().join("rules")).unwrap();
         let run = RunId::new("r1").unwrap();
         let partial = serde_json::json!({"rank_collapse": {"band_low": 0.25}});
         let c = book.set_override(&run, partial).unwrap();
         assert_eq!(
             (c.rank_collapse.band_low, c.rank_collapse.band_high),
-            (0.25, 3.0)
+            (Some(0.25), Some(3.0))
         );
         let inverted = serde_json::json!({"rank_collapse": {"band_low": 5.0}});
         assert!(
@@ -269,10 +269,10 @@ mod tests {
                 .to_string()
                 .contains("unknown field")
         );
-        assert_eq!(book.for_run(&run).rank_collapse.band_low, 0.25);
+        assert_eq!(book.for_run(&run).rank_collapse.band_low, Some(0.25));
         // Saved, and read back by a new book.
         let again = RuleBook::open(base, dir.path().join("rules")).unwrap();
-        assert_eq!(again.for_run(&run).rank_collapse.band_low, 0.25);
+        assert_eq!(again.for_run(&run).rank_collapse.band_low, Some(0.25));
         assert_eq!(again.clear_override(&run).unwrap(), base);
         assert_eq!(again.for_run(&run), base);
         let toml = parse_override(

@@ -1,0 +1,286 @@
+"""Detection on real training: a small GPT trained with DDP over gloo (4 CPU processes),
+streaming to the real collector with its documented default rules, with faults injected by
+`rankwatch.faults`. Each scenario asserts what the alert engine must (and must not) say, and
+records its figures (alert step, lead, false alerts) in `target/detection/<scenario>.json`
+for docs/detection.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import Collector
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "examples" / "train_ddp.py"
+FIGURES = HERE.parent.parent / "target" / "detection"
+SMALL = ["--layers", "2", "--width", "32", "--seq", "32", "--batch", "4", "--vocab", "64", "--corpus", "1024", "--lr", "3e-3"]
+
+
+def train(collector: Collector, run: str, tmp: Path, *, steps: int, nproc: int = 4, faults: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[dict]:
+    """Runs the example to completion; returns each rank's result (alerts its callbacks saw)."""
+    out = tmp / run
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(EXAMPLE), "--nproc", str(nproc), "--steps", str(steps), "--run", run, "--collector", collector.url, "--result-dir", str(out), "--spool-dir", str(tmp / f"spool-{run}"), *SMALL, *extra]
+    for f in faults:
+        cmd += ["--fault", f]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
+
+
+def settle(collector: Collector, run: str, last_step: int) -> list[dict]:
+    """Waits until the aligner closed the run's last step (its timeout) and returns its alerts."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = collector.sql(f"SELECT max(step) AS s FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std'")
+        if rows and rows[0]["s"] is not None and rows[0]["s"] >= last_step:
+            break
+        time.sleep(0.5)
+    return collector.alerts(run)
+
+
+def series(collector: Collector, run: str, metric: str) -> dict[int, float]:
+    rows = collector.sql(f"SELECT step, value FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = '{metric}' ORDER BY step")
+    return {r["step"]: r["value"] for r in rows}
+
+
+def record(name: str, figures: dict) -> None:
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    (FIGURES / f"{name}.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
+
+
+def fired(alerts: list[dict], rule: str) -> list[dict]:
+    return [a for a in alerts if a["rule"] == rule and a.get("fired_at_ms") is not None]
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def test_silent_inconsistency_seeds_and_a_corrupted_rank(collector: Collector, tmp_path: Path) -> None:
+    """Scenarios 1 and 5: the paper's seed experiment (same seeds / rank 0 differs / every rank
+    differs) and the stronger faults — shuffled labels on one rank, a scaled local gradient on
+    another — with the same default rules."""
+    steps = 160
+    runs = {
+        "same-seeds": (),
+        "seed-rank0": ("data_seed@0:rank=0",),
+        "seed-per-rank": ("data_seed@0:rank=all",),
+        "grad-scale-r1": ("grad_scale@80:rank=1:factor=8",),
+        "labels-r2": ("shuffle_labels@80:rank=2",),
+    }
+    figures: dict[str, dict] = {}
+    for name, faults in runs.items():
+        train(collector, name, tmp_path, steps=steps, faults=faults)
+    for name in runs:
+        alerts = settle(collector, name, steps - 1)
+        loss_cv, grad_cv, cw, loss_mean = (series(collector, name, m) for m in ("loss_cv", "grad_norm_cv", "cos_weighted", "loss_mean"))
+        late = [s for s in loss_cv if s >= 80]
+        figures[name] = {
+            "alerts": [{k: a[k] for k in ("rule", "severity", "state", "first_step", "outlier_ranks", "explanation")} for a in alerts],
+            "loss_cv_mean_after_80": mean([loss_cv[s] for s in late]),
+            "grad_norm_cv_mean_after_80": mean([grad_cv[s] for s in late if s in grad_cv]),
+            "cos_weighted_mean_after_80": mean([cw[s] for s in late if s in cw]),
+            "loss_mean_at_end": loss_mean.get(steps - 1),
+        }
+    record("silent_inconsistency", figures)
+    # Healthy: silent.
+    assert fired(collector.alerts("same-seeds"), "silent_inconsistency") == [], figures["same-seeds"]
+    # A scaled gradient on rank 1: named within a few steps of the fault.
+    scaled = fired(collector.alerts("grad-scale-r1"), "silent_inconsistency")
+    assert scaled, figures["grad-scale-r1"]
+    assert 1 in scaled[0]["outlier_ranks"], scaled
+    assert 80 <= scaled[0]["first_step"] <= 85, scaled
+    # Shuffled labels on rank 2: its loss and gradient leave the others'.
+    labels = fired(collector.alerts("labels-r2"), "silent_inconsistency")
+    assert labels and 2 in labels[0]["outlier_ranks"], figures["labels-r2"]
+    assert labels[0]["first_step"] <= 90, labels
+    # Seeds: the figures are recorded whatever they are (i.i.d. shards cannot differ
+    # statistically at this scale); an alert there would have to name rank 0 in seed-rank0.
+    for a in fired(collector.alerts("seed-rank0"), "silent_inconsistency"):
+        assert a["outlier_ranks"] in ([], [0]), a
+
+
+def first_at_or_above(points: list[dict], level: float) -> int | None:
+    return next((p["step"] for p in points if p["value"] >= level), None)
+
+
+def collapse_figures(collector: Collector, run: str, alerts: list[dict]) -> dict:
+    """Per layer: the ratio and token-cosine series (rank 0), and when token cosine first
+    reached 0.2, 0.5 and 0.9."""
+    layers: dict[int, dict] = {}
+    for layer in sorted({r["layer"] for r in collector.sql(f"SELECT DISTINCT layer FROM samples WHERE run = '{run}' AND metric = 'token_cosine'")}):
+        ratio = collector.sql(f"SELECT step, value FROM samples WHERE run = '{run}' AND metric = 'spectral.ratio' AND layer = {layer} AND rank IS NULL ORDER BY step")
+        cosine = collector.sql(f"SELECT step, value FROM samples WHERE run = '{run}' AND metric = 'token_cosine' AND layer = {layer} AND rank = 0 ORDER BY step")
+        layers[layer] = {
+            "ratio": [(r["step"], round(r["value"], 4)) for r in ratio],
+            "token_cosine": [(r["step"], round(r["value"], 4)) for r in cosine],
+            "token_cosine_max": max(r["value"] for r in cosine),
+            **{f"token_cosine_reached_{level}": first_at_or_above(cosine, level) for level in (0.2, 0.5, 0.9)},
+        }
+    loss = series(collector, run, "loss_mean")
+    return {
+        "alerts": [{k: a[k] for k in ("rule", "severity", "layer", "rank", "first_step", "last_step", "explanation")} for a in alerts],
+        "final_loss_mean": loss[max(loss)],
+        "layers": layers,
+    }
+
+
+def test_rank_collapse_is_caught_and_healthy_twins_are_silent(collector: Collector, tmp_path: Path) -> None:
+    """Scenario 2, two ways, each with its healthy twin, all with the default rules and the
+    spectral and activation probes every 5 steps:
+    (a) layer 1 of the small GPT pushed toward attention-dominated collapse from step 80: the
+        ratio alert must fire on layer 1, and before token cosine reaches 0.9 if it does;
+    (b) a deep (8-layer) GPT with a learning rate 10× too high, which collapses on its own:
+        token cosine must raise a critical alert."""
+    cadence = ("--cadence", "spectral=5", "--cadence", "activations=5")
+    # Token cosine every step on the deep runs: their collapse comes within the first steps.
+    deep = ("--layers", "8", "--cadence", "spectral=5", "--cadence", "activations=1")
+    runs = {
+        "pushed": dict(steps=200, faults=("collapse@80:layer=1",), extra=cadence),
+        "pushed-twin": dict(steps=200, extra=cadence),
+        "deep-hot": dict(steps=100, extra=(*deep, "--lr", "3e-2")),
+        "deep-twin": dict(steps=100, extra=deep),
+    }
+    for name, kw in runs.items():
+        train(collector, name, tmp_path, **kw)  # type: ignore[arg-type]
+    alerts = {name: settle(collector, name, kw["steps"] - 1) for name, kw in runs.items()}  # type: ignore[operator]
+    figures = {name: collapse_figures(collector, name, alerts[name]) for name in runs}
+    pushed = fired(alerts["pushed"], "rank_collapse")
+    crossed = figures["pushed"]["layers"][1]["token_cosine_reached_0.9"]
+    figures["pushed"]["lead_over_token_cosine_0.9"] = None if not pushed or crossed is None else crossed - pushed[0]["first_step"]
+    hot = fired(alerts["deep-hot"], "rank_collapse")
+    figures["false_alerts_on_healthy_twins"] = {n: len(fired(alerts[n], "rank_collapse")) for n in ("pushed-twin", "deep-twin")}
+    record("rank_collapse", figures)
+
+    # The pushed layer is named first (layer 0 may follow as training compensates).
+    assert pushed and min(pushed, key=lambda a: a["first_step"])["layer"] == 1, figures["pushed"]["alerts"]
+    assert min(a["first_step"] for a in pushed) >= 80, pushed
+    if crossed is not None:
+        assert pushed[0]["first_step"] < crossed
+    assert hot and any(a["severity"] == "critical" for a in hot), figures["deep-hot"]["alerts"]
+    assert figures["false_alerts_on_healthy_twins"] == {"pushed-twin": 0, "deep-twin": 0}, {n: figures[n]["alerts"] for n in ("pushed-twin", "deep-twin")}
+
+
+def test_nan_stale_rank_and_activation_growth(collector: Collector, tmp_path: Path) -> None:
+    """Scenario 3: NaN injected at step 40 (a critical alert at 40, delivered to every rank's
+    on_alert callback); a rank whose agent stops reporting (stale_rank, by its step lag); a
+    layer whose output grows a hundredfold (activation_outlier)."""
+    # Paced so the alert comes back while the job still runs (callbacks run inside log()).
+    results = train(collector, "nan", tmp_path, steps=100, faults=("nan@40:rank=1",), extra=("--step-sleep", "0.05"))
+    alerts = settle(collector, "nan", 99)
+    nan = fired(alerts, "nonfinite")
+    assert nan and nan[0]["first_step"] == 40 and nan[0]["severity"] == "critical", alerts
+    assert all(40 in r["skipped_steps"] for r in results)
+    # The training process heard it: every rank's callback received the firing alert.
+    for r in results:
+        assert any(a["rule"] == "nonfinite" and a["fired_at_ms"] is not None and a["first_step"] == 40 for a in r["alerts"]), r["alerts"]
+
+    # Rank 1's agent goes quiet at step 20 while rank 0 trains on, paced at 0.5 s a step: the
+    # default 60 s silence (not the 200-step lag, never reached here) makes rank 1 stale.
+    train(collector, "stale", tmp_path, steps=160, nproc=2, faults=("stop_reporting@20:rank=1",), extra=("--step-sleep", "0.5"))
+    stale = fired(settle(collector, "stale", 19), "stale_rank")
+    assert stale and stale[0]["rank"] == 1, collector.alerts("stale")
+    assert "silent for" in stale[0]["explanation"], stale
+    last_report_ms = collector.sql("SELECT CAST(max(time) AS BIGINT) AS t FROM samples WHERE run = 'stale' AND rank = 1")[0]["t"]
+    silence_s = (stale[0]["fired_at_ms"] - last_report_ms) / 1000
+    assert silence_s >= 60, stale  # never before the timeout
+
+    # After the warm-up (50 steps) and the baseline (5 probes): the fault at step 80.
+    train(collector, "act-grow", tmp_path, steps=120, faults=("act_grow@80:layer=0:factor=100",), extra=("--cadence", "activations=5"))
+    grow = fired(settle(collector, "act-grow", 119), "activation_outlier")
+    assert grow and min(a["first_step"] for a in grow) == 80, collector.alerts("act-grow")
+    assert {a["layer"] for a in grow if a["first_step"] == 80} >= {0}, grow
+    record(
+        "faults",
+        {
+            "nan": [{k: a[k] for k in ("rule", "severity", "first_step", "rank", "explanation")} for a in nan],
+            "stale": [{k: a[k] for k in ("rule", "first_step", "rank", "explanation")} for a in stale],
+            "stale_silence_before_alert_s": silence_s,
+            "act_grow": [{k: a[k] for k in ("rule", "first_step", "layer", "site", "explanation")} for a in grow],
+        },
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None, reason="Debian's prometheus-alertmanager is installed by `cargo xtask test`")
+def test_alertmanager_receives_the_firing_alert_and_its_resolution(tmp_path: Path) -> None:
+    """Scenario 4: a real Alertmanager gets the NaN alert while it fires, then its end."""
+    port = free_port()
+    config = tmp_path / "alertmanager.yml"
+    config.write_text("route:\n  receiver: devnull\nreceivers:\n  - name: devnull\n")
+    am = subprocess.Popen(
+        ["prometheus-alertmanager", f"--config.file={config}", f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    collector = Collector(tmp_path / "data", extra_args=["--alertmanager-url", f"http://127.0.0.1:{port}", "--alertmanager-resend", "1s"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/-/ready", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "alertmanager did not start"
+            time.sleep(0.2)
+
+        def am_alerts() -> list[dict]:
+            return [a for a in requests.get(f"http://127.0.0.1:{port}/api/v2/alerts", timeout=5).json() if a["labels"].get("run") == "am-nan"]
+
+        # What Alertmanager shows as active, watched while the job trains.
+        seen: list[dict] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                try:
+                    seen.extend(x for x in am_alerts() if x["status"]["state"] == "active")
+                except requests.RequestException:
+                    pass
+                stop.wait(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        # NaN at step 30, then clean steps (the bad step is skipped, as GradScaler does): the
+        # alert resolves after its resolve_after (10) clean steps. --step-sleep paces the job so
+        # the firing state lasts long enough to be watched.
+        train(collector, "am-nan", tmp_path, steps=60, faults=("nan@30:rank=0",), extra=("--step-sleep", "0.1"))
+        alerts = settle(collector, "am-nan", 59)
+        time.sleep(2)
+        stop.set()
+        watcher.join()
+        nan = fired(alerts, "nonfinite")
+        assert nan and nan[0]["state"] == "resolved", alerts
+        assert seen, "alertmanager never showed the alert as active"
+        a = seen[0]
+        assert a["labels"]["alertname"] == "rankwatch_nonfinite" and a["labels"]["severity"] == "critical", a
+        # Resolved: Alertmanager holds it with endsAt set, no longer active.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(x["status"]["state"] == "active" for x in am_alerts()):
+            time.sleep(0.5)
+        assert all(x["status"]["state"] != "active" for x in am_alerts()), am_alerts()
+        record("alertmanager", {"received": a["labels"], "annotations": a["annotations"]})
+    finally:
+        collector.stop()
+        am.terminate()
+        am.wait(timeout=30)
