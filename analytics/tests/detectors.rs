@@ -58,7 +58,11 @@ fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_b
         let step = i * 5;
         for layer in 0..2 {
             let settled = if i < 6 { 0.3 + 0.45 * i as f64 } else { 3.0 };
-            let pushed = if layer == 1 && i >= 20 { (-0.05 * (i - 20) as f64).exp() } else { 1.0 };
+            let pushed = if layer == 1 && i >= 20 {
+                (-0.05 * (i - 20) as f64).exp()
+            } else {
+                1.0
+            };
             let ratio = settled * pushed * (0.03 * noise.next_value()).exp();
             events.extend(
                 d.observe(&collapse_obs(step, layer, ratio, 0.05))
@@ -75,13 +79,29 @@ fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_b
     let (step, a) = firing[0];
     assert_eq!((a.layer, a.severity), (Some(1), Severity::Warning));
     // Out of a ×4 drift (ratio 0.75) at probe 20 + ln 4 / 0.05 ≈ 48; the trend says it sooner.
-    assert!(*step > 100 && *step < 240, "fired at {step}: {}", a.explanation);
-    assert!(a.explanation.starts_with("layer 1: MLP/attention spectral ratio"), "{}", a.explanation);
+    assert!(
+        *step > 100 && *step < 240,
+        "fired at {step}: {}",
+        a.explanation
+    );
+    assert!(
+        a.explanation
+            .starts_with("layer 1: MLP/attention spectral ratio"),
+        "{}",
+        a.explanation
+    );
     assert!(a.explanation.contains("trending down"), "{}", a.explanation);
     // An abrupt fall is named against the baseline.
     let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
     let drop: Vec<Alert> = (10..25u64)
-        .flat_map(|i| d.observe(&collapse_obs(i * 5, 0, if i < 18 { 3.0 } else { 0.5 }, 0.05)))
+        .flat_map(|i| {
+            d.observe(&collapse_obs(
+                i * 5,
+                0,
+                if i < 18 { 3.0 } else { 0.5 },
+                0.05,
+            ))
+        })
         .collect();
     assert_eq!(
         fired(&drop)[0].explanation,
@@ -109,7 +129,11 @@ fn rank_collapse_token_cosine_warns_after_the_warm_up_and_is_critical_at_any_ste
     assert!(fired(&tc_run(&[(5, 0.6), (10, 0.6), (15, 0.6), (20, 0.3)])).is_empty());
     let late = tc_run(&[(60, 0.6), (65, 0.62), (70, 0.6)]);
     assert_eq!(fired(&late)[0].severity, Severity::Warning);
-    assert!(fired(&late)[0].explanation.contains("token cosine 0.6 ≥ 0.5"));
+    assert!(
+        fired(&late)[0]
+            .explanation
+            .contains("token cosine 0.6 ≥ 0.5")
+    );
     // A collapse within the first steps (a learning rate far too high) is critical at once.
     let early = tc_run(&[(5, 0.95), (10, 0.97), (15, 0.99)]);
     assert_eq!(fired(&early)[0].severity, Severity::Critical);
@@ -475,7 +499,13 @@ fn silent_inconsistency_names_a_desynchronised_loss() {
         .iter()
         .find(|(_, a)| a.state == AlertState::Firing)
         .expect("fires");
-    assert!((100..=105).contains(step));
+    // Within a few steps: 3 breaching steps, scored against a baseline of only the 30 steps
+    // after `skip_steps`.
+    assert!(
+        (100..=108).contains(step),
+        "fired at {step}: {}",
+        a.explanation
+    );
     assert!(a.explanation.contains("loss CV"), "{}", a.explanation);
     assert_eq!(a.outlier_ranks, vec![0]);
 }

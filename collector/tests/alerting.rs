@@ -98,8 +98,9 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     announce(&c, run).await;
     let mut sim = DataParallelSim::new(WORLD, 256, 11);
     let mut expected = Vec::new();
-    for step in 0..80u64 {
-        let fault = if step >= 50 {
+    // Judged from step 80 (skip_steps 50 + 30 warm-up steps); the fault from 90.
+    for step in 0..120u64 {
+        let fault = if step >= 90 {
             Fault::ScaleGradient(2, 6.0)
         } else {
             Fault::None
@@ -114,24 +115,24 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     .await;
     assert_eq!(alert["outlier_ranks"], json!([2]), "{alert:#}");
     let first = alert["first_step"].as_u64().unwrap();
-    assert!((50..56).contains(&first), "fired from step {first}");
+    assert!((90..96).contains(&first), "fired from step {first}");
     assert!(
         alert["explanation"].as_str().unwrap().contains("rank 2"),
         "{alert:#}"
     );
 
-    // Steps 0..78 close (every rank moved past them; the engine runs behind ingest, so wait);
-    // 79 waits for its timeout or shutdown.
+    // Steps 0..118 close (every rank moved past them; the engine runs behind ingest, so wait);
+    // 119 waits for its timeout or shutdown.
     let query = format!(
         "SELECT step, value FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std' ORDER BY step"
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut rows = sql(&c, &query).await;
-    while rows.len() < 79 && Instant::now() < deadline {
+    while rows.len() < 119 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
         rows = sql(&c, &query).await;
     }
-    assert_eq!(rows.len(), 79);
+    assert_eq!(rows.len(), 119);
     for row in &rows {
         let step = row["step"].as_u64().unwrap() as usize;
         let want = expected[step].loss.unwrap().std;
@@ -154,13 +155,13 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     )).await;
     assert_eq!(
         (rows[0]["n"].as_u64(), rows[0]["steps"].as_u64()),
-        (Some(80), Some(80))
+        (Some(120), Some(120))
     );
     let restored = wait_alert(&c, run, |a| a["id"] == id).await;
     assert_eq!(restored["state"], "firing");
     // The fault goes on after the restart: the restored alert stays firing (the new detector's
     // baseline, learned from faulty steps, cannot clear it) and is not duplicated.
-    for step in 80..130u64 {
+    for step in 120..170u64 {
         let obs = sim.step(step, Fault::ScaleGradient(2, 6.0));
         ingest(&c, run, step, &step_rows(run, &obs)).await;
     }

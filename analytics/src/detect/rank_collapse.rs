@@ -283,9 +283,17 @@ impl RankCollapseConfig {
         };
         if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
             let level = if tc >= c.token_cosine_critical {
-                Some((Severity::Critical, c.token_cosine_critical, "collapsing onto"))
+                Some((
+                    Severity::Critical,
+                    c.token_cosine_critical,
+                    "collapsing onto",
+                ))
             } else if state.warm && tc >= c.token_cosine_warning {
-                Some((Severity::Warning, c.token_cosine_warning, "converging toward"))
+                Some((
+                    Severity::Warning,
+                    c.token_cosine_warning,
+                    "converging toward",
+                ))
             } else {
                 None
             };
@@ -361,8 +369,8 @@ impl RankCollapseConfig {
             && t.abs() >= c.trend_min_t
         {
             let projected = (last_fit + slope * c.trend_horizon).exp();
-            let leaving = (slope > 0.0 && projected > bounds.high)
-                || (slope < 0.0 && projected < bounds.low);
+            let leaving =
+                (slope > 0.0 && projected > bounds.high) || (slope < 0.0 && projected < bounds.low);
             if leaving {
                 let edge = if slope > 0.0 { bounds.high } else { bounds.low };
                 return Some(Breach {
