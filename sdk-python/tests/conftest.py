@@ -27,6 +27,15 @@ import pytest  # noqa: E402
 REPO = SDK_ROOT.parent
 
 
+def free_port() -> int:
+    """A loopback port free at the moment of asking."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def collector_binary() -> str:
     binary = os.environ.get("RANKWATCH_BIN") or str(REPO / "target" / "debug" / "rankwatch")
     if not Path(binary).exists():

@@ -12,19 +12,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import free_port
 
 WORLD = 4
 RTOL = 1e-5
 
 
 def test_per_rank_gradient_statistics_and_activation_maxima_match_brute_force(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     worker = Path(__file__).with_name("ddp_consistency_worker.py")
     procs = [
         subprocess.Popen(

@@ -10,11 +10,11 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::baseline::Baseline;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
-use crate::math::dispersion::median;
 use crate::validate::RunId;
 use crate::vocab::Site;
 
@@ -86,31 +86,6 @@ pub struct ActivationObservation {
 
 type Subject = (Option<u32>, Site, Option<u32>);
 
-/// A series' baseline: its first finite values until there are enough, then their median.
-#[derive(Debug, Clone)]
-enum Baseline {
-    Learning(Vec<f64>),
-    Learned(f64),
-}
-
-impl Baseline {
-    /// The learned value, after folding in `value` if still learning.
-    fn update(&mut self, value: f64, needed: usize) -> Option<f64> {
-        match self {
-            Baseline::Learned(b) => Some(*b),
-            Baseline::Learning(early) => {
-                if value.is_finite() {
-                    early.push(value.abs());
-                }
-                if early.len() >= needed {
-                    *self = Baseline::Learned(median(early));
-                }
-                None
-            }
-        }
-    }
-}
-
 /// The `activation_outlier` detector for one run, per (layer, site, rank).
 #[derive(Debug, Clone)]
 pub struct ActivationOutlier {
@@ -139,12 +114,9 @@ impl Detector for ActivationOutlier {
     fn observe(&mut self, obs: &ActivationObservation) -> Vec<Alert> {
         let c = self.config;
         let subject = (obs.layer, obs.site, obs.rank);
-        let baseline = self
-            .baselines
-            .entry(subject)
-            .or_insert_with(|| Baseline::Learning(Vec::new()));
+        let baseline = self.baselines.entry(subject).or_default();
         let baseline = if obs.step >= c.warmup_steps {
-            baseline.update(obs.value, c.baseline_observations)
+            baseline.update(obs.value.abs(), c.baseline_observations)
         } else {
             None
         };

@@ -15,6 +15,7 @@
 //! the spectral "1:1 rule" is not peer reviewed).
 
 pub mod activation_outlier;
+mod baseline;
 pub mod config;
 pub mod lifecycle;
 pub mod loss_spike;

@@ -21,11 +21,11 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use super::baseline::Baseline;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
-use crate::math::dispersion::median;
 use crate::validate::RunId;
 
 /// Thresholds of `rank_collapse`.
@@ -134,14 +134,11 @@ struct Fresh {
 #[derive(Debug, Clone, Default)]
 struct LayerState {
     log_ratios: VecDeque<f64>,
-    /// log(ratio) of the first probes after the warm-up, until the baseline is known.
-    baseline_logs: Vec<f64>,
-    /// The layer's settled ratio (median of `baseline_logs`, as a ratio).
-    baseline: Option<f64>,
+    /// Of log(ratio), over the first probes after the warm-up.
+    log_baseline: Baseline,
     ratio: Option<f64>,
     token_cosine: Option<f64>,
     previous_token_cosine: Option<f64>,
-    warm: bool,
 }
 
 /// The healthy range of one layer's ratio: the band, if set, within the drift bounds around
@@ -153,10 +150,15 @@ struct Bounds {
 }
 
 impl LayerState {
+    /// The layer's settled ratio, once learned.
+    fn baseline(&self) -> Option<f64> {
+        self.log_baseline.learned().map(f64::exp)
+    }
+
     fn bounds(&self, c: &RankCollapseConfig) -> Option<Bounds> {
         let band = c.band_low.zip(c.band_high);
         let drift = self
-            .baseline
+            .baseline()
             .map(|b| (b / c.drift_factor, b * c.drift_factor));
         match (band, drift) {
             (None, None) => None,
@@ -168,32 +170,27 @@ impl LayerState {
         }
     }
 
-    /// Says which bound `ratio` is measured against, for the explanation.
+    /// Says which bound `ratio` is measured against, for the explanation: the band's edge, or
+    /// the drift bound around the baseline where that is the tighter one (or the only one).
     fn describe(&self, c: &RankCollapseConfig, ratio: f64, bounds: Bounds) -> String {
         let above = ratio > bounds.high;
+        let side = if above { "above" } else { "below" };
         let edge = if above { bounds.high } else { bounds.low };
-        let from_band = if above { c.band_high } else { c.band_low };
-        match (from_band, self.baseline) {
-            (Some(b), _) if b == edge => format!(
-                "{} band {}–{}",
-                if above { "above" } else { "below" },
-                short(c.band_low.unwrap_or(0.0)),
-                short(c.band_high.unwrap_or(0.0))
-            ),
-            (_, Some(baseline)) => {
+        let band_edge = if above { c.band_high } else { c.band_low };
+        match self.baseline() {
+            Some(baseline) if band_edge != Some(edge) => {
                 let factor = if above {
                     ratio / baseline
                 } else {
                     baseline / ratio
                 };
-                format!(
-                    "{}× {} its baseline {}",
-                    short(factor),
-                    if above { "above" } else { "below" },
-                    short(baseline)
-                )
+                format!("{}× {side} its baseline {}", short(factor), short(baseline))
             }
-            _ => format!("outside {}–{}", short(bounds.low), short(bounds.high)),
+            _ => format!(
+                "{side} band {}–{}",
+                short(c.band_low.unwrap_or(0.0)),
+                short(c.band_high.unwrap_or(0.0))
+            ),
         }
     }
 }
@@ -264,6 +261,7 @@ impl RankCollapseConfig {
         step: u64,
     ) -> Signal {
         let c = self;
+        let warm = step >= c.warmup_steps;
         // Explanations are built only on a breach: most observations are clear.
         let cosine_note = || match (state.token_cosine, state.previous_token_cosine) {
             (Some(tc), Some(prev)) if tc > prev + 1e-3 => {
@@ -288,7 +286,7 @@ impl RankCollapseConfig {
                     c.token_cosine_critical,
                     "collapsing onto",
                 ))
-            } else if state.warm && tc >= c.token_cosine_warning {
+            } else if warm && tc >= c.token_cosine_warning {
                 Some((
                     Severity::Warning,
                     c.token_cosine_warning,
@@ -312,7 +310,7 @@ impl RankCollapseConfig {
                 });
             }
         }
-        let bounds = state.bounds(c).filter(|_| state.warm);
+        let bounds = state.bounds(c).filter(|_| warm);
         if let (Some(ratio), Some(bounds)) = (state.ratio.filter(|_| fresh.ratio), bounds) {
             let steps = step.saturating_sub(since);
             if let Some(breach) =
@@ -402,18 +400,14 @@ impl Detector for RankCollapse {
         let window = self.config.trend_window;
         let state = self.layers.entry(obs.layer).or_default();
         // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
-        state.warm |= obs.step >= self.config.warmup_steps;
         let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
         if let Some(r) = fresh_ratio {
             state.ratio = Some(r);
             // Warm-up probes count for nothing: neither the baseline nor the trend.
-            if state.warm && r.is_finite() && r > 0.0 {
-                if state.baseline.is_none() {
-                    state.baseline_logs.push(r.ln());
-                    if state.baseline_logs.len() >= self.config.baseline_observations {
-                        state.baseline = Some(median(&mut state.baseline_logs).exp());
-                    }
-                }
+            if obs.step >= self.config.warmup_steps && r.is_finite() && r > 0.0 {
+                state
+                    .log_baseline
+                    .update(r.ln(), self.config.baseline_observations);
                 if window >= 3 {
                     state.log_ratios.push_back(r.ln());
                     while state.log_ratios.len() > window {
