@@ -285,6 +285,9 @@ pub async fn serve(
     let address: SocketAddr = listener.local_addr()?;
     tracing::info!(%address, data_dir = %config.data_dir.display(), "rankwatch collector listening");
     println!("rankwatch listening on http://{address}");
+    if !crate::api::ui::built() {
+        tracing::warn!("this binary carries no dashboard (run `cargo xtask web`, then rebuild); the API works as usual");
+    }
     let state = collector.state().clone();
     let router = collector.app();
     let served = axum::serve(listener, router)

@@ -23,7 +23,10 @@ usage: cargo xtask <task>
 
 tasks:
   demo     the main job; today: the detectors on a simulated 8-rank run with injected faults
-  test     formatting, clippy (-D warnings) and every test of the workspace
+  test     formatting, clippy (-D warnings) and every test of the workspace, the browser
+           tests of the dashboard included
+  web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
+           wasm-bindgen-cli and npm packages are installed on demand
   bench [all|analytics|collector] [ingest|queries|memory]
            benchmarks, printed as tables: power iteration vs dense SVD (criterion), and the
            collector's ingest, query and memory targets beside VictoriaMetrics and DuckDB
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
         Some("demo") => demo(&args[1..]),
         Some("test") => test(&args[1..]),
         Some("bench") => bench(&args[1..]),
+        Some("web") => web(),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -179,10 +183,14 @@ fn test(extra: &[String]) -> Result<()> {
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--check"]);
     run("format", fmt)?;
+    // First: the collector the tests build embeds the dashboard.
+    web()?;
     let mut clippy = cargo();
     clippy.args([
         "clippy",
         "--workspace",
+        "--exclude",
+        WEB_CRATE,
         "--all-targets",
         "--locked",
         "--",
@@ -190,9 +198,24 @@ fn test(extra: &[String]) -> Result<()> {
         "warnings",
     ]);
     run("clippy", clippy)?;
+    let mut clippy_web = cargo();
+    clippy_web.args([
+        "clippy",
+        "-p",
+        WEB_CRATE,
+        "--target",
+        WASM_TARGET,
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run("clippy (dashboard, wasm32)", clippy_web)?;
     let mut tally = Tally::default();
     let mut tests = cargo();
-    tests.args(["test", "--workspace", "--locked"]).args(extra);
+    tests
+        .args(["test", "--workspace", "--exclude", WEB_CRATE, "--locked"])
+        .args(extra);
     let mut outcome = run_with("rust tests", tests, Some(&mut tally));
     if outcome.is_ok() {
         outcome = python_suites(&mut tally);
@@ -205,6 +228,146 @@ fn test(extra: &[String]) -> Result<()> {
     outcome?;
     if tally.passed == 0 {
         bail!("no test ran");
+    }
+    Ok(())
+}
+
+const WEB_CRATE: &str = "rankwatch-web";
+const WASM_TARGET: &str = "wasm32-unknown-unknown";
+
+/// The exact wasm-bindgen version in Cargo.lock: the CLI must match the library.
+fn locked_wasm_bindgen() -> Result<String> {
+    let lock = std::fs::read_to_string(root().join("Cargo.lock")).context("reading Cargo.lock")?;
+    let mut lines = lock.lines();
+    while let Some(line) = lines.next() {
+        if line == "name = \"wasm-bindgen\""
+            && let Some(version) = lines.next().and_then(|l| l.strip_prefix("version = "))
+        {
+            return Ok(version.trim_matches('"').to_owned());
+        }
+    }
+    bail!("Cargo.lock has no wasm-bindgen package")
+}
+
+/// Builds the dashboard into `web/dist`: the wasm module (cargo, profile `web`), its JS glue
+/// (`wasm-bindgen`), uPlot from npm, and the static files. What it needs is installed first:
+/// the wasm32 target, the wasm-bindgen-cli of the locked version, the npm packages.
+fn web() -> Result<()> {
+    let installed = Command::new("rustup")
+        .current_dir(root())
+        .args(["target", "list", "--installed"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains(WASM_TARGET))
+        .unwrap_or(false);
+    if !installed {
+        let mut cmd = Command::new("rustup");
+        cmd.current_dir(root()).args(["target", "add", WASM_TARGET]);
+        run("install the wasm32 target", cmd)?;
+    }
+    let version = locked_wasm_bindgen()?;
+    let have = Command::new("wasm-bindgen")
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    if have != format!("wasm-bindgen {version}") {
+        let mut cmd = cargo();
+        cmd.args([
+            "install",
+            "--locked",
+            "wasm-bindgen-cli",
+            "--version",
+            &version,
+        ]);
+        run(&format!("install wasm-bindgen-cli {version}"), cmd)?;
+    }
+    let web = root().join("web");
+    if !web.join("node_modules/uplot/dist/uPlot.iife.min.js").exists() {
+        let mut npm = Command::new("npm");
+        npm.current_dir(&web)
+            .args(["ci", "--no-audit", "--no-fund"]);
+        run("npm ci (web)", npm)?;
+    }
+    let mut build = cargo();
+    build.args([
+        "build",
+        "--locked",
+        "-p",
+        WEB_CRATE,
+        "--target",
+        WASM_TARGET,
+        "--profile",
+        "web",
+    ]);
+    run("build the dashboard (wasm32)", build)?;
+    // Built into a fresh folder and swapped in, so a failed build never leaves half a
+    // dashboard for the collector to embed.
+    let staging = root().join("target/web-dist");
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging)?;
+    let mut bindgen = Command::new("wasm-bindgen");
+    bindgen
+        .current_dir(root())
+        .args(["--target", "web", "--no-typescript", "--out-dir"])
+        .arg(&staging)
+        .arg(root().join(format!("target/{WASM_TARGET}/web/rankwatch_web.wasm")));
+    run("wasm-bindgen", bindgen)?;
+    for (from, to) in [
+        ("static/index.html", "index.html"),
+        ("static/style.css", "style.css"),
+        ("node_modules/uplot/dist/uPlot.iife.min.js", "uPlot.iife.min.js"),
+        ("node_modules/uplot/dist/uPlot.min.css", "uPlot.min.css"),
+    ] {
+        std::fs::copy(web.join(from), staging.join(to))
+            .with_context(|| format!("copying web/{from}"))?;
+    }
+    let dist = web.join("dist");
+    if same_tree(&staging, &dist) {
+        // Unchanged: leave the files (and their times) alone, so the collector is not rebuilt.
+        return Ok(());
+    }
+    let _ = std::fs::remove_dir_all(&dist);
+    copy_tree(&staging, &dist)?;
+    println!("==> dashboard built into {}", dist.display());
+    Ok(())
+}
+
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(rel) = p.strip_prefix(dir) {
+                out.push(rel.to_path_buf());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn same_tree(a: &Path, b: &Path) -> bool {
+    let files = files_under(a);
+    files == files_under(b)
+        && files
+            .iter()
+            .all(|f| std::fs::read(a.join(f)).ok() == std::fs::read(b.join(f)).ok())
+}
+
+fn copy_tree(from: &Path, to: &Path) -> Result<()> {
+    for rel in files_under(from) {
+        let target = to.join(&rel);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::copy(from.join(&rel), &target)
+            .with_context(|| format!("copying {}", rel.display()))?;
     }
     Ok(())
 }

@@ -287,10 +287,6 @@ pub(super) async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], super::OPENAPI).into_response()
 }
 
-pub(super) async fn not_found() -> Error {
-    Error::NotFound
-}
-
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RulesQuery {

@@ -7,6 +7,7 @@
 //! [`crate::error`]).
 
 mod auth;
+pub(crate) mod ui;
 mod extract;
 mod handlers;
 
@@ -131,6 +132,6 @@ pub fn app(state: AppState) -> Router {
         .merge(ingest)
         .merge(read)
         .merge(open)
-        .fallback(handlers::not_found)
+        .fallback(ui::fallback)
         .with_state(state)
 }

@@ -1,0 +1,289 @@
+//! Charts: the Rust side of `js/charts.js`.
+//!
+//! A chart is described by a [`ChartSpec`] (aligned x and y arrays, alert spans, threshold
+//! lines, the selected step) and handed to uPlot as one JSON string; later specs update the
+//! same plot in place. Zoom (a drag on the plot) and pick (a click) come back as callbacks,
+//! and the page turns them into new queries: the server does the downsampling, so a zoom
+//! fetches finer buckets rather than stretching the coarse ones.
+
+use leptos::prelude::*;
+use serde::Serialize;
+use wasm_bindgen::JsValue;
+use wasm_bindgen::closure::Closure;
+use wasm_bindgen::prelude::wasm_bindgen;
+
+use crate::api::{Alert, SeriesAnswer};
+
+#[wasm_bindgen(module = "/js/charts.js")]
+extern "C" {
+    #[wasm_bindgen(js_name = chartCreate)]
+    fn chart_create(
+        el: &web_sys::HtmlElement,
+        spec: &str,
+        on_zoom: &Closure<dyn FnMut(f64, f64)>,
+        on_pick: &Closure<dyn FnMut(f64)>,
+    ) -> JsValue;
+    #[wasm_bindgen(js_name = chartUpdate)]
+    fn chart_update(handle: &JsValue, spec: &str);
+    #[wasm_bindgen(js_name = chartDestroy)]
+    fn chart_destroy(handle: &JsValue);
+    #[wasm_bindgen(js_name = heatmapDraw)]
+    fn heatmap_draw(
+        canvas: &web_sys::HtmlCanvasElement,
+        spec: &str,
+        on_pick: &Closure<dyn FnMut(f64, f64)>,
+    );
+}
+
+/// Line colours for ranks (and other series), distinguishable and colour-blind aware.
+pub(crate) const PALETTE: [&str; 10] = [
+    "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+    "#9c755f", "#bab0ac",
+];
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct LineStyle {
+    pub(crate) label: String,
+    pub(crate) color: String,
+    pub(crate) width: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) dash: Option<Vec<f64>>,
+}
+
+/// A shaded step range on a chart (an alert's span).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Mark {
+    pub(crate) from: f64,
+    pub(crate) to: f64,
+    pub(crate) color: String,
+    pub(crate) label: String,
+}
+
+/// A horizontal threshold line.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Level {
+    pub(crate) y: f64,
+    pub(crate) color: String,
+    pub(crate) label: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub(crate) struct ChartSpec {
+    pub(crate) title: String,
+    pub(crate) height: u32,
+    pub(crate) log: bool,
+    pub(crate) series: Vec<LineStyle>,
+    pub(crate) x: Vec<f64>,
+    pub(crate) ys: Vec<Vec<Option<f64>>>,
+    pub(crate) marks: Vec<Mark>,
+    pub(crate) lines: Vec<Level>,
+    pub(crate) nonfinite: Vec<f64>,
+    pub(crate) selected: Option<i64>,
+}
+
+impl ChartSpec {
+    pub(crate) fn new(title: impl Into<String>) -> ChartSpec {
+        ChartSpec {
+            title: title.into(),
+            height: 220,
+            ..ChartSpec::default()
+        }
+    }
+
+    /// Adds every series of `answer` on the common bucket grid, labelled by `label`, with
+    /// each value passed through `map` (e.g. `exp` for perplexity).
+    pub(crate) fn add_series(
+        &mut self,
+        answer: &SeriesAnswer,
+        mut style: impl FnMut(usize, &crate::api::Series) -> LineStyle,
+        map: impl Fn(f64) -> f64,
+    ) {
+        let Some(grid) = answer.buckets else {
+            return;
+        };
+        self.align(grid.from, grid.width, grid.count);
+        for (i, s) in answer.series.iter().enumerate() {
+            let mut ys = vec![None; self.x.len()];
+            for b in &s.buckets {
+                if let Some(j) = self.index_of(b.start) {
+                    ys[j] = b.last.finite().map(&map).filter(|v| v.is_finite());
+                    if b.nonfinite > 0 {
+                        self.nonfinite.push(b.start as f64);
+                    }
+                }
+            }
+            self.series.push(style(i, s));
+            self.ys.push(ys);
+        }
+    }
+
+    /// The x grid: one point per bucket start. A second answer on another grid (a metric
+    /// that starts later) is placed on the first one's buckets.
+    fn align(&mut self, from: i64, width: i64, count: i64) {
+        if self.x.is_empty() {
+            self.x = (0..count.max(0))
+                .map(|i| (from + i * width.max(1)) as f64)
+                .collect();
+        }
+    }
+
+    fn index_of(&self, step: i64) -> Option<usize> {
+        let first = *self.x.first()? as i64;
+        let width = if self.x.len() > 1 {
+            (self.x[1] - self.x[0]) as i64
+        } else {
+            1
+        };
+        let j = (step - first).div_euclid(width.max(1));
+        (0..self.x.len() as i64).contains(&j).then_some(j as usize)
+    }
+
+    /// Shades each alert's step span.
+    pub(crate) fn add_alerts<'a>(&mut self, alerts: impl IntoIterator<Item = &'a Alert>) {
+        for a in alerts {
+            let color = match a.severity.as_str() {
+                "critical" => "#d0021b",
+                "warning" => "#f5a623",
+                _ => "#4a90e2",
+            };
+            self.marks.push(Mark {
+                from: a.first_step as f64,
+                to: a.last_step as f64,
+                color: color.into(),
+                label: crate::format::rule_label(&a.rule).into(),
+            });
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.series.is_empty() || self.x.is_empty()
+    }
+}
+
+pub(crate) fn rank_style(i: usize, label: String) -> LineStyle {
+    LineStyle {
+        label,
+        color: PALETTE[i % PALETTE.len()].into(),
+        width: 1.0,
+        dash: None,
+    }
+}
+
+pub(crate) fn mean_style(label: &str) -> LineStyle {
+    LineStyle {
+        label: label.into(),
+        color: "#222".into(),
+        width: 2.25,
+        dash: None,
+    }
+}
+
+/// One uPlot chart. `spec` updates it in place; a drag calls `on_zoom(from, to)` and a click
+/// `on_pick(step)`.
+#[component]
+pub(crate) fn Chart(
+    #[prop(into)] spec: Signal<Option<ChartSpec>>,
+    on_zoom: Callback<(i64, i64)>,
+    on_pick: Callback<i64>,
+    #[prop(into)] name: String,
+) -> impl IntoView {
+    let node = NodeRef::<leptos::html::Div>::new();
+    let handle = StoredValue::new_local(None::<JsValue>);
+    // The callbacks must live as long as the plot that calls them.
+    type Closures = (Closure<dyn FnMut(f64, f64)>, Closure<dyn FnMut(f64)>);
+    let closures = StoredValue::new_local(None::<Closures>);
+    Effect::new(move |_| {
+        let Some(el) = node.get() else { return };
+        let Some(spec) = spec.get() else { return };
+        let json = serde_json::to_string(&spec).unwrap_or_default();
+        if let Some(h) = handle.get_value() {
+            chart_update(&h, &json);
+            return;
+        }
+        let zoom = Closure::<dyn FnMut(f64, f64)>::new(move |a: f64, b: f64| {
+            on_zoom.run((a as i64, b as i64));
+        });
+        let pick = Closure::<dyn FnMut(f64)>::new(move |s: f64| on_pick.run(s as i64));
+        let h = chart_create(&el, &json, &zoom, &pick);
+        closures.set_value(Some((zoom, pick)));
+        handle.set_value(Some(h));
+    });
+    on_cleanup(move || {
+        if let Some(Some(h)) = handle.try_get_value() {
+            chart_destroy(&h);
+        }
+    });
+    view! {
+        <div class="chart-box">
+            <div class="chart" node_ref=node data-chart=name></div>
+            {move || {
+                spec.with(|s| match s {
+                    Some(s) if s.is_empty() => {
+                        Some(view! { <p class="empty">"no data in this range"</p> })
+                    }
+                    _ => None,
+                })
+            }}
+        </div>
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Scale {
+    pub(crate) kind: &'static str,
+    pub(crate) min: f64,
+    pub(crate) max: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Band {
+    pub(crate) low: f64,
+    pub(crate) high: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct HeatSpec {
+    pub(crate) rows: Vec<String>,
+    pub(crate) cols: Vec<i64>,
+    pub(crate) last_step: i64,
+    pub(crate) values: Vec<Vec<Option<f64>>>,
+    /// Cells without a measurement of their own, showing the previous probe's value.
+    pub(crate) filled: Vec<Vec<bool>>,
+    pub(crate) nonfinite: Vec<Vec<u64>>,
+    pub(crate) scale: Scale,
+    pub(crate) band: Option<Band>,
+    pub(crate) selected_row: Option<usize>,
+    pub(crate) selected_col: Option<usize>,
+}
+
+/// A layer × step heatmap on a canvas; a click calls `on_pick(row, column)`.
+#[component]
+pub(crate) fn HeatmapCanvas(
+    #[prop(into)] spec: Signal<Option<HeatSpec>>,
+    on_pick: Callback<(usize, usize)>,
+) -> impl IntoView {
+    let node = NodeRef::<leptos::html::Canvas>::new();
+    let pick = StoredValue::new_local(None::<Closure<dyn FnMut(f64, f64)>>);
+    Effect::new(move |_| {
+        let Some(canvas) = node.get() else { return };
+        let Some(spec) = spec.get() else { return };
+        let json = serde_json::to_string(&spec).unwrap_or_default();
+        if pick.with_value(Option::is_none) {
+            pick.set_value(Some(Closure::new(move |r: f64, c: f64| {
+                on_pick.run((r as usize, c as usize));
+            })));
+        }
+        pick.with_value(|p| {
+            if let Some(p) = p {
+                heatmap_draw(&canvas, &json, p);
+            }
+        });
+    });
+    view! {
+        <div class="heat-box">
+            <canvas node_ref=node data-heatmap="1"></canvas>
+            <div class="heat-tip"></div>
+        </div>
+    }
+}

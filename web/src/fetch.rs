@@ -1,0 +1,46 @@
+//! Data that follows signals: a query re-runs when what it reads changes, and the page keeps
+//! showing the previous answer until the new one arrives (no flicker on live refresh). Answers
+//! that arrive out of order are dropped: only the latest query's answer is shown.
+
+use std::future::Future;
+
+use leptos::prelude::*;
+use leptos::task::spawn_local;
+
+use crate::api::{ApiError, ApiResult};
+
+/// The state of a query: nothing yet, or the latest answer.
+pub(crate) type Fetched<T> = ReadSignal<Option<ApiResult<T>>>;
+
+/// Runs `query` now and whenever the signals it reads (synchronously, before its future)
+/// change. `query` returns `None` while its inputs are not ready.
+pub(crate) fn fetched<T, F, Fut>(query: F) -> Fetched<T>
+where
+    T: Send + Sync + 'static,
+    F: Fn() -> Option<Fut> + 'static,
+    Fut: Future<Output = ApiResult<T>> + 'static,
+{
+    let (value, set_value) = signal(None::<ApiResult<T>>);
+    let latest = StoredValue::new(0u64);
+    Effect::new(move |_| {
+        let Some(future) = query() else { return };
+        let ticket = latest.get_value().wrapping_add(1);
+        latest.set_value(ticket);
+        spawn_local(async move {
+            let answer = future.await;
+            if latest.try_get_value() == Some(ticket) {
+                // A failed refresh keeps what is shown when the collector is only unreachable:
+                // the page stays usable while it restarts (the header says so).
+                let keep = matches!(answer, Err(ApiError::Unreachable))
+                    && value
+                        .try_with_untracked(|v| matches!(v, Some(Ok(_))))
+                        .unwrap_or(false);
+                if !keep {
+                    // The page may have gone meanwhile; then there is nothing to update.
+                    let _ = set_value.try_set(Some(answer));
+                }
+            }
+        });
+    });
+    value
+}

@@ -1,0 +1,251 @@
+"""The dashboard in a real headless Chromium, against a real collector fed by a real 4-rank
+DDP training run (gloo, CPU) with one rank's gradient silently scaled from step 80.
+
+Each page is checked for what it must show — the series per rank, one heatmap row per layer,
+the cosine matrix with the outlier rank — and for how it behaves: the firing alert appears
+while the run is live, its link leads to the worker view at its step, a drag zooms every chart,
+the step cursor is shared, hostile text stays text, and the page survives a collector restart.
+Screenshots of every page go to target/ui-screenshots/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import REPO, SHOTS, Collector, screenshot
+
+EXAMPLE = REPO / "sdk-python" / "examples" / "train_ddp.py"
+RUN = "ui-ddp"
+STEPS = 240
+RANKS = 4
+LAYERS = 3
+FAULT_STEP = 80
+SMALL = ["--layers", str(LAYERS), "--width", "32", "--seq", "32", "--batch", "4", "--vocab", "64", "--corpus", "1024"]
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_module: Path):
+    """The collector and the training job, started together; the job runs paced (~0.1 s a
+    step) so the first test watches it live."""
+    collector = Collector(tmp_module / "data")
+    cmd = [sys.executable, str(EXAMPLE), "--nproc", str(RANKS), "--steps", str(STEPS), "--run", RUN, "--collector", collector.url,
+           "--spool-dir", str(tmp_module / "spool"), "--step-sleep", "0.1", "--fault", f"grad_scale@{FAULT_STEP}:rank=1", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    yield collector, job
+    if job.poll() is None:
+        job.kill()
+    job.wait()
+    collector.stop()
+
+
+@pytest.fixture(scope="module")
+def finished_run(live_run):
+    collector, job = live_run
+    _, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-3000:]
+    # The aligner closes the last steps on its timeout; wait until the run's statistics exist.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = collector.sql(f"SELECT max(step) AS s FROM samples WHERE run = '{RUN}' AND metric = 'loss_cv'")
+        if rows and rows[0]["s"] is not None and rows[0]["s"] >= STEPS - 1:
+            break
+        time.sleep(0.5)
+    return collector
+
+
+def api(collector: Collector, path: str, **params) -> dict:
+    r = requests.get(f"{collector.url}{path}", params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_firing_alert_appears_live_and_its_link_opens_the_worker_view(live_run, page) -> None:
+    collector, job = live_run
+    page.goto(f"{collector.url}/alerts")
+    page.wait_for_selector("[data-link=live]", timeout=20_000)
+    assert job.poll() is None, "the job finished before the page was watching"
+    card = page.locator("article[data-rule=silent_inconsistency]")
+    # No reload: the card must come through the live connection.
+    card.first.wait_for(timeout=120_000)
+    seen_ms = time.time() * 1000
+    alert = next(a for a in collector.alerts(RUN) if a["rule"] == "silent_inconsistency" and a["fired_at_ms"])
+    latency_s = (seen_ms - alert["fired_at_ms"]) / 1000
+    (REPO / "target").mkdir(exist_ok=True)
+    (SHOTS.parent / "ui-alert-latency.json").write_text(json.dumps({"alert_to_page_s": latency_s}))
+    print(f"alert on the page {latency_s:.2f} s after it fired")
+    assert alert["first_step"] >= FAULT_STEP
+    assert "rank 1" in card.first.inner_text()
+    screenshot(page, "alerts")
+    card.first.locator("a.goto").click()
+    page.wait_for_url(f"**/runs/{RUN}/workers?step={alert['first_step']}*")
+    table = page.locator("table.cosine")
+    table.wait_for(timeout=20_000)
+    rows = table.locator("tbody tr")
+    assert rows.count() == RANKS
+    # The outlier comes from the run's alerts, which arrive in their own request.
+    outliers = page.locator("table.cosine tr[data-outlier=true]")
+    outliers.first.wait_for(timeout=20_000)
+    assert outliers.count() == 1 and outliers.first.get_attribute("data-rank") == "1"
+    step = int(table.get_attribute("data-step"))
+    assert step <= alert["first_step"]
+
+
+def test_runs_page_lists_the_run_and_filters_by_name(finished_run, page) -> None:
+    collector = finished_run
+    page.goto(collector.url + "/")
+    row = page.locator(f"tr[data-run={RUN}]")
+    row.wait_for(timeout=20_000)
+    cells = row.locator("td").all_inner_texts()
+    assert cells[0] == RUN
+    assert cells[1] in ("live", "finished")
+    assert cells[2] == str(RANKS)
+    assert cells[3] == str(LAYERS)
+    assert cells[4] == f"0–{STEPS - 1}"
+    firing = [a for a in collector.alerts(RUN) if a["state"] == "firing"]
+    assert int(cells[6]) == len(firing) >= 1
+    screenshot(page, "runs")
+    page.fill("input.filter", "no-such-run")
+    page.wait_for_selector("text=No run matches the filter.")
+    assert page.locator(f"tr[data-run={RUN}]").count() == 0
+    page.fill("input.filter", RUN[:4].upper())
+    row.wait_for()
+    row.locator("a").click()
+    page.wait_for_url(f"**/runs/{RUN}")
+    page.wait_for_selector("[data-chart=Loss][data-drawn]")
+
+
+def chart(page, name: str):
+    loc = page.locator(f"[data-chart='{name}']")
+    loc.wait_for(timeout=20_000)
+    page.wait_for_function("el => el.dataset.drawn", arg=loc.element_handle(), timeout=20_000)
+    return loc
+
+
+def test_overview_draws_every_rank_zooms_and_shares_the_cursor(finished_run, page) -> None:
+    collector = finished_run
+    page.goto(f"{collector.url}/runs/{RUN}")
+    loss = chart(page, "Loss")
+    ppl = chart(page, "Perplexity")
+    grad = chart(page, "Gradient norm (local, before averaging)")
+    lr = chart(page, "Learning rate")
+    # One line per rank, plus the mean the aligner computed.
+    assert loss.get_attribute("data-series") == str(RANKS + 1)
+    assert ppl.get_attribute("data-series") == str(RANKS + 1)
+    assert grad.get_attribute("data-series") == str(RANKS)
+    assert int(lr.get_attribute("data-series")) >= 1
+    assert int(loss.get_attribute("data-points")) == STEPS
+    assert (loss.get_attribute("data-from"), loss.get_attribute("data-to")) == ("0", str(STEPS - 1))
+    # The values drawn are the collector's: rank 0's loss at the last step.
+    series = api(collector, f"/api/v1/runs/{RUN}/series", metric="loss", rank=0)
+    last = series["series"][0]["buckets"][-1]["last"]
+    legend_loss = page.evaluate("el => el.querySelector('.u-legend') !== null", loss.element_handle())
+    assert legend_loss and last > 0
+    screenshot(page, "overview")
+
+    # The shared step cursor: hovering one chart shows values in the others' legends.
+    box = loss.locator(".u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
+    values = grad.locator(".u-legend .u-value").all_inner_texts()
+    assert any(v not in ("–", "") for v in values[1:]), values
+
+    # A click picks a step for every page of the run.
+    page.mouse.click(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
+    selected = page.locator(".zoombar .selected")
+    selected.wait_for()
+    picked = int(selected.get_attribute("data-selected"))
+    assert 0 < picked < STEPS - 1
+
+    # A drag zooms: every chart is fetched again for the dragged range.
+    drawn_before = grad.get_attribute("data-drawn")
+    page.mouse.move(box["x"] + box["width"] * 0.25, box["y"] + 20)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + 20, steps=8)
+    page.mouse.up()
+    page.wait_for_function("([el, t]) => el.dataset.drawn !== t", arg=[grad.element_handle(), drawn_before], timeout=20_000)
+    lo, hi = int(grad.get_attribute("data-from")), int(grad.get_attribute("data-to"))
+    assert 0 < lo < hi < STEPS - 1 and hi - lo < STEPS / 2, (lo, hi)
+    assert page.locator(".zoombar").inner_text().startswith(f"steps {lo}")
+    page.click("button.reset")
+    page.wait_for_function("el => el.dataset.from === '0'", arg=grad.element_handle(), timeout=20_000)
+
+
+def test_layers_heatmap_has_one_row_per_layer_and_a_click_opens_the_layer(finished_run, page) -> None:
+    collector = finished_run
+    page.goto(f"{collector.url}/runs/{RUN}/layers")
+    canvas = page.locator("canvas[data-heatmap]")
+    page.wait_for_function("el => el.dataset.drawn", arg=canvas.element_handle(), timeout=20_000)
+    heat = api(collector, f"/api/v1/runs/{RUN}/heatmap", metric="spectral.ratio")
+    assert heat["layers"] == list(range(LAYERS))
+    assert canvas.get_attribute("data-rows") == str(LAYERS)
+    assert int(canvas.get_attribute("data-cols")) == len(heat["steps"])
+    screenshot(page, "layers")
+    # Click the middle of the last row: that layer's series open below.
+    box = canvas.bounding_box()
+    row_h = (box["height"] - 22) / LAYERS
+    page.mouse.click(box["x"] + box["width"] * 0.6, box["y"] + row_h * (LAYERS - 0.5))
+    page.wait_for_selector(f"h2[data-layer='{LAYERS - 1}']", timeout=10_000)
+    ratio = chart(page, f"Layer {LAYERS - 1}: MLP / attention spectral-norm ratio")
+    assert int(ratio.get_attribute("data-series")) >= 1
+    sigma = chart(page, f"Layer {LAYERS - 1}: σ per matrix")
+    assert int(sigma.get_attribute("data-series")) >= 4  # q, k, v, o, and the MLP's
+    # Another metric with sites: activation maxima, one heatmap per site.
+    page.select_option("select.metric", "act_max")
+    page.wait_for_selector("select.site")
+    page.wait_for_function("el => el.dataset.rows === String(%d)" % LAYERS, arg=canvas.element_handle(), timeout=20_000)
+    screenshot(page, "layers-detail")
+
+
+def test_workers_page_shows_each_rank_and_the_dispersion(finished_run, page) -> None:
+    collector = finished_run
+    page.goto(f"{collector.url}/runs/{RUN}/workers")
+    table = page.locator("table.cosine")
+    table.wait_for(timeout=20_000)
+    assert table.locator("tbody tr").count() == RANKS
+    loss = chart(page, "Loss per rank")
+    assert loss.get_attribute("data-series") == str(RANKS)
+    disp = chart(page, "Dispersion across ranks (coefficient of variation)")
+    assert disp.get_attribute("data-series") == "2"
+    cos = chart(page, "Inter-worker gradient cosine")
+    assert int(cos.get_attribute("data-series")) >= 1
+    screenshot(page, "workers")
+
+
+def test_bad_input_is_shown_as_text_never_a_blank_page(finished_run, page) -> None:
+    collector = finished_run
+    hostile = "<img src=x onerror=window.__pwned=1>"
+    page.goto(f"{collector.url}/runs/{requests.utils.quote(hostile, safe='')}")
+    page.wait_for_selector(".error", timeout=20_000)
+    assert page.locator("h1").first.inner_text() == hostile
+    assert "invalid run id" in page.locator(".error").first.inner_text()
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("main img").count() == 0
+    page.goto(f"{collector.url}/runs/never-seen")
+    page.wait_for_selector(".error")
+    assert "not found" in page.locator(".error").first.inner_text()
+    page.goto(f"{collector.url}/no/such/page")
+    page.wait_for_selector("text=No such page.")
+    screenshot(page, "not-found")
+
+
+def test_the_page_says_when_the_collector_restarts_and_recovers(finished_run, page) -> None:
+    collector = finished_run
+    page.goto(f"{collector.url}/runs/{RUN}")
+    loss = chart(page, "Loss")
+    page.wait_for_selector("[data-link=live]", timeout=20_000)
+    collector.kill()
+    page.wait_for_selector("[data-link=reconnecting]", timeout=20_000)
+    # The charts stay on the page while the collector is away.
+    assert loss.get_attribute("data-series") == str(RANKS + 1)
+    screenshot(page, "reconnecting")
+    collector.start()
+    page.wait_for_selector("[data-link=live]", timeout=30_000)
+    assert loss.get_attribute("data-series") == str(RANKS + 1)
