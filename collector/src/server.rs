@@ -286,7 +286,9 @@ pub async fn serve(
     tracing::info!(%address, data_dir = %config.data_dir.display(), "rankwatch collector listening");
     println!("rankwatch listening on http://{address}");
     if !crate::api::ui::built() {
-        tracing::warn!("this binary carries no dashboard (run `cargo xtask web`, then rebuild); the API works as usual");
+        tracing::warn!(
+            "this binary carries no dashboard (run `cargo xtask web`, then rebuild); the API works as usual"
+        );
     }
     let state = collector.state().clone();
     let router = collector.app();

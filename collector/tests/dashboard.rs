@@ -35,7 +35,12 @@ async fn pages_files_and_api_404s_are_told_apart() {
         assert_eq!(wasm.headers["content-type"], "application/wasm");
         assert_eq!(&wasm.body[..4], b"\0asm");
         let js = get(&c, "/uPlot.iife.min.js").await;
-        assert!(js.headers["content-type"].to_str().unwrap().contains("javascript"));
+        assert!(
+            js.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .contains("javascript")
+        );
     }
     // Missing assets and unknown API routes are 404s with the API's JSON error.
     for missing in ["/nope.js", "/api/v1/nope", "/api/v2/runs"] {

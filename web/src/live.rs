@@ -126,10 +126,8 @@ pub(crate) fn start() -> Live {
 
 fn every(window: &web_sys::Window, ms: i32, f: impl FnMut() + 'static) {
     let tick = Closure::<dyn FnMut()>::new(f);
-    let _ = window.set_interval_with_callback_and_timeout_and_arguments_0(
-        tick.as_ref().unchecked_ref(),
-        ms,
-    );
+    let _ = window
+        .set_interval_with_callback_and_timeout_and_arguments_0(tick.as_ref().unchecked_ref(), ms);
     // The timer lives as long as the page.
     tick.forget();
 }

@@ -27,9 +27,10 @@ tasks:
            tests of the dashboard included
   web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
            wasm-bindgen-cli and npm packages are installed on demand
-  bench [all|analytics|collector] [ingest|queries|memory]
-           benchmarks, printed as tables: power iteration vs dense SVD (criterion), and the
-           collector's ingest, query and memory targets beside VictoriaMetrics and DuckDB
+  bench [all|analytics|collector|sdk|ui] [ingest|queries|memory]
+           benchmarks, printed as tables: power iteration vs dense SVD (criterion), the
+           collector's ingest, query and memory targets beside VictoriaMetrics and DuckDB,
+           and the dashboard's load and zoom times on a 100,000-step x 64-layer x 8-rank run
   help     this text
 ";
 
@@ -282,7 +283,10 @@ fn web() -> Result<()> {
         run(&format!("install wasm-bindgen-cli {version}"), cmd)?;
     }
     let web = root().join("web");
-    if !web.join("node_modules/uplot/dist/uPlot.iife.min.js").exists() {
+    if !web
+        .join("node_modules/uplot/dist/uPlot.iife.min.js")
+        .exists()
+    {
         let mut npm = Command::new("npm");
         npm.current_dir(&web)
             .args(["ci", "--no-audit", "--no-fund"]);
@@ -315,7 +319,10 @@ fn web() -> Result<()> {
     for (from, to) in [
         ("static/index.html", "index.html"),
         ("static/style.css", "style.css"),
-        ("node_modules/uplot/dist/uPlot.iife.min.js", "uPlot.iife.min.js"),
+        (
+            "node_modules/uplot/dist/uPlot.iife.min.js",
+            "uPlot.iife.min.js",
+        ),
         ("node_modules/uplot/dist/uPlot.min.css", "uPlot.min.css"),
     ] {
         std::fs::copy(web.join(from), staging.join(to))
@@ -373,9 +380,10 @@ fn copy_tree(from: &Path, to: &Path) -> Result<()> {
 }
 
 /// Requirement files of the Python suites, installed together into one `.venv`.
-const REQUIREMENTS: [&str; 2] = [
+const REQUIREMENTS: [&str; 3] = [
     "collector/tests/python/requirements.txt",
     "sdk-python/tests/requirements.txt",
+    "web/tests/requirements.txt",
 ];
 
 /// The Python virtual environment with the test requirements, created or updated when the
@@ -512,7 +520,20 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", "tests"])
         .env("RANKWATCH_BIN", &binary)
         .env("HF_HUB_OFFLINE", "1");
-    run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)
+    run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)?;
+    // The dashboard in a real browser: Debian's Chromium, driven by Playwright.
+    ensure_debian("chromium", "/usr/bin/chromium")?;
+    let mut ui = Command::new(&python);
+    ui.current_dir(root().join("web/tests"))
+        .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", "."])
+        .env("RANKWATCH_BIN", &binary)
+        .env("HF_HUB_OFFLINE", "1");
+    run_counting(
+        "browser tests (dashboard)",
+        ui,
+        Some(tally),
+        Tally::add_pytest_line,
+    )
 }
 
 fn demo(extra: &[String]) -> Result<()> {
@@ -580,7 +601,28 @@ fn bench(extra: &[String]) -> Result<()> {
             .args(extra.iter().skip(1));
         run("bench sdk", cmd)?;
     }
-    if !matches!(which, "all" | "analytics" | "collector" | "sdk") {
+    if matches!(which, "all" | "ui") {
+        ensure_debian("chromium", "/usr/bin/chromium")?;
+        let python = ensure_venv()?;
+        web()?;
+        let mut build = cargo();
+        build.args([
+            "build",
+            "--release",
+            "--locked",
+            "-p",
+            "rankwatch-collector",
+            "--bin",
+            "rankwatch",
+        ]);
+        run("build rankwatch (release)", build)?;
+        let mut cmd = Command::new(python);
+        cmd.current_dir(root())
+            .arg("bench/ui_bench.py")
+            .env("RANKWATCH_BIN", root().join("target/release/rankwatch"));
+        run("bench ui", cmd)?;
+    }
+    if !matches!(which, "all" | "analytics" | "collector" | "sdk" | "ui") {
         bail!("unknown benchmark {which:?}: all, analytics, collector or sdk");
     }
     Ok(())

@@ -7,9 +7,9 @@
 //! [`crate::error`]).
 
 mod auth;
-pub(crate) mod ui;
 mod extract;
 mod handlers;
+pub(crate) mod ui;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -61,7 +61,10 @@ pub(super) async fn fallback(method: Method, uri: Uri) -> Response {
     // A missing asset is a real 404; anything else is a page (run ids may hold dots:
     // `/runs/exp.1` is a page, so only the dashboard's own file types count as assets).
     let extension = relative.rsplit_once('.').map(|(_, ext)| ext).unwrap_or("");
-    if matches!(extension, "js" | "wasm" | "css" | "map" | "png" | "svg" | "ico") {
+    if matches!(
+        extension,
+        "js" | "wasm" | "css" | "map" | "png" | "svg" | "ico"
+    ) {
         return Error::NotFound.into_response();
     }
     file("index.html").unwrap_or_else(|| (StatusCode::OK, Html(NOT_BUILT)).into_response())

@@ -25,13 +25,22 @@ fn view_link(a: &Alert) -> (String, &'static str) {
             } else {
                 "act_max"
             };
-            let site = a.site.as_ref().map(|s| format!("&site={}", api::enc(s))).unwrap_or_default();
+            let site = a
+                .site
+                .as_ref()
+                .map(|s| format!("&site={}", api::enc(s)))
+                .unwrap_or_default();
             (
-                format!("/runs/{run}/layers?metric={metric}{site}&layer={layer}&step={step}&{window}"),
+                format!(
+                    "/runs/{run}/layers?metric={metric}{site}&layer={layer}&step={step}&{window}"
+                ),
                 "layer view",
             )
         }
-        _ => (format!("/runs/{run}/workers?step={step}&{window}"), "worker view"),
+        _ => (
+            format!("/runs/{run}/workers?step={step}&{window}"),
+            "worker view",
+        ),
     }
 }
 
@@ -48,10 +57,18 @@ fn where_(a: &Alert) -> String {
     if !a.outlier_ranks.is_empty() {
         parts.push(format!(
             "outlier rank {}",
-            a.outlier_ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+            a.outlier_ranks
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
     }
-    if parts.is_empty() { "whole run".into() } else { parts.join(" · ") }
+    if parts.is_empty() {
+        "whole run".into()
+    } else {
+        parts.join(" · ")
+    }
 }
 
 #[component]
@@ -63,8 +80,15 @@ fn AlertCard(alert: Alert, show_run: bool) -> impl IntoView {
         format!("steps {}–{}", alert.first_step, alert.last_step)
     };
     let when = match alert.state.as_str() {
-        "resolved" => format!("fired {}, resolved {}", format::time(alert.fired_at_ms), format::time(alert.resolved_at_ms)),
-        _ => format!("since {}", format::time(alert.fired_at_ms.or(Some(alert.started_at_ms)))),
+        "resolved" => format!(
+            "fired {}, resolved {}",
+            format::time(alert.fired_at_ms),
+            format::time(alert.resolved_at_ms)
+        ),
+        _ => format!(
+            "since {}",
+            format::time(alert.fired_at_ms.or(Some(alert.started_at_ms)))
+        ),
     };
     view! {
         <article class=format!("alert {} {}", alert.severity, alert.state) data-alert=alert.id.clone() data-rule=alert.rule.clone() data-state=alert.state.clone()>

@@ -22,7 +22,11 @@ fn band(metric: &str, rules: Option<&RulesAnswer>) -> (Option<Band>, String) {
         ) {
             (Some(low), Some(high)) => (
                 Some(Band { low, high }),
-                format!("healthy band {}–{} (rank_collapse band_low/band_high); cells outside it are outlined", format::num(Some(low)), format::num(Some(high))),
+                format!(
+                    "healthy band {}–{} (rank_collapse band_low/band_high); cells outside it are outlined",
+                    format::num(Some(low)),
+                    format::num(Some(high))
+                ),
             ),
             _ => (
                 None,
@@ -58,19 +62,39 @@ fn band(metric: &str, rules: Option<&RulesAnswer>) -> (Option<Band>, String) {
     }
 }
 
-fn heat_spec(h: &Heatmap, metric: &str, band: Option<Band>, layer: Option<i64>, step: Option<i64>) -> HeatSpec {
+fn heat_spec(
+    h: &Heatmap,
+    metric: &str,
+    band: Option<Band>,
+    layer: Option<i64>,
+    step: Option<i64>,
+) -> HeatSpec {
     let finite = h.last.iter().flatten().filter_map(|v| v.finite());
-    let (mut min, mut max) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    let (mut min, mut max) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+        (a.min(v), b.max(v))
+    });
     if !min.is_finite() {
         (min, max) = (0.0, 1.0);
     }
     let log = metric.starts_with("spectral.") || metric == "act_max";
     let scale = if metric == "token_cosine" {
-        Scale { kind: "linear", min: 0.0, max: 1.0 }
+        Scale {
+            kind: "linear",
+            min: 0.0,
+            max: 1.0,
+        }
     } else if log && min > 0.0 {
-        Scale { kind: "log", min, max }
+        Scale {
+            kind: "log",
+            min,
+            max,
+        }
     } else {
-        Scale { kind: "linear", min, max }
+        Scale {
+            kind: "linear",
+            min,
+            max,
+        }
     };
     let selected_col = step.and_then(|s| h.steps.iter().rposition(|&start| start <= s));
     // Probes run every few steps, so at fine zoom most cells are empty: each empty cell after
@@ -125,13 +149,20 @@ fn offered(c: &Catalog) -> Vec<(String, Vec<String>)> {
     METRICS
         .iter()
         .filter_map(|m| c.get(m))
-        .chain(c.metrics.iter().filter(|m| m.scope.as_deref() == Some("layer") && !METRICS.contains(&m.metric.as_str())))
+        .chain(c.metrics.iter().filter(|m| {
+            m.scope.as_deref() == Some("layer") && !METRICS.contains(&m.metric.as_str())
+        }))
         .map(|m| (m.metric.clone(), m.sites.clone()))
         .collect()
 }
 
 /// The charts of one layer.
-fn layer_charts(view: RunView, c: &Catalog, layer: i64, rules: Option<&RulesAnswer>) -> Vec<AnyView> {
+fn layer_charts(
+    view: RunView,
+    c: &Catalog,
+    layer: i64,
+    rules: Option<&RulesAnswer>,
+) -> Vec<AnyView> {
     let part = |metric: &str, label: &str| {
         let m = c.get(metric).filter(|m| m.layers.contains(&layer))?;
         Some(Part {
@@ -145,15 +176,26 @@ fn layer_charts(view: RunView, c: &Catalog, layer: i64, rules: Option<&RulesAnsw
     if let Some(p) = part("spectral.sigma", "σ") {
         out.push(view! { <MetricChart view=view title=format!("Layer {layer}: σ per matrix") parts=vec![p] log=true rules=vec!["rank_collapse"] /> }.into_any());
     }
-    let ratios: Vec<Part> = [("spectral.ratio", "ratio"), ("spectral.ratio_ov", "ratio_ov")]
-        .iter()
-        .filter_map(|(m, l)| part(m, l))
-        .collect();
+    let ratios: Vec<Part> = [
+        ("spectral.ratio", "ratio"),
+        ("spectral.ratio_ov", "ratio_ov"),
+    ]
+    .iter()
+    .filter_map(|(m, l)| part(m, l))
+    .collect();
     if !ratios.is_empty() {
         let levels = match band("spectral.ratio", rules).0 {
             Some(b) => vec![
-                Level { y: b.low, color: "#2a9d8f".into(), label: "band low".into() },
-                Level { y: b.high, color: "#2a9d8f".into(), label: "band high".into() },
+                Level {
+                    y: b.low,
+                    color: "#2a9d8f".into(),
+                    label: "band low".into(),
+                },
+                Level {
+                    y: b.high,
+                    color: "#2a9d8f".into(),
+                    label: "band high".into(),
+                },
             ],
             None => Vec::new(),
         };
@@ -161,16 +203,31 @@ fn layer_charts(view: RunView, c: &Catalog, layer: i64, rules: Option<&RulesAnsw
     }
     if let Some(p) = part("token_cosine", "token cosine") {
         let n = |k: &str| rules.and_then(|r| r.number("rank_collapse", k));
-        let levels = [("warning", n("token_cosine_warning"), "#f5a623"), ("critical", n("token_cosine_critical"), "#d0021b")]
-            .into_iter()
-            .filter_map(|(l, y, c)| Some(Level { y: y?, color: c.into(), label: l.into() }))
-            .collect::<Vec<_>>();
+        let levels = [
+            ("warning", n("token_cosine_warning"), "#f5a623"),
+            ("critical", n("token_cosine_critical"), "#d0021b"),
+        ]
+        .into_iter()
+        .filter_map(|(l, y, c)| {
+            Some(Level {
+                y: y?,
+                color: c.into(),
+                label: l.into(),
+            })
+        })
+        .collect::<Vec<_>>();
         out.push(view! { <MetricChart view=view title=format!("Layer {layer}: token cosine") parts=vec![p] levels=levels rules=vec!["rank_collapse"] /> }.into_any());
     }
     if let Some(p) = part("act_max", "act_max") {
         let levels = rules
             .and_then(|r| r.number("activation_outlier", "absolute_limit"))
-            .map(|y| vec![Level { y, color: "#d0021b".into(), label: "absolute limit".into() }])
+            .map(|y| {
+                vec![Level {
+                    y,
+                    color: "#d0021b".into(),
+                    label: "absolute limit".into(),
+                }]
+            })
             .unwrap_or_default();
         out.push(view! { <MetricChart view=view title=format!("Layer {layer}: activation max by site") parts=vec![p] levels=levels log=true rules=vec!["activation_outlier"] /> }.into_any());
     }
@@ -182,9 +239,14 @@ pub(crate) fn LayersPage() -> impl IntoView {
     let view = RunView::new();
     let query = use_query_map();
     let catalog = catalog(view.run);
-    let metric = RwSignal::new(query.with_untracked(|q| q.get("metric")).unwrap_or_else(|| "spectral.ratio".into()));
+    let metric = RwSignal::new(
+        query
+            .with_untracked(|q| q.get("metric"))
+            .unwrap_or_else(|| "spectral.ratio".into()),
+    );
     let site = RwSignal::new(query.with_untracked(|q| q.get("site")));
-    let layer = RwSignal::new(query.with_untracked(|q| q.get("layer").and_then(|l| l.parse::<i64>().ok())));
+    let layer =
+        RwSignal::new(query.with_untracked(|q| q.get("layer").and_then(|l| l.parse::<i64>().ok())));
     let rules = fetched(move || {
         let run = view.run.get();
         Some(async move { api::rules(&run).await })
@@ -217,7 +279,10 @@ pub(crate) fn LayersPage() -> impl IntoView {
         let run = view.run.get();
         let m = metric.get();
         let s = site.get();
-        let known = options.with(|o| o.iter().any(|(name, sites)| *name == m && (sites.is_empty() == s.is_none())));
+        let known = options.with(|o| {
+            o.iter()
+                .any(|(name, sites)| *name == m && (sites.is_empty() == s.is_none()))
+        });
         if !known {
             return None;
         }
@@ -232,7 +297,13 @@ pub(crate) fn LayersPage() -> impl IntoView {
     let spec = Signal::derive(move || match heat.get() {
         Some(Ok(h)) => {
             let m = metric.get();
-            Some(heat_spec(&h, &m, band(&m, rules_now().as_ref()).0, layer.get(), view.selected.get()))
+            Some(heat_spec(
+                &h,
+                &m,
+                band(&m, rules_now().as_ref()).0,
+                layer.get(),
+                view.selected.get(),
+            ))
         }
         _ => None,
     });

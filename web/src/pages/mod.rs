@@ -266,15 +266,8 @@ pub(crate) fn MetricChart(
             let mut out = Vec::with_capacity(parts.len());
             for p in &parts {
                 out.push(
-                    api::series(
-                        &run,
-                        &p.metric,
-                        p.layer,
-                        p.site.as_deref(),
-                        p.rank,
-                        window,
-                    )
-                    .await?,
+                    api::series(&run, &p.metric, p.layer, p.site.as_deref(), p.rank, window)
+                        .await?,
                 );
             }
             ApiResult::Ok(out)
@@ -316,12 +309,9 @@ pub(crate) fn MetricChart(
         }
         spec.lines = levels.clone();
         if let Some(Ok(alerts)) = view.alerts.get() {
-            spec.add_alerts(
-                alerts
-                    .alerts
-                    .iter()
-                    .filter(|a| a.has_fired() && (rules.is_empty() || rules.contains(&a.rule.as_str()))),
-            );
+            spec.add_alerts(alerts.alerts.iter().filter(|a| {
+                a.has_fired() && (rules.is_empty() || rules.contains(&a.rule.as_str()))
+            }));
         }
         spec.selected = view.selected.get();
         Some(spec)

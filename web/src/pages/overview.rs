@@ -43,9 +43,16 @@ fn charts(catalog: &Catalog) -> Vec<(String, Vec<Part>)> {
     for m in user
         .iter()
         .filter(|m| m.metric.ends_with("/lr") || m.metric == "lr")
-        .chain(user.iter().filter(|m| !(m.metric.ends_with("/lr") || m.metric == "lr")))
+        .chain(
+            user.iter()
+                .filter(|m| !(m.metric.ends_with("/lr") || m.metric == "lr")),
+        )
     {
-        let name = m.metric.strip_prefix("user/").unwrap_or(&m.metric).to_owned();
+        let name = m
+            .metric
+            .strip_prefix("user/")
+            .unwrap_or(&m.metric)
+            .to_owned();
         let title = if name == "lr" {
             "Learning rate".to_owned()
         } else {

@@ -74,8 +74,7 @@ fn CosineMatrix(workers: Workers, alerts: Vec<Alert>) -> impl IntoView {
         }
         .into_any(),
         Cosine::Error(e) => {
-            view! { <p class="error">{format!("The sketches do not compare: {e}")}</p> }
-                .into_any()
+            view! { <p class="error">{format!("The sketches do not compare: {e}")}</p> }.into_any()
         }
         Cosine::Matrix {
             ranks,
@@ -116,7 +115,11 @@ fn CosineMatrix(workers: Workers, alerts: Vec<Alert>) -> impl IntoView {
             } else {
                 format!(
                     "Outlier: rank {}",
-                    flagged.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+                    flagged
+                        .iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )
             };
             view! {
@@ -177,7 +180,9 @@ fn RankValues(workers: Workers) -> impl IntoView {
 async fn sketched_step(run: &str, from: Option<i64>, to: Option<i64>, first: bool) -> Option<i64> {
     let points = if first { 10_000 } else { 1 };
     let window = Window { from, to, points };
-    let answer = api::series(run, "cos_pair_mean", None, None, None, window).await.ok()?;
+    let answer = api::series(run, "cos_pair_mean", None, None, None, window)
+        .await
+        .ok()?;
     let buckets = &answer.series.first()?.buckets;
     if first {
         buckets.first().map(|b| b.start)
@@ -191,16 +196,19 @@ pub(crate) fn WorkersPage() -> impl IntoView {
     let view = RunView::new();
     let catalog = catalog(view.run);
     let have = Memo::new(move |_| match catalog.get() {
-        Some(Ok(c)) => c.metrics.iter().map(|m| m.metric.clone()).collect::<Vec<_>>(),
+        Some(Ok(c)) => c
+            .metrics
+            .iter()
+            .map(|m| m.metric.clone())
+            .collect::<Vec<_>>(),
         _ => Vec::new(),
     });
     let workers = fetched(move || {
         let run = view.run.get();
         let step = view.selected.get();
-        // Without a chosen step the latest one follows the run live.
-        if step.is_none() {
-            view.revision.track();
-        }
+        // Live: without a chosen step the latest one follows the run, and a chosen step whose
+        // sketch has not arrived yet is shown once it does.
+        view.revision.track();
         let sketched = have.with(|h| h.iter().any(|m| m == "cos_pair_mean"));
         Some(async move {
             // Gradient sketches come every few steps, and the cosine matrix only exists at
@@ -208,10 +216,12 @@ pub(crate) fn WorkersPage() -> impl IntoView {
             // link points at its first step), else the latest one before it.
             let at = match (sketched, step) {
                 (false, _) => step,
-                (true, Some(s)) => match sketched_step(&run, Some(s), Some(s + 9_999), true).await {
-                    Some(found) => Some(found),
-                    None => sketched_step(&run, None, Some(s), false).await.or(step),
-                },
+                (true, Some(s)) => {
+                    match sketched_step(&run, Some(s), Some(s + 9_999), true).await {
+                        Some(found) => Some(found),
+                        None => sketched_step(&run, None, Some(s), false).await.or(step),
+                    }
+                }
                 (true, None) => sketched_step(&run, None, None, false).await,
             };
             api::workers(&run, at).await
@@ -246,7 +256,11 @@ pub(crate) fn WorkersPage() -> impl IntoView {
             .map(|m| Part::new(m, Role::Named(m.to_owned())))
             .collect();
         if !cosine.is_empty() {
-            let levels = vec![Level { y: 0.0, color: "#999".into(), label: "0".into() }];
+            let levels = vec![Level {
+                y: 0.0,
+                color: "#999".into(),
+                label: "0".into(),
+            }];
             out.push(view! {
                 <MetricChart view=view title="Inter-worker gradient cosine" parts=cosine levels=levels rules=vec!["silent_inconsistency"] />
             }.into_any());
