@@ -551,6 +551,21 @@ fn demo(extra: &[String]) -> Result<()> {
     run("demo", cmd)
 }
 
+/// `target/release/rankwatch`, for the benchmarks.
+fn build_release_collector() -> Result<()> {
+    let mut build = cargo();
+    build.args([
+        "build",
+        "--release",
+        "--locked",
+        "-p",
+        "rankwatch-collector",
+        "--bin",
+        "rankwatch",
+    ]);
+    run("build rankwatch (release)", build)
+}
+
 fn bench(extra: &[String]) -> Result<()> {
     let which = extra.first().map(String::as_str).unwrap_or("all");
     if matches!(which, "all" | "analytics") {
@@ -569,17 +584,7 @@ fn bench(extra: &[String]) -> Result<()> {
     if matches!(which, "all" | "collector") {
         ensure_debian("victoria-metrics", "/usr/bin/victoria-metrics")?;
         let python = ensure_venv()?;
-        let mut build = cargo();
-        build.args([
-            "build",
-            "--release",
-            "--locked",
-            "-p",
-            "rankwatch-collector",
-            "--bin",
-            "rankwatch",
-        ]);
-        run("build rankwatch (release)", build)?;
+        build_release_collector()?;
         let mut cmd = Command::new(python);
         cmd.current_dir(root())
             .arg("bench/collector_bench.py")
@@ -605,17 +610,7 @@ fn bench(extra: &[String]) -> Result<()> {
         ensure_debian("chromium", "/usr/bin/chromium")?;
         let python = ensure_venv()?;
         web()?;
-        let mut build = cargo();
-        build.args([
-            "build",
-            "--release",
-            "--locked",
-            "-p",
-            "rankwatch-collector",
-            "--bin",
-            "rankwatch",
-        ]);
-        run("build rankwatch (release)", build)?;
+        build_release_collector()?;
         let mut cmd = Command::new(python);
         cmd.current_dir(root())
             .arg("bench/ui_bench.py")
