@@ -16,12 +16,9 @@ printed, not asserted; the machine is shared and noisy.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
-import requests
 
-BIN = os.environ["RANKWATCH_BIN"]
-ARROW = "application/vnd.apache.arrow.stream"
+from collector_bench import ARROW, ipc_bytes, post_all, start_collector, stop
 RUN = "big"
 STEPS = int(os.environ.get("RANKWATCH_BENCH_UI_STEPS", "100000"))
 LAYERS = 64
@@ -54,13 +48,6 @@ def table(metric: str, steps: np.ndarray, ranks: np.ndarray | None, layers: np.n
         "site": pa.nulls(n, pa.string()),
         "value": pa.array(values, pa.float64()),
     })
-
-
-def body(t: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with ipc.new_stream(sink, t.schema, options=ipc.IpcWriteOptions(compression="zstd")) as w:
-        w.write_table(t)
-    return sink.getvalue().to_pybytes()
 
 
 def batches():
@@ -87,30 +74,24 @@ def batches():
 
 
 def ingest(url: str) -> tuple[int, float]:
-    session = requests.Session()
-
-    def send(b: bytes) -> None:
-        while True:
-            r = session.post(f"{url}/api/v1/ingest", data=b, headers={"content-type": ARROW}, timeout=300)
-            if r.status_code == 429:
-                time.sleep(float(r.headers.get("retry-after", "1")))
-                continue
-            if r.status_code not in (200, 204):
-                raise RuntimeError(f"ingest: {r.status_code} {r.text[:300]}")
-            return
-
+    """Sends the batches in groups of 12 (the run does not fit in memory at once as bodies)."""
     rows = 0
-    started = time.perf_counter()
-    with cf.ThreadPoolExecutor(3) as pool:
-        pending = []
-        for t in batches():
-            rows += t.num_rows
-            pending.append(pool.submit(send, body(t)))
-            if len(pending) > 12:
-                pending.pop(0).result()
-        for p in pending:
-            p.result()
-    return rows, time.perf_counter() - started
+    elapsed = 0.0
+    group: list[tuple[bytes, dict]] = []
+
+    def flush() -> float:
+        secs = post_all(f"{url}/api/v1/ingest", group, clients=3)
+        group.clear()
+        return secs
+
+    for t in batches():
+        rows += t.num_rows
+        group.append((ipc_bytes(t), {"content-type": ARROW}))
+        if len(group) == 12:
+            elapsed += flush()
+    if group:
+        elapsed += flush()
+    return rows, elapsed
 
 
 CHARTS = "[data-chart]"
@@ -157,11 +138,8 @@ def main() -> None:
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([BIN, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(Path(tmp) / "data"), "--no-alert-engine"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RANKWATCH_LOG": "warn"})
-        line = proc.stdout.readline()
-        assert line.startswith("rankwatch listening on"), line
-        url = line.strip().rsplit(" ", 1)[1]
+        # Not pinned to one core: this measures the page, not the collector's ingest.
+        proc, url = start_collector(Path(tmp) / "data", "--no-alert-engine", cpus=None)
         try:
             rows, secs = ingest(url)
             print(f"\n# run {RUN!r}: {STEPS:,} steps x {LAYERS} layers x {RANKS} ranks = {rows:,} rows ingested in {secs:.1f} s")
@@ -183,8 +161,7 @@ def main() -> None:
                     context.close()
                 browser.close()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=600)
+            stop(proc)
     med = statistics.median
     print(f"\n# the run page in headless Chromium, 5 loads (after one warm-up); zoom to ~{span:,} steps\n")
     print("| measurement | median | worst | anchor | |")

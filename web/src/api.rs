@@ -1,4 +1,5 @@
 //! Typed views of the collector's read API, and the one `fetch` every page goes through.
+//! Each struct holds only the fields the pages read; serde skips the rest of an answer.
 //!
 //! The dashboard does not share Rust types with the collector: the collector's answers are
 //! built as JSON there, and the analytics crate that holds the domain types carries Arrow and
@@ -9,7 +10,6 @@
 //! and the collector's own `message`, or a plain "cannot reach the collector" when the request
 //! never got an answer (the collector restarting, say).
 
-use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::Deserialize;
@@ -60,23 +60,15 @@ pub(crate) struct RunsAnswer {
 pub(crate) struct RunInfo {
     pub(crate) run: String,
     pub(crate) world_size: Option<u32>,
-    pub(crate) family: Option<String>,
     pub(crate) layers: Option<u32>,
-    pub(crate) started_at_ms: Option<i64>,
-    #[serde(default)]
-    pub(crate) tags: Option<BTreeMap<String, String>>,
     pub(crate) first_step: Option<i64>,
     pub(crate) last_step: Option<i64>,
     pub(crate) last_seen_ms: Option<i64>,
-    pub(crate) samples: u64,
-    pub(crate) nonfinite: u64,
-    pub(crate) series: u64,
     pub(crate) alerts_firing: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub(crate) struct Catalog {
-    pub(crate) run: String,
     pub(crate) metrics: Vec<CatalogMetric>,
 }
 
@@ -88,7 +80,6 @@ pub(crate) struct CatalogMetric {
     pub(crate) layers: Vec<i64>,
     pub(crate) sites: Vec<String>,
     pub(crate) ranks: Vec<i64>,
-    pub(crate) series: u64,
 }
 
 impl Catalog {
@@ -108,11 +99,7 @@ pub(crate) struct Buckets {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub(crate) struct Bucket {
     pub(crate) start: i64,
-    pub(crate) end: i64,
-    pub(crate) count: u64,
     pub(crate) nonfinite: u64,
-    pub(crate) min: Num,
-    pub(crate) max: Num,
     pub(crate) last: Num,
     pub(crate) last_step: i64,
 }
@@ -127,32 +114,23 @@ pub(crate) struct Series {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub(crate) struct SeriesAnswer {
-    pub(crate) run: String,
-    pub(crate) metric: String,
     pub(crate) buckets: Option<Buckets>,
     pub(crate) series: Vec<Series>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub(crate) struct Heatmap {
-    pub(crate) run: String,
-    pub(crate) metric: String,
-    pub(crate) site: Option<String>,
     pub(crate) buckets: Option<Buckets>,
     pub(crate) steps: Vec<i64>,
     pub(crate) layers: Vec<i64>,
     pub(crate) last: Vec<Vec<Num>>,
-    pub(crate) min: Vec<Vec<Num>>,
-    pub(crate) max: Vec<Vec<Num>>,
     pub(crate) count: Vec<Vec<u64>>,
     pub(crate) nonfinite: Vec<Vec<u64>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub(crate) struct Workers {
-    pub(crate) run: String,
     pub(crate) step: Option<i64>,
-    pub(crate) world_size: Option<u32>,
     pub(crate) ranks: Vec<i64>,
     pub(crate) metrics: Vec<WorkerMetric>,
     pub(crate) cosine: Option<serde_json::Value>,
@@ -162,7 +140,6 @@ pub(crate) struct Workers {
 pub(crate) struct WorkerMetric {
     pub(crate) metric: String,
     pub(crate) layer: Option<i64>,
-    pub(crate) site: Option<String>,
     pub(crate) values: Vec<Num>,
 }
 

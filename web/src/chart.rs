@@ -12,7 +12,7 @@ use wasm_bindgen::JsValue;
 use wasm_bindgen::closure::Closure;
 use wasm_bindgen::prelude::wasm_bindgen;
 
-use crate::api::{Alert, SeriesAnswer};
+use crate::api::{Alert, Buckets, SeriesAnswer};
 
 #[wasm_bindgen(module = "/js/charts.js")]
 extern "C" {
@@ -79,6 +79,10 @@ pub(crate) struct ChartSpec {
     pub(crate) lines: Vec<Level>,
     pub(crate) nonfinite: Vec<f64>,
     pub(crate) selected: Option<i64>,
+    /// The bucket grid `x` was laid out on (the first answer's); later answers are placed
+    /// on it.
+    #[serde(skip)]
+    grid: Option<Buckets>,
 }
 
 impl ChartSpec {
@@ -98,15 +102,22 @@ impl ChartSpec {
         mut style: impl FnMut(usize, &crate::api::Series) -> LineStyle,
         map: impl Fn(f64) -> f64,
     ) {
-        let Some(grid) = answer.buckets else {
+        let Some(answer_grid) = answer.buckets else {
             return;
         };
-        self.align(grid.from, grid.width, grid.count);
+        let grid = *self.grid.get_or_insert_with(|| {
+            self.x = (0..answer_grid.count.max(0))
+                .map(|i| (answer_grid.from + i * answer_grid.width.max(1)) as f64)
+                .collect();
+            answer_grid
+        });
+        let slots = self.x.len() as i64;
         for (i, s) in answer.series.iter().enumerate() {
             let mut ys = vec![None; self.x.len()];
             for b in &s.buckets {
-                if let Some(j) = self.index_of(b.start) {
-                    ys[j] = b.last.finite().map(&map).filter(|v| v.is_finite());
+                let j = (b.start - grid.from).div_euclid(grid.width.max(1));
+                if (0..slots).contains(&j) {
+                    ys[j as usize] = b.last.finite().map(&map).filter(|v| v.is_finite());
                     if b.nonfinite > 0 {
                         self.nonfinite.push(b.start as f64);
                     }
@@ -115,27 +126,6 @@ impl ChartSpec {
             self.series.push(style(i, s));
             self.ys.push(ys);
         }
-    }
-
-    /// The x grid: one point per bucket start. A second answer on another grid (a metric
-    /// that starts later) is placed on the first one's buckets.
-    fn align(&mut self, from: i64, width: i64, count: i64) {
-        if self.x.is_empty() {
-            self.x = (0..count.max(0))
-                .map(|i| (from + i * width.max(1)) as f64)
-                .collect();
-        }
-    }
-
-    fn index_of(&self, step: i64) -> Option<usize> {
-        let first = *self.x.first()? as i64;
-        let width = if self.x.len() > 1 {
-            (self.x[1] - self.x[0]) as i64
-        } else {
-            1
-        };
-        let j = (step - first).div_euclid(width.max(1));
-        (0..self.x.len() as i64).contains(&j).then_some(j as usize)
     }
 
     /// Shades each alert's step span.

@@ -9,6 +9,11 @@ use leptos::task::spawn_local;
 
 use crate::api::{ApiError, ApiResult};
 
+/// Set to the collector's message when a query was refused for want of a read token; the
+/// header then asks for one. Provided once, at the app's root.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TokenWanted(pub(crate) RwSignal<Option<String>>);
+
 /// The state of a query: nothing yet, or the latest answer.
 pub(crate) type Fetched<T> = ReadSignal<Option<ApiResult<T>>>;
 
@@ -22,12 +27,16 @@ where
 {
     let (value, set_value) = signal(None::<ApiResult<T>>);
     let latest = StoredValue::new(0u64);
+    let wanted = use_context::<TokenWanted>();
     Effect::new(move |_| {
         let Some(future) = query() else { return };
         let ticket = latest.get_value().wrapping_add(1);
         latest.set_value(ticket);
         spawn_local(async move {
             let answer = future.await;
+            if let (Err(ApiError::Unauthorized(msg)), Some(wanted)) = (&answer, wanted) {
+                let _ = wanted.0.try_set(Some(msg.clone()));
+            }
             if latest.try_get_value() == Some(ticket) {
                 // A failed refresh keeps what is shown when the collector is only unreachable:
                 // the page stays usable while it restarts (the header says so).
@@ -43,4 +52,9 @@ where
         });
     });
     value
+}
+
+/// The error of a query's latest answer, if it failed.
+pub(crate) fn error_of<T>(answer: &Option<ApiResult<T>>) -> Option<ApiError> {
+    answer.as_ref()?.as_ref().err().cloned()
 }

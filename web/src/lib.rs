@@ -37,6 +37,7 @@ pub fn start() {
 
 #[component]
 fn App() -> impl IntoView {
+    provide_context(fetch::TokenWanted(RwSignal::new(None)));
     let live = live::start();
     provide_context(live);
     view! {

@@ -11,7 +11,7 @@
 //! back, since events sent while it was away are lost. When a read token is in use, an
 //! `EventSource` cannot carry it, and the app polls every five seconds instead.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 
@@ -138,14 +138,14 @@ fn connect(live: Live, pending: Rc<RefCell<Pending>>) {
         retry_later(live, pending);
         return;
     };
-    let was_down = Rc::new(RefCell::new(false));
+    let was_down = Rc::new(Cell::new(false));
     {
         let pending = pending.clone();
         let was_down = was_down.clone();
         let on_open = Closure::<dyn FnMut()>::new(move || {
             live.link.set(Link::Live);
             // Whatever happened while the connection was down was not sent; re-query all.
-            if std::mem::take(&mut *was_down.borrow_mut()) {
+            if was_down.replace(false) {
                 pending.borrow_mut().everything = true;
             }
         });
@@ -157,7 +157,7 @@ fn connect(live: Live, pending: Rc<RefCell<Pending>>) {
         let source2 = source.clone();
         let on_error = Closure::<dyn FnMut()>::new(move || {
             live.link.set(Link::Reconnecting);
-            *was_down.borrow_mut() = true;
+            was_down.set(true);
             // CLOSED means the browser gave up (a non-retryable answer); start over later.
             if source2.ready_state() == web_sys::EventSource::CLOSED {
                 retry_later(live, pending.clone());

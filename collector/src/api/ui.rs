@@ -8,6 +8,7 @@
 //! than a blank one. Responses say `no-cache`: the files are small, and a browser must never
 //! pair a new `index.html` with an old wasm module after an upgrade.
 
+use axum::body::Body;
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{Html, IntoResponse, Response};
 use rust_embed::Embed;
@@ -32,9 +33,10 @@ pub(crate) fn built() -> bool {
 fn file(path: &str) -> Option<Response> {
     let asset = Dashboard::get(path)?;
     let mime = mime_guess::from_path(path).first_or_octet_stream();
+    // Embedded files are `'static`: the body borrows them, no copy per request.
     let mut response = (
         [(header::CONTENT_TYPE, mime.as_ref().to_owned())],
-        asset.data.into_owned(),
+        Body::from(asset.data),
     )
         .into_response();
     response

@@ -9,7 +9,7 @@ use leptos_router::hooks::use_query_map;
 use super::{ErrorBox, MetricChart, Part, Role, RunHeader, RunView, catalog, points};
 use crate::api::{self, Catalog, Heatmap, RulesAnswer};
 use crate::chart::{Band, HeatSpec, HeatmapCanvas, Level, Scale};
-use crate::fetch::fetched;
+use crate::fetch::{error_of, fetched};
 use crate::format;
 
 /// The band a metric should stay in, and how the legend explains it.
@@ -294,28 +294,32 @@ pub(crate) fn LayersPage() -> impl IntoView {
         Some(Ok(r)) => Some(r),
         _ => None,
     };
-    let spec = Signal::derive(move || match heat.get() {
-        Some(Ok(h)) => {
-            let m = metric.get();
-            Some(heat_spec(
-                &h,
-                &m,
-                band(&m, rules_now().as_ref()).0,
-                layer.get(),
-                view.selected.get(),
-            ))
-        }
-        _ => None,
+    let spec = Signal::derive(move || {
+        heat.with(|h| match h {
+            Some(Ok(h)) => {
+                let m = metric.get();
+                Some(heat_spec(
+                    h,
+                    &m,
+                    band(&m, rules_now().as_ref()).0,
+                    layer.get(),
+                    view.selected.get(),
+                ))
+            }
+            _ => None,
+        })
     });
     let pick = Callback::new(move |(r, c): (usize, usize)| {
-        if let Some(Ok(h)) = heat.get_untracked() {
-            if let Some(l) = h.layers.get(r) {
-                layer.set(Some(*l));
+        heat.with_untracked(|h| {
+            if let Some(Ok(h)) = h {
+                if let Some(l) = h.layers.get(r) {
+                    layer.set(Some(*l));
+                }
+                if let Some(s) = h.steps.get(c) {
+                    view.selected.set(Some(*s));
+                }
             }
-            if let Some(s) = h.steps.get(c) {
-                view.selected.set(Some(*s));
-            }
-        }
+        });
     });
     let detail = move || {
         let l = layer.get()?;
@@ -360,13 +364,16 @@ pub(crate) fn LayersPage() -> impl IntoView {
                 }}
             </div>
             <p class="legend">{move || band(&metric.get(), rules_now().as_ref()).1}</p>
-            {move || match (catalog.get(), heat.get()) {
-                (Some(Err(e)), _) | (_, Some(Err(e))) => Some(view! { <ErrorBox error=e /> }.into_any()),
-                (Some(Ok(c)), _) if offered(&c).is_empty() => Some(view! {
-                    <p class="empty">"This run has no per-layer metrics yet (the spectral and activation probes send them)."</p>
-                }.into_any()),
-                (_, None) => Some(view! { <p class="loading">"Loading…"</p> }.into_any()),
-                _ => None,
+            {move || {
+                if let Some(e) = catalog.with(error_of).or_else(|| heat.with(error_of)) {
+                    return Some(view! { <ErrorBox error=e /> }.into_any());
+                }
+                if known.with(Option::is_some) && options.with(Vec::is_empty) {
+                    return Some(view! {
+                        <p class="empty">"This run has no per-layer metrics yet (the spectral and activation probes send them)."</p>
+                    }.into_any());
+                }
+                heat.with(Option::is_none).then(|| view! { <p class="loading">"Loading…"</p> }.into_any())
             }}
             <HeatmapCanvas spec=spec on_pick=pick />
             <p class="hint">"click a cell for that layer's series"</p>

@@ -13,7 +13,7 @@ use leptos_router::hooks::{use_params_map, use_query_map};
 
 use crate::api::{self, AlertsAnswer, ApiError, ApiResult, SeriesAnswer, Window};
 use crate::chart::{Chart, ChartSpec, Level, LineStyle, mean_style, rank_style};
-use crate::fetch::{Fetched, fetched};
+use crate::fetch::{Fetched, TokenWanted, error_of, fetched};
 use crate::live::Live;
 
 /// The `:run` of the current route.
@@ -179,11 +179,7 @@ pub(crate) fn ErrorBox(error: ApiError) -> impl IntoView {
 /// Asks for the read token when the collector wants one.
 #[component]
 pub(crate) fn TokenPrompt() -> impl IntoView {
-    let live = expect_context::<Live>();
-    let probe = fetched(move || {
-        live.runs.track();
-        Some(async { api::runs().await.map(|_| ()) })
-    });
+    let wanted = expect_context::<TokenWanted>();
     let input = NodeRef::<leptos::html::Input>::new();
     let save = move |_| {
         if let Some(el) = input.get() {
@@ -194,15 +190,16 @@ pub(crate) fn TokenPrompt() -> impl IntoView {
             }
         }
     };
-    move || match probe.get() {
-        Some(Err(ApiError::Unauthorized(msg))) => Some(view! {
-            <div class="token">
-                <p>{format!("This collector needs a read token ({msg}).")}</p>
-                <input type="password" node_ref=input placeholder="read token" />
-                <button on:click=save>"Use token"</button>
-            </div>
-        }),
-        _ => None,
+    move || {
+        wanted.0.get().map(|msg| {
+            view! {
+                <div class="token">
+                    <p>{format!("This collector needs a read token ({msg}).")}</p>
+                    <input type="password" node_ref=input placeholder="read token" />
+                    <button on:click=save>"Use token"</button>
+                </div>
+            }
+        })
     }
 }
 
@@ -273,13 +270,12 @@ pub(crate) fn MetricChart(
             ApiResult::Ok(out)
         })
     });
-    let spec = Signal::derive(move || {
-        let answers = data.with(|d| d.as_ref().map(|r| r.as_ref().ok().cloned()))??;
+    let build = move |answers: &[SeriesAnswer]| {
         let mut spec = ChartSpec::new(title.clone());
         spec.log = log;
         // Named lines take colours in turn across parts, so two metrics never share one.
         let mut next_colour = 0usize;
-        for (p, answer) in parts.iter().zip(&answers) {
+        for (p, answer) in parts.iter().zip(answers) {
             let style = |i: usize, s: &api::Series| -> LineStyle {
                 match &p.role {
                     Role::PerRank => {
@@ -314,9 +310,15 @@ pub(crate) fn MetricChart(
             }));
         }
         spec.selected = view.selected.get();
-        Some(spec)
+        spec
+    };
+    let spec = Signal::derive(move || {
+        data.with(|d| {
+            let answers = d.as_ref()?.as_ref().ok()?;
+            Some(build(answers))
+        })
     });
-    let error = move || data.with(|d| d.as_ref().and_then(|r| r.as_ref().err().cloned()));
+    let error = move || data.with(error_of);
     view! {
         <section class="panel">
             {move || error().map(|e| view! { <ErrorBox error=e /> })}

@@ -38,30 +38,25 @@ fn charts(catalog: &Catalog) -> Vec<(String, Vec<Part>)> {
             vec![Part::new("grad_norm", Role::PerRank)],
         ));
     }
-    let user: Vec<_> = catalog.metrics.iter().filter(|m| m.user).collect();
-    // The learning rate first, then the other user scalars by name.
-    for m in user
+    let is_lr = |name: &str| name == "lr";
+    let mut user: Vec<_> = catalog
+        .metrics
         .iter()
-        .filter(|m| m.metric.ends_with("/lr") || m.metric == "lr")
-        .chain(
-            user.iter()
-                .filter(|m| !(m.metric.ends_with("/lr") || m.metric == "lr")),
-        )
-    {
-        let name = m
-            .metric
-            .strip_prefix("user/")
-            .unwrap_or(&m.metric)
-            .to_owned();
-        let title = if name == "lr" {
+        .filter(|m| m.user)
+        .map(|m| (m.metric.strip_prefix("user/").unwrap_or(&m.metric), m))
+        .collect();
+    // The learning rate first, then the other user scalars by name (the catalog's order).
+    user.sort_by_key(|(name, _)| !is_lr(name));
+    for (name, m) in user {
+        let title = if is_lr(name) {
             "Learning rate".to_owned()
         } else {
-            name.clone()
+            name.to_owned()
         };
         let role = if m.ranks.len() > 1 {
             Role::PerRank
         } else {
-            Role::Named(name)
+            Role::Named(name.to_owned())
         };
         out.push((title, vec![Part::new(m.metric.clone(), role)]));
     }

@@ -25,6 +25,17 @@ enum Status {
     Waiting,
 }
 
+impl Status {
+    fn label(self) -> &'static str {
+        match self {
+            Status::Live => "live",
+            Status::Stale => "stale",
+            Status::Finished => "finished",
+            Status::Waiting => "waiting",
+        }
+    }
+}
+
 fn status(run: &RunInfo, alerts: &AlertsAnswer, now: i64) -> Status {
     let stale = alerts
         .alerts
@@ -104,8 +115,8 @@ pub(crate) fn RunsPage() -> impl IntoView {
                                     <td>
                                         <span class=format!(
                                             "status {}",
-                                            format!("{st:?}").to_lowercase(),
-                                        )>{format!("{st:?}").to_lowercase()}</span>
+                                            st.label(),
+                                        )>{st.label()}</span>
                                     </td>
                                     <td>{r.world_size.map_or("–".into(), |w| w.to_string())}</td>
                                     <td>{r.layers.map_or("–".into(), |w| w.to_string())}</td>

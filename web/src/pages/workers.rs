@@ -228,44 +228,62 @@ pub(crate) fn WorkersPage() -> impl IntoView {
         })
     });
     let has = move |m: &str| have.with(|h| h.iter().any(|x| x == m));
+    // (title, metrics, one line per rank?, threshold lines); a chart shows when the run has
+    // any of its metrics.
     let charts = move || {
-        let mut out = Vec::new();
-        if has("loss") {
-            out.push(view! {
-                <MetricChart view=view title="Loss per rank" parts=vec![Part::new("loss", Role::PerRank)] rules=vec!["silent_inconsistency"] />
-            }.into_any());
-        }
-        if has("grad_norm") {
-            out.push(view! {
-                <MetricChart view=view title="Gradient norm per rank (local)" parts=vec![Part::new("grad_norm", Role::PerRank)] rules=vec!["silent_inconsistency"] />
-            }.into_any());
-        }
-        let dispersion: Vec<Part> = ["loss_cv", "grad_norm_cv"]
-            .into_iter()
-            .filter(|m| has(m))
-            .map(|m| Part::new(m, Role::Named(m.to_owned())))
-            .collect();
-        if !dispersion.is_empty() {
-            out.push(view! {
-                <MetricChart view=view title="Dispersion across ranks (coefficient of variation)" parts=dispersion rules=vec!["silent_inconsistency"] />
-            }.into_any());
-        }
-        let cosine: Vec<Part> = ["cos_weighted", "cos_pair_mean"]
-            .into_iter()
-            .filter(|m| has(m))
-            .map(|m| Part::new(m, Role::Named(m.to_owned())))
-            .collect();
-        if !cosine.is_empty() {
-            let levels = vec![Level {
-                y: 0.0,
-                color: "#999".into(),
-                label: "0".into(),
-            }];
-            out.push(view! {
-                <MetricChart view=view title="Inter-worker gradient cosine" parts=cosine levels=levels rules=vec!["silent_inconsistency"] />
-            }.into_any());
-        }
-        out
+        let zero = Level {
+            y: 0.0,
+            color: "#999".into(),
+            label: "0".into(),
+        };
+        [
+            ("Loss per rank", &["loss"][..], true, vec![]),
+            (
+                "Gradient norm per rank (local)",
+                &["grad_norm"],
+                true,
+                vec![],
+            ),
+            (
+                "Dispersion across ranks (coefficient of variation)",
+                &["loss_cv", "grad_norm_cv"],
+                false,
+                vec![],
+            ),
+            (
+                "Inter-worker gradient cosine",
+                &["cos_weighted", "cos_pair_mean"],
+                false,
+                vec![zero],
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(title, metrics, per_rank, levels)| {
+            let parts: Vec<Part> = metrics
+                .iter()
+                .filter(|m| has(m))
+                .map(|&m| {
+                    let role = if per_rank {
+                        Role::PerRank
+                    } else {
+                        Role::Named(m.to_owned())
+                    };
+                    Part::new(m, role)
+                })
+                .collect();
+            (!parts.is_empty()).then(|| {
+                view! {
+                    <MetricChart
+                        view=view
+                        title=title
+                        parts=parts
+                        levels=levels
+                        rules=vec!["silent_inconsistency"]
+                    />
+                }
+            })
+        })
+        .collect_view()
     };
     view! {
         <RunHeader view=view current="workers" />
