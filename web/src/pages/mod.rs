@@ -11,7 +11,7 @@ use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::{use_params_map, use_query_map};
 
-use crate::api::{self, AlertsAnswer, ApiError, ApiResult, SeriesAnswer, Window};
+use crate::api::{self, AlertsAnswer, ApiError, SeriesAnswer, Window};
 use crate::chart::{Chart, ChartSpec, Level, LineStyle, mean_style, rank_style};
 use crate::fetch::{Fetched, TokenWanted, error_of, fetched};
 use crate::live::Live;
@@ -260,14 +260,12 @@ pub(crate) fn MetricChart(
         view.revision.track();
         let parts = fetch_parts.clone();
         Some(async move {
-            let mut out = Vec::with_capacity(parts.len());
-            for p in &parts {
-                out.push(
-                    api::series(&run, &p.metric, p.layer, p.site.as_deref(), p.rank, window)
-                        .await?,
-                );
-            }
-            ApiResult::Ok(out)
+            // Every part at once: the collector answers them in parallel, and a chart is
+            // drawn only when its slowest part arrives.
+            let queries = parts.iter().map(|p| {
+                api::series(&run, &p.metric, p.layer, p.site.as_deref(), p.rank, window)
+            });
+            futures_util::future::try_join_all(queries).await
         })
     });
     let build = move |answers: &[SeriesAnswer]| {
