@@ -31,6 +31,88 @@ pub enum Command {
         #[arg(long, env = "RANKWATCH_RULES")]
         rules: Option<PathBuf>,
     },
+    /// List or delete the runs of a running collector, or apply a retention policy now.
+    Runs {
+        #[command(flatten)]
+        remote: Remote,
+        #[command(subcommand)]
+        action: RunsAction,
+    },
+    /// Download one run's rows from a running collector as Parquet or CSV.
+    Export(ExportArgs),
+}
+
+/// How the client subcommands reach the collector.
+#[derive(Debug, Clone, Args)]
+pub struct Remote {
+    /// The collector's base URL.
+    #[arg(
+        long,
+        env = "RANKWATCH_URL",
+        default_value = "http://127.0.0.1:7070",
+        global = true
+    )]
+    pub url: String,
+
+    /// Bearer token: the read token for listing and export, the admin (or ingest) token for
+    /// deletion and retention.
+    #[arg(long, env = "RANKWATCH_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<String>,
+}
+
+/// `rankwatch runs ...`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum RunsAction {
+    /// Every run: last step, last seen, Parquet size, firing alerts.
+    List {
+        /// Print the collector's JSON answer instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete runs: their data, metadata, alerts and rule overrides.
+    Delete {
+        /// The runs to delete.
+        #[arg(required = true)]
+        runs: Vec<String>,
+        /// Do not ask for confirmation (required when stdin is not a terminal).
+        #[arg(long, short = 'y')]
+        yes: bool,
+    },
+    /// Apply a retention policy now: the given one, else the collector's own.
+    Prune {
+        /// Delete runs silent longer than this, e.g. `30d`.
+        #[arg(long, value_parser = parse_duration)]
+        older_than: Option<Duration>,
+        /// Keep the Parquet data under this size (e.g. `50GB`), oldest runs first.
+        #[arg(long, value_parser = parse_bytes)]
+        max_bytes: Option<u64>,
+        /// Show what would be deleted; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// `rankwatch export RUN`.
+#[derive(Debug, Clone, Args)]
+pub struct ExportArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+
+    /// The run to export.
+    pub run: String,
+
+    /// File format.
+    #[arg(long, value_parser = ["parquet", "csv"], default_value = "parquet")]
+    pub format: String,
+
+    /// Which table: the metric samples, or the per-rank gradient sketches.
+    #[arg(long, value_parser = ["samples", "sketches"], default_value = "samples")]
+    pub table: String,
+
+    /// Output file (default `<run>.<table>.<format>` here; `-` for stdout). Written to a
+    /// temporary file first, so a failed download leaves nothing behind.
+    #[arg(long, short = 'o')]
+    pub output: Option<PathBuf>,
 }
 
 /// Configuration of `rankwatch serve`.
@@ -51,6 +133,24 @@ pub struct ServeConfig {
     /// Bearer token required by the read API and /metrics (unset: reads are open).
     #[arg(long, env = "RANKWATCH_READ_TOKEN", hide_env_values = true)]
     pub read_token: Option<String>,
+
+    /// Bearer token required to delete runs and apply retention (unset: the ingest token is
+    /// required instead; with neither, deletion is open like the rest).
+    #[arg(long, env = "RANKWATCH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// Delete runs that have not reported for this long, e.g. `30d` (unset: kept for ever).
+    #[arg(long, env = "RANKWATCH_RETENTION_AGE", value_parser = parse_duration)]
+    pub retention_age: Option<Duration>,
+
+    /// Keep the Parquet data under this size, e.g. `50GB` or `200GiB`, deleting the least
+    /// recently seen runs first; runs active within --active-window are never deleted for size.
+    #[arg(long, env = "RANKWATCH_RETENTION_MAX_BYTES", value_parser = parse_bytes)]
+    pub retention_max_bytes: Option<u64>,
+
+    /// How often the retention policy is applied.
+    #[arg(long, env = "RANKWATCH_RETENTION_INTERVAL", default_value = "10m", value_parser = parse_duration)]
+    pub retention_interval: Duration,
 
     /// Allow a non-loopback listen address without tokens.
     #[arg(long, env = "RANKWATCH_INSECURE")]
@@ -208,7 +308,11 @@ impl ServeConfig {
                 )));
             }
         }
-        for (name, token) in [("ingest", &self.ingest_token), ("read", &self.read_token)] {
+        for (name, token) in [
+            ("ingest", &self.ingest_token),
+            ("read", &self.read_token),
+            ("admin", &self.admin_token),
+        ] {
             if token.as_deref() == Some("") {
                 return Err(Error::bad(format!("the {name} token is empty")));
             }
@@ -225,6 +329,12 @@ impl ServeConfig {
                 )));
             }
         }
+        if self.retention_interval.is_zero() {
+            return Err(Error::bad("--retention-interval must be positive"));
+        }
+        if self.retention_age.is_some_and(|a| a.is_zero()) {
+            return Err(Error::bad("--retention-age must be positive"));
+        }
         if self.align_timeout.is_zero() {
             return Err(Error::bad("--align-timeout must be positive"));
         }
@@ -235,14 +345,23 @@ impl ServeConfig {
         }
         Ok(())
     }
+
+    /// The retention policy these flags describe.
+    pub fn retention(&self) -> crate::retention::Policy {
+        crate::retention::Policy {
+            max_age: self.retention_age,
+            max_bytes: self.retention_max_bytes,
+            protect: self.active_window,
+        }
+    }
 }
 
-/// Parses `500ms`, `10s`, `5m`, `1h`.
+/// Parses `500ms`, `10s`, `5m`, `1h`, `30d`.
 pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(|| format!("duration {text:?} needs a unit (ms, s, m, h)"))?;
+        .ok_or_else(|| format!("duration {text:?} needs a unit (ms, s, m, h, d)"))?;
     let (number, unit) = text.split_at(split);
     let n: u64 = number
         .parse()
@@ -252,10 +371,41 @@ pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
         "s" => Ok(Duration::from_secs(n)),
         "m" => Ok(Duration::from_secs(n * 60)),
         "h" => Ok(Duration::from_secs(n * 3600)),
+        "d" => Ok(Duration::from_secs(n * 86_400)),
         _ => Err(format!(
-            "duration {text:?}: unknown unit {unit:?} (ms, s, m, h)"
+            "duration {text:?}: unknown unit {unit:?} (ms, s, m, h, d)"
         )),
     }
+}
+
+/// Parses a size: `1000`, `500MB`, `50GB` (powers of 1000) or `200GiB` (powers of 1024).
+pub fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("size {text:?} does not start with a number"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        other => {
+            return Err(format!(
+                "size {text:?}: unknown unit {other:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            ));
+        }
+    };
+    n.checked_mul(scale)
+        .ok_or_else(|| format!("size {text:?} is too large"))
 }
 
 #[cfg(test)]
@@ -267,7 +417,25 @@ mod tests {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("15m").unwrap(), Duration::from_secs(900));
         assert!(parse_duration("10").unwrap_err().contains("needs a unit"));
-        assert!(parse_duration("10d").unwrap_err().contains("unknown unit"));
+        assert_eq!(
+            parse_duration("30d").unwrap(),
+            Duration::from_secs(30 * 86_400)
+        );
+        assert!(parse_duration("10w").unwrap_err().contains("unknown unit"));
+    }
+
+    #[test]
+    fn sizes_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert_eq!(parse_bytes("50GB").unwrap(), 50_000_000_000);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert!(parse_bytes("GB").unwrap_err().contains("number"));
+        assert!(parse_bytes("5PB").unwrap_err().contains("unknown unit"));
+        assert!(
+            parse_bytes("99999999999TB")
+                .unwrap_err()
+                .contains("too large")
+        );
     }
 
     #[test]

@@ -90,6 +90,11 @@ pub enum Error {
     /// A stored file that does not parse (manifest, key snapshot).
     #[error("corrupt {what}: {reason}")]
     Corrupt { what: String, reason: String },
+
+    /// The command-line client's call to a collector failed (unreachable, or refused with
+    /// the collector's own message).
+    #[error("{0}")]
+    Remote(String),
 }
 
 /// Result alias used throughout the crate.
@@ -112,6 +117,7 @@ impl Error {
             Error::InFlight(_) => StatusCode::CONFLICT,
             Error::Backpressure { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Remote(_) => StatusCode::BAD_GATEWAY,
             Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -136,6 +142,7 @@ impl Error {
             Error::Backpressure { .. } => "backpressure",
             Error::Sql(_) => "sql",
             Error::Unavailable(_) => "unavailable",
+            Error::Remote(_) => "remote",
             Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
                 "internal"
             }

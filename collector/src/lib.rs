@@ -14,13 +14,16 @@
 
 pub mod alerting;
 pub mod api;
+pub mod client;
 pub mod config;
 pub mod decode;
 pub mod error;
+pub mod export;
 pub mod fsutil;
 pub mod idempotency;
 pub mod ingest;
 pub mod query;
+pub mod retention;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -30,6 +30,17 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::Runs { remote, action } => {
+            rankwatch_collector::client::runs(&remote, &action, &mut std::io::stdout().lock())?;
+            Ok(())
+        }
+        Command::Export(args) => {
+            let path = rankwatch_collector::client::export(&args)?;
+            if path != std::path::Path::new("-") {
+                eprintln!("wrote {}", path.display());
+            }
+            Ok(())
+        }
         Command::Serve(config) => runtime
             .block_on(rankwatch_collector::serve(*config, shutdown_signal()))
             .context("rankwatch serve"),

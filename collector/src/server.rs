@@ -19,13 +19,14 @@ use rankwatch_analytics::detect::DetectorsConfig;
 use crate::alerting::rules::{self, RuleBook};
 use crate::alerting::sinks::{SinkConfig, Sinks};
 use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig};
-use crate::api::{Alerting, AppState, app};
+use crate::api::{Alerting, AppState, Tokens, app};
 use crate::config::ServeConfig;
 use crate::decode::{self, Limits};
 use crate::error::Result;
 use crate::idempotency::Key;
 use crate::ingest::Ingestor;
 use crate::query::Engine;
+use crate::retention::{Housekeeper, Policy};
 use crate::store::{Store, StoreLimits};
 use crate::telemetry::{Exporter, Telemetry};
 use crate::wal::{self, WalHandle};
@@ -163,13 +164,17 @@ impl Collector {
             engine,
             telemetry,
             exporter,
-            config.ingest_token.clone(),
-            config.read_token.clone(),
+            Tokens {
+                ingest: config.ingest_token.clone(),
+                read: config.read_token.clone(),
+                admin: config.admin_token.clone(),
+            },
             config.max_body_bytes,
             Alerting {
                 rules: rule_book,
-                engine: handle,
+                engine: handle.clone(),
             },
+            config.retention(),
         );
         let (stop, stopped) = watch::channel(false);
         let tasks = vec![
@@ -179,8 +184,22 @@ impl Collector {
                 config.flush_interval,
                 stopped.clone(),
             )),
-            tokio::spawn(compactor(store.clone(), config.compact_interval, stopped)),
+            tokio::spawn(compactor(
+                store.clone(),
+                config.compact_interval,
+                stopped.clone(),
+            )),
         ];
+        let mut tasks = tasks;
+        let policy = config.retention();
+        if policy.is_set() {
+            tasks.push(tokio::spawn(retainer(
+                Housekeeper::new(store.clone(), handle),
+                policy,
+                config.retention_interval,
+                stopped,
+            )));
+        }
         Ok(Collector {
             state,
             alert_engine,
@@ -270,6 +289,32 @@ async fn compactor(store: Arc<Store>, every: Duration, mut stop: watch::Receiver
         }
         if let Err(e) = store.compact().await {
             tracing::error!(error = %e, "compaction failed; will retry");
+        }
+    }
+}
+
+/// Applies the retention policy at start and then every `every`.
+async fn retainer(
+    housekeeper: Housekeeper,
+    policy: Policy,
+    every: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        match housekeeper.retain(&policy, false).await {
+            Ok(report) => {
+                for d in &report.deleted {
+                    tracing::info!(run = %d.run, reason = ?d.reason, bytes = d.bytes, "retention deleted a run");
+                }
+                if let Some(why) = &report.over_cap {
+                    tracing::warn!("retention: {why}");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "retention failed; will retry"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
         }
     }
 }

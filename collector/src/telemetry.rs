@@ -42,6 +42,7 @@ pub struct Telemetry {
     pub wal_segments: Gauge,
     pub flushes: Counter,
     pub flush_errors: Counter,
+    pub runs_deleted: Counter,
     pub flushed_rows: Counter,
     pub flush_seconds: Histogram,
     pub compactions: Counter,
@@ -75,6 +76,7 @@ impl Default for Telemetry {
             wal_segments: Gauge::default(),
             flushes: Counter::default(),
             flush_errors: Counter::default(),
+            runs_deleted: Counter::default(),
             flushed_rows: Counter::default(),
             flush_seconds: seconds(),
             compactions: Counter::default(),
@@ -198,6 +200,11 @@ impl Exporter {
             "flush_errors",
             "Flushes that failed and will be retried",
             t.flush_errors.clone(),
+        );
+        r.register(
+            "runs_deleted",
+            "Runs deleted, by hand (DELETE /api/v1/runs/{run}) or by retention",
+            t.runs_deleted.clone(),
         );
         r.register(
             "flushed_rows",

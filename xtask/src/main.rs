@@ -22,7 +22,9 @@ const USAGE: &str = "\
 usage: cargo xtask <task>
 
 tasks:
-  demo     the main job; today: the detectors on a simulated 8-rank run with injected faults
+  demo [--steps N] [--ranks N] [--no-faults] [--port P] [--exit]
+           the main job: collector + dashboard on 127.0.0.1:7070 and a real DDP training
+           job on CPU with scripted trouble; prints each alert as it fires (Ctrl-C stops)
   test     formatting, clippy (-D warnings) and every test of the workspace, the browser
            tests of the dashboard included
   web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
@@ -493,6 +495,8 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         "/usr/bin/prometheus-alertmanager",
     )?;
     let python = ensure_venv()?;
+    // The deployment test trains a real run with the SDK.
+    ensure_native_module(&python, false)?;
     // `cargo test` has just built the binary for the collector's integration tests; a separate
     // `cargo build` would compile it again under another profile.
     let binary = root().join("target/debug/rankwatch");
@@ -514,7 +518,6 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
     run_counting("python suites", pytest, Some(tally), Tally::add_pytest_line)?;
     // The SDK's suite: its own conftest (a second one in the same pytest session would clash).
-    ensure_native_module(&python, false)?;
     let mut sdk = Command::new(&python);
     sdk.current_dir(root().join("sdk-python"))
         .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", "tests"])
@@ -533,22 +536,52 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         ui,
         Some(tally),
         Tally::add_pytest_line,
-    )
+    )?;
+    // The README's main job, as a user runs it.
+    let mut demo = Command::new(&python);
+    demo.current_dir(root())
+        .args([
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "xtask/tests",
+        ])
+        .env("HF_HUB_OFFLINE", "1");
+    run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
 }
 
+/// The main job: a collector with the dashboard and a real multi-rank training job with
+/// scripted trouble (`xtask/demo.py` tells the story). Everything it needs is installed first.
 fn demo(extra: &[String]) -> Result<()> {
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--quiet",
+    let python = ensure_venv()?;
+    ensure_native_module(&python, false)?;
+    web()?;
+    // The test profile, as `cargo test` builds it: after the test suite this is a no-op.
+    let mut build = cargo();
+    build.args([
+        "build",
+        "--profile",
+        "test",
+        "--locked",
         "-p",
-        "rankwatch-analytics",
-        "--example",
-        "detectors_demo",
-        "--",
-    ])
-    .args(extra);
-    run("demo", cmd)
+        "rankwatch-collector",
+        "--bin",
+        "rankwatch",
+    ]);
+    run("build rankwatch", build)?;
+    let mut story = Command::new(&python);
+    story
+        .current_dir(root())
+        .arg(root().join("xtask/demo.py"))
+        .arg("--bin")
+        .arg(root().join("target/debug/rankwatch"))
+        .args(extra);
+    // Replace this process: the terminal's Ctrl-C then reaches only the demo script, which
+    // stops the training job and the collector in order.
+    use std::os::unix::process::CommandExt;
+    Err(anyhow::Error::new(story.exec()).context("starting xtask/demo.py"))
 }
 
 /// `target/release/rankwatch`, for the benchmarks.

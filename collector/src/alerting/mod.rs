@@ -60,6 +60,7 @@ enum Msg {
     Entry(Entry, bool),
     ReplayDone,
     Reset(RunId),
+    Forget(RunId, oneshot::Sender<()>),
     Stop(oneshot::Sender<()>),
 }
 
@@ -75,6 +76,7 @@ impl std::fmt::Debug for Msg {
             Msg::Entry(..) => "Entry",
             Msg::ReplayDone => "ReplayDone",
             Msg::Reset(_) => "Reset",
+            Msg::Forget(..) => "Forget",
             Msg::Stop(_) => "Stop",
         })
     }
@@ -100,6 +102,16 @@ impl EngineHandle {
     /// Restarts a run's detectors under its new rules.
     pub async fn reset(&self, run: RunId) {
         let _ = self.tx.send(Msg::Reset(run)).await;
+    }
+
+    /// Drops everything the engine holds about a run (it is being deleted): its detectors,
+    /// open steps and restored alerts, without raising or resolving anything. Resolves once
+    /// done, so the deletion that follows cannot race a late alert of the run.
+    pub async fn forget(&self, run: RunId) {
+        let (done, wait) = oneshot::channel();
+        if self.tx.send(Msg::Forget(run, done)).await.is_ok() {
+            let _ = wait.await;
+        }
     }
 }
 
@@ -205,6 +217,27 @@ impl Engine {
                             let out = old.tick(world, crate::now_ms(), true);
                             self.publish(&run, out).await;
                         }
+                    }
+                    Some(Msg::Forget(run, done)) => {
+                        self.runs.remove(&run);
+                        self.derived_through.remove(&run);
+                        self.restored.retain(|key, _| key.run != run);
+                        self.continued.retain(|_, alert| alert.run != run);
+                        // Receivers hear that its firing alerts are over (Alertmanager would
+                        // otherwise be re-sent them for ever); the store forgets them next.
+                        if let Some(sinks) = &self.sinks {
+                            let now = crate::now_ms();
+                            for mut alert in self.writer.store.alerts(Some(&run)) {
+                                if alert.state == rankwatch_analytics::AlertState::Firing {
+                                    alert.state = rankwatch_analytics::AlertState::Resolved;
+                                    alert.resolved_at_ms = Some(now);
+                                    alert.updated_at_ms = now;
+                                    alert.explanation = format!("{} (the run was deleted)", alert.explanation);
+                                    sinks.send(&alert);
+                                }
+                            }
+                        }
+                        let _ = done.send(());
                     }
                     Some(Msg::Stop(done)) => {
                         self.replaying = false;

@@ -1,4 +1,4 @@
-//! Bearer-token checks: one token for ingest, another for reads. Comparison takes the same
+//! Bearer-token checks: one token for ingest, one for reads, one for deleting data. Comparison takes the same
 //! time whatever the mismatch, so a token cannot be guessed byte by byte from response times.
 
 use axum::extract::{Request, State};
@@ -55,6 +55,19 @@ pub(super) async fn ingest(
 /// Requires the read token, when one is configured.
 pub(super) async fn read(State(state): State<AppState>, request: Request, next: Next) -> Response {
     match guard(state.inner.read_token.as_deref(), &state, &request) {
+        Some(refusal) => refusal,
+        None => next.run(request).await,
+    }
+}
+
+/// Requires the admin token; without one, the ingest token (whoever may write may delete).
+pub(super) async fn admin(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let expected = state
+        .inner
+        .admin_token
+        .as_deref()
+        .or(state.inner.ingest_token.as_deref());
+    match guard(expected, &state, &request) {
         Some(refusal) => refusal,
         None => next.run(request).await,
     }

@@ -172,7 +172,12 @@ pub(super) async fn events(
             Ok(event) => {
                 let matches = match (&run, &event) {
                     (None, _) => true,
-                    (Some(r), Event::Samples { run, .. } | Event::Run { run, .. }) => r == run,
+                    (
+                        Some(r),
+                        Event::Samples { run, .. }
+                        | Event::Run { run, .. }
+                        | Event::RunDeleted { run },
+                    ) => r == run,
                     (Some(r), Event::Alert { alert }) => alert.run.as_str() == r,
                 };
                 matches.then(|| {
@@ -180,6 +185,7 @@ pub(super) async fn events(
                         Event::Samples { .. } => "samples",
                         Event::Run { .. } => "run",
                         Event::Alert { .. } => "alert",
+                        Event::RunDeleted { .. } => "run_deleted",
                     };
                     SseEvent::default()
                         .event(name)
@@ -372,4 +378,134 @@ pub(super) async fn alert_feed(
         "revision": revision,
         "alerts": changes,
     })))
+}
+
+/// Deletes a run: its data, metadata, alerts and rule override.
+pub(super) async fn delete_run(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+) -> Result<Json<crate::store::Deleted>> {
+    let run = RunId::new(run)?;
+    let deleted = state.inner.housekeeper.delete_run(&run).await?;
+    // The run's rule override goes with it (none is fine).
+    let _ = state.inner.alerting.rules.clear_override(&run);
+    Ok(Json(deleted))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RetentionRequest {
+    /// `30d`, `12h`: delete runs silent longer than this.
+    max_age: Option<String>,
+    /// `50GB`, or a number of bytes.
+    max_bytes: Option<Value>,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// Applies a retention policy now: the one in the body, else the collector's own.
+pub(super) async fn retention(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<Json<crate::retention::Report>> {
+    let request: RetentionRequest = if body.is_empty() {
+        RetentionRequest {
+            max_age: None,
+            max_bytes: None,
+            dry_run: false,
+        }
+    } else {
+        serde_json::from_slice(&body)?
+    };
+    let mut policy = state.inner.retention;
+    if request.max_age.is_some() || request.max_bytes.is_some() {
+        policy.max_age = request
+            .max_age
+            .as_deref()
+            .map(crate::config::parse_duration)
+            .transpose()
+            .map_err(|e| Error::bad(format!("max_age: {e}")))?;
+        policy.max_bytes = match &request.max_bytes {
+            None => None,
+            Some(Value::Number(n)) => Some(
+                n.as_u64()
+                    .ok_or_else(|| Error::bad("max_bytes must be a non-negative integer"))?,
+            ),
+            Some(Value::String(s)) => Some(
+                crate::config::parse_bytes(s).map_err(|e| Error::bad(format!("max_bytes: {e}")))?,
+            ),
+            Some(_) => {
+                return Err(Error::bad(
+                    "max_bytes must be a number or a size like \"50GB\"",
+                ));
+            }
+        };
+    }
+    if !policy.is_set() {
+        return Err(Error::bad(
+            "no retention policy: send max_age and/or max_bytes, or start the collector with \
+             --retention-age / --retention-max-bytes",
+        ));
+    }
+    Ok(Json(
+        state
+            .inner
+            .housekeeper
+            .retain(&policy, request.dry_run)
+            .await?,
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ExportQuery {
+    format: Option<String>,
+    table: Option<String>,
+}
+
+/// Streams a run's samples (or sketches) as Parquet or CSV.
+pub(super) async fn export(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    Query(q): Query<ExportQuery>,
+) -> Result<Response> {
+    let run = RunId::new(run)?;
+    let format = crate::export::Format::parse(q.format.as_deref().unwrap_or("parquet"))?;
+    let table = match q.table.as_deref().unwrap_or("samples") {
+        "samples" => crate::decode::Table::Samples,
+        "sketches" => crate::decode::Table::Sketches,
+        other => {
+            return Err(Error::bad(format!(
+                "unknown table {other:?}; expected samples or sketches"
+            )));
+        }
+    };
+    let store = state.inner.engine.store().clone();
+    if !store.with_runs(|runs| runs.contains_key(&run)) {
+        return Err(Error::UnknownRun(run.to_string()));
+    }
+    let snapshot = crate::export::Snapshot::open(run.clone(), table, store.view(table, &run))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let errors = tx.clone();
+    let name = format!("{}.{}.{}", run, table.as_str(), format.extension());
+    tokio::task::spawn_blocking(move || {
+        let written = snapshot.write(format, crate::export::ChannelWriter::new(tx));
+        if let Err(e) = written {
+            tracing::warn!(error = %e, "export cut short");
+            // Ends the body with an error: the client sees a failed transfer, not a short file.
+            let _ = errors.blocking_send(Err(std::io::Error::other(e.to_string())));
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Ok((
+        [
+            (header::CONTENT_TYPE, format.content_type().to_owned()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{}\"", name.replace('"', "_")),
+            ),
+        ],
+        body,
+    )
+        .into_response())
 }

@@ -1,8 +1,9 @@
 //! The HTTP API. [`app`] builds the whole router from an [`AppState`], so tests can drive it
 //! without a socket; the server binds it to a listener.
 //!
-//! Routes are in three groups: ingest (guarded by the ingest token), reads and `/metrics`
-//! (guarded by the read token), and the always-open probes and OpenAPI document. Every error
+//! Routes are in four groups: ingest (guarded by the ingest token), deletion and retention
+//! (the admin token, else the ingest token), reads and `/metrics` (the read token), and the
+//! always-open probes and OpenAPI document. Every error
 //! is a JSON body `{"error": "...", "reason": "..."}` with a 4xx or 5xx status (see
 //! [`crate::error`]).
 
@@ -39,9 +40,23 @@ pub(crate) struct Shared {
     pub(crate) exporter: Exporter,
     pub(crate) ingest_token: Option<String>,
     pub(crate) read_token: Option<String>,
+    /// Deletion and retention; falls back to the ingest token when unset.
+    pub(crate) admin_token: Option<String>,
     pub(crate) max_body_bytes: usize,
     pub(crate) ready: AtomicBool,
     pub(crate) alerting: Alerting,
+    pub(crate) housekeeper: crate::retention::Housekeeper,
+    /// The collector's configured retention policy (`POST /api/v1/retention` without a body).
+    pub(crate) retention: crate::retention::Policy,
+}
+
+/// The tokens guarding the API; `None` leaves that group open.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    pub ingest: Option<String>,
+    pub read: Option<String>,
+    /// Deletion and retention; the ingest token guards them when this is unset.
+    pub admin: Option<String>,
 }
 
 /// The alert engine's parts the API reaches: the rule book (per-run overrides) and the engine
@@ -61,22 +76,27 @@ impl AppState {
         engine: Engine,
         telemetry: Arc<Telemetry>,
         exporter: Exporter,
-        ingest_token: Option<String>,
-        read_token: Option<String>,
+        tokens: Tokens,
         max_body_bytes: usize,
         alerting: Alerting,
+        retention: crate::retention::Policy,
     ) -> Self {
+        let housekeeper =
+            crate::retention::Housekeeper::new(engine.store().clone(), alerting.engine.clone());
         AppState {
             inner: Arc::new(Shared {
                 ingestor,
                 engine,
                 telemetry,
                 exporter,
-                ingest_token,
-                read_token,
+                ingest_token: tokens.ingest,
+                read_token: tokens.read,
+                admin_token: tokens.admin,
                 max_body_bytes,
                 ready: AtomicBool::new(true),
                 alerting,
+                housekeeper,
+                retention,
             }),
         }
     }
@@ -109,8 +129,19 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             auth::ingest,
         ));
+    let admin = Router::new()
+        .route(
+            "/api/v1/runs/{run}",
+            axum::routing::delete(handlers::delete_run),
+        )
+        .route("/api/v1/retention", post(handlers::retention))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::admin,
+        ));
     let read = Router::new()
         .route("/api/v1/runs", get(handlers::runs))
+        .route("/api/v1/runs/{run}/export", get(handlers::export))
         .route("/api/v1/runs/{run}/catalog", get(handlers::catalog))
         .route("/api/v1/runs/{run}/series", get(handlers::series))
         .route("/api/v1/runs/{run}/heatmap", get(handlers::heatmap))
@@ -130,6 +161,7 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/openapi.json", get(handlers::openapi));
     Router::new()
         .merge(ingest)
+        .merge(admin)
         .merge(read)
         .merge(open)
         .fallback(ui::fallback)

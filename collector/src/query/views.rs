@@ -335,6 +335,12 @@ impl Engine {
     /// `GET /runs`.
     pub fn runs(&self) -> Value {
         let alerts = self.store().alerts(None);
+        let bytes: BTreeMap<RunId, u64> = self
+            .store()
+            .usage()
+            .into_iter()
+            .map(|u| (u.run, u.bytes))
+            .collect();
         let runs: Vec<Value> = self.store().with_runs(|runs| {
             runs.iter()
                 .map(|(run, s)| {
@@ -359,6 +365,7 @@ impl Engine {
                         "nonfinite": s.nonfinite,
                         "sketches": s.sketches,
                         "series": s.series.len(),
+                        "bytes": bytes.get(run).copied().unwrap_or(0),
                         "alerts_firing": firing,
                     })
                 })

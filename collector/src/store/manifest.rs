@@ -55,6 +55,11 @@ pub struct Manifest {
     /// The part number the next file gets.
     pub next_part: u64,
     pub files: Vec<FileMeta>,
+    /// Deleted runs whose write-ahead-log records may not all be flushed yet: replay skips a
+    /// record of such a run at or below its sequence number. Dropped once `flushed_seq`
+    /// passes it (the log no longer holds those records).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub deleted_runs: std::collections::BTreeMap<RunId, u64>,
 }
 
 impl Default for Manifest {
@@ -64,6 +69,7 @@ impl Default for Manifest {
             flushed_seq: 0,
             next_part: 0,
             files: Vec::new(),
+            deleted_runs: Default::default(),
         }
     }
 }

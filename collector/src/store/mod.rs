@@ -59,6 +59,8 @@ pub enum Event {
     Run { run: String, world_size: u32 },
     /// An alert changed state.
     Alert { alert: Box<Alert> },
+    /// A run was deleted (by hand or by retention).
+    RunDeleted { run: String },
 }
 
 /// Limits the store enforces at ingest.
@@ -118,6 +120,28 @@ pub struct Store {
     /// Serialises flushes and compactions (each commits a manifest).
     maintenance: tokio::sync::Mutex<()>,
     epoch: i64,
+}
+
+/// What [`Store::delete_run`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Deleted {
+    pub run: String,
+    /// Parquet files (samples, sketches, run metadata, alerts).
+    pub files: usize,
+    pub bytes: u64,
+    /// Sample rows, in files and in the hot buffer.
+    pub rows: u64,
+    pub alerts: usize,
+}
+
+/// One run's footprint, for retention.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunUsage {
+    pub run: RunId,
+    /// Bytes of its Parquet files.
+    pub bytes: u64,
+    /// When it last reported (ms since the epoch; 0 when unknown).
+    pub last_seen_ms: i64,
 }
 
 /// Outcome of [`Store::begin`].
@@ -282,6 +306,15 @@ impl Store {
             state.applied_seq = state.applied_seq.max(seq);
             if let Some(key) = key {
                 state.keys.commit(key);
+            }
+            // A record of a run deleted after it was logged (only seen in replay).
+            if state
+                .manifest
+                .deleted_runs
+                .get(&entry.run)
+                .is_some_and(|&through| seq <= through)
+            {
+                return Ok(());
             }
             let summary = state.runs.entry(entry.run.clone()).or_default();
             summary.last_seen_ms = summary.last_seen_ms.max(seen_ms);
@@ -465,6 +498,8 @@ impl Store {
                 manifest.next_part += new_files.len() as u64;
                 manifest.files.extend(new_files);
                 manifest.flushed_seq = through;
+                // The log no longer holds records at or below `through`.
+                manifest.deleted_runs.retain(|_, seq| *seq > through);
                 manifest.save(&self.dir)?;
                 Ok((manifest, replaced, rows))
             });
@@ -687,6 +722,107 @@ impl Store {
         Ok(merged)
     }
 
+    /// Deletes a run: its Parquet files (after the grace period queries get), its rows in
+    /// the hot buffer, its run metadata and alerts. Serialised with flushes and compactions.
+    /// Records of the run still in the write-ahead log are tombstoned in the manifest, so a
+    /// restart does not bring them back. Rows that arrive afterwards start the run anew.
+    pub async fn delete_run(self: &Arc<Self>, run: &RunId) -> Result<Deleted> {
+        let _guard = self.maintenance.lock().await;
+        let store = self.clone();
+        let run = run.clone();
+        tokio::task::spawn_blocking(move || store.delete_run_blocking(&run))
+            .await
+            .map_err(|e| Error::Unavailable(format!("deletion task failed: {e}")))?
+    }
+
+    fn delete_run_blocking(&self, run: &RunId) -> Result<Deleted> {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if !state.runs.contains_key(run) && !state.manifest.files.iter().any(|f| f.run == *run) {
+            return Err(Error::UnknownRun(run.to_string()));
+        }
+        let mut manifest = state.manifest.clone();
+        let (gone, kept): (Vec<FileMeta>, Vec<FileMeta>) =
+            manifest.files.into_iter().partition(|f| f.run == *run);
+        manifest.files = kept;
+        if state.applied_seq > manifest.flushed_seq {
+            manifest.deleted_runs.insert(run.clone(), state.applied_seq);
+        }
+        // The lock is held across this one small write (unlike flushes): a record of the run
+        // applied between choosing the tombstone and dropping the hot rows would be lost from
+        // memory yet replayed after a restart.
+        manifest.save(&self.dir)?;
+        state.manifest = manifest;
+        let mut deleted = Deleted {
+            run: run.to_string(),
+            files: gone.len(),
+            bytes: gone.iter().map(|f| f.bytes).sum(),
+            rows: gone
+                .iter()
+                .filter(|f| f.table == Table::Samples.as_str())
+                .map(|f| f.rows)
+                .sum(),
+            ..Deleted::default()
+        };
+        for table in [Table::Samples, Table::Sketches] {
+            if let Some(part) = state.hot.remove(&(table, run.clone())) {
+                state.hot_bytes = state.hot_bytes.saturating_sub(part.bytes);
+                if table == Table::Samples {
+                    deleted.rows += part
+                        .batches
+                        .iter()
+                        .map(|b| b.num_rows() as u64)
+                        .sum::<u64>();
+                }
+            }
+        }
+        state.runs.remove(run);
+        state.runs_dirty.retain(|r| r != run);
+        state.alerts_dirty.retain(|r| r != run);
+        let ids: Vec<String> = state
+            .alerts
+            .values()
+            .filter(|a| a.run == *run)
+            .map(|a| a.id.clone())
+            .collect();
+        for id in &ids {
+            state.alerts.remove(id);
+            state.alert_revisions.remove(id);
+        }
+        deleted.alerts = ids.len();
+        let now = Instant::now();
+        state
+            .graveyard
+            .extend(gone.iter().map(|f| (now, self.dir.join(f.relative()))));
+        self.telemetry.hot_bytes.set(state.hot_bytes as i64);
+        self.telemetry.runs_deleted.inc();
+        self.publish(Event::RunDeleted {
+            run: run.to_string(),
+        });
+        drop(guard);
+        self.report_sizes();
+        tracing::info!(%run, files = deleted.files, bytes = deleted.bytes, rows = deleted.rows, "run deleted");
+        Ok(deleted)
+    }
+
+    /// Each run's Parquet bytes and when it last reported, for retention.
+    pub fn usage(&self) -> Vec<RunUsage> {
+        let state = self.lock();
+        let mut bytes: HashMap<&RunId, u64> = HashMap::new();
+        for f in &state.manifest.files {
+            *bytes.entry(&f.run).or_default() += f.bytes;
+        }
+        state
+            .runs
+            .iter()
+            .map(|(run, s)| RunUsage {
+                run: run.clone(),
+                bytes: bytes.get(run).copied().unwrap_or(0),
+                last_seen_ms: s.last_time_ms.unwrap_or(0).max(s.last_seen_ms),
+            })
+            .collect()
+    }
+
     /// Deletes replaced files whose grace period is over.
     fn bury_old_files(&self) {
         let due: Vec<PathBuf> = {
@@ -703,6 +839,11 @@ impl Store {
                 && e.kind() != std::io::ErrorKind::NotFound
             {
                 tracing::warn!(file = %path.display(), error = %e, "could not delete a replaced file");
+            }
+            // A deleted run leaves an empty `run=` directory; removing a non-empty one fails,
+            // which is the test.
+            if let Some(dir) = path.parent() {
+                let _ = std::fs::remove_dir(dir);
             }
         }
     }

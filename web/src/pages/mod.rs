@@ -262,9 +262,9 @@ pub(crate) fn MetricChart(
         Some(async move {
             // Every part at once: the collector answers them in parallel, and a chart is
             // drawn only when its slowest part arrives.
-            let queries = parts.iter().map(|p| {
-                api::series(&run, &p.metric, p.layer, p.site.as_deref(), p.rank, window)
-            });
+            let queries = parts
+                .iter()
+                .map(|p| api::series(&run, &p.metric, p.layer, p.site.as_deref(), p.rank, window));
             futures_util::future::try_join_all(queries).await
         })
     });

@@ -1,0 +1,268 @@
+//! The command-line client of a running collector: `rankwatch runs list|delete|prune` and
+//! `rankwatch export`. Each is one call to the HTTP API (the same the dashboard and scripts
+//! use), so what the CLI can do is exactly what the API allows with the same token.
+
+use std::fs::File;
+use std::io::{self, BufRead, IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::config::{ExportArgs, Remote, RunsAction};
+use crate::error::{Error, Result};
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        // The API's own error answers carry the message to show.
+        .http_status_as_error(false)
+        .build()
+        .into()
+}
+
+fn encode(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The collector's message for a non-2xx answer.
+fn refusal(status: u16, body: &str) -> Error {
+    let message = serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
+        .unwrap_or_else(|| body.trim().to_owned());
+    Error::Remote(format!("the collector answered {status}: {message}"))
+}
+
+fn unreachable(url: &str, e: ureq::Error) -> Error {
+    Error::Remote(format!("cannot reach the collector at {url}: {e}"))
+}
+
+fn call(remote: &Remote, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+    let url = format!("{}{path}", remote.url.trim_end_matches('/'));
+    let auth = remote.token.as_ref().map(|t| format!("Bearer {t}"));
+    let agent = agent();
+    let answer = match (method, body) {
+        ("GET", _) => {
+            let mut r = agent.get(&url);
+            if let Some(a) = &auth {
+                r = r.header("authorization", a);
+            }
+            r.call()
+        }
+        ("DELETE", _) => {
+            let mut r = agent.delete(&url);
+            if let Some(a) = &auth {
+                r = r.header("authorization", a);
+            }
+            r.call()
+        }
+        (_, body) => {
+            let mut r = agent.post(&url);
+            if let Some(a) = &auth {
+                r = r.header("authorization", a);
+            }
+            r.send_json(body.unwrap_or(Value::Null))
+        }
+    };
+    let mut answer = answer.map_err(|e| unreachable(&remote.url, e))?;
+    let status = answer.status().as_u16();
+    let text = answer
+        .body_mut()
+        .read_to_string()
+        .map_err(|e| Error::Remote(format!("reading the collector's answer: {e}")))?;
+    if !(200..300).contains(&status) {
+        return Err(refusal(status, &text));
+    }
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn human_bytes(n: u64) -> String {
+    let units = ["B", "kB", "MB", "GB", "TB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < units.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.1} {}", units[unit])
+    }
+}
+
+fn ago(ms: Option<i64>) -> String {
+    let Some(ms) = ms.filter(|m| *m > 0) else {
+        return "-".into();
+    };
+    let s = (crate::now_ms() - ms).max(0) / 1000;
+    match s {
+        0..60 => format!("{s}s ago"),
+        60..3600 => format!("{}m ago", s / 60),
+        3600..86_400 => format!("{}h ago", s / 3600),
+        _ => format!("{}d ago", s / 86_400),
+    }
+}
+
+/// `rankwatch runs ...`; prints to `out`.
+pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result<()> {
+    match action {
+        RunsAction::List { json } => {
+            let answer = call(remote, "GET", "/api/v1/runs", None)?;
+            if *json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
+                return Ok(());
+            }
+            let runs = answer["runs"].as_array().cloned().unwrap_or_default();
+            writeln!(
+                out,
+                "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7}",
+                "RUN", "RANKS", "LAST STEP", "LAST SEEN", "SIZE", "FIRING"
+            )?;
+            for r in &runs {
+                let num = |k: &str| r[k].as_u64().map_or("-".into(), |v| v.to_string());
+                writeln!(
+                    out,
+                    "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7}",
+                    r["run"].as_str().unwrap_or("?"),
+                    num("world_size"),
+                    num("last_step"),
+                    ago(r["last_seen_ms"].as_i64()),
+                    human_bytes(r["bytes"].as_u64().unwrap_or(0)),
+                    num("alerts_firing"),
+                )?;
+            }
+            writeln!(out, "{} run(s)", runs.len())?;
+        }
+        RunsAction::Delete { runs, yes } => {
+            if !yes {
+                if !io::stdin().is_terminal() {
+                    return Err(Error::bad(
+                        "refusing to delete without confirmation: pass --yes (stdin is not a terminal)",
+                    ));
+                }
+                write!(out, "Delete {} and all its data? [y/N] ", runs.join(", "))?;
+                out.flush()?;
+                let mut line = String::new();
+                io::stdin().lock().read_line(&mut line)?;
+                if !matches!(line.trim(), "y" | "Y" | "yes") {
+                    writeln!(out, "nothing deleted")?;
+                    return Ok(());
+                }
+            }
+            for run in runs {
+                let d = call(
+                    remote,
+                    "DELETE",
+                    &format!("/api/v1/runs/{}", encode(run)),
+                    None,
+                )?;
+                writeln!(
+                    out,
+                    "deleted {run}: {} rows, {} files ({}), {} alerts",
+                    d["rows"],
+                    d["files"],
+                    human_bytes(d["bytes"].as_u64().unwrap_or(0)),
+                    d["alerts"]
+                )?;
+            }
+        }
+        RunsAction::Prune {
+            older_than,
+            max_bytes,
+            dry_run,
+        } => {
+            let mut body = json!({ "dry_run": dry_run });
+            if let Some(age) = older_than {
+                body["max_age"] = json!(format!("{}s", age.as_secs()));
+            }
+            if let Some(cap) = max_bytes {
+                body["max_bytes"] = json!(cap);
+            }
+            let report = call(remote, "POST", "/api/v1/retention", Some(body))?;
+            let verb = if *dry_run { "would delete" } else { "deleted" };
+            let deleted = report["deleted"].as_array().cloned().unwrap_or_default();
+            for d in &deleted {
+                writeln!(
+                    out,
+                    "{verb} {} ({}, last seen {}, {})",
+                    d["run"].as_str().unwrap_or("?"),
+                    d["reason"].as_str().unwrap_or("?"),
+                    ago(d["last_seen_ms"].as_i64()),
+                    human_bytes(d["bytes"].as_u64().unwrap_or(0)),
+                )?;
+            }
+            writeln!(
+                out,
+                "{verb} {} run(s); {} left",
+                deleted.len(),
+                human_bytes(report["bytes_left"].as_u64().unwrap_or(0))
+            )?;
+            if let Some(why) = report["over_cap"].as_str() {
+                writeln!(out, "warning: {why}")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `rankwatch export RUN`: streams the file to a temporary name and renames it when complete.
+pub fn export(args: &ExportArgs) -> Result<PathBuf> {
+    let remote = &args.remote;
+    let url = format!(
+        "{}/api/v1/runs/{}/export?format={}&table={}",
+        remote.url.trim_end_matches('/'),
+        encode(&args.run),
+        args.format,
+        args.table
+    );
+    let mut request = agent().get(&url);
+    if let Some(t) = &remote.token {
+        request = request.header("authorization", format!("Bearer {t}"));
+    }
+    let mut answer = request.call().map_err(|e| unreachable(&remote.url, e))?;
+    let status = answer.status().as_u16();
+    if !(200..300).contains(&status) {
+        let text = answer.body_mut().read_to_string().unwrap_or_default();
+        return Err(refusal(status, &text));
+    }
+    let mut body = answer.body_mut().with_config().limit(u64::MAX).reader();
+    let output = args
+        .output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("{}.{}.{}", args.run, args.table, args.format)));
+    if output == Path::new("-") {
+        io::copy(&mut body, &mut io::stdout().lock())
+            .map_err(|e| Error::Remote(format!("the download failed: {e}")))?;
+        return Ok(output);
+    }
+    let tmp = output.with_extension(format!("{}.partial", args.format));
+    let copied = (|| -> io::Result<()> {
+        let mut file = File::create(&tmp)?;
+        let mut buffer = vec![0u8; 256 * 1024];
+        loop {
+            let n = body.read(&mut buffer)?;
+            if n == 0 {
+                break;
+            }
+            file.write_all(&buffer[..n])?;
+        }
+        file.sync_all()
+    })();
+    if let Err(e) = copied {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::Remote(format!(
+            "the download failed and nothing was written to {}: {e}",
+            output.display()
+        )));
+    }
+    std::fs::rename(&tmp, &output)?;
+    Ok(output)
+}

@@ -1,0 +1,196 @@
+//! Exporting one run's table (`GET /api/v1/runs/{run}/export`, `rankwatch export`) as Parquet
+//! or CSV, streamed.
+//!
+//! The rows are what a query sees at the moment the export starts: the run's Parquet files
+//! (opened up front, so a compaction that replaces them meanwhile cannot pull them away) and
+//! its hot batches. They are written file by file, batch by batch, with the `run` column put
+//! back, so memory stays at one batch whatever the run's size. Row order is storage order:
+//! each file is sorted (samples by metric, layer, site, rank, step), the files are not merged.
+//!
+//! The writer runs on a blocking thread and hands the body over in chunks through a bounded
+//! channel; a client that goes away stops it. An error after the first bytes can only cut the
+//! response short — for Parquet that leaves no footer, so a reader refuses the file rather
+//! than read part of it.
+
+use std::fs::File;
+use std::io::{self, Write};
+
+use arrow_array::RecordBatch;
+use bytes::Bytes;
+use parquet::arrow::ArrowWriter;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use rankwatch_analytics::RunId;
+use tokio::sync::mpsc;
+
+use crate::decode::Table;
+use crate::error::{Error, Result};
+use crate::store::{TableView, add_run_column, files::file_schema};
+
+/// The export's file format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Parquet,
+    Csv,
+}
+
+impl Format {
+    /// `parquet` or `csv`.
+    pub fn parse(text: &str) -> Result<Format> {
+        match text {
+            "parquet" => Ok(Format::Parquet),
+            "csv" => Ok(Format::Csv),
+            other => Err(Error::bad(format!(
+                "unknown export format {other:?}; expected parquet or csv"
+            ))),
+        }
+    }
+
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::Parquet => "parquet",
+            Format::Csv => "csv",
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Parquet => "application/vnd.apache.parquet",
+            Format::Csv => "text/csv; charset=utf-8",
+        }
+    }
+}
+
+/// A run's rows, pinned: open files and hot batches.
+#[derive(Debug)]
+pub struct Snapshot {
+    run: RunId,
+    table: Table,
+    files: Vec<File>,
+    batches: Vec<RecordBatch>,
+}
+
+impl Snapshot {
+    /// Opens every file of `view` now.
+    pub fn open(run: RunId, table: Table, view: TableView) -> Result<Snapshot> {
+        let files = view
+            .files
+            .iter()
+            .map(File::open)
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(Snapshot {
+            run,
+            table,
+            files,
+            batches: view.batches,
+        })
+    }
+
+    /// Writes every row to `out` in `format`; returns the row count.
+    pub fn write(self, format: Format, out: impl Write + Send) -> Result<u64> {
+        let schema =
+            add_run_column(&RecordBatch::new_empty(file_schema(self.table)), &self.run)?.schema();
+        let mut sink: Box<dyn BatchSink + '_> = match format {
+            Format::Parquet => {
+                let properties = WriterProperties::builder()
+                    .set_compression(Compression::ZSTD(ZstdLevel::try_new(3).unwrap_or_default()))
+                    .build();
+                Box::new(ArrowWriter::try_new(out, schema, Some(properties))?)
+            }
+            Format::Csv => Box::new(arrow_csv::WriterBuilder::new().with_header(true).build(out)),
+        };
+        let mut rows = 0u64;
+        let mut put = |batch: &RecordBatch, sink: &mut Box<dyn BatchSink + '_>| -> Result<()> {
+            let with_run = add_run_column(batch, &self.run)?;
+            rows += with_run.num_rows() as u64;
+            sink.put(&with_run)
+        };
+        for file in self.files {
+            let reader = ParquetRecordBatchReaderBuilder::try_new(file)?
+                .with_batch_size(64 * 1024)
+                .build()?;
+            for batch in reader {
+                put(&batch.map_err(Error::Arrow)?, &mut sink)?;
+            }
+        }
+        for batch in &self.batches {
+            put(batch, &mut sink)?;
+        }
+        sink.finish()?;
+        Ok(rows)
+    }
+}
+
+/// The two writers, behind one face.
+trait BatchSink {
+    fn put(&mut self, batch: &RecordBatch) -> Result<()>;
+    fn finish(self: Box<Self>) -> Result<()>;
+}
+
+impl<W: Write + Send> BatchSink for ArrowWriter<W> {
+    fn put(&mut self, batch: &RecordBatch) -> Result<()> {
+        Ok(self.write(batch)?)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        let mut out = self.into_inner()?;
+        Ok(out.flush()?)
+    }
+}
+
+impl<W: Write> BatchSink for arrow_csv::Writer<W> {
+    fn put(&mut self, batch: &RecordBatch) -> Result<()> {
+        self.write(batch).map_err(Error::Arrow)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        let mut out = self.into_inner();
+        Ok(out.flush()?)
+    }
+}
+
+/// An `io::Write` that sends what it is given as body chunks of about `CHUNK` bytes.
+#[derive(Debug)]
+pub struct ChannelWriter {
+    buffer: Vec<u8>,
+    tx: mpsc::Sender<io::Result<Bytes>>,
+}
+
+const CHUNK: usize = 256 * 1024;
+
+impl ChannelWriter {
+    pub fn new(tx: mpsc::Sender<io::Result<Bytes>>) -> Self {
+        ChannelWriter {
+            buffer: Vec::with_capacity(CHUNK),
+            tx,
+        }
+    }
+
+    fn send(&mut self) -> io::Result<()> {
+        if self.buffer.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(
+            &mut self.buffer,
+            Vec::with_capacity(CHUNK),
+        ));
+        self.tx
+            .blocking_send(Ok(chunk))
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the client went away"))
+    }
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.buffer.extend_from_slice(data);
+        if self.buffer.len() >= CHUNK {
+            self.send()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.send()
+    }
+}

@@ -1,0 +1,256 @@
+"""The compose deployment, tested without a Docker engine (there is none on this machine):
+
+- docker-compose.yml parses; every file it mounts exists; the services reach each other on the
+  ports they listen on; the collector accepts the compose file's command and environment;
+- Prometheus's configuration and rules pass `promtool`, Alertmanager's passes `amtool`;
+- Grafana's provisioning points at the mounted dashboards and a datasource they use;
+- every PromQL expression of every dashboard returns data from a real Prometheus (Debian's)
+  scraping a collector fed by a real 2-rank PyTorch run with a fault, which posts its alerts
+  to a real Alertmanager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from conftest import Collector
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPOSE = ROOT / "docker-compose.yml"
+DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
+EXAMPLE = ROOT / "sdk-python" / "examples" / "train_ddp.py"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def bind_mounts(service: dict) -> list[tuple[Path, str]]:
+    out = []
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("."):
+            out.append(((ROOT / source).resolve(), target))
+    return out
+
+
+def exprs(dashboard: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_compose_file_references_existing_files_and_consistent_ports() -> None:
+    c = compose()
+    services = c["services"]
+    assert set(services) == {"collector", "prometheus", "alertmanager", "grafana"}
+    # Every bind-mounted file exists; named volumes are declared.
+    for name, service in services.items():
+        for source, _ in bind_mounts(service):
+            assert source.exists(), f"{name} mounts {source}, which does not exist"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith("."):
+                assert source in c["volumes"], f"{name} uses undeclared volume {source}"
+    # The collector image is built from this repository's Dockerfile, which builds what the
+    # tests build: the dashboard, then the collector.
+    assert services["collector"]["build"] == "."
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "cargo xtask web" in dockerfile and "-p rankwatch-collector" in dockerfile
+    assert (ROOT / ".dockerignore").read_text().splitlines()[0] == "target"
+    # Ports: each service's published container port is the one the others are told.
+    listen = services["collector"]["environment"]["RANKWATCH_LISTEN"]
+    collector_port = listen.rsplit(":", 1)[1]
+    assert services["collector"]["ports"] == [f"127.0.0.1:{collector_port}:{collector_port}"]
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    scrape = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert scrape == [f"collector:{collector_port}"]
+    am = prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    assert am == ["alertmanager:9093"] and services["alertmanager"]["ports"] == ["127.0.0.1:9093:9093"]
+    assert "--alertmanager-url=http://alertmanager:9093" in services["collector"]["command"]
+    # Prometheus loads the rule file it is given.
+    mounts = dict((t, s) for s, t in bind_mounts(services["prometheus"]))
+    for rule_file in prometheus["rule_files"]:
+        assert rule_file in mounts, f"{rule_file} is not mounted into prometheus"
+    # Grafana: the datasource points at the prometheus service; the dashboard provider reads
+    # the directory ./dashboards is mounted on; every panel uses the provisioned datasource.
+    grafana = {t: s for s, t in bind_mounts(services["grafana"])}
+    provisioning = grafana["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090" and services["prometheus"]["ports"] == ["127.0.0.1:9090:9090"]
+    provider = yaml.safe_load((provisioning / "dashboards/rankwatch.yml").read_text())["providers"][0]
+    assert grafana[provider["options"]["path"]] == (ROOT / "dashboards").resolve()
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent.as_posix() == provider["options"]["path"] and (ROOT / "dashboards" / Path(home).name).exists()
+    assert len(DASHBOARDS) >= 2
+    uids = set()
+    for path in DASHBOARDS:
+        d = json.loads(path.read_text())
+        uids.add(d["uid"])
+        for panel in d["panels"]:
+            assert panel["datasource"]["uid"] == datasource["uid"], (path.name, panel["title"])
+            assert panel["targets"], (path.name, panel["title"])
+    assert len(uids) == len(DASHBOARDS), "dashboard uids must be unique"
+
+
+def test_prometheus_and_alertmanager_configs_pass_their_own_checkers(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    amtool = shutil.which("amtool") or "/usr/bin/amtool"
+    rules = ROOT / "deploy/prometheus/alerts.yml"
+    done = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The config names the rule file by its path inside the container; check a copy that
+    # names it here instead.
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config["rule_files"] = [str(rules)]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    done = subprocess.run([promtool, "check", "config", str(local)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run([amtool, "check-config", str(ROOT / "deploy/alertmanager/alertmanager.yml")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_collector_accepts_the_compose_command_and_environment(tmp_path: Path) -> None:
+    service = compose()["services"]["collector"]
+    env = {**os.environ, "RANKWATCH_LOG": "warn"}
+    for key, value in service["environment"].items():
+        # ${VAR:-default} as compose expands it with nothing set.
+        env[key] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+    env["RANKWATCH_DATA_DIR"] = str(tmp_path / "data")
+    # Not 0.0.0.0 here: the test binds loopback only, on a free port.
+    env["RANKWATCH_LISTEN"] = "127.0.0.1:0"
+    proc = subprocess.Popen([os.environ["RANKWATCH_BIN"], *service["command"]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line.startswith("rankwatch listening on http://"), (line, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        url = line.strip().rsplit(" ", 1)[1]
+        assert requests.get(f"{url}/readyz", timeout=5).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def substitute(expr: str, run: str) -> str:
+    # The run names used here hold no regex metacharacters (PromQL has no `\-` escape).
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", run)
+    return expr.replace("$__rate_interval", "15s").replace("$run", run)
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path):
+    port = free_port()
+    binary = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
+    proc = subprocess.Popen(
+        [binary, f"--config.file={ROOT / 'deploy/alertmanager/alertmanager.yml'}", f"--storage.path={tmp_path / 'am'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                break
+        except requests.RequestException:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def finite(result: list) -> bool:
+    return any(v[1] not in ("NaN", "+Inf", "-Inf") for r in result for v in ([r["value"]] if "value" in r else r["values"]))
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Path, alertmanager: str) -> None:
+    """Prometheus scrapes every second while the run trains; each expression must give a
+    finite value at some point (a rate over an idle counter would give 0, a quantile NaN)."""
+    collector = Collector(tmp_path / "data", f"--alertmanager-url={alertmanager}", "--flush-interval", "1s")
+    prometheus = training = None
+    try:
+        port = free_port()
+        config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+        config["global"]["scrape_interval"] = "1s"
+        config["rule_files"] = [str(ROOT / "deploy/prometheus/alerts.yml")]
+        config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [alertmanager.removeprefix("http://")]
+        config["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{collector.port}"]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        prometheus = subprocess.Popen(
+            [os.environ.get("PROMETHEUS_BIN", "/usr/bin/prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        # One malformed batch, so the rejects panel has a reason to show.
+        bad = requests.post(f"{collector.url}/api/v1/ingest", data=b"{not json", headers={"content-type": "application/json"}, timeout=10)
+        assert bad.status_code == 400
+        # A real 2-rank run whose rank 1 hits a NaN at step 40: an alert fires (and resolves),
+        # so the alert gauges, transitions and Alertmanager notifications have data.
+        run = "grafana-run"
+        cmd = [sys.executable, str(EXAMPLE), "--nproc", "2", "--steps", "150", "--run", run, "--collector", collector.url,
+               "--spool-dir", str(tmp_path / "spool"), "--layers", "2", "--width", "32", "--seq", "32", "--batch", "4",
+               "--vocab", "64", "--corpus", "256", "--cadence", "spectral=5", "--fault", "nan@40:rank=1", "--step-sleep", "0.1"]
+        training = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+        def query(expr: str) -> list:
+            r = requests.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": expr}, timeout=5)
+            assert r.status_code == 200, (expr, r.text)
+            return r.json()["data"]["result"]
+
+        wanted = [(path.name, title, substitute(expr, run)) for path in DASHBOARDS for title, expr in exprs(json.loads(path.read_text()))]
+        # The run variable's own query.
+        wanted.append(("run-health.json", "$run", "group by (run) (rankwatch_run_step)"))
+        empty = wanted
+        deadline = None
+        while empty:
+            time.sleep(1)
+            try:
+                empty = [w for w in empty if not finite(query(w[2]))]
+            except requests.RequestException:
+                pass
+            if training.poll() is not None and deadline is None:
+                assert training.returncode == 0, training.stderr.read()[-4000:] if training.stderr else ""
+                deadline = time.monotonic() + 30
+            if deadline is not None and time.monotonic() > deadline:
+                break
+        assert not empty, f"dashboard queries without data: {empty}"
+        runs = {r["metric"]["run"] for r in query("group by (run) (rankwatch_run_step)")}
+        assert run in runs
+        assert any(float(r["value"][1]) > 0 for r in query(f'rankwatch_run_loss{{run="{run}"}}'))
+        states = {r["metric"]["state"] for r in query("rankwatch_alert_transitions_total")}
+        assert "firing" in states, states
+        # The collector delivered its alert to the real Alertmanager, which holds it.
+        delivered = query('rankwatch_alert_notifications_total{sink="alertmanager",outcome="delivered"}')
+        assert delivered and float(delivered[0]["value"][1]) >= 1, delivered
+        # Alertmanager's own count agrees (the NaN alert resolves within seconds, so it is no
+        # longer listed among the active alerts).
+        received = requests.get(f"{alertmanager}/metrics", timeout=5).text
+        firing = [line for line in received.splitlines() if line.startswith("alertmanager_alerts_received_total") and 'status="firing"' in line]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in firing) >= 1, firing
+    finally:
+        if training is not None and training.poll() is None:
+            training.kill()
+            training.wait()
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        collector.stop()
