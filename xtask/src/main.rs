@@ -503,34 +503,24 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
     if !binary.exists() {
         bail!("{} is missing: the Rust tests build it", binary.display());
     }
-    let mut pytest = Command::new(&python);
-    pytest
-        .current_dir(root())
-        .args([
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "collector/tests/python",
-        ])
+    let mut collector = pytest(&python, &root(), "collector/tests/python");
+    collector
         .env("RANKWATCH_BIN", &binary)
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
-    run_counting("python suites", pytest, Some(tally), Tally::add_pytest_line)?;
+    run_counting(
+        "python suites",
+        collector,
+        Some(tally),
+        Tally::add_pytest_line,
+    )?;
     // The SDK's suite: its own conftest (a second one in the same pytest session would clash).
-    let mut sdk = Command::new(&python);
-    sdk.current_dir(root().join("sdk-python"))
-        .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", "tests"])
-        .env("RANKWATCH_BIN", &binary)
-        .env("HF_HUB_OFFLINE", "1");
+    let mut sdk = pytest(&python, &root().join("sdk-python"), "tests");
+    sdk.env("RANKWATCH_BIN", &binary);
     run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)?;
     // The dashboard in a real browser: Debian's Chromium, driven by Playwright.
     ensure_debian("chromium", "/usr/bin/chromium")?;
-    let mut ui = Command::new(&python);
-    ui.current_dir(root().join("web/tests"))
-        .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", "."])
-        .env("RANKWATCH_BIN", &binary)
-        .env("HF_HUB_OFFLINE", "1");
+    let mut ui = pytest(&python, &root().join("web/tests"), ".");
+    ui.env("RANKWATCH_BIN", &binary);
     run_counting(
         "browser tests (dashboard)",
         ui,
@@ -538,18 +528,17 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         Tally::add_pytest_line,
     )?;
     // The README's main job, as a user runs it.
-    let mut demo = Command::new(&python);
-    demo.current_dir(root())
-        .args([
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "xtask/tests",
-        ])
-        .env("HF_HUB_OFFLINE", "1");
+    let demo = pytest(&python, &root(), "xtask/tests");
     run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
+}
+
+/// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face.
+fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.current_dir(dir)
+        .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", target])
+        .env("HF_HUB_OFFLINE", "1");
+    cmd
 }
 
 /// The main job: a collector with the dashboard and a real multi-rank training job with
