@@ -44,32 +44,21 @@ fn unreachable(url: &str, e: ureq::Error) -> Error {
     Error::Remote(format!("cannot reach the collector at {url}: {e}"))
 }
 
+/// Adds the remote's bearer token, when it has one.
+fn authorized<B>(request: ureq::RequestBuilder<B>, remote: &Remote) -> ureq::RequestBuilder<B> {
+    match &remote.token {
+        Some(t) => request.header("authorization", format!("Bearer {t}")),
+        None => request,
+    }
+}
+
 fn call(remote: &Remote, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
     let url = format!("{}{path}", remote.url.trim_end_matches('/'));
-    let auth = remote.token.as_ref().map(|t| format!("Bearer {t}"));
     let agent = agent();
-    let answer = match (method, body) {
-        ("GET", _) => {
-            let mut r = agent.get(&url);
-            if let Some(a) = &auth {
-                r = r.header("authorization", a);
-            }
-            r.call()
-        }
-        ("DELETE", _) => {
-            let mut r = agent.delete(&url);
-            if let Some(a) = &auth {
-                r = r.header("authorization", a);
-            }
-            r.call()
-        }
-        (_, body) => {
-            let mut r = agent.post(&url);
-            if let Some(a) = &auth {
-                r = r.header("authorization", a);
-            }
-            r.send_json(body.unwrap_or(Value::Null))
-        }
+    let answer = match method {
+        "GET" => authorized(agent.get(&url), remote).call(),
+        "DELETE" => authorized(agent.delete(&url), remote).call(),
+        _ => authorized(agent.post(&url), remote).send_json(body.unwrap_or(Value::Null)),
     };
     let mut answer = answer.map_err(|e| unreachable(&remote.url, e))?;
     let status = answer.status().as_u16();
@@ -223,11 +212,9 @@ pub fn export(args: &ExportArgs) -> Result<PathBuf> {
         args.format,
         args.table
     );
-    let mut request = agent().get(&url);
-    if let Some(t) = &remote.token {
-        request = request.header("authorization", format!("Bearer {t}"));
-    }
-    let mut answer = request.call().map_err(|e| unreachable(&remote.url, e))?;
+    let mut answer = authorized(agent().get(&url), remote)
+        .call()
+        .map_err(|e| unreachable(&remote.url, e))?;
     let status = answer.status().as_u16();
     if !(200..300).contains(&status) {
         let text = answer.body_mut().read_to_string().unwrap_or_default();

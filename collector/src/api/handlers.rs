@@ -392,7 +392,7 @@ pub(super) async fn delete_run(
     Ok(Json(deleted))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RetentionRequest {
     /// `30d`, `12h`: delete runs silent longer than this.
@@ -409,11 +409,7 @@ pub(super) async fn retention(
     body: Bytes,
 ) -> Result<Json<crate::retention::Report>> {
     let request: RetentionRequest = if body.is_empty() {
-        RetentionRequest {
-            max_age: None,
-            max_bytes: None,
-            dry_run: false,
-        }
+        RetentionRequest::default()
     } else {
         serde_json::from_slice(&body)?
     };
@@ -469,7 +465,7 @@ pub(super) async fn export(
     Path(run): Path<String>,
     Query(q): Query<ExportQuery>,
 ) -> Result<Response> {
-    let run = RunId::new(run)?;
+    let run = state.inner.engine.known_run(&run)?;
     let format = crate::export::Format::parse(q.format.as_deref().unwrap_or("parquet"))?;
     let table = match q.table.as_deref().unwrap_or("samples") {
         "samples" => crate::decode::Table::Samples,
@@ -481,9 +477,6 @@ pub(super) async fn export(
         }
     };
     let store = state.inner.engine.store().clone();
-    if !store.with_runs(|runs| runs.contains_key(&run)) {
-        return Err(Error::UnknownRun(run.to_string()));
-    }
     let snapshot = crate::export::Snapshot::open(run.clone(), table, store.view(table, &run))?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let errors = tx.clone();

@@ -99,7 +99,7 @@ fn site(s: Option<&str>) -> Result<Option<Site>> {
 }
 
 impl Engine {
-    fn known_run(&self, run: &str) -> Result<RunId> {
+    pub(crate) fn known_run(&self, run: &str) -> Result<RunId> {
         let run = RunId::new(run)?;
         if self.store().with_runs(|r| r.contains_key(&run)) {
             Ok(run)

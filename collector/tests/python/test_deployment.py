@@ -25,20 +25,12 @@ import pytest
 import requests
 import yaml
 
-from conftest import Collector
+from conftest import Collector, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = ROOT / "docker-compose.yml"
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 EXAMPLE = ROOT / "sdk-python" / "examples" / "train_ddp.py"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compose() -> dict:
@@ -139,14 +131,18 @@ def test_collector_accepts_the_compose_command_and_environment(tmp_path: Path) -
     # Not 0.0.0.0 here: the test binds loopback only, on a free port.
     env["RANKWATCH_LISTEN"] = "127.0.0.1:0"
     proc = subprocess.Popen([os.environ["RANKWATCH_BIN"], *service["command"]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert line.startswith("rankwatch listening on http://"), (line, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+    line = proc.stdout.readline() if proc.stdout else ""
+    ready = None
+    if line.startswith("rankwatch listening on http://"):
         url = line.strip().rsplit(" ", 1)[1]
-        assert requests.get(f"{url}/readyz", timeout=5).status_code == 200
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        ready = requests.get(f"{url}/readyz", timeout=5).status_code
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    # Every outcome with the collector's own log, so a failure explains itself.
+    log = proc.stderr.read()[-4000:] if proc.stderr else ""
+    assert line.startswith("rankwatch listening on http://"), (line, log)
+    assert ready == 200, (ready, log)
+    assert code == 0, (code, log)
 
 
 def substitute(expr: str, run: str) -> str:

@@ -4,17 +4,12 @@ returns the collector's own counters and the bounded per-run gauges."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 
 import requests
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 def test_prometheus_scrapes_metrics_and_answers_queries(collector, tmp_path):
