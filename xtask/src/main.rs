@@ -216,9 +216,7 @@ fn test(extra: &[String]) -> Result<()> {
     run("clippy (dashboard, wasm32)", clippy_web)?;
     let mut tally = Tally::default();
     let mut tests = cargo();
-    tests
-        .args(["test", "--workspace", "--exclude", WEB_CRATE, "--locked"])
-        .args(extra);
+    tests.args(RUST_TEST_ARGS).args(extra);
     let mut outcome = run_with("rust tests", tests, Some(&mut tally));
     if outcome.is_ok() {
         outcome = python_suites(&mut tally);
@@ -236,6 +234,8 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 const WEB_CRATE: &str = "rankwatch-web";
+/// The Rust test suite's cargo arguments; the demo builds its collector with the same ones.
+const RUST_TEST_ARGS: [&str; 5] = ["test", "--workspace", "--exclude", WEB_CRATE, "--locked"];
 const WASM_TARGET: &str = "wasm32-unknown-unknown";
 
 /// The exact wasm-bindgen version in Cargo.lock: the CLI must match the library.
@@ -547,19 +547,12 @@ fn demo(extra: &[String]) -> Result<()> {
     let python = ensure_venv()?;
     ensure_native_module(&python, false)?;
     web()?;
-    // The test profile, as `cargo test` builds it: after the test suite this is a no-op.
+    // Exactly the build `cargo xtask test` makes: the same packages and targets, so the same
+    // feature set. `cargo build -p rankwatch-collector` alone unifies features differently and
+    // recompiled DataFusion from scratch (15 minutes on CI) after the test suite had built it.
     let mut build = cargo();
-    build.args([
-        "build",
-        "--profile",
-        "test",
-        "--locked",
-        "-p",
-        "rankwatch-collector",
-        "--bin",
-        "rankwatch",
-    ]);
-    run("build rankwatch", build)?;
+    build.args(RUST_TEST_ARGS).arg("--no-run");
+    run("build rankwatch (the test suite's build)", build)?;
     let mut story = Command::new(&python);
     story
         .current_dir(root())
