@@ -7,7 +7,10 @@
 2. Queries over a run of 10 M samples (64 layers x 8 ranks): `series` at 1,000 points and the
    64 x 1,000 `heatmap`, p50 over repeated calls, each beside DuckDB running the equivalent
    aggregation over the same Parquet files.
-3. Memory: 1,024 simulated ranks x 200 metrics at one step per second; peak RSS and rejects.
+3. Storage: one 2 M-sample run through a collector on local disk and one on
+   `--storage s3://` (moto's S3 server from PyPI): ingest rate, final flush, restart, and a
+   series query reading the parts back.
+4. Memory: 1,024 simulated ranks x 200 metrics at one step per second; peak RSS and rejects.
    Ten minutes by default (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
 
 Numbers are targets, not assertions: the script prints them and the machine they ran on.
@@ -217,6 +220,65 @@ def bench_queries(total: int = 10_000_000) -> None:
     print(f"{'heatmap, 64 x 1,000':34} {rw_heat:>17.1f} {duck_heat:>14.1f} {duck_heat / rw_heat:>17.2f} {'<= 100 ms':>10}")
 
 
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server (a Python process: a floor for object storage, not S3's speed)."""
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            requests.get(endpoint, timeout=1)
+            break
+        except requests.RequestException:
+            time.sleep(0.1)
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                 region_name="us-east-1").create_bucket(Bucket="rankwatch-bench")
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
+                       "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"})
+    return proc, endpoint
+
+
+def bench_storage(total: int = 2_000_000) -> None:
+    """The same run through a collector on local disk and one on object storage: ingest rate,
+    the final flush (SIGTERM), a cold restart, and query latency reading the parts back."""
+    rows = 100_000
+    print(f"\n# storage: one run of {total:,} samples, local disk vs --storage s3:// (moto server)", flush=True)
+    bodies = [(ipc_bytes(samples_batch("st", i * (rows // 512 + 1), rows)), {"content-type": ARROW})
+              for i in range(total // rows)]
+    moto, _ = start_moto()
+    results = []
+    try:
+        for name, extra in [("local disk", ()), ("s3:// (moto)", ("--storage", "s3://rankwatch-bench/ds", "--node-id", "bench"))]:
+            with tempfile.TemporaryDirectory() as d:
+                data = Path(d) / "data"
+                proc, url = start_collector(data, "--hot-budget-bytes", str(256 << 20), "--flush-interval", "1h", *extra, cpus=None)
+                try:
+                    secs = post_all(f"{url}/api/v1/ingest", bodies, 4)
+                finally:
+                    t = time.perf_counter()
+                    stop(proc)
+                    flush = time.perf_counter() - t
+                t = time.perf_counter()
+                proc, url = start_collector(data, *extra, cpus=None)
+                start = time.perf_counter() - t
+                try:
+                    s = requests.Session()
+                    series = lambda: s.get(f"{url}/api/v1/runs/st/series", params={"metric": "spectral.ratio", "layer": 17, "rank": 3, "points": 1000}, timeout=60).json()  # noqa: E731
+                    q = p50(series, 10)
+                finally:
+                    stop(proc)
+            results.append((name, total / secs, flush, start, q))
+    finally:
+        moto.terminate()
+        moto.wait(timeout=30)
+    print(f"{'storage':16} {'ingest samples/s':>17} {'final flush s':>14} {'restart s':>10} {'series p50 ms':>14}")
+    for name, rate, flush, start, q in results:
+        print(f"{name:16} {rate:>17,.0f} {flush:>14.2f} {start:>10.2f} {q:>14.1f}")
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -261,11 +323,13 @@ def bench_memory(seconds: int) -> None:
 
 def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
-    which = sys.argv[1:] or ["ingest", "queries", "memory"]
+    which = sys.argv[1:] or ["ingest", "queries", "storage", "memory"]
     if "ingest" in which:
         bench_ingest()
     if "queries" in which:
         bench_queries()
+    if "storage" in which:
+        bench_storage()
     if "memory" in which:
         bench_memory(int(os.environ.get("RANKWATCH_BENCH_MEMORY_SECONDS", "600")))
 

@@ -122,6 +122,19 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_DATA_DIR", default_value = "./rankwatch-data")]
     pub data_dir: PathBuf,
 
+    /// Where the Parquet tables and their manifest live: `local` (the data directory) or
+    /// `s3://bucket/prefix`, leaving only the write-ahead log on local disk. Collectors sharded
+    /// by run may share one prefix: together they write one Hive-partitioned dataset.
+    /// Credentials, region and endpoint come from the usual AWS_* variables (AWS_ENDPOINT_URL
+    /// and AWS_ALLOW_HTTP=true for an S3-compatible server on plain HTTP).
+    #[arg(long, env = "RANKWATCH_STORAGE", default_value = "local")]
+    pub storage: String,
+
+    /// This collector's name in object storage (its part and manifest names); must be unique
+    /// among the collectors sharing a prefix. Default: the host name.
+    #[arg(long, env = "RANKWATCH_NODE_ID")]
+    pub node_id: Option<String>,
+
     /// Address to listen on. A non-loopback address needs both tokens, or --insecure.
     #[arg(long, env = "RANKWATCH_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
@@ -288,8 +301,32 @@ impl ServeConfig {
         config
     }
 
+    /// The node id: `--node-id`, else the host name.
+    pub fn node_id(&self) -> String {
+        self.node_id.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "collector".to_owned())
+        })
+    }
+
+    /// Whether the Parquet side lives in object storage.
+    pub fn remote_storage(&self) -> Option<&str> {
+        (self.storage != "local").then_some(self.storage.as_str())
+    }
+
     /// Refuses configurations that would expose data or cannot work.
     pub fn check(&self) -> Result<()> {
+        if let Some(url) = self.remote_storage() {
+            if !url.starts_with("s3://") {
+                return Err(Error::bad(format!(
+                    "--storage {url:?}: expected local or s3://bucket/prefix"
+                )));
+            }
+            crate::store::backend::check_node_id(&self.node_id())?;
+        }
         let ip = self.listen.ip();
         if !ip.is_loopback() && !self.insecure {
             let missing: Vec<&str> = [

@@ -87,6 +87,9 @@ pub enum Error {
     #[error("query: {0}")]
     Query(#[from] datafusion::error::DataFusionError),
 
+    #[error("object storage: {0}")]
+    Storage(#[from] object_store::Error),
+
     /// A stored file that does not parse (manifest, key snapshot).
     #[error("corrupt {what}: {reason}")]
     Corrupt { what: String, reason: String },
@@ -116,7 +119,7 @@ impl Error {
             Error::UnknownRun(_) | Error::NotFound => StatusCode::NOT_FOUND,
             Error::InFlight(_) => StatusCode::CONFLICT,
             Error::Backpressure { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Unavailable(_) | Error::Storage(_) => StatusCode::SERVICE_UNAVAILABLE,
             Error::Remote(_) => StatusCode::BAD_GATEWAY,
             Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -142,6 +145,7 @@ impl Error {
             Error::Backpressure { .. } => "backpressure",
             Error::Sql(_) => "sql",
             Error::Unavailable(_) => "unavailable",
+            Error::Storage(_) => "storage",
             Error::Remote(_) => "remote",
             Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
                 "internal"

@@ -3,7 +3,9 @@
 //!
 //! The rows are what a query sees at the moment the export starts: the run's Parquet files
 //! (opened up front, so a compaction that replaces them meanwhile cannot pull them away) and
-//! its hot batches. They are written file by file, batch by batch, with the `run` column put
+//! its hot batches. Parts in object storage cannot be held open: they are fetched one at a
+//! time as the export reaches them, and a part replaced by compaction stays readable for the
+//! store's grace period; an export outlasting that fails rather than skip rows. They are written file by file, batch by batch, with the `run` column put
 //! back, so memory stays at one batch whatever the run's size. Row order is storage order:
 //! each file is sorted (samples by metric, layer, site, rank, step), the files are not merged.
 //!
@@ -26,6 +28,7 @@ use tokio::sync::mpsc;
 
 use crate::decode::Table;
 use crate::error::{Error, Result};
+use crate::store::backend::Backend;
 use crate::store::{TableView, add_run_column, files::file_schema};
 
 /// The export's file format.
@@ -67,22 +70,34 @@ impl Format {
 pub struct Snapshot {
     run: RunId,
     table: Table,
-    files: Vec<File>,
+    parts: Vec<Pinned>,
     batches: Vec<RecordBatch>,
 }
 
+/// One Parquet part of a snapshot.
+#[derive(Debug)]
+enum Pinned {
+    /// Opened in the data directory.
+    File(File),
+    /// In object storage, fetched when its turn comes.
+    Object(Backend, std::path::PathBuf),
+}
+
 impl Snapshot {
-    /// Opens every file of `view` now.
-    pub fn open(run: RunId, table: Table, view: TableView) -> Result<Snapshot> {
-        let files = view
+    /// Opens every file of `view` now (local parts; object-storage parts are named only).
+    pub fn open(run: RunId, table: Table, view: TableView, backend: &Backend) -> Result<Snapshot> {
+        let parts = view
             .files
-            .iter()
-            .map(File::open)
+            .into_iter()
+            .map(|relative| match backend {
+                Backend::Local(_) => File::open(backend.location(&relative)).map(Pinned::File),
+                Backend::Remote(_) => Ok(Pinned::Object(backend.clone(), relative)),
+            })
             .collect::<io::Result<Vec<_>>>()?;
         Ok(Snapshot {
             run,
             table,
-            files,
+            parts,
             batches: view.batches,
         })
     }
@@ -106,12 +121,21 @@ impl Snapshot {
             rows += with_run.num_rows() as u64;
             sink.put(&with_run)
         };
-        for file in self.files {
-            let reader = ParquetRecordBatchReaderBuilder::try_new(file)?
-                .with_batch_size(64 * 1024)
-                .build()?;
-            for batch in reader {
-                put(&batch.map_err(Error::Arrow)?, &mut sink)?;
+        for part in self.parts {
+            match part {
+                Pinned::File(file) => {
+                    let reader = ParquetRecordBatchReaderBuilder::try_new(file)?
+                        .with_batch_size(64 * 1024)
+                        .build()?;
+                    for batch in reader {
+                        put(&batch.map_err(Error::Arrow)?, &mut sink)?;
+                    }
+                }
+                Pinned::Object(backend, relative) => {
+                    for batch in backend.read(&relative)? {
+                        put(&batch, &mut sink)?;
+                    }
+                }
             }
         }
         for batch in &self.batches {

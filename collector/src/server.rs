@@ -27,6 +27,7 @@ use crate::idempotency::Key;
 use crate::ingest::Ingestor;
 use crate::query::Engine;
 use crate::retention::{Housekeeper, Policy};
+use crate::store::backend::Backend;
 use crate::store::{Store, StoreLimits};
 use crate::telemetry::{Exporter, Telemetry};
 use crate::wal::{self, WalHandle};
@@ -62,7 +63,22 @@ impl Collector {
             compact_max_rows: config.compact_max_rows,
             file_grace: config.query_timeout + Duration::from_secs(5),
         };
-        let store = Arc::new(Store::open(&config.data_dir, limits, telemetry.clone())?);
+        let backend = match config.remote_storage() {
+            Some(url) => Backend::s3(url, &config.node_id(), &config.data_dir)?,
+            None => Backend::Local(config.data_dir.clone()),
+        };
+        tracing::info!(storage = %backend.describe(), "opening the store");
+        // Opening reads the manifest and the run tables, over the network with object storage.
+        let store = {
+            let dir = config.data_dir.clone();
+            let telemetry = telemetry.clone();
+            tokio::task::spawn_blocking(move || Store::open(&dir, backend, limits, telemetry))
+                .await
+                .map_err(|e| {
+                    crate::error::Error::Unavailable(format!("opening the store: {e}"))
+                })??
+        };
+        let store = Arc::new(store);
         let _ = store_cell.set(Arc::downgrade(&store));
         let engine = Engine::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
         engine.rebuild_index().await?;

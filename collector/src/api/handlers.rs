@@ -477,7 +477,12 @@ pub(super) async fn export(
         }
     };
     let store = state.inner.engine.store().clone();
-    let snapshot = crate::export::Snapshot::open(run.clone(), table, store.view(table, &run))?;
+    let snapshot = crate::export::Snapshot::open(
+        run.clone(),
+        table,
+        store.view(table, &run),
+        store.backend(),
+    )?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let errors = tx.clone();
     let name = format!("{}.{}.{}", run, table.as_str(), format.extension());

@@ -58,6 +58,11 @@ impl Engine {
     /// An engine over `store`.
     pub fn new(store: Arc<Store>, timeout: Duration, sql_max_rows: usize) -> Result<Self> {
         let runtime = Arc::new(RuntimeEnvBuilder::new().build()?);
+        // Parts in object storage are read by URL (`s3://bucket/...`) through the same client
+        // the store writes with.
+        if let Some((url, object_store)) = store.backend().object_store() {
+            runtime.register_object_store(url, object_store);
+        }
         Ok(Engine {
             ctx: session(runtime),
             store,
@@ -92,11 +97,8 @@ impl Engine {
         let schema = files::file_schema(table);
         let mut frame: Option<DataFrame> = None;
         if !view.files.is_empty() {
-            let paths: Vec<String> = view
-                .files
-                .iter()
-                .map(|p| p.to_string_lossy().into_owned())
-                .collect();
+            let backend = self.store.backend();
+            let paths: Vec<String> = view.files.iter().map(|p| backend.location(p)).collect();
             let options = ParquetReadOptions::default().schema(&schema);
             frame = Some(ctx.read_parquet(paths, options).await?);
         }

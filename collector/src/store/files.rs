@@ -129,7 +129,16 @@ pub fn write(table: Table, batch: &RecordBatch, path: &Path) -> Result<u64> {
 
 /// Reads a whole file.
 pub fn read(path: &Path) -> Result<Vec<RecordBatch>> {
-    let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?
+    read_all(File::open(path)?)
+}
+
+/// Reads a whole file fetched into memory (from object storage).
+pub fn read_bytes(bytes: bytes::Bytes) -> Result<Vec<RecordBatch>> {
+    read_all(bytes)
+}
+
+fn read_all(source: impl parquet::file::reader::ChunkReader + 'static) -> Result<Vec<RecordBatch>> {
+    let reader = ParquetRecordBatchReaderBuilder::try_new(source)?
         .with_batch_size(64 * 1024)
         .build()?;
     reader

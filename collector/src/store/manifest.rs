@@ -25,12 +25,16 @@ pub struct FileMeta {
     pub bytes: u64,
     pub min_step: Option<u64>,
     pub max_step: Option<u64>,
+    /// The collector that wrote it, in object storage (part of the name there, so collectors
+    /// sharing one prefix never collide); absent for the data directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 impl FileMeta {
     /// Path relative to the data directory, in the Hive layout.
     pub fn relative(&self) -> PathBuf {
-        file_path(&self.table, &self.run, self.part)
+        file_path(&self.table, &self.run, self.node.as_deref(), self.part)
     }
 
     /// Whether this file belongs to `table` of `run`.
@@ -39,11 +43,15 @@ impl FileMeta {
     }
 }
 
-/// `table=<t>/run=<id>/part-<n>.parquet`.
-pub fn file_path(table: &str, run: &RunId, part: u64) -> PathBuf {
+/// `table=<t>/run=<id>/part-<n>.parquet`, or `part-<node>-<n>.parquet` for a node's part.
+pub fn file_path(table: &str, run: &RunId, node: Option<&str>, part: u64) -> PathBuf {
+    let name = match node {
+        Some(node) => format!("part-{node}-{part}.parquet"),
+        None => format!("part-{part}.parquet"),
+    };
     Path::new(&format!("table={table}"))
         .join(format!("run={run}"))
-        .join(format!("part-{part}.parquet"))
+        .join(name)
 }
 
 /// The durable description of the Parquet side of the store.
@@ -79,28 +87,35 @@ impl Manifest {
     pub fn load(dir: &Path) -> Result<Manifest> {
         let path = dir.join(FILE);
         match fs::read(&path) {
-            Ok(bytes) => {
-                let manifest: Manifest =
-                    serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
-                        what: path.display().to_string(),
-                        reason: e.to_string(),
-                    })?;
-                if manifest.version != VERSION {
-                    return Err(Error::Corrupt {
-                        what: path.display().to_string(),
-                        reason: format!("unsupported manifest version {}", manifest.version),
-                    });
-                }
-                Ok(manifest)
-            }
+            Ok(bytes) => Manifest::from_json(&bytes, &path.display().to_string()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest::default()),
             Err(e) => Err(e.into()),
         }
     }
 
+    /// Parses a manifest read from `what`.
+    pub fn from_json(bytes: &[u8], what: &str) -> Result<Manifest> {
+        let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| Error::Corrupt {
+            what: what.to_owned(),
+            reason: e.to_string(),
+        })?;
+        if manifest.version != VERSION {
+            return Err(Error::Corrupt {
+                what: what.to_owned(),
+                reason: format!("unsupported manifest version {}", manifest.version),
+            });
+        }
+        Ok(manifest)
+    }
+
+    /// The manifest as stored.
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        Ok(serde_json::to_vec_pretty(self)?)
+    }
+
     /// Replaces the manifest durably.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        write_atomic(&dir.join(FILE), &serde_json::to_vec_pretty(self)?)
+        write_atomic(&dir.join(FILE), &self.to_json()?)
     }
 
     /// Deletes Parquet files the manifest does not list (left by a crash between writing a

@@ -23,6 +23,7 @@
 //! the log records after its `flushed_seq`, and possibly unlisted files, which start-up
 //! deletes.
 
+pub mod backend;
 pub mod files;
 pub mod index;
 pub mod manifest;
@@ -41,6 +42,7 @@ use crate::decode::{Entry, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::{Check, Key, KeySet};
 use crate::telemetry::Telemetry;
+use backend::Backend;
 use index::RunSummary;
 use manifest::{FileMeta, Manifest};
 
@@ -76,7 +78,7 @@ pub struct StoreLimits {
 /// Rows of one table of one run, as a reader sees them.
 #[derive(Debug, Clone, Default)]
 pub struct TableView {
-    /// Parquet files, absolute paths.
+    /// Parquet files, relative to the dataset root ([`Backend::location`] says where).
     pub files: Vec<PathBuf>,
     /// Hot and flushing batches, file schema.
     pub batches: Vec<RecordBatch>,
@@ -111,7 +113,9 @@ struct State {
 /// The store; shared by the HTTP layer, the log writer and the background tasks.
 #[derive(Debug)]
 pub struct Store {
+    /// The data directory: the key snapshots (and, by default, the Parquet side too).
     dir: PathBuf,
+    backend: Backend,
     state: Mutex<State>,
     limits: StoreLimits,
     events: broadcast::Sender<Event>,
@@ -154,20 +158,42 @@ pub enum Admission {
 }
 
 impl Store {
-    /// Opens the store in `dir`: loads the manifest, deletes unlisted files, loads the key
-    /// snapshot and rebuilds the run index from Parquet. Replay comes after, via
-    /// [`Store::apply`].
-    pub fn open(dir: &Path, limits: StoreLimits, telemetry: Arc<Telemetry>) -> Result<Store> {
+    /// Opens the store in `dir` with its Parquet side in `backend`: loads the manifest,
+    /// deletes unlisted files, loads the key snapshot and rebuilds the run index from Parquet.
+    /// Replay comes after, via [`Store::apply`]. With an object store this blocks on the
+    /// network: call it from a blocking thread.
+    pub fn open(
+        dir: &Path,
+        backend: Backend,
+        limits: StoreLimits,
+        telemetry: Arc<Telemetry>,
+    ) -> Result<Store> {
         std::fs::create_dir_all(dir)?;
-        let manifest = Manifest::load(dir)?;
-        let removed = manifest.remove_unlisted(dir)?;
+        backend.claim(dir)?;
+        let manifest = backend.load_manifest()?;
+        let removed = backend.remove_unlisted(&manifest)?;
         if removed > 0 {
             tracing::info!(
                 removed,
                 "removed files left by an interrupted flush or compaction"
             );
         }
-        let keys = KeySet::load(dir, manifest.flushed_seq)?;
+        // A shard replaced with an empty data directory finds its manifest in the bucket but
+        // not the key snapshot of its lost log: it starts with none rather than refuse.
+        let replacement = matches!(backend, Backend::Remote(_))
+            && manifest.flushed_seq > 0
+            && !dir.join("wal").exists();
+        let keys = if replacement {
+            tracing::warn!(
+                flushed_seq = manifest.flushed_seq,
+                "new data directory for a node with data in object storage: idempotency keys \
+                 of the old write-ahead log are lost, so a batch retried across the replacement \
+                 may be stored twice"
+            );
+            KeySet::default()
+        } else {
+            KeySet::load(dir, manifest.flushed_seq)?
+        };
         let state = State {
             applied_seq: manifest.flushed_seq,
             manifest,
@@ -177,6 +203,7 @@ impl Store {
         let (events, _) = broadcast::channel(1024);
         let store = Store {
             dir: dir.to_owned(),
+            backend,
             state: Mutex::new(state),
             limits,
             events,
@@ -194,6 +221,11 @@ impl Store {
         // A panic while holding the lock would be a bug; the data stays consistent because
         // every critical section is bookkeeping that completes or is not started.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the Parquet side lives.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
     }
 
     /// The data directory.
@@ -369,7 +401,7 @@ impl Store {
             .files
             .iter()
             .filter(|f| f.is(table, run))
-            .map(|f| self.dir.join(f.relative()))
+            .map(FileMeta::relative)
             .collect();
         let key = (table, run.clone());
         let mut batches: Vec<RecordBatch> = state
@@ -500,7 +532,7 @@ impl Store {
                 manifest.flushed_seq = through;
                 // The log no longer holds records at or below `through`.
                 manifest.deleted_runs.retain(|_, seq| *seq > through);
-                manifest.save(&self.dir)?;
+                self.backend.save_manifest(&manifest)?;
                 Ok((manifest, replaced, rows))
             });
         let mut state = self.lock();
@@ -512,7 +544,7 @@ impl Store {
                 let now = Instant::now();
                 state
                     .graveyard
-                    .extend(replaced.into_iter().map(|p| (now, self.dir.join(p))));
+                    .extend(replaced.into_iter().map(|p| (now, p)));
                 drop(state);
                 let _ = KeySet::prune(&self.dir, through);
                 self.telemetry.flushes.inc();
@@ -616,8 +648,9 @@ impl Store {
         part: u64,
         batch: &RecordBatch,
     ) -> Result<FileMeta> {
-        let relative = manifest::file_path(name, run, part);
-        let bytes = files::write(layout, batch, &self.dir.join(&relative))?;
+        let node = self.backend.node();
+        let relative = manifest::file_path(name, run, node, part);
+        let bytes = self.backend.write(layout, batch, &relative)?;
         let (min_step, max_step) = files::step_range(batch);
         Ok(FileMeta {
             table: name.to_owned(),
@@ -627,6 +660,7 @@ impl Store {
             bytes,
             min_step,
             max_step,
+            node: node.map(str::to_owned),
         })
     }
 
@@ -686,7 +720,7 @@ impl Store {
             let started = Instant::now();
             let mut batches = Vec::new();
             for f in &group {
-                batches.extend(files::read(&self.dir.join(f.relative()))?);
+                batches.extend(self.backend.read(&f.relative())?);
             }
             let batch = files::sorted(table, &batches)?;
             let part = {
@@ -700,16 +734,14 @@ impl Store {
             let mut manifest = self.lock().manifest.clone();
             manifest.files.retain(|f| !old.contains(&f.relative()));
             manifest.files.push(meta);
-            manifest.save(&self.dir)?;
+            self.backend.save_manifest(&manifest)?;
             {
                 let mut state = self.lock();
                 // Keep the part counter reserved above.
                 manifest.next_part = manifest.next_part.max(state.manifest.next_part);
                 state.manifest = manifest;
                 let now = Instant::now();
-                state
-                    .graveyard
-                    .extend(old.iter().map(|p| (now, self.dir.join(p))));
+                state.graveyard.extend(old.into_iter().map(|p| (now, p)));
             }
             merged += group.len();
             self.telemetry.compactions.inc();
@@ -751,7 +783,7 @@ impl Store {
         // The lock is held across this one small write (unlike flushes): a record of the run
         // applied between choosing the tombstone and dropping the hot rows would be lost from
         // memory yet replayed after a restart.
-        manifest.save(&self.dir)?;
+        self.backend.save_manifest(&manifest)?;
         state.manifest = manifest;
         let mut deleted = Deleted {
             run: run.to_string(),
@@ -793,7 +825,7 @@ impl Store {
         let now = Instant::now();
         state
             .graveyard
-            .extend(gone.iter().map(|f| (now, self.dir.join(f.relative()))));
+            .extend(gone.iter().map(|f| (now, f.relative())));
         self.telemetry.hot_bytes.set(state.hot_bytes as i64);
         self.telemetry.runs_deleted.inc();
         self.publish(Event::RunDeleted {
@@ -835,15 +867,8 @@ impl Store {
             due.into_iter().map(|(_, p)| p).collect()
         };
         for path in due {
-            if let Err(e) = std::fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
+            if let Err(e) = self.backend.remove(&path) {
                 tracing::warn!(file = %path.display(), error = %e, "could not delete a replaced file");
-            }
-            // A deleted run leaves an empty `run=` directory; removing a non-empty one fails,
-            // which is the test.
-            if let Some(dir) = path.parent() {
-                let _ = std::fs::remove_dir(dir);
             }
         }
     }
@@ -866,7 +891,7 @@ impl Store {
             .iter()
             .filter(|f| f.table == runs::TABLE || f.table == alerts::TABLE)
         {
-            for batch in files::read(&self.dir.join(f.relative()))? {
+            for batch in self.backend.read(&f.relative())? {
                 let with_run = add_run_column(&batch, &f.run)?;
                 let mut state = self.lock();
                 if f.table == runs::TABLE {

@@ -19,6 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def samples(run: str, steps: range, ranks: int = 2) -> dict:
+    """An ingest body: each rank's loss, and rank 0's spectral ratio of layer 1, per step."""
+    return {
+        "run": run,
+        "info": {"world_size": ranks},
+        "samples": [{"rank": r, "step": s, "metric": "loss", "value": 1.0 + s + r / 10} for s in steps for r in range(ranks)]
+        + [{"rank": 0, "step": s, "metric": "spectral.ratio", "layer": 1, "value": 2.0 + s / 100} for s in steps],
+    }
+
+
 class Collector:
     """A running `rankwatch serve`."""
 
@@ -27,16 +37,20 @@ class Collector:
         if not binary or not Path(binary).exists():
             raise RuntimeError("RANKWATCH_BIN must name the built rankwatch binary (cargo xtask test sets it)")
         self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "RANKWATCH_LOG": "warn"},
-        )
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Beside the data directory, so a failing assertion can show why the collector stopped.
+        self.log = data_dir.parent / f"{data_dir.name}.log"
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), *extra],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, "RANKWATCH_LOG": "warn"},
+            )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        assert line.startswith("rankwatch listening on http://"), line
+        assert line.startswith("rankwatch listening on http://"), self.log.read_text()[-4000:]
         self.url = line.strip().rsplit(" ", 1)[1]
         self.port = int(self.url.rsplit(":", 1)[1])
 

@@ -14,7 +14,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import requests
 
-from conftest import Collector
+from conftest import Collector, samples
 
 BIN = os.environ.get("RANKWATCH_BIN", "")
 
@@ -25,15 +25,6 @@ def cli(url: str, *args: str, token: str | None = None) -> subprocess.CompletedP
     if token:
         env["RANKWATCH_TOKEN"] = token
     return subprocess.run([BIN, *args], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-
-
-def samples(run: str, steps: range, ranks: int = 2) -> dict:
-    return {
-        "run": run,
-        "info": {"world_size": ranks},
-        "samples": [{"rank": r, "step": s, "metric": "loss", "value": 1.0 + s + r / 10} for s in steps for r in range(ranks)]
-        + [{"rank": 0, "step": s, "metric": "spectral.ratio", "layer": 1, "value": 2.0 + s / 100} for s in steps],
-    }
 
 
 def count(c: Collector, run: str) -> int:

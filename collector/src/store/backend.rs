@@ -1,0 +1,545 @@
+//! Where the Parquet side of the store lives: the data directory, or an object store.
+//!
+//! By default the Parquet parts and the manifest sit in the data directory beside the
+//! write-ahead log, made durable by fsync. With `--storage s3://bucket/prefix` they live in an
+//! object store instead, and the data directory keeps only what belongs to this process's log:
+//! the write-ahead log itself, the idempotency-key snapshots, the rule overrides, and a staging
+//! area where a part is written before it is uploaded. Several collectors, sharded by run,
+//! share one prefix and together write one Hive-partitioned dataset,
+//! `table=<t>/run=<id>/part-<node>-<n>.parquet`, that DuckDB, Spark or Trino read directly.
+//!
+//! Each collector names its parts and its manifest (`_rankwatch/manifest-<node>.json`) after
+//! its node id, so it never lists as its own, replaces or deletes another collector's objects.
+//! Node ids must therefore be unique per prefix.
+//!
+//! The commit order is the local one: a part is uploaded completely (one PUT, or a multipart
+//! upload that becomes visible only when completed) before the manifest listing it is
+//! replaced, and a PUT replaces an object atomically, so a crash leaves the old manifest or
+//! the new one. Parts that no manifest lists (uploaded just before a crash) are deleted at
+//! start, as unlisted local files are.
+//!
+//! The store's maintenance runs on blocking threads; remote calls are driven there with the
+//! runtime's handle, never from inside an async task.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+use bytes::Bytes;
+use futures_util::TryStreamExt;
+use object_store::aws::AmazonS3Builder;
+use object_store::buffered::BufWriter;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use tokio::io::AsyncWriteExt;
+use tokio::runtime::Handle;
+use url::Url;
+
+use super::files;
+use super::manifest::Manifest;
+use crate::decode::Table;
+use crate::error::{Error, Result};
+
+/// The Parquet side's home.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// Files under the data directory.
+    Local(PathBuf),
+    /// Objects under a prefix of an object store.
+    Remote(Arc<Remote>),
+}
+
+/// An object-store prefix this collector writes its parts and manifest under.
+#[derive(Debug)]
+pub struct Remote {
+    store: Arc<dyn ObjectStore>,
+    /// `s3://bucket`: what DataFusion resolves the store by.
+    bucket_url: Url,
+    /// The prefix inside the bucket, without slashes at either end (may be empty).
+    prefix: String,
+    node: String,
+    staging: PathBuf,
+    handle: Handle,
+}
+
+impl Backend {
+    /// Connects to the object store named by `url` (`s3://bucket[/prefix]`), with credentials
+    /// and endpoint from the usual `AWS_*` environment variables. `data_dir` holds the staging
+    /// area. Must be called inside the runtime (it keeps its handle).
+    pub fn s3(url: &str, node: &str, data_dir: &Path) -> Result<Backend> {
+        parse_s3_url(url)?;
+        let store = AmazonS3Builder::from_env()
+            .with_url(url)
+            .build()
+            .map_err(|e| Error::bad(format!("storage {url:?}: {e}")))?;
+        Backend::remote(Arc::new(store), url, node, data_dir)
+    }
+
+    /// A prefix of any object store, named by `url` (`s3://bucket[/prefix]`).
+    pub fn remote(
+        store: Arc<dyn ObjectStore>,
+        url: &str,
+        node: &str,
+        data_dir: &Path,
+    ) -> Result<Backend> {
+        let (bucket_url, prefix) = parse_s3_url(url)?;
+        check_node_id(node)?;
+        Ok(Backend::Remote(Arc::new(Remote {
+            store,
+            bucket_url,
+            prefix,
+            node: node.to_owned(),
+            staging: data_dir.join("staging"),
+            handle: Handle::current(),
+        })))
+    }
+
+    /// The node id that part names carry (only with an object store).
+    pub fn node(&self) -> Option<&str> {
+        match self {
+            Backend::Local(_) => None,
+            Backend::Remote(r) => Some(&r.node),
+        }
+    }
+
+    /// The object store and the URL DataFusion should resolve it by, when there is one.
+    pub fn object_store(&self) -> Option<(&Url, Arc<dyn ObjectStore>)> {
+        match self {
+            Backend::Local(_) => None,
+            Backend::Remote(r) => Some((&r.bucket_url, r.store.clone())),
+        }
+    }
+
+    /// Where a reader finds the part at `relative`: an absolute path, or an `s3://` URL.
+    pub fn location(&self, relative: &Path) -> String {
+        match self {
+            Backend::Local(dir) => dir.join(relative).to_string_lossy().into_owned(),
+            Backend::Remote(r) => format!(
+                "{}/{}",
+                r.bucket_url.as_str().trim_end_matches('/'),
+                r.key(relative)
+            ),
+        }
+    }
+
+    /// A human-readable name of where the data lives, for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            Backend::Local(dir) => dir.display().to_string(),
+            Backend::Remote(r) => format!(
+                "{}/{} (node {})",
+                r.bucket_url.as_str().trim_end_matches('/'),
+                r.prefix,
+                r.node
+            ),
+        }
+    }
+
+    /// Writes one part durably; returns its size.
+    pub fn write(&self, layout: Table, batch: &RecordBatch, relative: &Path) -> Result<u64> {
+        match self {
+            Backend::Local(dir) => files::write(layout, batch, &dir.join(relative)),
+            Backend::Remote(r) => {
+                let staged = r.staging.join(relative);
+                let size = files::write(layout, batch, &staged)?;
+                let uploaded = r.upload(&staged, relative);
+                let _ = std::fs::remove_file(&staged);
+                uploaded.map(|()| size)
+            }
+        }
+    }
+
+    /// Reads a whole part.
+    pub fn read(&self, relative: &Path) -> Result<Vec<RecordBatch>> {
+        match self {
+            Backend::Local(dir) => files::read(&dir.join(relative)),
+            Backend::Remote(r) => files::read_bytes(r.fetch(relative)?),
+        }
+    }
+
+    /// Deletes a part (a missing one is not an error). Locally, an emptied `run=` directory
+    /// goes too.
+    pub fn remove(&self, relative: &Path) -> Result<()> {
+        match self {
+            Backend::Local(dir) => {
+                let path = dir.join(relative);
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e.into()),
+                }
+                // Removing a non-empty directory fails, which is the test.
+                if let Some(parent) = path.parent() {
+                    let _ = std::fs::remove_dir(parent);
+                }
+                Ok(())
+            }
+            Backend::Remote(r) => {
+                let key = r.object_path(relative)?;
+                match r.handle.block_on(r.store.delete(&key)) {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    /// Proves at start that the object store takes writes (a missing bucket or read-only
+    /// credentials fail here, not at the first flush), leaving `_rankwatch/node-<node>.json`:
+    /// which data directory this node id belongs to, and since when.
+    pub fn claim(&self, data_dir: &Path) -> Result<()> {
+        let Backend::Remote(r) = self else {
+            return Ok(());
+        };
+        let key = r.object_path(&Path::new("_rankwatch").join(format!("node-{}.json", r.node)))?;
+        let body = serde_json::to_vec_pretty(&serde_json::json!({
+            "node": r.node,
+            "data_dir": data_dir.display().to_string(),
+            "started_ms": crate::now_ms(),
+        }))?;
+        r.handle
+            .block_on(r.store.put(&key, PutPayload::from(body)))
+            .map_err(|e| {
+                Error::Unavailable(format!(
+                    "cannot write to {}: {e}; check that the bucket exists and the credentials may write to it",
+                    self.describe()
+                ))
+            })?;
+        Ok(())
+    }
+
+    /// The committed manifest, or an empty one where none was written yet.
+    pub fn load_manifest(&self) -> Result<Manifest> {
+        match self {
+            Backend::Local(dir) => Manifest::load(dir),
+            Backend::Remote(r) => {
+                let key = r.manifest_key()?;
+                match r
+                    .handle
+                    .block_on(async { r.store.get(&key).await?.bytes().await })
+                {
+                    Ok(bytes) => Manifest::from_json(
+                        &bytes,
+                        &format!("{}/{key}", r.bucket_url.as_str().trim_end_matches('/')),
+                    ),
+                    Err(object_store::Error::NotFound { .. }) => Ok(Manifest::default()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    /// Replaces the manifest atomically: the commit point of flushes and compactions.
+    pub fn save_manifest(&self, manifest: &Manifest) -> Result<()> {
+        match self {
+            Backend::Local(dir) => manifest.save(dir),
+            Backend::Remote(r) => {
+                let key = r.manifest_key()?;
+                let body = PutPayload::from(manifest.to_json()?);
+                r.handle.block_on(r.store.put(&key, body))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Deletes this collector's parts that `manifest` does not list (written before a crash,
+    /// never committed), and anything left in the staging area. Returns how many parts went.
+    pub fn remove_unlisted(&self, manifest: &Manifest) -> Result<usize> {
+        match self {
+            Backend::Local(dir) => manifest.remove_unlisted(dir),
+            Backend::Remote(r) => {
+                match std::fs::remove_dir_all(&r.staging) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e.into()),
+                }
+                let listed: std::collections::HashSet<String> = manifest
+                    .files
+                    .iter()
+                    .map(|f| r.key(&f.relative()))
+                    .collect();
+                let under = (!r.prefix.is_empty())
+                    .then(|| ObjectPath::parse(&r.prefix))
+                    .transpose()
+                    .map_err(|e| Error::bad(format!("storage prefix: {e}")))?;
+                let objects: Vec<ObjectPath> = r.handle.block_on(async {
+                    r.store
+                        .list(under.as_ref())
+                        .map_ok(|meta| meta.location)
+                        .try_collect()
+                        .await
+                })?;
+                let mut removed = 0;
+                for key in objects {
+                    let own = key
+                        .filename()
+                        .is_some_and(|name| is_own_part(name, &r.node));
+                    if own && !listed.contains(key.as_ref()) {
+                        tracing::info!(object = %key, "removing a part no manifest lists");
+                        r.handle.block_on(r.store.delete(&key))?;
+                        removed += 1;
+                    }
+                }
+                Ok(removed)
+            }
+        }
+    }
+}
+
+impl Remote {
+    /// The object key of a path relative to the dataset root.
+    fn key(&self, relative: &Path) -> String {
+        let rel = relative
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy())
+            .collect::<Vec<_>>()
+            .join("/");
+        if self.prefix.is_empty() {
+            rel
+        } else {
+            format!("{}/{rel}", self.prefix)
+        }
+    }
+
+    fn object_path(&self, relative: &Path) -> Result<ObjectPath> {
+        let key = self.key(relative);
+        ObjectPath::parse(&key).map_err(|e| Error::bad(format!("object key {key:?}: {e}")))
+    }
+
+    fn manifest_key(&self) -> Result<ObjectPath> {
+        self.object_path(&Path::new("_rankwatch").join(format!("manifest-{}.json", self.node)))
+    }
+
+    /// Uploads a staged file: one PUT when small, a multipart upload (visible only once
+    /// completed) when large.
+    fn upload(&self, staged: &Path, relative: &Path) -> Result<()> {
+        let key = self.object_path(relative)?;
+        self.handle.block_on(async {
+            let mut writer = BufWriter::new(self.store.clone(), key);
+            let copied = async {
+                let mut file = tokio::fs::File::open(staged).await?;
+                tokio::io::copy(&mut file, &mut writer).await?;
+                writer.shutdown().await
+            }
+            .await;
+            if let Err(e) = copied {
+                let _ = writer.abort().await;
+                return Err(Error::Unavailable(format!(
+                    "uploading {} to object storage: {e}",
+                    relative.display()
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    fn fetch(&self, relative: &Path) -> Result<Bytes> {
+        let key = self.object_path(relative)?;
+        Ok(self
+            .handle
+            .block_on(async { self.store.get(&key).await?.bytes().await })?)
+    }
+}
+
+/// `part-<node>-<n>.parquet` for exactly this node (another node's id may extend this one's).
+fn is_own_part(name: &str, node: &str) -> bool {
+    name.strip_prefix("part-")
+        .and_then(|rest| rest.strip_prefix(node))
+        .and_then(|rest| rest.strip_prefix('-'))
+        .and_then(|rest| rest.strip_suffix(".parquet"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Splits `s3://bucket/some/prefix/` into (`s3://bucket`, `some/prefix`).
+fn parse_s3_url(text: &str) -> Result<(Url, String)> {
+    let url =
+        Url::parse(text).map_err(|e| Error::bad(format!("storage {text:?} is not a URL: {e}")))?;
+    if url.scheme() != "s3" {
+        return Err(Error::bad(format!(
+            "storage {text:?}: only s3://bucket/prefix URLs are supported"
+        )));
+    }
+    let bucket = url.host_str().unwrap_or_default();
+    if bucket.is_empty() {
+        return Err(Error::bad(format!("storage {text:?} names no bucket")));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(Error::bad(format!(
+            "storage {text:?}: a query or fragment is not allowed"
+        )));
+    }
+    let prefix = url.path().trim_matches('/').to_owned();
+    if !prefix.is_empty() {
+        ObjectPath::parse(&prefix)
+            .map_err(|e| Error::bad(format!("storage {text:?}: bad prefix: {e}")))?;
+    }
+    let bucket_url = Url::parse(&format!("s3://{bucket}"))
+        .map_err(|e| Error::bad(format!("storage {text:?}: {e}")))?;
+    Ok((bucket_url, prefix))
+}
+
+/// Node ids go into object names: letters, digits, `.`, `_` and `-`, at most 64.
+pub fn check_node_id(node: &str) -> Result<()> {
+    let ok = !node.is_empty()
+        && node.len() <= 64
+        && node
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && !node.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::bad(format!(
+            "node id {node:?} must be 1-64 letters, digits, '.', '_' or '-', not starting with '.'"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_part_belongs_to_exactly_its_node() {
+        assert!(is_own_part("part-a-12.parquet", "a"));
+        assert!(!is_own_part("part-a-1-12.parquet", "a"), "node a-1's part");
+        assert!(is_own_part("part-a-1-12.parquet", "a-1"));
+        assert!(!is_own_part("part-a-.parquet", "a"));
+        assert!(!is_own_part("part-a-12.parquet.tmp", "a"));
+        assert!(!is_own_part("part-12.parquet", "a"), "a local part name");
+    }
+
+    #[test]
+    fn storage_urls_are_checked() {
+        let (bucket, prefix) = parse_s3_url("s3://metrics/rankwatch/prod/").unwrap();
+        assert_eq!(bucket.as_str(), "s3://metrics");
+        assert_eq!(prefix, "rankwatch/prod");
+        assert_eq!(parse_s3_url("s3://metrics").unwrap().1, "");
+        for (bad, says) in [
+            ("gs://b/p", "only s3://"),
+            ("s3:///p", "no bucket"),
+            ("not a url", "not a URL"),
+            ("s3://b/p?x=1", "query"),
+        ] {
+            let e = parse_s3_url(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    fn batch(steps: std::ops::Range<u64>) -> RecordBatch {
+        use arrow_array::{ArrayRef, Float64Array, UInt64Array};
+        let n = steps.end - steps.start;
+        RecordBatch::try_from_iter([
+            (
+                "step",
+                Arc::new(UInt64Array::from_iter_values(steps)) as ArrayRef,
+            ),
+            (
+                "value",
+                Arc::new(Float64Array::from_iter_values((0..n).map(|i| i as f64))) as ArrayRef,
+            ),
+        ])
+        .unwrap()
+    }
+
+    /// Everything the store asks of a backend, against an in-memory object store: parts and
+    /// manifest round-trip under the prefix with the node's names, locations are URLs
+    /// DataFusion can resolve, and start-up clean-up removes exactly this node's unlisted parts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_remote_prefix_round_trips_parts_and_manifests() {
+        let memory: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let dir = tempfile::tempdir().unwrap();
+        let backend =
+            Backend::remote(memory.clone(), "s3://bkt/ds/prod", "n-1", dir.path()).unwrap();
+        let keys = |store: Arc<dyn ObjectStore>| async move {
+            let mut keys: Vec<String> = store
+                .list(None)
+                .map_ok(|m| m.location.to_string())
+                .try_collect()
+                .await
+                .unwrap();
+            keys.sort();
+            keys
+        };
+        let b = backend.clone();
+        let (size, read, manifest) = tokio::task::spawn_blocking(move || {
+            let run = rankwatch_analytics::RunId::new("r1").unwrap();
+            let part = super::super::manifest::file_path("samples", &run, b.node(), 7);
+            let size = b.write(Table::Runs, &batch(0..100), &part).unwrap();
+            let read = b.read(&part).unwrap();
+            let manifest = Manifest {
+                flushed_seq: 42,
+                files: vec![super::super::manifest::FileMeta {
+                    table: "samples".into(),
+                    run,
+                    part: 7,
+                    rows: 100,
+                    bytes: size,
+                    min_step: Some(0),
+                    max_step: Some(99),
+                    node: Some("n-1".into()),
+                }],
+                ..Manifest::default()
+            };
+            b.save_manifest(&manifest).unwrap();
+            (size, read, b.load_manifest().unwrap())
+        })
+        .await
+        .unwrap();
+        assert!(size > 0);
+        assert_eq!(read.iter().map(RecordBatch::num_rows).sum::<usize>(), 100);
+        assert_eq!(manifest.flushed_seq, 42);
+        assert_eq!(
+            keys(memory.clone()).await,
+            [
+                "ds/prod/_rankwatch/manifest-n-1.json",
+                "ds/prod/table=samples/run=r1/part-n-1-7.parquet"
+            ]
+        );
+        assert_eq!(
+            backend.location(&manifest.files[0].relative()),
+            "s3://bkt/ds/prod/table=samples/run=r1/part-n-1-7.parquet"
+        );
+        // Staging is empty once uploaded.
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("staging/table=samples/run=r1"))
+                .unwrap()
+                .count(),
+            0
+        );
+
+        // An unlisted part of this node, another node's, a look-alike's, and one outside the prefix.
+        for key in [
+            "ds/prod/table=samples/run=r1/part-n-1-8.parquet",
+            "ds/prod/table=samples/run=r1/part-n-2-8.parquet",
+            "ds/prod/table=samples/run=r1/part-n-1-1-8.parquet",
+            "elsewhere/table=samples/run=r1/part-n-1-9.parquet",
+        ] {
+            memory
+                .put(
+                    &ObjectPath::parse(key).unwrap(),
+                    PutPayload::from_static(b"PAR1"),
+                )
+                .await
+                .unwrap();
+        }
+        let b = backend.clone();
+        let removed = tokio::task::spawn_blocking(move || b.remove_unlisted(&manifest).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(removed, 1);
+        let left = keys(memory.clone()).await;
+        assert!(!left.contains(&"ds/prod/table=samples/run=r1/part-n-1-8.parquet".to_owned()));
+        assert_eq!(left.len(), 5, "{left:?}");
+    }
+
+    #[test]
+    fn node_ids_fit_object_names() {
+        for ok in ["collector-0", "a", "node_1.eu"] {
+            check_node_id(ok).unwrap();
+        }
+        for bad in ["", ".hidden", "a/b", "a b", &"x".repeat(65)] {
+            assert!(check_node_id(bad).is_err(), "{bad:?}");
+        }
+    }
+}
