@@ -117,6 +117,8 @@ def test_prometheus_and_alertmanager_configs_pass_their_own_checkers(tmp_path: P
     local.write_text(yaml.safe_dump(config))
     done = subprocess.run([promtool, "check", "config", str(local)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run([promtool, "check", "config", str(ROOT / "deploy/prometheus/federation.yml")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     done = subprocess.run([amtool, "check-config", str(ROOT / "deploy/alertmanager/alertmanager.yml")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
