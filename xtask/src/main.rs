@@ -68,11 +68,36 @@ fn root() -> PathBuf {
 fn cargo() -> Command {
     let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(root());
+    without_package_env(&mut cmd);
     if env::var_os("CI").is_some() {
         // A clean clone is built once: incremental state would only cost disk and time.
         cmd.env("CARGO_INCREMENTAL", "0");
     }
     cmd
+}
+
+/// Removes the package variables `cargo run -p xtask` gave this process from a command that
+/// builds: build scripts that read one of them through `rerun-if-env-changed` (ring's reads
+/// CARGO_MANIFEST_DIR and CARGO_PKG_*) would see a change against a build run from the shell,
+/// and ring's rebuild cascades through rustls and object_store into all of DataFusion. Without
+/// them, `cargo test` by hand, `cargo xtask test|demo` and maturin share one build.
+fn without_package_env(cmd: &mut Command) {
+    for (key, _) in env::vars_os() {
+        if let Some(key) = key.to_str()
+            && (key.starts_with("CARGO_PKG_")
+                || matches!(
+                    key,
+                    "CARGO_MANIFEST_DIR"
+                        | "CARGO_MANIFEST_PATH"
+                        | "CARGO_MANIFEST_LINKS"
+                        | "CARGO_CRATE_NAME"
+                        | "CARGO_BIN_NAME"
+                        | "CARGO_PRIMARY_PACKAGE"
+                ))
+        {
+            cmd.env_remove(key);
+        }
+    }
 }
 
 /// Makes sure a rustup component is installed for the pinned toolchain.
@@ -438,6 +463,7 @@ fn pip_install(python: &Path, files: &[&str], step: &str) -> Result<()> {
 fn ensure_native_module(python: &Path, release: bool) -> Result<()> {
     let venv = root().join(".venv");
     let mut cmd = Command::new(venv.join("bin").join("maturin"));
+    without_package_env(&mut cmd);
     cmd.current_dir(root().join("sdk-python"))
         .args(["develop", "--quiet"])
         .env("VIRTUAL_ENV", &venv)
