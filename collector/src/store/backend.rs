@@ -114,11 +114,7 @@ impl Backend {
     pub fn location(&self, relative: &Path) -> String {
         match self {
             Backend::Local(dir) => dir.join(relative).to_string_lossy().into_owned(),
-            Backend::Remote(r) => format!(
-                "{}/{}",
-                r.bucket_url.as_str().trim_end_matches('/'),
-                r.key(relative)
-            ),
+            Backend::Remote(r) => format!("{}/{}", r.bucket(), r.key(relative)),
         }
     }
 
@@ -126,12 +122,7 @@ impl Backend {
     pub fn describe(&self) -> String {
         match self {
             Backend::Local(dir) => dir.display().to_string(),
-            Backend::Remote(r) => format!(
-                "{}/{} (node {})",
-                r.bucket_url.as_str().trim_end_matches('/'),
-                r.prefix,
-                r.node
-            ),
+            Backend::Remote(r) => format!("{}/{} (node {})", r.bucket(), r.prefix, r.node),
         }
     }
 
@@ -218,10 +209,7 @@ impl Backend {
                     .handle
                     .block_on(async { r.store.get(&key).await?.bytes().await })
                 {
-                    Ok(bytes) => Manifest::from_json(
-                        &bytes,
-                        &format!("{}/{key}", r.bucket_url.as_str().trim_end_matches('/')),
-                    ),
+                    Ok(bytes) => Manifest::from_json(&bytes, &format!("{}/{key}", r.bucket())),
                     Err(object_store::Error::NotFound { .. }) => Ok(Manifest::default()),
                     Err(e) => Err(e.into()),
                 }
@@ -287,6 +275,11 @@ impl Backend {
 }
 
 impl Remote {
+    /// `s3://bucket`, without the slash `Url` may end it with.
+    fn bucket(&self) -> &str {
+        self.bucket_url.as_str().trim_end_matches('/')
+    }
+
     /// The object key of a path relative to the dataset root.
     fn key(&self, relative: &Path) -> String {
         let rel = relative
