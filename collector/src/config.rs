@@ -320,11 +320,7 @@ impl ServeConfig {
     /// Refuses configurations that would expose data or cannot work.
     pub fn check(&self) -> Result<()> {
         if let Some(url) = self.remote_storage() {
-            if !url.starts_with("s3://") {
-                return Err(Error::bad(format!(
-                    "--storage {url:?}: expected local or s3://bucket/prefix"
-                )));
-            }
+            crate::store::backend::parse_s3_url(url)?;
             crate::store::backend::check_node_id(&self.node_id())?;
         }
         let ip = self.listen.ip();

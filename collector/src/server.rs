@@ -89,7 +89,7 @@ impl Collector {
         };
         let rule_book = Arc::new(RuleBook::open(base_rules, config.data_dir.join("rules"))?);
 
-        let wal_dir = config.data_dir.join("wal");
+        let wal_dir = config.data_dir.join(wal::DIR);
         let report = wal::replay(&wal_dir, store.flushed_seq())?;
         let mut records = 0usize;
         // Kept to feed the alert engine once it runs (it writes through the log).

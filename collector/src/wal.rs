@@ -39,6 +39,9 @@ use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
 
+/// The log's directory inside the data directory.
+pub const DIR: &str = "wal";
+
 const HEADER: usize = 16;
 /// Most bytes one group commit writes before its fsync.
 const GROUP_BYTES: usize = 32 << 20;

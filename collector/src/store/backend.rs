@@ -343,13 +343,14 @@ fn is_own_part(name: &str, node: &str) -> bool {
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// Splits `s3://bucket/some/prefix/` into (`s3://bucket`, `some/prefix`).
-fn parse_s3_url(text: &str) -> Result<(Url, String)> {
+/// Splits `s3://bucket/some/prefix/` into (`s3://bucket`, `some/prefix`); the configuration
+/// check uses it too, so a bad `--storage` is refused before anything opens.
+pub fn parse_s3_url(text: &str) -> Result<(Url, String)> {
     let url =
         Url::parse(text).map_err(|e| Error::bad(format!("storage {text:?} is not a URL: {e}")))?;
     if url.scheme() != "s3" {
         return Err(Error::bad(format!(
-            "storage {text:?}: only s3://bucket/prefix URLs are supported"
+            "storage {text:?}: only s3://bucket/prefix URLs (or local) are supported"
         )));
     }
     let bucket = url.host_str().unwrap_or_default();

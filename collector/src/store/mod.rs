@@ -182,7 +182,7 @@ impl Store {
         // not the key snapshot of its lost log: it starts with none rather than refuse.
         let replacement = matches!(backend, Backend::Remote(_))
             && manifest.flushed_seq > 0
-            && !dir.join("wal").exists();
+            && !dir.join(crate::wal::DIR).exists();
         let keys = if replacement {
             tracing::warn!(
                 flushed_seq = manifest.flushed_seq,

@@ -73,8 +73,9 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
         server.wait(timeout=30)
 
 
-def shard(tmp_path: Path, node: str, *extra: str) -> Collector:
-    return Collector(tmp_path / node, "--storage", STORAGE, "--node-id", node, "--no-alert-engine", *extra)
+def shard(tmp_path: Path, node: str, *extra: str, data: str | None = None) -> Collector:
+    """A collector on the shared prefix; its data directory is named after the node unless given."""
+    return Collector(tmp_path / (data or node), "--storage", STORAGE, "--node-id", node, "--no-alert-engine", *extra)
 
 
 def sql(c: Collector, query: str) -> list[dict]:
@@ -156,7 +157,7 @@ def test_two_shards_write_one_hive_dataset_that_duckdb_reads_across_runs(s3: S3,
 
     # Shard b's disk is lost: a replacement with the same node id and an empty data directory
     # serves its run from the bucket.
-    replacement = Collector(tmp_path / "shard-b-new", "--storage", STORAGE, "--node-id", "shard-b", "--no-alert-engine")
+    replacement = shard(tmp_path, "shard-b", data="shard-b-new")
     try:
         n, total = expected("gamma", runs["shard-b"]["gamma"])
         got = sql(replacement, "SELECT run, count(*) AS n, sum(value) AS total FROM samples GROUP BY run")
