@@ -2,9 +2,15 @@
 //!
 //! The collector's answers sort into three outcomes: **delivered** (200, `stored` or
 //! `duplicate` — a duplicate means an earlier attempt landed), **retry** (no connection,
-//! timeouts, 408, 409 "same key in flight", 429 backpressure with its `Retry-After`, 5xx), and
-//! **refused** (any other 4xx: the collector named a problem with the batch itself, and sending
-//! it again cannot help). Refused batches are counted and their reason kept, never silent.
+//! timeouts, 408, 409 "same key in flight", 429 backpressure with its `Retry-After`, 5xx, and
+//! 401/403/404), and **refused** (any other 4xx: the collector named a problem with the batch
+//! itself, and sending it again cannot help). Refused batches are counted and their reason
+//! kept, never silent.
+//!
+//! 401, 403 and 404 say nothing about the batch: a missing or wrong ingest token, or a URL that
+//! is not a collector's. Dropping rows for a configuration mistake would lose a run that a
+//! corrected token or address (or `rankwatch.sync` of the spool) can still deliver, so they are
+//! kept like any other delivery failure, with a reason that says what to fix.
 
 use std::time::Duration;
 
@@ -107,6 +113,22 @@ impl Transport {
             408 | 409 | 429 | 500..=599 => Outcome::Retry {
                 after: retry_after,
                 reason: format!("collector answered {status}: {}", reason()),
+            },
+            401 | 403 => Outcome::Retry {
+                after: None,
+                reason: format!(
+                    "collector answered {status} ({}): set the ingest token (RANKWATCH_INGEST_TOKEN \
+                     or token=); the rows are kept in the spool",
+                    reason()
+                ),
+            },
+            404 => Outcome::Retry {
+                after: None,
+                reason: format!(
+                    "collector answered 404 for {}: is the collector URL the collector's base \
+                     address (e.g. http://127.0.0.1:7070)? The rows are kept in the spool",
+                    self.ingest_url
+                ),
             },
             _ => Outcome::Refused {
                 status,

@@ -243,6 +243,40 @@ fn a_refused_batch_is_counted_named_and_reported_as_dropped() {
 }
 
 #[test]
+fn unauthorised_and_not_found_keep_the_rows_and_say_what_to_fix() {
+    for (status, hint) in [(401, "ingest token"), (403, "ingest token"), (404, "base")] {
+        let (peer, url) = Peer::start();
+        peer.script.lock().unwrap().push_back((
+            status,
+            vec![],
+            r#"{"error":"no","reason":"x"}"#.into(),
+        ));
+        let agent = Agent::start(config(&url)).unwrap();
+        agent.log(1, loss(1.0)).unwrap();
+        agent.flush(Duration::from_secs(5));
+        // The first attempt was answered with the error; the batch was kept and sent again.
+        wait_for("the kept batch to be delivered", || {
+            peer.stored_samples().iter().any(|s| s.metric.as_str() == "loss")
+        });
+        let stats = agent.stats();
+        assert_eq!(
+            (stats.refused_rows, stats.dropped_rows),
+            (0, 0),
+            "{status} must not drop rows"
+        );
+        assert!(stats.retries >= 1, "{status} is retried");
+        let error = stats.last_error.unwrap();
+        assert!(
+            error.contains(&status.to_string()) && error.contains(hint),
+            "{status}: {error}"
+        );
+        let seen = peer.seen.lock().unwrap().clone();
+        assert_eq!(seen[0].answered, status);
+        assert_eq!(seen[0].key, seen[1].key, "the same batch, same key");
+    }
+}
+
+#[test]
 fn an_unreachable_collector_fills_the_spool_and_it_drains_in_order_once() {
     let (peer, url) = Peer::start();
     peer.down.store(true, Ordering::SeqCst);

@@ -168,6 +168,12 @@ metrics! {
     Nonfinite = "nonfinite", Rank, NONE;
     /// Records the rank's agent dropped because its queue and spool were full (cumulative).
     Dropped = "dropped", Rank, NONE;
+    /// 1 when the mixed-precision loss scaler skips the optimizer step this gradient belongs to
+    /// (its reduced gradient held an Inf/NaN), else 0. Such a gradient is not counted in
+    /// `nonfinite`: overflow steps are the scaler's normal way of finding its scale.
+    AmpSkipped = "amp_skipped", Rank, NONE;
+    /// Values `log()` refused on that rank (bad name, type or shape), cumulative.
+    Rejected = "rejected", Rank, NONE;
     /// σ₁ of one weight matrix of a block.
     SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
     /// σ_mlp = ‖W_down·W_up‖₂.

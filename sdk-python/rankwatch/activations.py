@@ -29,6 +29,11 @@ into 0-dim device tensors with `torch.maximum` and running sums: no host sync, n
 branching on tensor values; `collect()` hands the tensors out and starts over. Several forward
 calls while armed (gradient-accumulation micro-batches, or gradient-checkpointing
 recomputation) fold into one value: the max over all of them, the mean over all sequences.
+`new_step()` (the run calls it after each optimizer step) makes the next forward start the fold
+afresh, so a probe armed for several steps reports the last optimizer step's forwards only.
+Forward passes without autograd (evaluation under `no_grad`) are not training steps and are
+left out. An error inside a hook turns the probe off (`error` says why) instead of reaching the
+training step.
 
 Register the probe before `torch.compile`: compiled graphs bake in the hooks that exist when
 they are traced. Toggling `arm()` then costs one guard (and a second graph), not a re-trace per
@@ -90,6 +95,8 @@ class ActivationProbe:
             raise ValueError(f"unknown activation sites {sorted(unknown)}; known: {sorted(KNOWN_SITES)}")
         self._sites = tuple(dict.fromkeys(sites + (("gate",) if gate else ())))
         self._armed = False
+        self._restart = False
+        self.error: BaseException | None = None
         self._user_mask: torch.Tensor | None = None
         self._forward_mask: torch.Tensor | None = None
         self._handles: list[RemovableHandle] = []
@@ -134,6 +141,19 @@ class ActivationProbe:
     def disarm(self) -> None:
         self._armed = False
 
+    def new_step(self) -> None:
+        """The next armed forward pass starts a new fold (one optimizer step ended)."""
+        self._restart = True
+
+    def _live(self) -> bool:
+        if not self._armed or self.error is not None or not torch.is_grad_enabled():
+            return False
+        if self._restart:
+            self._restart = False
+            self._maxima = {}
+            self._cosines = {}
+        return True
+
     @property
     def armed(self) -> bool:
         return self._armed
@@ -170,7 +190,7 @@ class ActivationProbe:
     # Hooks.
 
     def _capture_mask(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self._armed:
+        if not self._live():
             return None
         mask = kwargs.get("attention_mask")
         if mask is None and self._mask_position is not None and len(args) > self._mask_position:
@@ -192,12 +212,15 @@ class ActivationProbe:
 
     def _watch(self, module: nn.Module, site: str, layer: int | None) -> None:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if not self._armed:
+            if not self._live():
                 return None
             activation = _first_tensor(output)
             if activation is not None:
-                with torch.no_grad():
-                    self._fold_max(site, layer, activation)
+                try:
+                    with torch.no_grad():
+                        self._fold_max(site, layer, activation)
+                except Exception as e:  # noqa: BLE001 - a probe must never break the step
+                    self.error = e
             return None
 
         self._handles.append(module.register_forward_hook(hook))
@@ -205,16 +228,19 @@ class ActivationProbe:
 
     def _block_hook(self, layer: int, track_max: bool, track_cosine: bool) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if not self._armed:
+            if not self._live():
                 return None
             hidden = _first_tensor(output)
             if hidden is None:
                 return None
-            with torch.no_grad():
-                if track_max:
-                    self._fold_max("residual", layer, hidden)
-                if track_cosine and hidden.dim() == 3:
-                    self._fold_cosine(layer, hidden)
+            try:
+                with torch.no_grad():
+                    if track_max:
+                        self._fold_max("residual", layer, hidden)
+                    if track_cosine and hidden.dim() == 3:
+                        self._fold_cosine(layer, hidden)
+            except Exception as e:  # noqa: BLE001 - a probe must never break the step
+                self.error = e
             return None
 
         return hook

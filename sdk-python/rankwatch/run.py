@@ -5,15 +5,24 @@ installed by `watch`. `log(step, ...)` is the only call on the training thread's
 passes plain numbers straight to the native agent, collects tensors (never reading them), lets
 each probe add its device scalars when its cadence is due, and submits them all as one report
 (see `report.py`). No call here raises into the training loop for something that is the
-monitoring's problem — a missing collector, a bad value, a call after `finish` — it warns once
-and carries on; mistakes in how rankwatch itself is configured (`init`, `watch`) raise.
+monitoring's problem — a missing collector, a bad value, a failing probe, a call after
+`finish` — it warns once, counts, and carries on; mistakes in how rankwatch itself is
+configured (`init`, `watch`) raise.
+
+Cadence is keyed to the steps the user logs, whatever their spacing: a probe due at any step in
+(s, s + Δ], Δ the last gap between logged steps, is armed after `log(s)` and reported with the
+next logged step, and what it reports describes that step (the last optimizer step's gradient;
+the activations of that step's forward passes).
+
+The agent is made on first use, not in `init`: `watch` may find that the data-parallel group
+is a subgroup of the world, and then the run is that group's (see `topology.py`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -25,9 +34,9 @@ import torch
 
 from . import _native
 from .report import Reporter, SeriesKey
+from .topology import ReplicaGroup, agree_run_name, clean_run_id, launcher_run_name, local_rank, rank_and_world
 
 DEFAULT_COLLECTOR = "http://127.0.0.1:7070"
-_RUN_ID = re.compile(r"[^A-Za-z0-9._-]+")
 _VOCABULARY = {name: scope for name, scope, _ in _native.vocabulary()}
 
 
@@ -67,31 +76,9 @@ class Cadence:
         return cls(**dict(every))
 
     @staticmethod
-    def due(every: int, step: int) -> bool:
-        return every > 0 and step % every == 0
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"rankwatch.init: environment variable {name}={raw!r} is not an integer") from None
-
-
-def _run_id(run: str | None) -> str:
-    candidate = run or os.environ.get("RANKWATCH_RUN")
-    if not candidate:
-        elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-        candidate = elastic if elastic and elastic != "none" else None
-    if not candidate:
-        candidate = time.strftime("run-%Y%m%d-%H%M%S")
-    cleaned = _RUN_ID.sub("-", candidate).strip(".-")[:128]
-    if not cleaned:
-        raise ValueError(f"rankwatch.init: run name {candidate!r} has no usable characters ([A-Za-z0-9._-])")
-    return cleaned
+    def due_within(every: int, after: int, upto: int) -> bool:
+        """Whether a step s with s % every == 0 lies in (after, upto]."""
+        return every > 0 and upto // every > after // every
 
 
 class Run:
@@ -112,28 +99,25 @@ class Run:
         tags: Mapping[str, str],
         dot_mode: bool,
         sketch_dim: int,
+        replica_group: ReplicaGroup | None = None,
     ) -> None:
         self.id = run
         self.rank = rank
         self.world_size = world_size
+        self.global_rank = rank
+        self.global_world_size = world_size
         self.local_rank = local_rank
         self.collector = collector
         self.mode = mode
         self.cadence = cadence
-        self.spool_dir = spool_dir
+        self._spool_root = spool_dir
+        self.spool_dir: Path | None = None
+        self._token = token
         self.tags = dict(tags)
         self.dot_mode = dot_mode
         self.sketch_dim = sketch_dim
+        self._replica_group = replica_group
         self._agent: Any = None
-        if mode != "disabled":
-            self._agent = _native.Agent(
-                run,
-                rank,
-                collector,
-                token=token,
-                mode=mode,
-                spool_dir=str(spool_dir) if spool_dir is not None else None,
-            )
         self._finished = False
         self._warned: set[str] = set()
         self._reporter: Reporter | None = None
@@ -141,23 +125,48 @@ class Run:
         self._layout: Any = None
         self._spectral: Any = None
         self._activations: Any = None
-        self._grad_state: Any = None
+        self._gradients: Any = None
         self._optimizer_hook: Any = None
-        self._local_grad_sq: torch.Tensor | None = None
         self._alert_callbacks: list[Callable[[dict[str, Any]], None]] = []
         self._last_health_check = 0.0
         self._last_step: int | None = None
+        self._interval = 1
+        self._rejected = 0
+        self._rejected_reported = 0
         self.last_values: dict[SeriesKey, float] = {}
-        self._announce(None)
+        if replica_group is not None:
+            self._join(replica_group)
 
     # -- setup ---------------------------------------------------------------------------
 
-    def _announce(self, layout_info: dict[str, Any] | None) -> None:
-        if self._agent is None:
-            return
-        import json
+    def _join(self, group: ReplicaGroup) -> None:
+        """Makes this run the run of data-parallel `group` (before the agent exists)."""
+        self._replica_group = group
+        suffix = group.run_suffix(self.global_world_size)
+        if suffix:
+            self.id = clean_run_id(self.id + suffix)
+            self.rank = group.rank_of(self.global_rank)
+            self.world_size = len(group.ranks)
+            self.tags["global_ranks"] = ",".join(map(str, group.ranks))
 
-        layout = layout_info or {"family": "", "layers": []}
+    def _connect(self) -> Any:
+        """The native agent, made on first use; None in disabled mode."""
+        if self._agent is None and self.mode != "disabled":
+            if self._spool_root is not None:
+                self.spool_dir = self._spool_root / self.id / f"rank-{self.rank}"
+            self._agent = _native.Agent(
+                self.id,
+                self.rank,
+                self.collector,
+                token=self._token,
+                mode=self.mode,
+                spool_dir=str(self.spool_dir) if self.spool_dir is not None else None,
+            )
+            self._announce()
+        return self._agent
+
+    def _announce(self) -> None:
+        layout = self._layout.to_info() if self._layout is not None else {"family": "", "layers": []}
         self._agent.set_info(self.world_size, json.dumps(layout), {k: str(v) for k, v in self.tags.items()})
 
     def watch(
@@ -170,26 +179,46 @@ class Run:
         spectral: bool = True,
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
+        scaler: Any = None,
     ) -> Run:
-        """Finds the model's blocks and installs the probes (and the DDP hook under DDP).
+        """Finds the model's blocks and installs the probes.
 
         Raises `rankwatch.DiscoveryError` when the model's layout cannot be found; pass
         `mapping=` to describe it. Call before `torch.compile` and before the first backward.
-        `ddp=` names the DistributedDataParallel wrapper when `model` is the module inside it
-        (frameworks that wrap a container module).
+        `model` may be the DistributedDataParallel wrapper or the module inside it; `ddp=` names
+        the wrapper when it wraps a container of `model` (a wrapper of `model` itself is found
+        on its own, even one made after `watch`). `optimizer` lets activation maxima describe
+        one optimizer step; `scaler` (a `torch.amp.GradScaler`) lets gradient norms be
+        reported unscaled and skipped steps as `amp_skipped`. Every probe reads; none writes a
+        gradient, issues a collective or draws from a random stream, and `finish()` removes
+        them all.
         """
-        if self._agent is None:
+        if self.mode == "disabled":
             return self
+        if self._gradients is not None or self._activations is not None or self._spectral is not None:
+            raise RuntimeError("rankwatch.watch: this run already watches a model; call finish() first")
         from .discovery import discover
 
+        wrapper = ddp
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            wrapper, model = model, model.module
         layout = discover(model, mapping=dict(mapping) if mapping is not None else None)
+        params = list(model.parameters())
+        if not params:
+            raise ValueError("rankwatch.watch: the model has no parameters")
         self._layout = layout
-        try:
-            self._device = next(model.parameters()).device
-        except StopIteration:
-            raise ValueError("rankwatch.watch: the model has no parameters") from None
-        self._reporter = Reporter(self._agent, self._device, self._remember)
-        self._announce(layout.to_info())
+        self._device = params[0].device
+        if wrapper is not None and self._agent is None and self._replica_group is None:
+            group = ReplicaGroup.of(wrapper.process_group)
+            if group is not None:
+                self._join(group)
+        elif wrapper is not None and self._agent is not None:
+            group = ReplicaGroup.of(wrapper.process_group)
+            if group is not None and group.run_suffix(self.global_world_size):
+                self._warn("late-group", "rankwatch: the data-parallel group is a subgroup, but this run already reported as the whole world; call watch() before the first log() so the statistics compare replicas only")
+        agent = self._connect()
+        self._announce()
+        self._reporter = Reporter(agent, self._device, self._remember)
         if spectral and self.cadence.spectral > 0 and layout.blocks:
             from .spectral import SpectralProbe
 
@@ -200,26 +229,23 @@ class Run:
             from .activations import ActivationProbe
 
             self._activations = ActivationProbe(model, layout, gate=gate)
-            if Cadence.due(self.cadence.activations, 0):
-                self._activations.arm()
-        if ddp is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            ddp = model
-        if ddp is not None and self.cadence.grad > 0:
-            from .ddp import install
+            self._activations.arm()  # the first logged step, whichever it is
+        if self.cadence.grad > 0:
+            from .gradients import GradientProbe
 
-            self._grad_state = install(ddp, dot_mode=self.dot_mode, sketch_dim=self.sketch_dim, sketch_seed=_sketch_seed(self.id))
-            self._grad_state.sketch_due = Cadence.due(self.cadence.sketch, 0)
-        elif optimizer is not None and self.cadence.grad > 0:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._local_grad_sq = torch.zeros((), dtype=torch.float64, device=self._device)
-
-            def before_step(opt: Any, args: Any, kwargs: Any) -> None:
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads and self._local_grad_sq is not None:
-                    norms = torch._foreach_norm(grads)
-                    self._local_grad_sq.copy_(torch.stack(norms).double().pow(2).sum())
-
-            self._optimizer_hook = optimizer.register_step_pre_hook(before_step)
+            self._gradients = GradientProbe(
+                params,
+                wrapper=wrapper,
+                find_wrapper_of=model,
+                scaler=scaler,
+                dot_mode=self.dot_mode,
+                sketch_dim=self.sketch_dim,
+                sketch_seed=_sketch_seed(self.id),
+            )
+            self._gradients.sketch_armed = self.cadence.sketch > 0
+        if optimizer is not None and self._activations is not None:
+            probe = self._activations
+            self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: probe.new_step())
         return self
 
     # -- the hot path ----------------------------------------------------------------------
@@ -228,12 +254,14 @@ class Run:
         """Records this rank's values for `step`: `run.log(step, loss=l, tokens=n, lr=lr)`, or
         with a dict, `run.log(step, {"loss": l, "lr": lr})` (cheapest for many scalars: the
         dict is read as it is, never copied). Tensors are accepted and never read on the
-        training thread; names outside the vocabulary are stored as `user/<name>`."""
-        if self._agent is None:
+        training thread; names outside the vocabulary are stored as `user/<name>`. Never
+        raises for a value: a bad one is skipped, warned about once, and counted (`rejected`)."""
+        if self.mode == "disabled":
             return
         if self._finished:
             self._warn("after-finish", "rankwatch: log() after finish() is ignored")
             return
+        agent = self._connect()
         if self._alert_callbacks:
             self._deliver_alerts()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -248,11 +276,11 @@ class Run:
                 self._warn("metrics-type", f"rankwatch: log(step, metrics) needs a dict of name → value, got {type(metrics).__name__}; ignored")
                 return
             scalars = {**metrics, **scalars} if scalars else metrics  # type: ignore[assignment]
+        values_in = scalars if isinstance(scalars, dict) else dict(scalars)
         try:
-            others = self._agent.log(step, scalars if isinstance(scalars, dict) else dict(scalars)) if scalars else None
-        except ValueError as e:
-            self._warn(f"log-{e}", f"rankwatch: log(step={step}) ignored: {e}")
-            return
+            others = agent.log(step, values_in) if values_in else None
+        except ValueError:
+            others = self._log_one_by_one(step, values_in)
         except RuntimeError as e:
             self._warn("closed", f"rankwatch: {e}")
             return
@@ -260,29 +288,45 @@ class Run:
         values: list[torch.Tensor] = []
         if others:
             for name in others:
-                self._take_other(name, scalars[name], keys, values)
-        self._probe(step, keys, values)
+                self._take_other(name, values_in[name], keys, values)
+        try:
+            self._probe(step, keys, values)
+        except Exception as e:  # noqa: BLE001 - the step goes on without this report
+            self._warn(f"report-{type(e).__name__}", f"rankwatch: the report of step {step} failed ({e!r}); training continues")
         self._last_step = step
         self._health()
+
+    def _log_one_by_one(self, step: int, values: dict[str, Any]) -> list[str]:
+        """The slow path after a bad name: each plain number alone, the bad ones counted."""
+        others: list[str] = []
+        for name, value in values.items():
+            try:
+                rest = self._agent.log(step, {name: value})
+            except ValueError as e:
+                self._reject(f"name-{name}", f"rankwatch: log(step={step}) skipped {name!r}: {e}")
+                continue
+            others.extend(rest or ())
+        return others
+
+    def _reject(self, key: str, message: str) -> None:
+        self._rejected += 1
+        self._warn(key, message + " (counted in the metric 'rejected')")
 
     def _take_other(self, name: str, value: Any, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
         metric = name if _VOCABULARY.get(name) == "rank" else (name if name.startswith("user/") else f"user/{name}")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                self._warn(f"shape-{name}", f"rankwatch: log() value {name!r} is a tensor of shape {tuple(value.shape)}; only single-element tensors are logged")
+                self._reject(f"shape-{name}", f"rankwatch: log() value {name!r} is a tensor of shape {tuple(value.shape)}; only single-element tensors are logged")
                 return
             if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.bool)):
-                self._warn(f"dtype-{name}", f"rankwatch: log() value {name!r} has dtype {value.dtype}; skipped")
+                self._reject(f"dtype-{name}", f"rankwatch: log() value {name!r} has dtype {value.dtype}; skipped")
                 return
             keys.append((metric, None, None, False))
             values.append(value)
             if name == "loss":
-                # nonfinite counts NaN/Inf in the loss (and, under DDP, the gradients).
+                # nonfinite counts NaN/Inf in the loss; the gradient's count joins it in _probe.
                 keys.append(("nonfinite", None, None, False))
-                nonfinite = (~torch.isfinite(value.detach())).sum().double()
-                if self._grad_state is not None:
-                    nonfinite = nonfinite + self._grad_state.nonfinite
-                values.append(nonfinite)
+                values.append((~torch.isfinite(value.detach())).sum().double())
             return
         if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars: host values
             try:
@@ -293,49 +337,91 @@ class Run:
                 keys.append((metric, None, None, False))
                 values.append(torch.tensor(number, dtype=torch.float64))
                 return
-        self._warn(f"type-{name}", f"rankwatch: log() value {name!r} is a {type(value).__name__}; expected a number or a tensor, skipped")
+        self._reject(f"type-{name}", f"rankwatch: log() value {name!r} is a {type(value).__name__}; expected a number or a tensor, skipped")
 
     def _probe(self, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
         reporter = self._reporter
         if reporter is None:
-            if values:
+            if values or self._rejected != self._rejected_reported:
                 # No watch(): tensors logged by hand still go through a CPU/device reporter.
-                device = values[0].device
+                device = values[0].device if values else torch.device("cpu")
                 self._reporter = reporter = Reporter(self._agent, device, self._remember)
             else:
                 return
-        sketch = None
-        gs = self._grad_state
-        if gs is not None and gs.steps_seen > 0:
-            local = gs.local_sq.sqrt()
-            mean = gs.mean_sq.sqrt()
-            keys += [("grad_norm", None, None, False), ("grad_norm_mean", None, None, False)]
-            values += [local, mean]
-            if gs.dot_mode:
-                keys.append(("cos_to_mean", None, None, False))
-                values.append(gs.dot / (local * mean).clamp_min(1e-300))
-            if gs.sketch_due:
-                sketch = (gs.sketch.clone(), gs.sketch_seed)
-            gs.reset()
-            gs.sketch_due = Cadence.due(self.cadence.sketch, step + 1)
-        elif self._local_grad_sq is not None:
-            keys.append(("grad_norm", None, None, False))
-            values.append(self._local_grad_sq.sqrt())
+        if self._rejected != self._rejected_reported:
+            self._rejected_reported = self._rejected
+            keys.append(("rejected", None, None, False))
+            values.append(torch.tensor(float(self._rejected), dtype=torch.float64))
+        if self._last_step is not None and step > self._last_step:
+            self._interval = step - self._last_step
+        previous = self._last_step if self._last_step is not None else step - 1
+        upto = step + self._interval  # the next logged step, expected
+        sketch = self._report_gradients(keys, values)
         if self._activations is not None:
-            if self._activations.armed:
-                for metric, layer, site, tensor in self._activations.collect():
-                    keys.append((metric, layer, site, False))
+            if self._activations.error is not None:
+                self._probe_failed("activations", self._activations.error)
+                self._activations.remove()
+                self._activations = None
+            else:
+                if self._activations.armed:
+                    for metric, layer, site, tensor in self._activations.collect():
+                        keys.append((metric, layer, site, False))
+                        values.append(tensor)
+                    self._activations.disarm()
+                if Cadence.due_within(self.cadence.activations, step, upto):
+                    self._activations.arm()
+        if self._spectral is not None and Cadence.due_within(self.cadence.spectral, previous, step):
+            try:
+                for metric, layer, site, tensor in self._spectral.compute():
+                    keys.append((metric, layer, site, True))
                     values.append(tensor)
-                self._activations.disarm()
-            if Cadence.due(self.cadence.activations, step + 1):
-                self._activations.arm()
-        if self._spectral is not None and Cadence.due(self.cadence.spectral, step):
-            for metric, layer, site, tensor in self._spectral.compute():
-                keys.append((metric, layer, site, True))
-                values.append(tensor)
+            except Exception as e:  # noqa: BLE001 - a failing probe turns itself off
+                self._probe_failed("spectral", e)
+                self._spectral = None
+        if self._gradients is not None:
+            self._gradients.armed = self.cadence.grad == 1 or Cadence.due_within(self.cadence.grad, step, upto)
+            self._gradients.sketch_armed = Cadence.due_within(self.cadence.sketch, step, upto)
         reporter.drain()
         if values or sketch is not None:
             reporter.submit(step, keys, values, sketch)
+
+    def _report_gradients(self, keys: list[SeriesKey], values: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+        """Adds the last optimizer step's gradient record, if one finished since the last log."""
+        probe = self._gradients
+        if probe is None:
+            return None
+        if probe.error is not None:
+            self._probe_failed("gradient", probe.error)
+            probe.remove()
+            self._gradients = None
+            return None
+        record = probe.take()
+        if record is None:
+            return None
+        local = record.local_sq.sqrt()
+        keys.append(("grad_norm", None, None, False))
+        values.append(local)
+        if record.mean_sq is not None:
+            mean = record.mean_sq.sqrt()
+            keys.append(("grad_norm_mean", None, None, False))
+            values.append(mean)
+            if record.dot is not None:
+                keys.append(("cos_to_mean", None, None, False))
+                values.append(record.dot / (local * mean).clamp_min(1e-300))
+        if record.skipped is not None:
+            keys.append(("amp_skipped", None, None, False))
+            values.append(record.skipped)
+        try:
+            at = keys.index(("nonfinite", None, None, False))
+        except ValueError:
+            keys.append(("nonfinite", None, None, False))
+            values.append(record.nonfinite)
+        else:
+            values[at] = values[at] + record.nonfinite
+        return (record.sketch, probe.sketch_seed) if record.sketch is not None else None
+
+    def _probe_failed(self, name: str, error: BaseException) -> None:
+        self._warn(f"probe-{name}", f"rankwatch: the {name} probe failed ({error!r}) and turned itself off; training and the other probes go on")
 
     def _remember(self, step: int, keys: Any, values: list[float]) -> None:
         for key, value in zip(keys, values):
@@ -353,7 +439,7 @@ class Run:
         stats = self._agent.stats()
         if self.mode == "online" and not stats["connected"] and stats["retries"] > 0:
             where = f"; spooling to {self.spool_dir}" if self.spool_dir else ""
-            self._warn("unreachable", f"rankwatch: collector {self.collector} unreachable ({stats['last_error']}){where}. Training continues.")
+            self._warn("unreachable", f"rankwatch: collector {self.collector} is not taking rows ({stats['last_error']}){where}. Training continues.")
         if stats["dropped_rows"] > 0:
             self._warn("dropped", f"rankwatch: {stats['dropped_rows']} values dropped so far ({stats['last_error']}); the count is reported to the collector as 'dropped'")
 
@@ -377,8 +463,8 @@ class Run:
         if not callable(callback):
             raise TypeError("rankwatch: on_alert needs a callable")
         self._alert_callbacks.append(callback)
-        if self._agent is not None and not self._finished:
-            if not self._agent.watch_alerts(poll_interval):
+        if self.mode != "disabled" and not self._finished:
+            if not self._connect().watch_alerts(poll_interval):
                 self._warn("alerts-offline", "rankwatch: on_alert has no effect in offline mode (no collector to hear alerts from)")
 
     def _deliver_alerts(self) -> None:
@@ -408,17 +494,19 @@ class Run:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Delivers what was logged so far, waiting at most `timeout` seconds."""
-        if self._agent is None or self._finished:
+        if self.mode == "disabled" or self._finished:
             return True
+        agent = self._connect()
         if self._reporter is not None:
             self._reporter.drain(wait=True)
-        return bool(self._agent.flush(timeout))
+        return bool(agent.flush(timeout))
 
     def finish(self, timeout: float = 10.0) -> dict[str, Any]:
         """Ends the run: removes the probes, delivers what it can within `timeout`, spools the
         rest. Calling it twice is harmless (the second call warns and returns the stats)."""
-        if self._agent is None:
+        if self.mode == "disabled":
             return {}
+        self._connect()
         if self._finished:
             self._warn("finish-twice", "rankwatch: finish() called twice; the second call does nothing")
             return dict(self._agent.stats())
@@ -429,10 +517,7 @@ class Run:
                 self._reporter.drain(wait=True)
             except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
                 self._warn("drain", f"rankwatch: could not read back the last report: {e}")
-        if self._activations is not None:
-            self._activations.remove()
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
+        self.unwatch()
         stats = dict(self._agent.shutdown(timeout))
         if self.mode == "online" and not stats["ever_connected"]:
             where = f" They wait in {self.spool_dir}; send them with rankwatch.sync({str(self.spool_dir)!r})." if stats["spooled_batches"] else ""
@@ -440,6 +525,19 @@ class Run:
         elif self.mode == "online" and stats["backlog_batches"]:
             self._warn("undelivered", f"rankwatch: {stats['backlog_batches']} batches were not delivered before finish(); they are spooled in {self.spool_dir}")
         return stats
+
+    def unwatch(self) -> None:
+        """Removes every hook `watch` installed; training goes on exactly as if never watched."""
+        if self._activations is not None:
+            self._activations.remove()
+            self._activations = None
+        if self._gradients is not None:
+            self._gradients.remove()
+            self._gradients = None
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+        self._spectral = None
 
     def __enter__(self) -> Run:
         return self
@@ -468,24 +566,33 @@ def init(
     tags: Mapping[str, Any] | None = None,
     dot_mode: bool = True,
     sketch_dim: int = 1024,
+    data_parallel_group: Any = None,
 ) -> Run:
     """Starts monitoring this process's rank of a training run.
 
-    Rank and world size come from the torchrun environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-    `TORCHELASTIC_RUN_ID` names the run when `run` is not given). `mode` is "online" (stream to
-    `collector`, spooling to disk while it is away), "offline" (spool only; send later with
-    `rankwatch.sync`) or "disabled" (every call is a no-op). Settings also come from
-    `RANKWATCH_COLLECTOR`, `RANKWATCH_MODE`, `RANKWATCH_RUN`, `RANKWATCH_INGEST_TOKEN` and
-    `RANKWATCH_SPOOL_DIR`.
+    Rank and world size come from `torch.distributed` when it is initialised, else from the
+    launcher's environment (torchrun's `RANK`/`WORLD_SIZE`, Slurm's `SLURM_PROCID`/
+    `SLURM_NTASKS`, Open MPI's). Without `run`, the name is `RANKWATCH_RUN`,
+    `TORCHELASTIC_RUN_ID` (unless `none`) or `SLURM_JOB_ID`, else one made on rank 0 and shared
+    with every rank through the process group's store. `data_parallel_group` (a ProcessGroup or
+    a list of global ranks) says which ranks are replicas of each other when that is not the
+    whole world; `watch` also learns it from a DistributedDataParallel wrapper. `mode` is
+    "online" (stream to `collector`, spooling to disk while it is away), "offline" (spool only;
+    send later with `rankwatch.sync`) or "disabled" (every call is a no-op). Settings also come
+    from `RANKWATCH_COLLECTOR`, `RANKWATCH_MODE`, `RANKWATCH_RUN`, `RANKWATCH_INGEST_TOKEN` and
+    `RANKWATCH_SPOOL_DIR`. `dot_mode` measures each rank's exact cosine to the averaged
+    gradient at the cost of one copy of the gradient during the backward pass.
     """
     mode = mode or os.environ.get("RANKWATCH_MODE", "online")
     if mode not in ("online", "offline", "disabled"):
         raise ValueError(f"rankwatch.init: mode must be 'online', 'offline' or 'disabled', got {mode!r}")
-    run_id = _run_id(run)
-    rank = _env_int("RANK", 0) if rank is None else rank
-    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    found_rank, found_world = rank_and_world()
+    rank = found_rank if rank is None else rank
+    world_size = found_world if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rankwatch.init: rank {rank} is not within world size {world_size}")
+    named = run or launcher_run_name()
+    run_id = clean_run_id(named) if named else (agree_run_name(rank, world_size) if mode != "disabled" else "disabled")
     collector = collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
     if mode != "disabled" and not collector.startswith("http://"):
         raise ValueError(f"rankwatch.init: collector must be an http:// URL, got {collector!r}")
@@ -493,13 +600,12 @@ def init(
         raise ValueError("rankwatch.init: sketch_dim must be at least 1")
     spool: Path | None = None
     if mode != "disabled":
-        root = spool_dir or os.environ.get("RANKWATCH_SPOOL_DIR") or Path.home() / ".cache" / "rankwatch" / "spool"
-        spool = Path(root) / run_id / f"rank-{rank}"
+        spool = Path(spool_dir or os.environ.get("RANKWATCH_SPOOL_DIR") or Path.home() / ".cache" / "rankwatch" / "spool")
     return Run(
         run_id,
         rank=rank,
         world_size=world_size,
-        local_rank=_env_int("LOCAL_RANK", 0),
+        local_rank=local_rank(),
         collector=collector,
         mode=mode,
         cadence=Cadence.parse(every),
@@ -508,6 +614,7 @@ def init(
         tags=tags or {},
         dot_mode=dot_mode,
         sketch_dim=sketch_dim,
+        replica_group=ReplicaGroup.of(data_parallel_group) if data_parallel_group is not None else None,
     )
 
 

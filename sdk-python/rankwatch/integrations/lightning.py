@@ -5,7 +5,11 @@
 On `on_train_start` (after Lightning wrapped the module for its strategy) it initialises
 rankwatch on every process, watches the wrapped model — under the DDP strategy that is the
 `DistributedDataParallel` instance, so the gradient hook is installed before the first
-backward — and after every training batch logs the loss `training_step` returned on this rank.
+backward — and logs, once per optimizer step, the mean of the losses `training_step` returned
+on this rank over that step's micro-batches (`accumulate_grad_batches`). Under the `16-mixed`
+precision plugin its `GradScaler` is handed to the gradient probe, so norms are unscaled and
+overflow steps are reported as `amp_skipped`. Lightning's FSDP strategy is not watched yet: the
+gradient probe would read sharded gradients as whole ones.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class RankwatchCallback(pl.Callback):  # type: ignore[misc]
         self.module_attr = module_attr
         self.init_kwargs = init_kwargs
         self.run: Run | None = None
+        self._loss_sum: Any = None
+        self._batches = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.run is None:
@@ -54,14 +60,24 @@ class RankwatchCallback(pl.Callback):  # type: ignore[misc]
         wrapper = getattr(trainer.strategy, "model", None)
         ddp = wrapper if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) else None
         optimizers = trainer.optimizers
-        self.run.watch(target, optimizers[0] if optimizers else None, ddp=ddp)
+        precision = getattr(trainer.strategy, "precision_plugin", None)
+        scaler = getattr(precision, "scaler", None)
+        self.run.watch(target, optimizers[0] if optimizers else None, ddp=ddp, scaler=scaler)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.run is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.run.log(trainer.global_step, loss=loss.detach())
+        if loss is None:
+            return
+        loss = loss.detach()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._batches += 1
+        accumulating = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        if callable(accumulating) and accumulating():
+            return  # more micro-batches of this optimizer step to come
+        self.run.log(trainer.global_step, loss=self._loss_sum / self._batches)
+        self._loss_sum, self._batches = None, 0
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.run is not None:

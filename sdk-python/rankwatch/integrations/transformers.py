@@ -2,13 +2,20 @@
 
     trainer = Trainer(model=model, args=args, ..., callbacks=[RankwatchCallback(run="ft-7")])
 
-The callback calls `rankwatch.init` on every process when training begins, `watch`es the model
-the Trainer actually trains (its DDP wrapper when distributed, so the gradient hook sees the
-pre-reduction gradients), and logs at each optimizer step. The loss it logs is this rank's own
-token-weighted loss, captured from the model's forward output (`outputs.loss`, weighted by the
-tokens whose label is not -100) — not the Trainer's logged loss, which is already averaged over
-ranks and would hide exactly what rankwatch is for. Trainer's own logs (learning rate, ...) are
-added as user scalars.
+The callback calls `rankwatch.init` on every process when training begins and `watch`es the
+model the Trainer trains. The Trainer hands callbacks the unwrapped model; the gradient probe
+finds the DistributedDataParallel wrapper Accelerate made around it on the first backward, so
+under DDP each rank reports its own gradient before the all-reduce, the averaged gradient and
+the exact cosine between them. With fp16 the Accelerate optimizer's `GradScaler` is passed on,
+so gradient norms are unscaled and overflow steps are reported as `amp_skipped`.
+
+The loss it logs is this rank's own token-weighted loss over every micro-batch of the optimizer
+step, captured from the model's forward output — not the Trainer's logged loss, which is
+averaged over ranks and would hide exactly what rankwatch is for. The model's loss is a mean
+over its micro-batch's tokens, or, when the Trainer passes `num_items_in_batch` (gradient
+accumulation done right), a sum over them divided by that number: either way the callback
+recovers the sum of token losses and divides by the tokens this rank saw. Trainer's own logs
+(learning rate, ...) are added as user scalars.
 """
 
 from __future__ import annotations
@@ -21,52 +28,67 @@ from transformers import TrainerCallback
 from ..run import Run, init
 
 
+def _predicted_tokens(module: Any, labels: torch.Tensor) -> torch.Tensor:
+    # Causal LMs shift labels inside the model: position t predicts label t+1.
+    if type(module).__name__.endswith("ForCausalLM"):
+        labels = labels[..., 1:]
+    return (labels != -100).sum()
+
+
 class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, **init_kwargs: Any) -> None:
         self.init_kwargs = init_kwargs
         self.run: Run | None = None
         self._loss_sum: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
+        self._step_loss: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hook: Any = None
         self._pending_logs: dict[str, float] = {}
 
-    def _capture(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    def _capture(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
-        if loss is None or not torch.is_grad_enabled():
+        if not isinstance(loss, torch.Tensor) or not torch.is_grad_enabled():
             return
         labels = kwargs.get("labels")
-        if isinstance(labels, torch.Tensor):
-            # Causal LMs shift labels inside the model: position t predicts label t+1.
-            if type(module).__name__.endswith("ForCausalLM"):
-                labels = labels[..., 1:]
-            tokens = (labels != -100).sum()
+        tokens = _predicted_tokens(module, labels) if isinstance(labels, torch.Tensor) else torch.ones((), dtype=torch.int64, device=loss.device)
+        items = kwargs.get("num_items_in_batch")
+        loss = loss.detach().double()
+        if items is not None:
+            # loss = Σ token losses / num_items_in_batch: undo the division.
+            total = loss * (items.to(loss.device, torch.float64) if isinstance(items, torch.Tensor) else float(items))
         else:
-            tokens = torch.tensor(1, device=loss.device)
-        weighted = loss.detach().double() * tokens
-        self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
+            total = loss * tokens
+        self._loss_sum = total if self._loss_sum is None else self._loss_sum + total
         self._tokens = tokens if self._tokens is None else self._tokens + tokens
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         if self.run is None:
             self.run = init(**self.init_kwargs)
         if model is not None:
             self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
-            self.run.watch(model)
+            # Accelerate wraps the optimizer; the hooks belong on the torch optimizer inside.
+            inner = getattr(optimizer, "optimizer", optimizer)
+            scaler = getattr(optimizer, "scaler", None)
+            self.run.watch(model, inner if isinstance(inner, torch.optim.Optimizer) else None, scaler=scaler)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        pass
+        # The micro-batches of this optimizer step are all in: close the step's loss.
+        if self._loss_sum is not None and self._tokens is not None:
+            self._step_loss = (self._loss_sum, self._tokens)
+        self._loss_sum = self._tokens = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None:
             return
         scalars: dict[str, Any] = dict(self._pending_logs)
         self._pending_logs.clear()
-        if self._loss_sum is not None and self._tokens is not None:
-            scalars["loss"] = self._loss_sum / self._tokens.clamp_min(1)
-            scalars["tokens"] = self._tokens
-        self._loss_sum = self._tokens = None
+        if self._step_loss is not None:
+            total, tokens = self._step_loss
+            scalars["loss"] = total / tokens.clamp_min(1)
+            scalars["tokens"] = tokens
+        self._step_loss = None
         self.run.log(state.global_step, **scalars)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
