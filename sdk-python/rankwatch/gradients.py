@@ -84,15 +84,25 @@ class GradientRecord:
 
 def find_ddp_wrapper(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
     """The DistributedDataParallel that wraps `module`, if one exists (frameworks such as the
-    Hugging Face Trainer hand callbacks the inner module and keep the wrapper to themselves)."""
+    Hugging Face Trainer hand callbacks the inner module and keep the wrapper to themselves).
+
+    DDP keeps the module in its `_modules` dict, which its instance dict holds: the wrapper is
+    found through at most those two dicts among the module's referrers (a one-off walk, at
+    the end of the first backward)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
-    for holder in gc.get_referrers(module):
-        # DDP keeps the module in its `_modules` dict; that dict's owner is the wrapper.
-        if isinstance(holder, dict) and holder.get("module") is module:
-            for owner in gc.get_referrers(holder):
-                if isinstance(owner, torch.nn.parallel.DistributedDataParallel) and owner.module is module:
-                    return owner
+    frontier: list[Any] = [module]
+    seen = {id(module)}
+    for _ in range(3):
+        holders: list[Any] = []
+        for obj in frontier:
+            for holder in gc.get_referrers(obj):
+                if isinstance(holder, torch.nn.parallel.DistributedDataParallel) and holder.module is module:
+                    return holder
+                if isinstance(holder, dict) and id(holder) not in seen:
+                    seen.add(id(holder))
+                    holders.append(holder)
+        frontier = holders
     return None
 
 

@@ -1,0 +1,67 @@
+"""One rank of tests/test_hf_trainer.py, launched by torchrun: a tiny Llama trained by the
+Hugging Face Trainer (DDP through Accelerate, gloo on CPU) with gradient accumulation 2 and the
+rankwatch callback. Writes what the callback reported at every step and the Trainer's own log.
+
+argv: out_dir, "items" (the model gets `num_items_in_batch`, labels partly ignored) or "mean"
+(the Trainer's older per-micro-batch mean loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rankwatch.integrations.transformers import RankwatchCallback  # noqa: E402
+
+
+class Recording(RankwatchCallback):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.steps: dict[int, dict[str, float]] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        super().on_step_end(args, state, control, **kwargs)
+        assert self.run is not None
+        self.steps[state.global_step] = {k[0]: v for k, v in self.run.last_values.items() if k[1] is None and k[2] is None}
+        self.run.last_values.clear()
+
+
+def main() -> None:
+    out, variant = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(7)
+    data = []
+    for i in range(64):
+        ids = torch.randint(0, 64, (12,), generator=gen)
+        labels = ids.clone()
+        if variant == "items" and i % 3 == 0:
+            labels[: 2 + i % 5] = -100  # rows of unequal token counts: weighting matters
+        data.append({"input_ids": ids, "labels": labels})
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"), max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
+        ddp_backend="gloo", dataloader_drop_last=True,
+    )
+    callback = Recording(run=f"hf-{variant}", mode="offline", spool_dir=out / "spool", every={"spectral": 2, "activations": 2})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    if variant == "mean":
+        trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    assert callback.run is not None
+    logged = {h["step"]: {"loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history if "loss" in h}
+    (out / f"rank-{rank}.json").write_text(json.dumps({"steps": callback.steps, "trainer": logged, "world": callback.run.world_size, "run": callback.run.id}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""No host sync inside rankwatch, proven without a GPU.
+
+On a GPU, `Tensor.item()`, `tolist()`, `cpu()`, `numpy()`, `bool(t)` and `float(t)` on a device
+tensor wait for the device: a probe that does one stalls every step. Here each of them is made
+to raise (and to be recorded) whenever a frame of the `rankwatch` package is on the stack,
+during full training steps with every probe on at every step — DDP gradient statistics with dot
+mode and sketch, GradScaler unscaling, activation maxima, token cosine, spectral norms — and a
+tensor loss logged. The only reads allowed are of the reporter's own host buffers, which on a
+GPU are the pinned copies read after their event completed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rankwatch
+from rankwatch.models import NanoGPT, NanoGPTConfig
+
+from conftest import free_port
+
+PACKAGE = str(Path(rankwatch.__file__).resolve().parent)
+GUARDED = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__")
+
+
+class HostSyncGuard:
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.allowed: Any = lambda tensor: False
+        self._saved: dict[str, Any] = {}
+
+    def _in_rankwatch(self) -> str | None:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(PACKAGE):
+                return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+            frame = frame.f_back
+        return None
+
+    def install(self) -> None:
+        for name in GUARDED:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def guarded(tensor: torch.Tensor, *args: Any, __name: str = name, __original: Any = original, **kwargs: Any) -> Any:
+                where = self._in_rankwatch()
+                if where is not None and not self.allowed(tensor):
+                    self.violations.append(f"Tensor.{__name} at {where}")
+                    raise RuntimeError(f"host sync: Tensor.{__name} inside rankwatch ({where})")
+                return __original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, guarded)
+
+    def remove(self) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.fixture
+def guard() -> Iterator[HostSyncGuard]:
+    g = HostSyncGuard()
+    g.install()
+    try:
+        yield g
+    finally:
+        g.remove()
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_guard_sees_a_host_sync_in_rankwatch_frames(guard: HostSyncGuard) -> None:
+    t = torch.ones(())
+    with pytest.raises(RuntimeError, match="host sync"):
+        exec(compile("t.item()", os.path.join(PACKAGE, "run.py"), "exec"), {"t": t})
+    assert guard.violations and t.item() == 1.0, "outside rankwatch nothing changes"
+
+
+def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_rank_group: None, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = NanoGPT(NanoGPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    run = rankwatch.init(run="no-sync", mode="offline", spool_dir=tmp_path, every={"grad": 1, "sketch": 1, "activations": 1, "spectral": 1})
+    run.watch(ddp, optimizer, scaler=scaler)
+    assert run._reporter is not None
+    reporter = run._reporter
+    # The reporter's host buffers are the pinned copies a GPU run reads after their event.
+    guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
+    for step in range(3):
+        x = torch.randint(0, 40, (4, 16))
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = ddp(x, torch.roll(x, -1, 1))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        run.log(step, loss=loss.detach(), tokens=torch.tensor(64))
+    run.finish(timeout=5)
+    assert guard.violations == []
+    names = {k[0] for k in run.last_values}
+    for expected in ("loss", "tokens", "grad_norm", "grad_norm_mean", "cos_to_mean", "amp_skipped", "act_max", "token_cosine", "spectral.ratio"):
+        assert expected in names, f"{expected} was measured"
