@@ -145,8 +145,7 @@ class GradientProbe:
         self.error: BaseException | None = None
         self._sync = True
         self._complete = True
-        self._queued_task: int | None = None
-        self._requeued = False
+        self._pending_tasks: set[int] = set()
         self._handles: list[Any] = []
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._find_wrapper_of = find_wrapper_of if wrapper is None else None
@@ -205,9 +204,9 @@ class GradientProbe:
                 self._sketch_rows.zero_()
             self._copies = [None] * len(self._params)
         task = torch._C._current_graph_task_id()
-        if self._queued_task != task:
-            self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if task not in self._pending_tasks:
+            self._pending_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task, first_pass=True))
         grad = param.grad
         if grad is None:
             return
@@ -236,20 +235,18 @@ class GradientProbe:
             self._coordinates[index] = coords
         return coords
 
-    def _end_of_backward(self) -> None:
+    def _end_of_backward(self, task: int, first_pass: bool) -> None:
         try:
-            if torch._C._current_autograd_node() is not None:
-                # A backward nested in a node of the outer one (reentrant checkpointing): the
-                # outer backward is not over; its next hook queues a callback there.
-                self._queued_task = None
-                return
-            if not self._requeued:
+            if first_pass:
+                if torch._C._current_autograd_node() is not None:
+                    # A backward nested in a node of the outer one (reentrant checkpointing):
+                    # the outer backward is not over; its own callback closes the record.
+                    self._pending_tasks.discard(task)
+                    return
                 # Run again after the callbacks queued so far: the wrapper's reduction is one.
-                self._requeued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task, first_pass=False))
                 return
-            self._requeued = False
-            self._queued_task = None
+            self._pending_tasks.discard(task)
             if self.error is None and not self._complete:
                 self._close()
         except Exception as e:  # noqa: BLE001 - a probe must never break the step

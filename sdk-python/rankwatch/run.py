@@ -206,6 +206,14 @@ class Run:
         params = list(model.parameters())
         if not params:
             raise ValueError("rankwatch.watch: the model has no parameters")
+        if self.cadence.grad > 0:
+            _refuse_sharded(model, params)
+        # Accelerate (and others) wrap the optimizer: hooks belong on the torch optimizer inside,
+        # and its loss scaler is the one the gradients were scaled with.
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+            optimizer = inner
         self._layout = layout
         self._device = params[0].device
         if wrapper is not None and self._agent is None and self._replica_group is None:
@@ -544,6 +552,27 @@ class Run:
 
     def __exit__(self, *exc: Any) -> None:
         self.finish()
+
+
+def _refuse_sharded(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    """The gradient probe reads each parameter's gradient as the rank's whole gradient; under
+    sharding (FSDP, FSDP2's DTensor parameters) it is a shard, and the norms would be wrong."""
+    kinds: tuple[type, ...] = ()
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds = (FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - torch built without distributed
+        pass
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # type: ignore[assignment,misc]
+    if any(isinstance(m, kinds) for m in model.modules()) or any(isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            "rankwatch.watch: this model is sharded (FSDP/FSDP2); the gradient probe does not measure sharded gradients yet. "
+            "Pass every={'grad': 0} to rankwatch.init to watch it with the other probes."
+        )
 
 
 def _sketch_seed(run: str) -> int:

@@ -85,3 +85,28 @@ def test_context_manager_finishes(tmp_path: Path) -> None:
     assert run._finished
     report_dir = tmp_path / "spool" / "bad-use"
     assert any(report_dir.rglob("*.spool")), "offline data waits in the spool"
+
+
+def test_a_sharded_model_is_refused_by_the_gradient_probe_with_a_way_out(tmp_path: Path) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from conftest import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))
+        fully_shard(model)
+        run = offline(tmp_path)
+        with pytest.raises(ValueError, match="every=\\{'grad': 0\\}"):
+            run.watch(model)
+        run.finish()
+        quiet = rankwatch.init(run="sharded", mode="offline", spool_dir=tmp_path / "spool", every={"grad": 0})
+        quiet.watch(model)  # the other probes still watch it
+        assert quiet._gradients is None and quiet._activations is not None
+        quiet.finish()
+    finally:
+        dist.destroy_process_group()

@@ -27,7 +27,7 @@ from conftest import free_port
 
 WORLD = 4
 DEADLINE_S = 240
-LAYOUTS = ["world", "subgroups", "comm_hook", "accumulation", "amp", "bf16", "unwatch"]
+LAYOUTS = ["world", "subgroups", "comm_hook", "accumulation", "amp", "bf16", "unwatch", "checkpoint"]
 
 
 def run_layout(layout: str, out: Path) -> list[dict]:

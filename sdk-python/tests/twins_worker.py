@@ -12,7 +12,9 @@ both sets of values to JSON; the test compares them.
 Layouts (argv[1]): world, subgroups (two DDP groups of two ranks), comm_hook (a bf16
 compression hook registered by the user first), accumulation (no_sync micro-batches, logged
 every other step), amp (fp16 autocast with a GradScaler that starts too high, so it skips
-steps), bf16 (bf16 autocast), unwatch (finish() after step 2, training goes on).
+steps), bf16 (bf16 autocast), unwatch (finish() after step 2, training goes on), checkpoint
+(every block under reentrant activation checkpointing: gradients accumulate inside nested
+backward passes).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def main() -> None:
         torch.manual_seed(0)
         config = NanoGPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.1, bias=True)
         model = NanoGPT(config)
+        if layout == "checkpoint":
+            from torch.utils.checkpoint import checkpoint
+
+            for block in model.transformer.h:
+                block.forward = (lambda forward: lambda x: checkpoint(forward, x, use_reentrant=True))(block.forward)
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
         if layout == "comm_hook":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -120,6 +127,8 @@ def shadow(model: torch.nn.Module, state: tuple, batches: list[torch.Tensor], au
     """Brute force, on a hook-free copy with the weights and random state before the step."""
     weights, rng = state
     copy_ = copy.deepcopy(model)
+    for block in copy_.transformer.h:
+        block.__dict__.pop("forward", None)  # no checkpointing: it would call the original blocks
     copy_.load_state_dict(weights)
     saved = torch.get_rng_state()
     torch.set_rng_state(rng)

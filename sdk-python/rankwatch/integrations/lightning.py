@@ -70,7 +70,8 @@ class RankwatchCallback(pl.Callback):  # type: ignore[misc]
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is None:
             return
-        loss = loss.detach()
+        # Lightning hands on the loss divided by accumulate_grad_batches (what it backpropagates).
+        loss = loss.detach() * getattr(trainer, "accumulate_grad_batches", 1)
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._batches += 1
         accumulating = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)

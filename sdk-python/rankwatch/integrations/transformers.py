@@ -68,10 +68,8 @@ class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
             self.run = init(**self.init_kwargs)
         if model is not None:
             self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
-            # Accelerate wraps the optimizer; the hooks belong on the torch optimizer inside.
-            inner = getattr(optimizer, "optimizer", optimizer)
-            scaler = getattr(optimizer, "scaler", None)
-            self.run.watch(model, inner if isinstance(inner, torch.optim.Optimizer) else None, scaler=scaler)
+            # An Accelerate optimizer: watch unwraps it and takes its loss scaler (fp16).
+            self.run.watch(model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The micro-batches of this optimizer step are all in: close the step's loss.
