@@ -110,3 +110,35 @@ def test_a_sharded_model_is_refused_by_the_gradient_probe_with_a_way_out(tmp_pat
         quiet.finish()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failing_probe_turns_itself_off_and_the_step_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankwatch.gradients import GradientProbe
+
+    def broken(self, index, param):  # type: ignore[no-untyped-def]
+        raise RuntimeError("probe bug")
+
+    monkeypatch.setattr(GradientProbe, "_observe", broken)
+    torch.manual_seed(0)
+    model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8, dropout=0.0))
+    reference = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8, dropout=0.0))
+    reference.load_state_dict(model.state_dict())
+    run = offline(tmp_path, every={"activations": 1, "spectral": 1})
+    run.watch(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randint(0, 10, (2, 8))
+            for m in (model, reference):
+                _, loss = m(x, torch.roll(x, -1, 1))
+                loss.backward()
+            run.log(step, loss=loss.detach(), **{"bad name!": 1.0}, fine=2.0)
+    stats = run.finish()
+    messages = [str(w.message) for w in caught]
+    assert sum("gradient probe failed" in m for m in messages) == 1, messages
+    assert sum("bad name!" in m for m in messages) == 1, "warned once, counted every time"
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    names = {k[0] for k in run.last_values}
+    assert "act_max" in names and "grad_norm" not in names, "the other probes go on"
+    assert run.last_values[("rejected", None, None, False)] == 3.0
+    assert stats["dropped_rows"] == 0

@@ -92,3 +92,32 @@ def test_a_collector_that_never_starts_costs_a_warning_and_a_spool(tmp_path: Pat
         assert steps[0]["n"] == 20
     finally:
         collector.stop()
+
+
+def test_a_missing_token_keeps_the_rows_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """401 is a configuration mistake, not a bad batch: nothing is dropped, the warning names
+    the token, and the spool delivers everything once the token is given."""
+    monkeypatch.delenv("RANKWATCH_INGEST_TOKEN", raising=False)
+    collector = Collector(tmp_path / "data", extra_args=["--ingest-token", "s3cret"])
+    try:
+        run = rankwatch.init(run="no-token", collector=collector.url, spool_dir=tmp_path / "spool")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            def pause(step: int) -> None:
+                if step == 9:
+                    run.flush(timeout=3)
+                    time.sleep(2.1)  # the health check looks at most every 2 s
+
+            _train(run, range(12), on_step=pause)
+            stats = run.finish(timeout=3)
+        messages = " | ".join(str(w.message) for w in caught)
+        assert "401" in messages and "ingest token" in messages, messages
+        assert stats["dropped_rows"] == 0 and stats["refused_rows"] == 0, stats
+        assert stats["spooled_batches"] > 0, stats
+        report = rankwatch.sync(tmp_path / "spool" / "no-token", collector.url, token="s3cret")
+        assert report["remaining"] == 0 and report["rows"] > 0, report
+        steps = collector.sql("SELECT count(DISTINCT step) AS n FROM samples WHERE run = 'no-token' AND metric = 'loss'")
+        assert steps[0]["n"] == 12
+    finally:
+        collector.stop()
