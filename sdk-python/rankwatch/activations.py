@@ -31,8 +31,8 @@ calls while armed (gradient-accumulation micro-batches, or gradient-checkpointin
 recomputation) fold into one value: the max over all of them, the mean over all sequences.
 `new_step()` (the run calls it after each optimizer step) makes the next forward start the fold
 afresh, so a probe armed for several steps reports the last optimizer step's forwards only.
-Forward passes without autograd (evaluation under `no_grad`) are not training steps and are
-left out. An error inside a hook turns the probe off (`error` says why) instead of reaching the
+With `training_only` (what a run sets), forward passes without autograd (evaluation under
+`no_grad`) are not training steps and are left out. An error inside a hook turns the probe off (`error` says why) instead of reaching the
 training step.
 
 Register the probe before `torch.compile`: compiled graphs bake in the hooks that exist when
@@ -89,6 +89,7 @@ class ActivationProbe:
         sites: tuple[str, ...] = DEFAULT_SITES,
         gate: bool = False,
         token_cosine: bool = True,
+        training_only: bool = False,
     ) -> None:
         unknown = set(sites) - KNOWN_SITES
         if unknown:
@@ -96,6 +97,7 @@ class ActivationProbe:
         self._sites = tuple(dict.fromkeys(sites + (("gate",) if gate else ())))
         self._armed = False
         self._restart = False
+        self._training_only = training_only
         self.error: BaseException | None = None
         self._user_mask: torch.Tensor | None = None
         self._forward_mask: torch.Tensor | None = None
@@ -146,7 +148,7 @@ class ActivationProbe:
         self._restart = True
 
     def _live(self) -> bool:
-        if not self._armed or self.error is not None or not torch.is_grad_enabled():
+        if not self._armed or self.error is not None or (self._training_only and not torch.is_grad_enabled()):
             return False
         if self._restart:
             self._restart = False

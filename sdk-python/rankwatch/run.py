@@ -236,7 +236,7 @@ class Run:
         if activations and self.cadence.activations > 0:
             from .activations import ActivationProbe
 
-            self._activations = ActivationProbe(model, layout, gate=gate)
+            self._activations = ActivationProbe(model, layout, gate=gate, training_only=True)
             self._activations.arm()  # the first logged step, whichever it is
         if self.cadence.grad > 0:
             from .gradients import GradientProbe

@@ -255,6 +255,23 @@ def test_nanogpt_accumulates_over_micro_batches() -> None:
     assert probe.collect() == []  # collect resets
 
 
+def test_a_new_optimizer_step_starts_the_fold_afresh_and_evaluation_is_left_out() -> None:
+    """Armed over several steps, the probe reports the last optimizer step's forwards only; a
+    run's probe (training_only) ignores forwards without autograd."""
+    model = tiny_nanogpt()
+    first, second = padded_batch(64, seed=1), padded_batch(64, seq=9, lengths=(9, 2, 6), seed=2)
+    reference = Reference()
+    nanogpt_reference(model, *second, reference)
+    probe = ActivationProbe(model, discover(model), training_only=True)
+    probe.arm()
+    model(first[0], attention_mask=first[1])  # an earlier step's forward
+    probe.new_step()
+    with torch.no_grad():
+        model(first[0], attention_mask=first[1])  # evaluation: not a training step
+    model(second[0], attention_mask=second[1])
+    assert_matches(as_dict(probe.collect()), reference.expected())
+
+
 def test_unarmed_hooks_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_nanogpt()
     ids, mask = padded_batch(64)
