@@ -496,9 +496,14 @@ class Run:
                         raise
                     self._warn(f"callback-{id(callback)}", f"rankwatch: on_alert callback {callback!r} raised {e!r}; further alerts are still delivered")
 
+    @property
+    def finished(self) -> bool:
+        """Whether `finish()` was called."""
+        return self._finished
+
     def stats(self) -> dict[str, Any]:
         """The agent's counters: sent, retried, spooled, dropped, last error."""
-        return dict(self._agent.stats()) if self._agent is not None else {}
+        return dict(self._connect().stats()) if self.mode != "disabled" else {}
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Delivers what was logged so far, waiting at most `timeout` seconds."""
@@ -529,7 +534,8 @@ class Run:
         stats = dict(self._agent.shutdown(timeout))
         if self.mode == "online" and not stats["ever_connected"]:
             where = f" They wait in {self.spool_dir}; send them with rankwatch.sync({str(self.spool_dir)!r})." if stats["spooled_batches"] else ""
-            self._warn("never-connected", f"rankwatch: the run finished without reaching the collector at {self.collector}.{where}")
+            why = f" ({stats['last_error']})" if stats.get("last_error") else ""
+            self._warn("never-connected", f"rankwatch: the run finished without reaching the collector at {self.collector}{why}.{where}")
         elif self.mode == "online" and stats["backlog_batches"]:
             self._warn("undelivered", f"rankwatch: {stats['backlog_batches']} batches were not delivered before finish(); they are spooled in {self.spool_dir}")
         return stats

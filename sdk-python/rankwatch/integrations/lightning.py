@@ -35,7 +35,7 @@ class RankwatchCallback(pl.Callback):  # type: ignore[misc]
         self._batches = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.run is None:
+        if self.run is None or self.run.finished:  # a second fit() gets a run of its own
             kwargs = dict(self.init_kwargs)
             kwargs.setdefault("rank", trainer.global_rank)
             kwargs.setdefault("world_size", trainer.world_size)

@@ -64,7 +64,7 @@ class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
         self._tokens = tokens if self._tokens is None else self._tokens + tokens
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
-        if self.run is None:
+        if self.run is None or self.run.finished:  # a second train() gets a run of its own
             self.run = init(**self.init_kwargs)
         if model is not None:
             self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
