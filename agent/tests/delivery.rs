@@ -256,7 +256,9 @@ fn unauthorised_and_not_found_keep_the_rows_and_say_what_to_fix() {
         agent.flush(Duration::from_secs(5));
         // The first attempt was answered with the error; the batch was kept and sent again.
         wait_for("the kept batch to be delivered", || {
-            peer.stored_samples().iter().any(|s| s.metric.as_str() == "loss")
+            peer.stored_samples()
+                .iter()
+                .any(|s| s.metric.as_str() == "loss")
         });
         let stats = agent.stats();
         assert_eq!(
