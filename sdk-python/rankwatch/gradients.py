@@ -121,8 +121,9 @@ class GradientProbe:
         sketch_seed: int = 0,
         cache_limit: int = 50_000_000,
     ) -> None:
-        seen: set[int] = set()
-        self._params = [p for p in params if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+        # Each parameter once (tied weights appear twice in some lists), in the model's order,
+        # which every rank shares: the sketch's coordinates depend on it.
+        self._params = list(dict.fromkeys(p for p in params if p.requires_grad))
         if not self._params:
             raise ValueError("rankwatch: no parameter requires a gradient; nothing for the gradient probe to watch")
         self.device = self._params[0].device
@@ -156,10 +157,6 @@ class GradientProbe:
 
     # -- wiring -----------------------------------------------------------------------------
 
-    @property
-    def wrapper(self) -> torch.nn.parallel.DistributedDataParallel | None:
-        return self._wrapper
-
     def _attach_wrapper(self, wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
         self._wrapper = wrapper
         self._find_wrapper_of = None
@@ -176,10 +173,6 @@ class GradientProbe:
             handle.remove()
         self._handles.clear()
         self._copies = [None] * len(self._params)
-
-    @property
-    def active(self) -> bool:
-        return bool(self._handles) and self.error is None
 
     # -- hooks ------------------------------------------------------------------------------
 

@@ -84,3 +84,12 @@ def test_replica_groups_name_their_runs() -> None:
     assert topology.ReplicaGroup.of([0, 1, 2, 3]).run_suffix(4) == ""  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="not in its data-parallel group"):
         group.rank_of(0)
+
+
+def test_an_explicit_data_parallel_group_makes_the_run_that_groups(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    r = rankwatch.init(run="hybrid", rank=3, world_size=4, data_parallel_group=[2, 3], mode="offline", spool_dir=tmp_path)
+    assert (r.id, r.rank, r.world_size, r.global_rank) == ("hybrid.dp2", 1, 2, 3)
+    assert r.tags["global_ranks"] == "2,3"
+    r.log(0, loss=1.0)
+    r.finish()
+    assert (tmp_path / "hybrid.dp2" / "rank-1").is_dir(), "the group's run spools under its own name and rank"
