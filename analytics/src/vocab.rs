@@ -164,7 +164,7 @@ metrics! {
     GradNormMean = "grad_norm_mean", Rank, NONE;
     /// cos(g_k, ḡ), exact ("dot mode").
     CosToMean = "cos_to_mean", Rank, NONE;
-    /// Count of NaN/Inf in the loss and gradients.
+    /// NaN/Inf values in the logged loss plus the rank's gradient tensors holding a NaN/Inf.
     Nonfinite = "nonfinite", Rank, NONE;
     /// Records the rank's agent dropped because its queue and spool were full (cumulative).
     Dropped = "dropped", Rank, NONE;

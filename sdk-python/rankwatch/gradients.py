@@ -17,7 +17,9 @@ away.
 What one backward measures, per parameter slot (overwritten, never summed, so a parameter
 accumulated twice in one backward, as reentrant checkpointing does, is still counted once):
 
-* ‖g_k‖² of the local gradient (→ ``grad_norm``), and its NaN/Inf count (→ ``nonfinite``);
+* ‖g_k‖ of each parameter's local gradient — one kernel in the hook; their sum of squares
+  (→ ``grad_norm``) and the number of gradient tensors whose norm is NaN/Inf, i.e. that hold a
+  NaN/Inf (→ ``nonfinite``), are taken once, batched, at the end of the backward;
 * on sketch steps, the CountSketch of the local gradient with a seed shared by all ranks:
   coordinate i of parameter j is the 64-bit index (j << 32) | i, hashed with murmur3's
   finaliser, so every rank maps every coordinate to the same bucket and sign and ⟨s_i, s_j⟩
@@ -134,8 +136,7 @@ class GradientProbe:
         self._cache_limit = cache_limit
         self._coordinates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         n = len(self._params)
-        self._local_sq = torch.zeros(n, dtype=torch.float64, device=self.device)
-        self._nonfinite = torch.zeros(n, dtype=torch.float64, device=self.device)
+        self._norms: list[torch.Tensor | None] = [None] * n
         self._sketch_rows: torch.Tensor | None = None
         self._copies: list[torch.Tensor | None] = [None] * n
         # Cadence: the run arms the probe for the backward passes of steps it will report.
@@ -191,8 +192,7 @@ class GradientProbe:
         if self._complete:
             # The first hook of a new backward: slots of parameters it will not reach are zero.
             self._complete = False
-            self._local_sq.zero_()
-            self._nonfinite.zero_()
+            self._norms = [None] * len(self._params)
             if self._sketch_rows is not None:
                 self._sketch_rows.zero_()
             self._copies = [None] * len(self._params)
@@ -204,9 +204,8 @@ class GradientProbe:
         if grad is None:
             return
         g = grad.detach()
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        self._local_sq[index] = norm.double().square()
-        self._nonfinite[index] = (~torch.isfinite(g)).sum()
+        # One kernel per parameter here; everything else is batched at the end of the backward.
+        self._norms[index] = torch.linalg.vector_norm(g, dtype=torch.float32)
         if self.sketch_armed:
             if self._sketch_rows is None:
                 self._sketch_rows = torch.zeros(len(self._params), self.sketch_dim, dtype=torch.float32, device=self.device)
@@ -257,8 +256,11 @@ class GradientProbe:
 
     def _close(self) -> None:
         self._complete = True
-        local_sq = self._local_sq.sum()
-        nonfinite = self._nonfinite.sum()
+        local = [n for n in self._norms if n is not None]
+        norms = torch.stack(local) if local else torch.zeros(1, device=self.device)
+        local_sq = norms.double().square().sum()
+        # A NaN/Inf anywhere in a gradient makes its norm NaN/Inf: count the tensors holding one.
+        nonfinite = (~torch.isfinite(norms)).sum().double()
         mean_sq = dot = None
         if self._reduced():
             grads = [p.grad for p in self._params]
@@ -269,14 +271,18 @@ class GradientProbe:
             else:
                 mean_sq = torch.zeros((), dtype=torch.float64, device=self.device)
             if self.dot_mode:
-                dot = torch.zeros((), dtype=torch.float64, device=self.device)
+                dots = []
                 for i in present:
                     copy = self._copies[i]
                     if copy is not None:
                         if copy.is_cuda:
                             # Made on the backward's stream, used and freed on this one.
                             copy.record_stream(torch.cuda.current_stream(copy.device))
-                        dot += (copy.float() * grads[i].detach().float()).sum(dtype=torch.float64)  # type: ignore[union-attr]
+                        reduced = grads[i].detach().reshape(-1)  # type: ignore[union-attr]
+                        if copy.dtype not in (torch.float32, torch.float64):
+                            copy, reduced = copy.float(), reduced.float()
+                        dots.append(torch.dot(copy.reshape(-1), reduced))
+                dot = torch.stack(dots).double().sum() if dots else torch.zeros((), dtype=torch.float64, device=self.device)
         self._copies = [None] * len(self._params)
         skipped = None
         if self.scaler is not None and _scaler_enabled(self.scaler):
