@@ -5,7 +5,8 @@ micro-batches, `accelerator.backward`), trained twice: unwatched, with a read-on
 pre-hook recording the norm of the averaged gradient each optimizer step sees, and watched with
 every probe on. lightning: `Trainer(strategy="ddp")` with `accumulate_grad_batches=2` and the
 rankwatch callback; the module records the averaged gradient's norm in
-`on_before_optimizer_step` and the losses `training_step` returned.
+`on_before_optimizer_step` and the losses `training_step` returned; an unwatched fit first is
+its twin.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def accelerate_job(out: Path, watched: bool) -> dict[str, Any]:
     return {"params": params, "seen": seen, "reported": reported}
 
 
-def lightning_job(out: Path) -> dict[str, Any]:
+def lightning_job(out: Path, watched: bool = True) -> dict[str, Any]:
     import lightning.pytorch as L
 
     from rankwatch.integrations.lightning import RankwatchCallback
@@ -92,6 +93,13 @@ def lightning_job(out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.randint(0, 40, (32, 16), generator=torch.Generator().manual_seed(3)), batch_size=4)
     module = Module()
+    if not watched:
+        plain = L.Trainer(
+            max_steps=3, accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        plain.fit(module, data)
+        return {"params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
     callback = RankwatchCallback(run="pl-ddp", mode="offline", spool_dir=out / "spool", every={"spectral": 2})
     recorded: list[dict[str, float]] = []
     original = callback.run
@@ -109,7 +117,8 @@ def lightning_job(out: Path) -> dict[str, Any]:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, Recorder()],
     )
     trainer.fit(module, data)
-    return {"reported": recorded, "losses": module.losses, "averaged": module.averaged, "run": callback.run.id if callback.run else None}
+    params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"reported": recorded, "losses": module.losses, "averaged": module.averaged, "run": callback.run.id if callback.run else None, "params": params}
 
 
 def main() -> None:
@@ -122,7 +131,10 @@ def main() -> None:
         equal = all(torch.equal(plain["params"][k], watched["params"][k]) for k in plain["params"])
         result = {"equal": equal, "seen": plain["seen"], "reported": watched["reported"]}
     else:
+        plain = lightning_job(out, watched=False)["params"]
         result = lightning_job(out)
+        watched = result.pop("params")
+        result["equal"] = all(torch.equal(plain[k], watched[k]) for k in plain)
     (out / f"{kind}-{rank}.json").write_text(json.dumps(result))
 
 

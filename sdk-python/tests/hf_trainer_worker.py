@@ -1,6 +1,8 @@
 """One rank of tests/test_hf_trainer.py, launched by torchrun: a tiny Llama trained by the
 Hugging Face Trainer (DDP through Accelerate, gloo on CPU) with gradient accumulation 2 and the
-rankwatch callback. Writes what the callback reported at every step and the Trainer's own log.
+rankwatch callback, after the same training without it (the twin). Writes whether the twins
+ended with identical parameters, what the callback reported at every step and the Trainer's
+own log.
 
 argv: out_dir, "items" (the model gets `num_items_in_batch`, labels partly ignored) or "mean"
 (the Trainer's older per-micro-batch mean loss).
@@ -37,9 +39,7 @@ def main() -> None:
     out, variant = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(7)
     data = []
     for i in range(64):
@@ -53,14 +53,22 @@ def main() -> None:
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
         ddp_backend="gloo", dataloader_drop_last=True,
     )
-    callback = Recording(run=f"hf-{variant}", mode="offline", spool_dir=out / "spool", every={"spectral": 2, "activations": 2})
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-    if variant == "mean":
-        trainer.model_accepts_loss_kwargs = False
-    trainer.train()
+
+    def train(callbacks: list) -> transformers.Trainer:
+        torch.manual_seed(0)
+        trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=callbacks)
+        if variant == "mean":
+            trainer.model_accepts_loss_kwargs = False
+        trainer.train()
+        return trainer
+
+    plain = {k: v.detach().clone() for k, v in train([]).model.state_dict().items()}
+    callback = Recording(run=f"hf-{variant}", mode="offline", spool_dir=out / "spool", every={"grad": 1, "sketch": 1, "spectral": 1, "activations": 1})
+    trainer = train([callback])
+    equal = all(torch.equal(plain[k], v) for k, v in trainer.model.state_dict().items())
     assert callback.run is not None
     logged = {h["step"]: {"loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history if "loss" in h}
-    (out / f"rank-{rank}.json").write_text(json.dumps({"steps": callback.steps, "trainer": logged, "world": callback.run.world_size, "run": callback.run.id}))
+    (out / f"rank-{rank}.json").write_text(json.dumps({"equal": equal, "steps": callback.steps, "trainer": logged, "world": callback.run.world_size, "run": callback.run.id}))
 
 
 if __name__ == "__main__":

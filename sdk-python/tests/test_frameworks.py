@@ -1,7 +1,7 @@
 """Accelerate's own loop and Lightning's DDP strategy, each under torchrun with 2 gloo ranks and
 gradient accumulation 2. Accelerate: watched and unwatched twins end bit-identical, and the
 reported ‖ḡ‖ of every optimizer step equals the norm of the gradient the optimizer saw.
-Lightning: one report per optimizer step with the mean of its micro-batch losses, and ‖ḡ‖ equal
+Lightning: twins bit-identical, one report per optimizer step with the mean of its micro-batch losses, and ‖ḡ‖ equal
 to the averaged gradient's norm in `on_before_optimizer_step`, on both ranks."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def test_lightning_ddp_reports_each_optimizer_step(tmp_path: Path) -> None:
     pytest.importorskip("lightning.pytorch")
     ranks = launch("lightning", tmp_path)
     for rank, result in enumerate(ranks):
+        assert result["equal"], f"rank {rank}: watching changed training"
         reported = result["reported"]
         assert [r["step"] for r in reported] == [1, 2, 3], f"rank {rank}: {reported}"
         for i, got in enumerate(reported):

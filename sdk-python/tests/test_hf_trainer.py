@@ -1,5 +1,6 @@
 """The Hugging Face Trainer under torchrun (2 gloo ranks, DDP through Accelerate, gradient
-accumulation 2), with and without `num_items_in_batch`: the per-rank losses rankwatch reports,
+accumulation 2), with and without `num_items_in_batch`: watched (every probe at every step) and
+unwatched twins end with identical parameters; the per-rank losses rankwatch reports,
 weighted by their tokens, must give the Trainer's own logged loss; the gradient statistics must
 be there on both ranks, ‖ḡ‖ equal across ranks and equal to the Trainer's own `grad_norm` (the
 norm of the averaged gradient before clipping)."""
@@ -29,6 +30,7 @@ def test_trainer_ddp_with_accumulation_reports_each_rank_truly(variant: str, tmp
     done = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [r["equal"] for r in ranks] == [True, True], "the watched Trainer ended with the unwatched twin's parameters"
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["run"] == ranks[1]["run"] == f"hf-{variant}"
     trainer = ranks[0]["trainer"]
