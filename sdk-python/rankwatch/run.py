@@ -206,7 +206,7 @@ class Run:
         params = list(model.parameters())
         if not params:
             raise ValueError("rankwatch.watch: the model has no parameters")
-        if self.cadence.grad > 0:
+        if self.cadence.grad > 0 or (spectral and self.cadence.spectral > 0):
             _refuse_sharded(model, params)
         # Accelerate (and others) wrap the optimizer: hooks belong on the torch optimizer inside,
         # and its loss scaler is the one the gradients were scaled with.
@@ -428,6 +428,15 @@ class Run:
             values[at] = values[at] + record.nonfinite
         return (record.sketch, probe.sketch_seed) if record.sketch is not None else None
 
+    def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
+        """`watch` for integrations, which run inside the training job: a model the probes
+        cannot watch (unknown layout, sharded) is a warning, and the run goes on logging."""
+        try:
+            return self.watch(model, optimizer, **kwargs)
+        except ValueError as e:
+            self._warn("watch", f"{e} — the run goes on without model probes")
+            return self
+
     def _probe_failed(self, name: str, error: BaseException) -> None:
         self._warn(f"probe-{name}", f"rankwatch: the {name} probe failed ({error!r}) and turned itself off; training and the other probes go on")
 
@@ -561,8 +570,10 @@ class Run:
 
 
 def _refuse_sharded(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
-    """The gradient probe reads each parameter's gradient as the rank's whole gradient; under
-    sharding (FSDP, FSDP2's DTensor parameters) it is a shard, and the norms would be wrong."""
+    """The gradient probe reads each parameter's gradient as the rank's whole gradient, and the
+    spectral probe each weight as the whole matrix on rank 0 alone; under sharding (FSDP,
+    FSDP2's DTensor parameters, tensor parallelism) they are shards: the norms would be wrong,
+    and a probe running on one rank could wait in a collective the others never join."""
     kinds: tuple[type, ...] = ()
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -576,8 +587,8 @@ def _refuse_sharded(model: torch.nn.Module, params: list[torch.nn.Parameter]) ->
         DTensor = ()  # type: ignore[assignment,misc]
     if any(isinstance(m, kinds) for m in model.modules()) or any(isinstance(p, DTensor) for p in params):
         raise ValueError(
-            "rankwatch.watch: this model is sharded (FSDP/FSDP2); the gradient probe does not measure sharded gradients yet. "
-            "Pass every={'grad': 0} to rankwatch.init to watch it with the other probes."
+            "rankwatch.watch: this model is sharded (FSDP/FSDP2/DTensor); the gradient and spectral probes do not measure sharded "
+            "parameters yet. Pass every={'grad': 0, 'spectral': 0} to rankwatch.init to watch its activations and token cosine."
         )
 
 

@@ -101,12 +101,21 @@ def test_a_sharded_model_is_refused_by_the_gradient_probe_with_a_way_out(tmp_pat
         model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))
         fully_shard(model)
         run = offline(tmp_path)
-        with pytest.raises(ValueError, match="every=\\{'grad': 0\\}"):
+        with pytest.raises(ValueError, match="every=\\{'grad': 0, 'spectral': 0\\}"):
             run.watch(model)
         run.finish()
-        quiet = rankwatch.init(run="sharded", mode="offline", spool_dir=tmp_path / "spool", every={"grad": 0})
-        quiet.watch(model)  # the other probes still watch it
-        assert quiet._gradients is None and quiet._activations is not None
+        quiet = rankwatch.init(run="sharded", mode="offline", spool_dir=tmp_path / "spool", every={"grad": 0, "spectral": 0, "activations": 1})
+        quiet.watch(model)  # activation maxima and token cosine still watch it
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randint(0, 10, (2, 8))
+            _, loss = model(x, torch.roll(x, -1, 1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            quiet.log(step, loss=loss.detach())
+        names = {k[0] for k in quiet.last_values}
+        assert {"act_max", "token_cosine"} <= names and "grad_norm" not in names
         quiet.finish()
     finally:
         dist.destroy_process_group()

@@ -82,3 +82,29 @@ def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
     grad = collector.sql("SELECT count(*) AS n FROM samples WHERE run = 'pl-fit' AND metric = 'grad_norm'")[0]["n"]
     assert grad == 5, "the optimizer hook measured ‖g‖ at every step"
     assert _runs(collector)["pl-fit"]["family"] == "nanogpt"
+
+
+def test_a_model_the_probes_cannot_watch_is_a_warning_inside_a_trainer(tmp_path: Path) -> None:
+    """Integrations run inside the job: an unknown layout must not stop `fit`."""
+    L = pytest.importorskip("lightning.pytorch")
+    import rankwatch
+    from rankwatch.integrations.lightning import RankwatchCallback
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    callback = RankwatchCallback(run="plain", mode="offline", spool_dir=tmp_path / "spool")
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    with pytest.warns(rankwatch.RankwatchWarning, match="without model probes"):
+        trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(12, 4), batch_size=4))
+    assert trainer.global_step == 3
+    assert callback.run is not None and callback.run.finished
+    assert ("loss", None, None, False) in callback.run.last_values

@@ -8,8 +8,9 @@ rankwatch on every process, watches the wrapped model — under the DDP strategy
 backward — and logs, once per optimizer step, the mean of the losses `training_step` returned
 on this rank over that step's micro-batches (`accumulate_grad_batches`). Under the `16-mixed`
 precision plugin its `GradScaler` is handed to the gradient probe, so norms are unscaled and
-overflow steps are reported as `amp_skipped`. Lightning's FSDP strategy is not watched yet: the
-gradient probe would read sharded gradients as whole ones.
+overflow steps are reported as `amp_skipped`. Lightning's FSDP strategy is not watched yet (the
+gradient and spectral probes would read shards as whole tensors): the callback warns and logs
+the loss only.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class RankwatchCallback(pl.Callback):  # type: ignore[misc]
         optimizers = trainer.optimizers
         precision = getattr(trainer.strategy, "precision_plugin", None)
         scaler = getattr(precision, "scaler", None)
-        self.run.watch(target, optimizers[0] if optimizers else None, ddp=ddp, scaler=scaler)
+        self.run.watch_or_warn(target, optimizers[0] if optimizers else None, ddp=ddp, scaler=scaler)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.run is None:

@@ -69,7 +69,7 @@ class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
         if model is not None:
             self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
             # An Accelerate optimizer: watch unwraps it and takes its loss scaler (fp16).
-            self.run.watch(model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
+            self.run.watch_or_warn(model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The micro-batches of this optimizer step are all in: close the step's loss.
