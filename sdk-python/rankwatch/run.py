@@ -224,8 +224,9 @@ class Run:
             group = ReplicaGroup.of(wrapper.process_group)
             if group is not None and group.run_suffix(self.global_world_size):
                 self._warn("late-group", "rankwatch: the data-parallel group is a subgroup, but this run already reported as the whole world; call watch() before the first log() so the statistics compare replicas only")
+        if self._agent is not None:
+            self._announce()  # the run was announced before its layout was known
         agent = self._connect()
-        self._announce()
         self._reporter = Reporter(agent, self._device, self._remember)
         if spectral and self.cadence.spectral > 0 and layout.blocks:
             from .spectral import SpectralProbe
