@@ -142,8 +142,7 @@ class GradientProbe:
         # Cadence: the run arms the probe for the backward passes of steps it will report.
         self.armed = True
         self.sketch_armed = False
-        self.record: GradientRecord | None = None
-        self.fresh = False
+        self._record: GradientRecord | None = None  # the last backward's, until taken
         self.error: BaseException | None = None
         self._sync = True
         self._complete = True
@@ -297,15 +296,12 @@ class GradientProbe:
             skipped = (~torch.isfinite(checked)).double()
             nonfinite = torch.zeros_like(nonfinite)
         sketch = self._sketch_rows.sum(0) if self.sketch_armed and self._sketch_rows is not None else None
-        self.record = GradientRecord(local_sq, nonfinite, mean_sq, dot, skipped, sketch)
-        self.fresh = True
+        self._record = GradientRecord(local_sq, nonfinite, mean_sq, dot, skipped, sketch)
 
     def take(self) -> GradientRecord | None:
         """The record of the last backward, once; None when no backward finished since."""
-        if not self.fresh:
-            return None
-        self.fresh = False
-        return self.record
+        record, self._record = self._record, None
+        return record
 
     def _fail(self, error: BaseException) -> None:
         self.error = error

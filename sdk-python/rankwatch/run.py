@@ -365,20 +365,16 @@ class Run:
             self._interval = step - self._last_step
         previous = self._last_step if self._last_step is not None else step - 1
         upto = step + self._interval  # the next logged step, expected
+        self._drop_failed_hooks()
         sketch = self._report_gradients(keys, values)
         if self._activations is not None:
-            if self._activations.error is not None:
-                self._probe_failed("activations", self._activations.error)
-                self._activations.remove()
-                self._activations = None
-            else:
-                if self._activations.armed:
-                    for metric, layer, site, tensor in self._activations.collect():
-                        keys.append((metric, layer, site, False))
-                        values.append(tensor)
-                    self._activations.disarm()
-                if Cadence.due_within(self.cadence.activations, step, upto):
-                    self._activations.arm()
+            if self._activations.armed:
+                for metric, layer, site, tensor in self._activations.collect():
+                    keys.append((metric, layer, site, False))
+                    values.append(tensor)
+                self._activations.disarm()
+            if Cadence.due_within(self.cadence.activations, step, upto):
+                self._activations.arm()
         if self._spectral is not None and Cadence.due_within(self.cadence.spectral, previous, step):
             try:
                 for metric, layer, site, tensor in self._spectral.compute():
@@ -388,7 +384,7 @@ class Run:
                 self._probe_failed("spectral", e)
                 self._spectral = None
         if self._gradients is not None:
-            self._gradients.armed = self.cadence.grad == 1 or Cadence.due_within(self.cadence.grad, step, upto)
+            self._gradients.armed = Cadence.due_within(self.cadence.grad, step, upto)
             self._gradients.sketch_armed = Cadence.due_within(self.cadence.sketch, step, upto)
         reporter.drain()
         if values or sketch is not None:
@@ -398,11 +394,6 @@ class Run:
         """Adds the last optimizer step's gradient record, if one finished since the last log."""
         probe = self._gradients
         if probe is None:
-            return None
-        if probe.error is not None:
-            self._probe_failed("gradient", probe.error)
-            probe.remove()
-            self._gradients = None
             return None
         record = probe.take()
         if record is None:
@@ -437,6 +428,15 @@ class Run:
         except ValueError as e:
             self._warn("watch", f"{e} — the run goes on without model probes")
             return self
+
+    def _drop_failed_hooks(self) -> None:
+        """Removes a hook-based probe whose hook failed (it recorded why and went quiet)."""
+        for attr, name in (("_gradients", "gradient"), ("_activations", "activations")):
+            probe = getattr(self, attr)
+            if probe is not None and probe.error is not None:
+                self._probe_failed(name, probe.error)
+                probe.remove()
+                setattr(self, attr, None)
 
     def _probe_failed(self, name: str, error: BaseException) -> None:
         self._warn(f"probe-{name}", f"rankwatch: the {name} probe failed ({error!r}) and turned itself off; training and the other probes go on")
