@@ -36,6 +36,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(argv: list[str], world: int, timeout: float, env: dict[str, str] | None = None) -> list[str]:
+    """Runs `argv` as `world` processes with torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT on a free port) and returns each rank's stdout. All must exit
+    0 within `timeout` seconds: a hang kills every rank and fails the test."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            argv,
+            env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(argv[:3])}: a rank did not finish within {timeout} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world, f"exit codes {codes}; stdout: {outputs}"
+    return outputs
+
+
+def torchrun(argv: list[str], nproc: int, timeout: float, env: dict[str, str] | None = None) -> None:
+    """`python -m torch.distributed.run --nproc_per_node N argv...`; a hang past `timeout` fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *argv]
+    done = subprocess.run(cmd, env={**os.environ, "TORCHELASTIC_RUN_ID": "none", **(env or {})}, timeout=timeout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def collector_binary() -> str:
     binary = os.environ.get("RANKWATCH_BIN") or str(REPO / "target" / "debug" / "rankwatch")
     if not Path(binary).exists():

@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import free_port
+from conftest import run_ranks
 
 WORLD = 4
 RTOL = 1e-5
 
 
 def test_per_rank_gradient_statistics_and_activation_maxima_match_brute_force(tmp_path: Path) -> None:
-    port = free_port()
     worker = Path(__file__).with_name("ddp_consistency_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(tmp_path), str(tmp_path / "spool")],
-            env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-        )
-        for r in range(WORLD)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0] * WORLD
+    run_ranks([sys.executable, str(worker), str(tmp_path), str(tmp_path / "spool")], WORLD, timeout=300)
 
     cosines = []
     for rank in range(WORLD):

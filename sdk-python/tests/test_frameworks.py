@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import torchrun
 
 
 def launch(kind: str, out: Path) -> list[dict]:
-    worker = Path(__file__).with_name("frameworks_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker), kind, str(out)]
-    done = subprocess.run(cmd, env={**os.environ, "TORCHELASTIC_RUN_ID": "none"}, timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun([str(Path(__file__).with_name("frameworks_worker.py")), kind, str(out)], nproc=2, timeout=300)
     return [json.loads((out / f"{kind}-{r}.json").read_text()) for r in range(2)]
 
 

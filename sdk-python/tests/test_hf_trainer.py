@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -24,11 +21,7 @@ pytest.importorskip("accelerate")
 
 @pytest.mark.parametrize("variant", ["items", "mean"])
 def test_trainer_ddp_with_accumulation_reports_each_rank_truly(variant: str, tmp_path: Path) -> None:
-    worker = Path(__file__).with_name("hf_trainer_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker), str(tmp_path), variant]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHELASTIC_RUN_ID": "none"}
-    done = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun([str(Path(__file__).with_name("hf_trainer_worker.py")), str(tmp_path), variant], nproc=2, timeout=300, env={"HF_HUB_OFFLINE": "1"})
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [r["equal"] for r in ranks] == [True, True], "the watched Trainer ended with the unwatched twin's parameters"
     assert [r["world"] for r in ranks] == [2, 2]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import pytest
 import rankwatch
 from rankwatch import topology
 
-from conftest import free_port
+from conftest import run_ranks
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "TORCHELASTIC_RUN_ID", "RANKWATCH_RUN")
 
@@ -60,19 +58,8 @@ def test_torchrun_default_run_id_is_not_a_name_and_ranks_agree_through_the_store
         "print(r.id, r.rank, r.world_size, flush=True)\n"
         "r.finish(); dist.barrier(); dist.destroy_process_group()\n"
     )
-    port = str(free_port())
     sdk = str(Path(__file__).resolve().parent.parent)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, sdk, str(tmp_path)],
-            env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "none"},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=120)[0].split() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
+    outputs = [out.split() for out in run_ranks([sys.executable, "-c", script, sdk, str(tmp_path)], 2, timeout=120, env={"TORCHELASTIC_RUN_ID": "none"})]
     assert outputs[0][0] == outputs[1][0] and outputs[0][0].startswith("run-"), outputs
     assert [o[1:] for o in outputs] == [["0", "2"], ["1", "2"]]
 

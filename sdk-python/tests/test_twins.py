@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import run_ranks
 
 WORLD = 4
 DEADLINE_S = 240
@@ -31,22 +29,8 @@ LAYOUTS = ["world", "subgroups", "comm_hook", "accumulation", "amp", "bf16", "un
 
 
 def run_layout(layout: str, out: Path) -> list[dict]:
-    port = free_port()
     worker = Path(__file__).with_name("twins_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), layout, str(out)],
-            env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-        )
-        for r in range(WORLD)
-    ]
-    try:
-        codes = [p.wait(timeout=DEADLINE_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * WORLD, f"{layout}: exit codes {codes}"
+    run_ranks([sys.executable, str(worker), layout, str(out)], WORLD, DEADLINE_S)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
 
 
