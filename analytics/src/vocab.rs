@@ -174,6 +174,13 @@ metrics! {
     AmpSkipped = "amp_skipped", Rank, NONE;
     /// Values `log()` refused on that rank (bad name, type or shape), cumulative.
     Rejected = "rejected", Rank, NONE;
+    /// Milliseconds the gradient probe spent on that rank since its last report (host time in
+    /// its hooks and end-of-backward work).
+    ProbeMsGrad = "probe_ms.grad", Rank, NONE;
+    /// Milliseconds the activation probe spent on that rank since its last report.
+    ProbeMsActivations = "probe_ms.activations", Rank, NONE;
+    /// Milliseconds one spectral call took on that rank (device time where there is one).
+    ProbeMsSpectral = "probe_ms.spectral", Rank, NONE;
     /// σ₁ of one weight matrix of a block.
     SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
     /// σ_mlp = ‖W_down·W_up‖₂.

@@ -256,6 +256,24 @@ pub(crate) fn WorkersPage() -> impl IntoView {
                 false,
                 vec![zero],
             ),
+            (
+                "Monitoring cost per rank: gradient probe (ms per report)",
+                &["probe_ms.grad"],
+                true,
+                vec![],
+            ),
+            (
+                "Monitoring cost per rank: activation probe (ms per report)",
+                &["probe_ms.activations"],
+                true,
+                vec![],
+            ),
+            (
+                "Monitoring cost per rank: spectral probe (ms per call)",
+                &["probe_ms.spectral"],
+                true,
+                vec![],
+            ),
         ]
         .into_iter()
         .filter_map(|(title, metrics, per_rank, levels)| {
