@@ -112,9 +112,38 @@ def _linear(module: nn.Module) -> MatrixAccessor:
     return lambda: module.weight.detach()
 
 
+@dataclass(frozen=True)
+class RowSlice:
+    """Rows start:stop of a DTensor weight sharded along its rows (FSDP2 shards dim 0; so does
+    column-wise tensor parallelism). Slicing the DTensor itself would all-gather the whole
+    weight first; the spectral probe instead intersects each rank's block with the rows."""
+
+    base: Any
+    start: int
+    stop: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.stop - self.start, *self.base.shape[1:]))
+
+    def dim(self) -> int:
+        return self.base.dim()
+
+
+def rows(weight: torch.Tensor, start: int, stop: int) -> Any:
+    """weight[start:stop]: a view, or a `RowSlice` of a DTensor sharded along its rows."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return weight[start:stop]
+    if isinstance(weight, DTensor) and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements):
+        return RowSlice(weight, start, stop)
+    return weight[start:stop]
+
+
 def _linear_rows(module: nn.Module, start: int, stop: int) -> MatrixAccessor:
     # Rows of an (out, in) weight are output features: a contiguous view.
-    return lambda: module.weight.detach()[start:stop]
+    return lambda: rows(module.weight.detach(), start, stop)
 
 
 def _conv1d(module: nn.Module) -> MatrixAccessor:
@@ -802,7 +831,7 @@ def _generic(model: nn.Module, original: nn.Module) -> Layout:
 
 
 def _param_rows(owner: nn.Module, name: str, start: int, stop: int) -> MatrixAccessor:
-    return lambda: getattr(owner, name).detach()[start:stop]
+    return lambda: rows(getattr(owner, name).detach(), start, stop)
 
 
 # --------------------------------------------------------------------------------------------

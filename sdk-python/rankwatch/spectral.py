@@ -21,47 +21,127 @@ iterations from a seeded random start, later calls run `iters` warm iterations �
 little between probes, so one or two iterations keep the estimate converged (the σReparam
 observation). σ is then ‖A v‖ for the unit vector v, which approaches σ from below.
 
+Sharded weights (FSDP2, tensor parallelism, both). A DTensor weight is used where it lies: each
+rank multiplies by its own block of the matrix and writes the result into a zero vector of the
+full length; summing those vectors over the device mesh gives W·x (and Wᵀ·y the same way), so
+per stage and iteration the ranks exchange one vector of the matrix's width — kilobytes — and
+never gather a weight. Replicated mesh dimensions contribute only from their first coordinate,
+so a replicated block is counted once. Every operator of a call is a generator that yields the
+vectors it needs summed; the probe runs all of them in lockstep and sums everything one step
+yields with one all-reduce per mesh dimension. Every rank has the same layers, operators and
+shapes, so every rank issues the same collectives in the same order, and the number of
+collectives per call is a few per iteration, whatever the number of layers. A layout whose
+weights are plain tensors issues none.
+
 Device discipline: `compute` never reads a value back to the host. Results are 0-dim float32
 tensors on the weights' device; degenerate cases (a zero or non-finite iterate) are handled with
 `torch.where`, not Python branches, and keep the previous estimate so one bad step does not
-poison the state. Everything runs in float32: bf16/fp16 weights are upcast once per call per
-matrix (a temporary copy, one layer at a time; the parameters themselves are never written).
+poison the state. Everything runs in float32, but a weight is never copied whole: bf16/fp16
+weights are upcast `chunk_bytes` at a time (rows of the matrix), so the temporary memory of a
+call is bounded whatever the model's width.
 
 Mixture of experts: 3-D (experts, out, in) weights are batched with `bmm`, one singular vector
 per expert. Per-matrix σ and σ_mlp report the MAX over experts (the expert closest to blowing
 up); stable rank reports the MIN over experts (the most collapsed one). Both are the values an
 alert on that layer should look at.
 
-Matrices are not stacked across layers: `torch.stack` would copy every weight on every call,
-which costs more memory traffic than the kernel launches it saves for realistic widths. To bound
-the cost per call, `layers_per_call` spreads the layers round-robin over successive calls.
+Which layers, where. `layers_per_call` spreads the layers round-robin over successive calls.
+With `reporters` > 1 ranks the layers are also shared out: position p is reported by rank
+p % reporters. Replicated weights are then measured only by the rank that reports them (each
+data-parallel rank does 1/reporters of the work, so none is the straggler); sharded weights are
+measured by every rank together, each doing its share of every product.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .discovery import MATRIX_SITES, AttentionShape, Layout
+from .discovery import MATRIX_SITES, AttentionShape, Layout, RowSlice
 
 Metric = tuple[str, int | None, str | None, torch.Tensor]
+# A step of lockstep work: yields partial vectors to be summed over the mesh, receives the sums.
+Work = Generator[torch.Tensor, torch.Tensor, Any]
 
 # A norm below this is treated as "no direction": the previous vector is kept instead.
 _TINY = 1e-30
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class ShardingError(ValueError):
+    """A weight is distributed in a way the spectral probe cannot measure exactly."""
 
 
 @dataclass(frozen=True)
 class _Matrix:
-    """A (batch, out, in) float32 weight (batch = experts, or 1 for an ordinary matrix)."""
+    """A (batch, out, in) weight, of which this rank holds the block `local` at `offset`.
 
-    weight: torch.Tensor
+    For a plain tensor the block is the whole matrix. `owner` is False on ranks whose block is a
+    replica of another rank's (it then contributes nothing to the sums); `collective` says that
+    other ranks hold the rest, so results are partial sums to be completed over the mesh."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(self.weight, x)
+    local: torch.Tensor
+    shape: tuple[int, int, int]
+    offset: tuple[int, int, int]
+    owner: bool
+    collective: bool
+    chunk_rows: int
 
-    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(self.weight.transpose(1, 2), y)
+    def _rows(self) -> range:
+        return range(0, self.local.shape[1], self.chunk_rows)
+
+    def _chunk(self, start: int) -> torch.Tensor:
+        # A float32 view when the weight is float32; otherwise a bounded temporary copy.
+        return self.local[:, start : start + self.chunk_rows].float()
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        b0, _, c0 = self.offset
+        b, _, c = self.local.shape
+        xs = x[b0 : b0 + b, c0 : c0 + c]
+        return torch.cat([torch.bmm(self._chunk(s), xs) for s in self._rows()], dim=1)
+
+    def _local_adjoint(self, y: torch.Tensor) -> torch.Tensor:
+        b0, r0, _ = self.offset
+        b = self.local.shape[0]
+        ys = y[b0 : b0 + b, r0 : r0 + self.local.shape[1]]
+        total = None
+        for s in self._rows():
+            part = torch.bmm(self._chunk(s).transpose(1, 2), ys[:, s : s + self.chunk_rows])
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+
+    def _complete(self, local: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor, length: int, start: int, count: int) -> Work:
+        """`local(v)`, this rank's rows start:start+count of a result of `length`; completed by
+        the other ranks' parts (a sum over the mesh) when the weight is sharded."""
+        if not self.collective:
+            return local(v)
+        full = v.new_zeros(v.shape[0], length, 1)
+        if self.owner:
+            b0 = self.offset[0]
+            full[b0 : b0 + self.local.shape[0], start : start + count] = local(v)
+        return (yield full)
+
+    def forward(self, x: torch.Tensor) -> Work:
+        return (yield from self._complete(self._local_forward, x, self.shape[1], self.offset[1], self.local.shape[1]))
+
+    def adjoint(self, y: torch.Tensor) -> Work:
+        return (yield from self._complete(self._local_adjoint, y, self.shape[2], self.offset[2], self.local.shape[2]))
+
+    def frobenius_sq(self) -> Work:
+        """‖W‖_F² per batch entry, shape (batch,)."""
+        b0 = self.offset[0]
+        b = self.local.shape[0]
+        local = sum((self._chunk(s).square().sum(dim=(1, 2)) for s in self._rows()), torch.zeros(b, device=self.local.device))
+        if not self.collective:
+            return local
+        full = local.new_zeros(self.shape[0])
+        if self.owner:
+            full[b0 : b0 + b] = local
+        return (yield full)
 
 
 @dataclass(frozen=True)
@@ -73,33 +153,134 @@ class _ReplicateHeads:
     group: int
     head_dim: int
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Work:
         batch = x.shape[0]
         heads = x.reshape(batch, self.n_kv_heads, 1, self.head_dim)
         return heads.expand(batch, self.n_kv_heads, self.group, self.head_dim).reshape(batch, -1, 1)
+        yield  # a generator that never needs the mesh
 
-    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
+    def adjoint(self, y: torch.Tensor) -> Work:
         batch = y.shape[0]
         return y.reshape(batch, self.n_kv_heads, self.group, self.head_dim).sum(2).reshape(batch, -1, 1)
+        yield
 
 
 _Stage = _Matrix | _ReplicateHeads
 
 
-def _apply(stages: list[_Stage], x: torch.Tensor) -> torch.Tensor:
+def _apply(stages: Sequence[_Stage], x: torch.Tensor) -> Work:
     for stage in stages:
-        x = stage.forward(x)
+        x = yield from stage.forward(x)
     return x
 
 
-def _apply_adjoint(stages: list[_Stage], y: torch.Tensor) -> torch.Tensor:
+def _apply_adjoint(stages: Sequence[_Stage], y: torch.Tensor) -> Work:
     for stage in reversed(stages):
-        y = stage.adjoint(y)
+        y = yield from stage.adjoint(y)
     return y
 
 
 def _batch_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+
+
+def run_lockstep(works: Sequence[Work], reduce: Callable[[torch.Tensor], None]) -> list[Any]:
+    """Runs generators side by side: whatever they yield at one step is summed by one `reduce`
+    of the concatenation (in place), and each gets its part back. Returns their results."""
+    results: list[Any] = [None] * len(works)
+    waiting: dict[int, torch.Tensor] = {}
+
+    def advance(i: int, value: torch.Tensor | None) -> None:
+        try:
+            waiting[i] = works[i].send(value)  # type: ignore[arg-type]
+        except StopIteration as done:
+            results[i] = done.value
+            waiting.pop(i, None)
+
+    for i in range(len(works)):
+        advance(i, None)
+    while waiting:
+        order = sorted(waiting)
+        parts = [waiting[i] for i in order]
+        flat = torch.cat([p.reshape(-1).float() for p in parts])
+        reduce(flat)
+        start = 0
+        for i, part in zip(order, parts):
+            n = part.numel()
+            advance(i, flat[start : start + n].reshape(part.shape).to(part.dtype))
+            start += n
+    return results
+
+
+class _Mesh:
+    """Sums a tensor over every rank of a DTensor device mesh (one all-reduce per dimension)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self.size = int(mesh.size())
+
+    def reduce(self, flat: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        for dim in range(self.mesh.ndim):
+            dist.all_reduce(flat, group=self.mesh.get_group(dim))
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def _as_matrix(weight: torch.Tensor | RowSlice, chunk_bytes: int, where: str) -> tuple[_Matrix, Any]:
+    """The stage for `weight` (2-D or 3-D, plain or DTensor, or rows of a row-sharded DTensor)
+    and its device mesh (or None)."""
+    if isinstance(weight, RowSlice):
+        whole, mesh = _as_matrix(weight.base, chunk_bytes, where)
+        # This rank's rows of the whole weight, intersected with the slice's rows.
+        first, count = whole.offset[1], whole.local.shape[1]
+        lo, hi = max(first, weight.start), min(first + count, weight.stop)
+        hi = max(hi, lo)
+        local = whole.local[:, lo - first : hi - first]
+        shape = (whole.shape[0], weight.stop - weight.start, whole.shape[2])
+        offset = (whole.offset[0], lo - weight.start if hi > lo else 0, whole.offset[2])
+        return _Matrix(local, shape, offset, whole.owner and hi > lo, True, whole.chunk_rows), mesh
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(weight, dtensor):
+        w = weight.detach()
+        w3 = w if w.dim() == 3 else w.unsqueeze(0)
+        rows = _chunk_rows(w3, chunk_bytes)
+        return _Matrix(w3, tuple(w3.shape), (0, 0, 0), True, False, rows), None  # type: ignore[arg-type]
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    for placement in placements:
+        if type(placement) not in (Replicate, Shard):
+            raise ShardingError(f"{where}: a weight placed as {placement} (only Shard and Replicate blocks can be measured without gathering)")
+    local = weight.to_local().detach()
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ShardingError(f"{where}: this rank is not part of the weight's device mesh")
+    owner = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+    if weight.dim() == 2:
+        local, shape, offset = local.unsqueeze(0), (1, *weight.shape), (0, *offset)
+    else:
+        shape = tuple(weight.shape)
+    rows = _chunk_rows(local, chunk_bytes)
+    return _Matrix(local, shape, tuple(offset), owner, True, rows), mesh  # type: ignore[arg-type]
+
+
+def _chunk_rows(w: torch.Tensor, chunk_bytes: int) -> int:
+    """Rows per float32 temporary: all of them for float32 weights (views, no copy)."""
+    rows = max(1, w.shape[1])
+    if w.dtype == torch.float32:
+        return rows
+    per_row = max(1, w.shape[0] * w.shape[2] * 4)
+    return max(1, min(rows, chunk_bytes // per_row))
 
 
 @dataclass
@@ -117,23 +298,53 @@ class SpectralProbe:
         cold_iters: int = 30,
         seed: int = 0,
         layers_per_call: int | None = None,
+        *,
+        reporter: int = 0,
+        reporters: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if iters < 1 or cold_iters < 1:
             raise ValueError("iters and cold_iters must be at least 1")
         if layers_per_call is not None and layers_per_call < 1:
             raise ValueError("layers_per_call must be at least 1 (or None for all layers)")
+        if reporters < 1 or not 0 <= reporter < reporters:
+            raise ValueError(f"reporter {reporter} is not within {reporters} reporters")
+        if chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be positive")
         self.layout = layout
         self.iters = iters
         self.cold_iters = cold_iters
         self.seed = seed
         self.layers_per_call = layers_per_call
+        self.reporter = reporter
+        self.reporters = reporters
+        self.chunk_bytes = chunk_bytes
         self._states: dict[tuple[int, str], _VectorState] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._cursor = 0
-        # Shape checks happen once, here, so that compute() only ever branches on structure.
+        self._mesh: _Mesh | None = None
+        # Shape and placement checks happen once, here, so that compute() only ever branches on
+        # structure; the mesh found here decides whether calls are collective.
         for block in layout.blocks:
+            for site in block.sites():
+                _, mesh = _as_matrix(block.matrices[site](), chunk_bytes, f"layer {block.index} {site}")
+                if mesh is not None:
+                    if self._mesh is not None and mesh != self._mesh.mesh:
+                        raise ShardingError(f"layer {block.index} {site}: weights on more than one device mesh ({self._mesh.mesh} and {mesh})")
+                    self._mesh = self._mesh or _Mesh(mesh)
             if "o" in block.matrices and "v" in block.matrices and block.attention is not None:
                 self._check_attention(block.index, block.attention, block.matrices["v"](), block.matrices["o"]())
+
+    @property
+    def mesh_size(self) -> int:
+        """Ranks taking part in each call (1 when no weight is sharded)."""
+        return self._mesh.size if self._mesh is not None else 1
+
+    @property
+    def collective(self) -> bool:
+        """Whether calls issue collectives (some weight is sharded): every rank of the mesh must
+        then call `compute` at the same steps."""
+        return self._mesh is not None
 
     @staticmethod
     def _check_attention(index: int, shape: AttentionShape, w_v: torch.Tensor, w_o: torch.Tensor) -> None:
@@ -158,10 +369,11 @@ class SpectralProbe:
             self._generators[device] = generator
         return self._generators[device]
 
-    def _sigma(self, key: tuple[int, str], stages: list[_Stage], batch: int, width: int, device: torch.device) -> torch.Tensor:
+    def _sigma(self, key: tuple[int, str], stages: list[_Stage], batch: int, width: int, device: torch.device) -> Work:
         """σ per batch entry, shape (batch,), advancing the persistent vector estimate."""
         state = self._states.get(key)
         if state is None or state.vector.shape != (batch, width, 1) or state.vector.device != device:
+            # The same seeded start on every rank: sharded operators need identical vectors.
             start = torch.randn(batch, width, 1, generator=self._generator(device), device=device)
             state = _VectorState(start / _batch_norm(start))
             self._states[key] = state
@@ -170,74 +382,121 @@ class SpectralProbe:
             steps = self.iters
         vector = state.vector
         for _ in range(steps):
-            image = _apply_adjoint(stages, _apply(stages, vector))
+            image = yield from _apply(stages, vector)
+            image = yield from _apply_adjoint(stages, image)
             norm = _batch_norm(image)
             usable = torch.isfinite(norm) & (norm > _TINY)
             vector = torch.where(usable, image / norm.clamp_min(_TINY), vector)
         state.vector = vector
-        return _batch_norm(_apply(stages, vector)).reshape(batch)
+        final = yield from _apply(stages, vector)
+        return _batch_norm(final).reshape(batch)
 
     def _layers_this_call(self) -> list[int]:
-        count = len(self.layout.blocks)
+        positions = list(range(len(self.layout.blocks)))
+        if not self.collective:
+            # Replicated weights: this rank measures only what it reports.
+            positions = [p for p in positions if p % self.reporters == self.reporter]
+        count = len(positions)
         if self.layers_per_call is None or self.layers_per_call >= count:
-            return list(range(count))
-        chosen = [(self._cursor + i) % count for i in range(self.layers_per_call)]
+            return positions
+        chosen = [positions[(self._cursor + i) % count] for i in range(self.layers_per_call)]
         self._cursor = (self._cursor + self.layers_per_call) % count
         return chosen
 
     @torch.no_grad()
     def compute(self) -> list[Metric]:
-        """Metrics for this call's layers: (metric, layer, site, 0-dim float32 tensor)."""
-        out: list[Metric] = []
+        """Metrics for this call's layers that this rank reports: (metric, layer, site, 0-dim
+        float32 tensor)."""
+        jobs: list[tuple[int, str, Work]] = []
+        plans = []
         for position in self._layers_this_call():
-            block = self.layout.blocks[position]
-            layer = block.index
-            # One float32 (batch, out, in) copy-or-view per matrix per call, shared by all operators.
-            weights: dict[str, torch.Tensor] = {}
-            for site in MATRIX_SITES:
-                if site in block.matrices:
-                    w = block.matrices[site]()
-                    weights[site] = (w if w.dim() == 3 else w.unsqueeze(0)).float()
-            sigmas: dict[str, torch.Tensor] = {}
-            for site, w in weights.items():
-                per_batch = self._sigma((layer, site), [_Matrix(w)], w.shape[0], w.shape[2], w.device)
-                sigmas[site] = per_batch.max()
-                frobenius_sq = torch.linalg.vector_norm(w, dim=(1, 2)).square()
-                out.append(("spectral.sigma", layer, site, sigmas[site]))
-                out.append(("stable_rank", layer, site, (frobenius_sq / per_batch.square()).min()))
-            attn = sigmas.get("o")
-            if attn is not None:
-                out.append(("spectral.attn", layer, None, attn))
-            mlp = None
-            if "up" in weights and "down" in weights:
-                up, down = weights["up"], weights["down"]
-                mlp = self._sigma((layer, "mlp"), [_Matrix(up), _Matrix(down)], up.shape[0], up.shape[2], up.device).max()
-                out.append(("spectral.mlp", layer, None, mlp))
-                if attn is not None:
-                    out.append(("spectral.ratio", layer, None, mlp / attn))
-            ov = self._ov(block.attention, weights, layer)
-            if ov is not None:
-                out.append(("spectral.ov", layer, None, ov))
-                if mlp is not None:
-                    out.append(("spectral.ratio_ov", layer, None, mlp / ov))
+            plan = _LayerPlan(self, position)
+            plans.append(plan)
+            jobs.extend((len(plans) - 1, name, work) for name, work in plan.works())
+        results = run_lockstep([w for _, _, w in jobs], self._mesh.reduce if self._mesh is not None else _no_reduce)
+        by_plan: list[dict[str, torch.Tensor]] = [{} for _ in plans]
+        for (index, name, _), value in zip(jobs, results):
+            by_plan[index][name] = value
+        out: list[Metric] = []
+        for plan, values in zip(plans, by_plan):
+            if plan.position % self.reporters == self.reporter:
+                out.extend(plan.metrics(values))
         return out
-
-    def _ov(self, shape: AttentionShape | None, weights: dict[str, torch.Tensor], layer: int) -> torch.Tensor | None:
-        if "v" not in weights or "o" not in weights:
-            return None
-        w_v, w_o = weights["v"], weights["o"]
-        stages: list[_Stage] = [_Matrix(w_v)]
-        if shape is not None and shape.n_kv_heads != shape.n_heads:
-            stages.append(_ReplicateHeads(shape.n_kv_heads, shape.n_heads // shape.n_kv_heads, shape.head_dim))
-        elif w_v.shape[1] != w_o.shape[2]:
-            # Without an attention shape the replication is unknown: report nothing rather than
-            # guess. (Discovery supplies the shape for every known family.)
-            return None
-        stages.append(_Matrix(w_o))
-        return self._sigma((layer, "ov"), stages, w_v.shape[0], w_v.shape[2], w_v.device).max()
 
     def reset(self) -> None:
         """Forget all singular-vector estimates (the next call cold-starts)."""
         self._states.clear()
         self._generators.clear()
         self._cursor = 0
+
+
+def _no_reduce(flat: torch.Tensor) -> None:  # pragma: no cover - local stages never yield
+    raise AssertionError("a local spectral operator asked for a collective")
+
+
+class _LayerPlan:
+    """The operators of one block for one call, and how their results become metrics."""
+
+    def __init__(self, probe: SpectralProbe, position: int) -> None:
+        block = probe.layout.blocks[position]
+        self.probe = probe
+        self.position = position
+        self.layer = block.index
+        self.attention = block.attention
+        # One stage per matrix per call (views of the parameters), shared by all operators.
+        self.matrices = {site: _as_matrix(block.matrices[site](), probe.chunk_bytes, f"layer {block.index} {site}")[0] for site in MATRIX_SITES if site in block.matrices}
+
+    def _device(self) -> torch.device:
+        return next(iter(self.matrices.values())).local.device
+
+    def works(self) -> list[tuple[str, Work]]:
+        probe, out = self.probe, []
+        device = self._device()
+        for site, m in self.matrices.items():
+            out.append((site, probe._sigma((self.layer, site), [m], m.shape[0], m.shape[2], device)))
+            out.append((f"frob:{site}", m.frobenius_sq()))
+        if "up" in self.matrices and "down" in self.matrices:
+            up, down = self.matrices["up"], self.matrices["down"]
+            out.append(("mlp", probe._sigma((self.layer, "mlp"), [up, down], up.shape[0], up.shape[2], device)))
+        ov = self._ov_stages()
+        if ov is not None:
+            w_v = self.matrices["v"]
+            out.append(("ov", probe._sigma((self.layer, "ov"), ov, w_v.shape[0], w_v.shape[2], device)))
+        return out
+
+    def _ov_stages(self) -> list[_Stage] | None:
+        if "v" not in self.matrices or "o" not in self.matrices:
+            return None
+        w_v, w_o = self.matrices["v"], self.matrices["o"]
+        stages: list[_Stage] = [w_v]
+        shape = self.attention
+        if shape is not None and shape.n_kv_heads != shape.n_heads:
+            stages.append(_ReplicateHeads(shape.n_kv_heads, shape.n_heads // shape.n_kv_heads, shape.head_dim))
+        elif w_v.shape[1] != w_o.shape[2]:
+            # Without an attention shape the replication is unknown: report nothing rather than
+            # guess. (Discovery supplies the shape for every known family.)
+            return None
+        stages.append(w_o)
+        return stages
+
+    def metrics(self, values: dict[str, torch.Tensor]) -> list[Metric]:
+        out: list[Metric] = []
+        layer = self.layer
+        for site in self.matrices:
+            per_batch = values[site]
+            out.append(("spectral.sigma", layer, site, per_batch.max()))
+            out.append(("stable_rank", layer, site, (values[f"frob:{site}"] / per_batch.square()).min()))
+        attn = values["o"].max() if "o" in values else None
+        if attn is not None:
+            out.append(("spectral.attn", layer, None, attn))
+        mlp = values["mlp"].max() if "mlp" in values else None
+        if mlp is not None:
+            out.append(("spectral.mlp", layer, None, mlp))
+            if attn is not None:
+                out.append(("spectral.ratio", layer, None, mlp / attn))
+        if "ov" in values:
+            ov = values["ov"].max()
+            out.append(("spectral.ov", layer, None, ov))
+            if mlp is not None:
+                out.append(("spectral.ratio_ov", layer, None, mlp / ov))
+        return out

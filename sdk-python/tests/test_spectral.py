@@ -18,6 +18,7 @@ assert estimate ≤ σ·(1 + 1e-5): the slack is float32 rounding of the final n
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -150,10 +151,10 @@ def test_warm_start_tracks_a_weight_update(minilm) -> None:
 # Grouped-query attention and experts on random weights.
 
 
-def tiny_llama(n_heads: int, n_kv_heads: int, head_dim: int = 8, dtype: torch.dtype = torch.float32) -> nn.Module:
+def tiny_llama(n_heads: int, n_kv_heads: int, head_dim: int = 8, dtype: torch.dtype = torch.float32, layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        vocab_size=32, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
         num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim, **TOKEN_IDS,
     )
     # HF's N(0, 0.02) init: Gaussian spectra have small top gaps, hence cold_iters=1000 below
@@ -300,3 +301,47 @@ def test_no_host_sync_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(v.is_cuda and v.dtype == torch.float32 for *_, v in results)
+
+
+def test_half_precision_weights_are_upcast_a_chunk_at_a_time() -> None:
+    """No float32 copy of a whole bf16 weight: with a 4 KiB chunk budget the largest float32
+    tensor made during a call is one chunk of rows (or a vector), and the values equal those of
+    a call that upcasts whole matrices."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestFloat32(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    layout = discover(tiny_llama(8, 2, dtype=torch.bfloat16))
+    widest = max(f().shape[-1] for b in layout.blocks for f in b.matrices.values())
+    largest_matrix = max(f().numel() for b in layout.blocks for f in b.matrices.values())
+    chunked = SpectralProbe(layout, cold_iters=200, chunk_bytes=4 * 1024)
+    with LargestFloat32() as watch:
+        got = as_dict(chunked.compute())
+    assert watch.largest <= max(4 * 1024 // 4, widest), f"a float32 temporary of {watch.largest} elements"
+    assert watch.largest < largest_matrix
+    whole = as_dict(SpectralProbe(layout, cold_iters=200, chunk_bytes=1 << 40).compute())
+    for key, value in whole.items():
+        assert math.isclose(got[key], value, rel_tol=1e-5), key
+
+
+def test_replicated_layers_are_shared_out_over_the_ranks() -> None:
+    """With 3 reporting ranks each measures and reports only positions p with p % 3 == rank,
+    and together they report every layer once, each value right."""
+    layout = discover(tiny_llama(8, 2, layers=4))
+    seen: dict = {}
+    for rank in range(3):
+        part = as_dict(SpectralProbe(layout, cold_iters=1000, reporter=rank, reporters=3).compute())
+        assert {key[1] for key in part} == {b.index for p, b in enumerate(layout.blocks) if p % 3 == rank}
+        assert not seen.keys() & part.keys()
+        seen.update(part)
+    assert_matches(seen, reference(layout.blocks))
