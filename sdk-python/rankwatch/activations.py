@@ -32,7 +32,13 @@ recomputation) fold into one value: the max over all of them, the mean over all 
 `new_step()` (the run calls it after each optimizer step) makes the next forward start the fold
 afresh, so a probe armed for several steps reports the last optimizer step's forwards only.
 With `training_only` (what a run sets), forward passes without autograd (evaluation under
-`no_grad`) are not training steps and are left out. An error inside a hook turns the probe off (`error` says why) instead of reaching the
+`no_grad`) are not training steps and are left out. Forward passes run inside a backward —
+activation checkpointing recomputing a block — repeat a forward already measured and are left
+out too (the fold would not change, and the recompute would pay the probe twice).
+
+Memory. The token cosine works on float32 unit vectors of the hidden states; it takes them
+`chunk_bytes` at a time along the sequence, so its temporary memory is bounded (64 MiB by
+default) whatever the batch, sequence length and width. An error inside a hook turns the probe off (`error` says why) instead of reaching the
 training step.
 
 Register the probe before `torch.compile`: compiled graphs bake in the hooks that exist when
@@ -43,6 +49,7 @@ step.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +97,7 @@ class ActivationProbe:
         gate: bool = False,
         token_cosine: bool = True,
         training_only: bool = False,
+        chunk_bytes: int = 64 << 20,
     ) -> None:
         unknown = set(sites) - KNOWN_SITES
         if unknown:
@@ -98,6 +106,8 @@ class ActivationProbe:
         self._armed = False
         self._restart = False
         self._training_only = training_only
+        self.chunk_bytes = chunk_bytes
+        self.elapsed = 0.0  # seconds spent in the hooks, since the run last read it
         self.error: BaseException | None = None
         self._user_mask: torch.Tensor | None = None
         self._forward_mask: torch.Tensor | None = None
@@ -150,6 +160,8 @@ class ActivationProbe:
     def _live(self) -> bool:
         if not self._armed or self.error is not None or (self._training_only and not torch.is_grad_enabled()):
             return False
+        if torch._C._current_graph_task_id() != -1:
+            return False  # checkpoint recomputation inside a backward: measured in the forward
         if self._restart:
             self._restart = False
             self._maxima = {}
@@ -218,11 +230,13 @@ class ActivationProbe:
                 return None
             activation = _first_tensor(output)
             if activation is not None:
+                started = time.perf_counter()
                 try:
                     with torch.no_grad():
                         self._fold_max(site, layer, activation)
                 except Exception as e:  # noqa: BLE001 - a probe must never break the step
                     self.error = e
+                self.elapsed += time.perf_counter() - started
             return None
 
         self._handles.append(module.register_forward_hook(hook))
@@ -235,6 +249,7 @@ class ActivationProbe:
             hidden = _first_tensor(output)
             if hidden is None:
                 return None
+            started = time.perf_counter()
             try:
                 with torch.no_grad():
                     if track_max:
@@ -243,6 +258,7 @@ class ActivationProbe:
                         self._fold_cosine(layer, hidden)
             except Exception as e:  # noqa: BLE001 - a probe must never break the step
                 self.error = e
+            self.elapsed += time.perf_counter() - started
             return None
 
         return hook
@@ -258,21 +274,28 @@ class ActivationProbe:
         self._maxima[key] = value if previous is None else torch.maximum(previous, value)
 
     def _fold_cosine(self, layer: int, hidden: torch.Tensor) -> None:
-        hidden = hidden.detach().float()
-        batch, seq, _ = hidden.shape
+        hidden = hidden.detach()
+        batch, seq, width = hidden.shape
         mask = self._mask_for(hidden)
         if mask is None and seq < 2:
             return
-        norms = torch.linalg.vector_norm(hidden, dim=-1, keepdim=True)
-        units = hidden / norms.clamp_min(1e-30)
         if mask is not None:
-            # where, not multiply: padding may hold inf/NaN, and NaN * 0 is NaN.
-            units = torch.where(mask.unsqueeze(-1), units, units.new_zeros(()))
             tokens = mask.sum(dim=1, dtype=torch.float32)
         else:
             tokens = torch.full((batch,), float(seq), device=hidden.device)
-        summed = units.sum(dim=1)
-        pair_sum = summed.square().sum(-1) - units.square().sum(dim=(1, 2))
+        # Σ_t u_t and Σ_t ‖u_t‖² per sequence, a bounded slice of the sequence at a time.
+        step = max(1, self.chunk_bytes // max(1, batch * width * 4))
+        summed = torch.zeros(batch, width, dtype=torch.float32, device=hidden.device)
+        squares = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
+        for start in range(0, seq, step):
+            part = hidden[:, start : start + step].float()
+            units = part / torch.linalg.vector_norm(part, dim=-1, keepdim=True).clamp_min(1e-30)
+            if mask is not None:
+                # where, not multiply: padding may hold inf/NaN, and NaN * 0 is NaN.
+                units = torch.where(mask[:, start : start + step].unsqueeze(-1), units, units.new_zeros(()))
+            summed += units.sum(dim=1)
+            squares += units.square().sum(dim=(1, 2))
+        pair_sum = summed.square().sum(-1) - squares
         valid = tokens >= 2
         per_sequence = torch.where(valid, pair_sum / (tokens * (tokens - 1)).clamp_min(1.0), 0.0)
         total, count = per_sequence.sum(), valid.sum(dtype=torch.float32)

@@ -36,12 +36,28 @@ there is one record per optimizer step and it describes the rank's whole contrib
 never read on the host), and a reduced gradient holding an Inf/NaN is reported as the step the
 scaler will skip (``amp_skipped``), not as a non-finite alarm.
 
+FSDP2 (`fully_shard`). There the parameters are shards and FSDP computes each module's
+gradient on an unsharded parameter it keeps for the purpose, then reduce-scatters it. The hooks
+go on those unsharded parameters (installed by a one-off forward hook once FSDP made them), so
+they still see each rank's whole local gradient before any reduction: ‖g_k‖, the non-finite
+count and the sketch are exact as above. The averaged gradient exists only as shards, one per
+rank, so ‖ḡ‖² and the sketch of ḡ are sums over ranks: at the end of every backward that FSDP
+reduced, every rank of the shard group adds its part with one all-reduce of 2 + sketch_dim
+numbers (issued on every rank at the same point of every reducing backward, whether or not
+this rank measures the step, so the collectives always match; a rank whose hooks failed still
+takes part, with an empty contribution, and the result is marked invalid). ⟨g_k, ḡ⟩ cannot be
+had exactly without moving gradients, so under FSDP2 ``cos_to_mean`` is the cosine of the two
+CountSketches, on sketch steps: an unbiased estimate with a standard error of about
+√((1 + cos²)/sketch_dim) (0.03–0.045 at 1024). The same estimate replaces dot mode under
+DistributedDataParallel when one copy of the gradient would exceed `copy_limit_bytes`.
+
 Every value stays a device tensor; the run's reporter copies them to the host asynchronously.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +77,11 @@ def _fmix32(h: Any) -> Any:
     return h ^ (h >> 16)
 
 
-def countsketch_coordinates(seed: int, block: int, n: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output bucket and sign of coordinates 0..n of gradient block `block` (a parameter)."""
+def countsketch_coordinates(seed: int, block: int, n: int, dim: int, device: torch.device, indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output bucket and sign of coordinates 0..n of gradient block `block` (a parameter), or
+    of the flat `indices` of it (a shard's coordinates in the whole parameter)."""
     key = _fmix32((seed ^ 0x9E3779B9) & _MASK32)
-    lo = torch.arange(n, device=device, dtype=torch.int64)
+    lo = torch.arange(n, device=device, dtype=torch.int64) if indices is None else indices
     hi = block & _MASK32
     h = _fmix32(((_fmix32(lo ^ key) ^ hi) + key) & _MASK32)
     target = (h & 0x7FFFFFFF) % dim
@@ -93,19 +110,98 @@ def find_ddp_wrapper(module: torch.nn.Module) -> torch.nn.parallel.DistributedDa
     the end of the first backward)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
+    return find_wrapper(module, lambda holder: isinstance(holder, torch.nn.parallel.DistributedDataParallel))
+
+
+def find_wrapper(module: torch.nn.Module, is_wrapper: Any) -> Any:
+    """An object satisfying `is_wrapper` whose `.module` is `module`, found through at most
+    three dicts among the module's referrers (a wrapper's instance dict and its `_modules`)."""
     frontier: list[Any] = [module]
     seen = {id(module)}
     for _ in range(3):
         holders: list[Any] = []
         for obj in frontier:
             for holder in gc.get_referrers(obj):
-                if isinstance(holder, torch.nn.parallel.DistributedDataParallel) and holder.module is module:
+                if not isinstance(holder, dict) and is_wrapper(holder) and getattr(holder, "module", None) is module:
                     return holder
                 if isinstance(holder, dict) and id(holder) not in seen:
                     seen.add(id(holder))
                     holders.append(holder)
         frontier = holders
     return None
+
+
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether `fully_shard` (FSDP2) manages any part of `model`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+class FsdpLayout:
+    """What the gradient probe needs of a model under FSDP2: for each sharded parameter, FSDP's
+    record of it (whose unsharded parameter receives the local gradient) and its group (whose
+    `reduce_grads` says whether this backward reduces), and the shard group to sum over."""
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.groups: list[Any] = []
+        owner: dict[int, tuple[Any, Any]] = {}
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None or any(g is group for g in self.groups):
+                continue
+            self.groups.append(group)
+            for fsdp_param in group.fsdp_params:
+                owner[id(fsdp_param.sharded_param)] = (fsdp_param, group)
+        self.params = [p for p in params if id(p) in owner]
+        self.entries = [owner[id(p)] for p in self.params]
+        if not self.entries:
+            raise ValueError("rankwatch.watch: FSDP2 manages none of the model's trainable parameters")
+        for fsdp_param, _ in self.entries:
+            if getattr(fsdp_param, "_unsharded_dtensor_spec", None) is not None:
+                raise ValueError(
+                    "rankwatch.watch: this FSDP2 model is also tensor-parallel (its parameters are DTensors inside FSDP); the "
+                    "gradient probe measures data-parallel replicas only (DistributedDataParallel, FSDP2 over a 1-D or HSDP mesh). "
+                    "Pass every={'grad': 0} to rankwatch.init to watch its spectral norms and activations."
+                )
+        groups = {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups}
+        if len(groups) != 1:
+            raise ValueError("rankwatch.watch: the model's FSDP2 modules shard over different process groups; the gradient probe needs one")
+        self.process_group = next(iter(groups.values()))
+        self.size = dist.get_world_size(self.process_group)
+
+    def reduces(self) -> bool:
+        """Whether the backward under way ends in FSDP's reduce-scatter (not a no-sync micro-batch)."""
+        return any(g.reduce_grads for g in self.groups)
+
+
+def shard_indices(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The flat coordinates, in the whole tensor, of this rank's block of DTensor `tensor`
+    (None for a plain tensor: all of it)."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover
+        return None
+    if not isinstance(tensor, DTensor):
+        return None
+    shape = tuple(tensor.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+    device = tensor.to_local().device
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    for d, (start, length) in enumerate(zip(offset, local_shape)):
+        axis = torch.arange(start, start + length, dtype=torch.int64, device=device) * strides[d]
+        index = index.unsqueeze(-1) + axis
+    return index.reshape(-1)
 
 
 class GradientProbe:
@@ -122,14 +218,24 @@ class GradientProbe:
         sketch_dim: int = 1024,
         sketch_seed: int = 0,
         cache_limit: int = 50_000_000,
+        copy_limit_bytes: int = 1 << 30,
+        fsdp: FsdpLayout | None = None,
     ) -> None:
         # Each parameter once (tied weights appear twice in some lists), in the model's order,
         # which every rank shares: the sketch's coordinates depend on it.
         self._params = list(dict.fromkeys(p for p in params if p.requires_grad))
+        if fsdp is not None:
+            self._params = [p for p in fsdp.params if p.requires_grad]
         if not self._params:
             raise ValueError("rankwatch: no parameter requires a gradient; nothing for the gradient probe to watch")
-        self.device = self._params[0].device
-        self.dot_mode = dot_mode
+        self._fsdp = fsdp
+        self.device = self._params[0].to_local().device if fsdp is not None else self._params[0].device  # type: ignore[attr-defined]
+        # Dot mode holds one copy of the gradient through the backward; above the limit (and
+        # always under FSDP2, where ḡ is sharded) the cosine comes from the sketches instead.
+        gradient_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        self.sketch_cosine = fsdp is not None or (dot_mode and gradient_bytes > copy_limit_bytes)
+        self.dot_mode = dot_mode and not self.sketch_cosine
+        self.elapsed = 0.0  # seconds spent on the training thread, since the run last read it
         self.sketch_dim = sketch_dim
         self.sketch_seed = sketch_seed
         self.scaler = scaler
@@ -148,12 +254,38 @@ class GradientProbe:
         self._complete = True
         self._pending_tasks: set[int] = set()
         self._handles: list[Any] = []
+        self._pending_params: dict[int, Any] = {}
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._find_wrapper_of = find_wrapper_of if wrapper is None else None
-        if wrapper is not None:
+        if wrapper is not None and fsdp is None:
             self._attach_wrapper(wrapper)
-        for index, param in enumerate(self._params):
-            self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(index)))
+        if fsdp is None:
+            for index, param in enumerate(self._params):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(index)))
+        else:
+            for index, (fsdp_param, _) in enumerate(fsdp.entries):
+                if fsdp_param.sharded_param.requires_grad:
+                    self._pending_params[index] = fsdp_param
+            self._install_unsharded()
+            for group in fsdp.groups:
+                for module in group.modules:
+                    self._handles.append(module.register_forward_hook(lambda *_: self._install_unsharded()))
+
+    @property
+    def collective(self) -> bool:
+        """Whether the probe takes part in a collective (FSDP2): it must then stay installed on
+        every rank alike, even after an error, until `remove()` on every rank."""
+        return self._fsdp is not None
+
+    def _install_unsharded(self) -> None:
+        """Hooks FSDP2's unsharded parameters; FSDP makes them at a module's first forward."""
+        if not self._pending_params:
+            return
+        for index, fsdp_param in list(self._pending_params.items()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                self._handles.append(unsharded.register_post_accumulate_grad_hook(self._hook_for(index)))
+                del self._pending_params[index]
 
     # -- wiring -----------------------------------------------------------------------------
 
@@ -172,20 +304,36 @@ class GradientProbe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._pending_params = {}
         self._copies = [None] * len(self._params)
 
     # -- hooks ------------------------------------------------------------------------------
 
     def _hook_for(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if self.error is not None or not self.armed or not self._sync:
-                return
+            started = time.perf_counter()
             try:
+                if self._fsdp is not None:
+                    # Every reducing backward ends in the probe's all-reduce, measured or not.
+                    self._queue_end_of_backward()
+                if self.error is not None or not self.armed or not self._synced():
+                    return
                 self._observe(index, param)
             except Exception as e:  # noqa: BLE001 - a probe must never break the step
                 self._fail(e)
+            finally:
+                self.elapsed += time.perf_counter() - started
 
         return hook
+
+    def _synced(self) -> bool:
+        return self._fsdp.reduces() if self._fsdp is not None else self._sync
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in self._pending_tasks:
+            self._pending_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task, first_pass=True))
 
     def _observe(self, index: int, param: torch.Tensor) -> None:
         if self._complete:
@@ -195,10 +343,7 @@ class GradientProbe:
             if self._sketch_rows is not None:
                 self._sketch_rows.zero_()
             self._copies = [None] * len(self._params)
-        task = torch._C._current_graph_task_id()
-        if task not in self._pending_tasks:
-            self._pending_tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task, first_pass=True))
+        self._queue_end_of_backward()
         grad = param.grad
         if grad is None:
             return
@@ -215,16 +360,30 @@ class GradientProbe:
         if self.dot_mode:
             self._copies[index] = g.clone()
 
-    def _coords(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hit = self._coordinates.get(index)
+    def _coords(self, index: int, n: int, shard_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket and sign of parameter `index`'s coordinates: all n of them, or those of this
+        rank's block of the DTensor `shard_of` (cached apart: key -1 - index)."""
+        key = index if shard_of is None else -1 - index
+        hit = self._coordinates.get(key)
         if hit is not None and hit[0].numel() == n:
             return hit
-        coords = countsketch_coordinates(self.sketch_seed, index, n, self.sketch_dim, self.device)
+        indices = shard_indices(shard_of) if shard_of is not None else None
+        coords = countsketch_coordinates(self.sketch_seed, index, n, self.sketch_dim, self.device, indices)
         # Cache the hashes while the model is small enough that it pays; large models
         # recompute them on each sketch step instead.
         if sum(t.numel() for t, _ in self._coordinates.values()) + n <= self._cache_limit:
-            self._coordinates[index] = coords
+            self._coordinates[key] = coords
         return coords
+
+    def _sketch_of(self, grads: list[tuple[int, torch.Tensor]], sharded: bool) -> torch.Tensor:
+        """The CountSketch of gradients (index, tensor): whole ones, or DTensor shards placed
+        at their coordinates in the whole parameter."""
+        sketch = torch.zeros(self.sketch_dim, dtype=torch.float32, device=self.device)
+        for index, grad in grads:
+            values = grad.to_local() if sharded else grad  # type: ignore[attr-defined]
+            target, sign = self._coords(index, values.numel(), grad if sharded else None)
+            sketch.index_add_(0, target, values.detach().reshape(-1).float() * sign)
+        return sketch
 
     def _end_of_backward(self, task: int, first_pass: bool) -> None:
         try:
@@ -238,8 +397,12 @@ class GradientProbe:
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task, first_pass=False))
                 return
             self._pending_tasks.discard(task)
-            if self.error is None and not self._complete:
+            started = time.perf_counter()
+            if self._fsdp is not None:
+                self._close_sharded()
+            elif self.error is None and not self._complete:
                 self._close()
+            self.elapsed += time.perf_counter() - started
         except Exception as e:  # noqa: BLE001 - a probe must never break the step
             self._fail(e)
 
@@ -253,13 +416,52 @@ class GradientProbe:
                 self._sync = bool(found.require_backward_grad_sync)
         return self._wrapper is not None and self._sync
 
-    def _close(self) -> None:
-        self._complete = True
+    def _local_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """‖g_k‖² and the number of gradient tensors holding a NaN/Inf, from the hooks' norms."""
         local = [n for n in self._norms if n is not None]
         norms = torch.stack(local) if local else torch.zeros(1, device=self.device)
-        local_sq = norms.double().square().sum()
         # A NaN/Inf anywhere in a gradient makes its norm NaN/Inf: count the tensors holding one.
-        nonfinite = (~torch.isfinite(norms)).sum().double()
+        return norms.double().square().sum(), (~torch.isfinite(norms)).sum().double()
+
+    def _local_sketch(self) -> torch.Tensor | None:
+        return self._sketch_rows.sum(0) if self.sketch_armed and self._sketch_rows is not None else None
+
+    def _close_sharded(self) -> None:
+        """End of a backward under FSDP2: the shard group's one all-reduce, then the record."""
+        fsdp = self._fsdp
+        assert fsdp is not None
+        if not fsdp.reduces():
+            return  # a no-sync micro-batch: nothing was reduced, on any rank
+        measured = self.error is None and not self._complete
+        self._complete = True
+        dim = self.sketch_dim
+        # [‖ḡ shard‖², sketch of the ḡ shard, 1 if this rank measured]: summed over the group.
+        payload = torch.zeros(dim + 2, dtype=torch.float64, device=self.device)
+        shards = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
+        if measured and shards:
+            norms = torch._foreach_norm([g.to_local().detach() for _, g in shards], 2, dtype=torch.float32)  # type: ignore[attr-defined]
+            payload[0] = torch.stack(norms).double().square().sum()
+            if self.sketch_armed:
+                payload[1 : dim + 1] = self._sketch_of(shards, sharded=True)  # type: ignore[arg-type]
+        if measured:
+            payload[dim + 1] = 1.0
+        dist.all_reduce(payload, group=fsdp.process_group)
+        if not measured:
+            return
+        # Every rank must have measured for the sums to mean anything; otherwise NaN, not a lie.
+        complete = payload[dim + 1] == fsdp.size
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=self.device)
+        local_sq, nonfinite = self._local_norms()
+        mean_sq = torch.where(complete, payload[0], nan)
+        own = self._local_sketch()
+        dot = None
+        if own is not None:
+            dot = torch.where(complete, _sketch_dot(own, payload[1 : dim + 1], local_sq, mean_sq), nan)
+        self._record = self._finish_record(local_sq, nonfinite, mean_sq, dot, own)
+
+    def _close(self) -> None:
+        self._complete = True
+        local_sq, nonfinite = self._local_norms()
         mean_sq = dot = None
         if self._reduced():
             grads = [p.grad for p in self._params]
@@ -282,7 +484,22 @@ class GradientProbe:
                             copy, reduced = copy.float(), reduced.float()
                         dots.append(torch.dot(copy.reshape(-1), reduced))
                 dot = torch.stack(dots).double().sum() if dots else torch.zeros((), dtype=torch.float64, device=self.device)
+            own = self._local_sketch()
+            if self.sketch_cosine and own is not None:
+                mean_sketch = self._sketch_of([(i, grads[i]) for i in present], sharded=False)  # type: ignore[misc]
+                dot = _sketch_dot(own, mean_sketch, local_sq, mean_sq)
         self._copies = [None] * len(self._params)
+        self._record = self._finish_record(local_sq, nonfinite, mean_sq, dot, self._local_sketch())
+
+    def _finish_record(
+        self,
+        local_sq: torch.Tensor,
+        nonfinite: torch.Tensor,
+        mean_sq: torch.Tensor | None,
+        dot: torch.Tensor | None,
+        sketch: torch.Tensor | None,
+    ) -> GradientRecord:
+        """The record, unscaled by the loss scaler where there is one."""
         skipped = None
         if self.scaler is not None and _scaler_enabled(self.scaler):
             scale = getattr(self.scaler, "_scale", None)
@@ -295,8 +512,7 @@ class GradientProbe:
             checked = mean_sq if mean_sq is not None else local_sq
             skipped = (~torch.isfinite(checked)).double()
             nonfinite = torch.zeros_like(nonfinite)
-        sketch = self._sketch_rows.sum(0) if self.sketch_armed and self._sketch_rows is not None else None
-        self._record = GradientRecord(local_sq, nonfinite, mean_sq, dot, skipped, sketch)
+        return GradientRecord(local_sq, nonfinite, mean_sq, dot, skipped, sketch)
 
     def take(self) -> GradientRecord | None:
         """The record of the last backward, once; None when no backward finished since."""
@@ -306,6 +522,14 @@ class GradientProbe:
     def _fail(self, error: BaseException) -> None:
         self.error = error
         self._copies = [None] * len(self._params)
+
+
+def _sketch_dot(own: torch.Tensor, mean: torch.Tensor, local_sq: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
+    """⟨g_k, ḡ⟩ estimated as cos(sketch of g_k, sketch of ḡ) · ‖g_k‖ · ‖ḡ‖, so that the run's
+    cos_to_mean = dot / (‖g_k‖ ‖ḡ‖) is the cosine of the sketches."""
+    own, mean = own.double(), mean.double()
+    cosine = torch.dot(own, mean) / (torch.linalg.vector_norm(own) * torch.linalg.vector_norm(mean)).clamp_min(1e-300)
+    return cosine * (local_sq * mean_sq).sqrt()
 
 
 def _scaler_enabled(scaler: Any) -> bool:

@@ -368,3 +368,36 @@ def test_no_host_sync_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(results) == 10 and all(v.is_cuda for *_, v in results)
+
+
+def test_chunked_token_cosine_and_recompute_under_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk budget of a few tokens gives the same values as one pass; under non-reentrant
+    activation checkpointing the recompute inside the backward is not measured again."""
+    model = tiny_nanogpt().train()
+    ids, mask = padded_batch(64, seed=3)
+    reference = Reference()
+    nanogpt_reference(model.eval(), ids, mask, reference)
+    model.train()
+    model.transformer.drop.p = 0.0
+    for block in model.transformer.h:
+        block.attn.attn_dropout.p = block.attn.resid_dropout.p = block.mlp.dropout.p = 0.0
+    folds = {"n": 0}
+    original = ActivationProbe._fold_cosine
+
+    def counting(self: ActivationProbe, layer: int, hidden: torch.Tensor) -> None:
+        folds["n"] += 1
+        original(self, layer, hidden)
+
+    monkeypatch.setattr(ActivationProbe, "_fold_cosine", counting)
+    # 3 tokens of width 32 per chunk, for a batch of 3: the 7-token sequences take 3 passes.
+    probe = ActivationProbe(model, discover(model), training_only=True, chunk_bytes=3 * 3 * 32 * 4)
+    probe.arm()
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.transformer.h:
+        block.forward = (lambda forward: lambda x: checkpoint(forward, x, use_reentrant=False))(block.forward)
+    logits, _ = model(ids, attention_mask=mask)
+    logits.float().sum().backward()
+    assert folds["n"] == len(model.transformer.h), "the recompute in the backward is not measured again"
+    assert_matches(as_dict(probe.collect()), reference.expected())
+    assert probe.elapsed > 0
