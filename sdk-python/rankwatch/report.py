@@ -33,6 +33,7 @@ class _InFlight:
     host: torch.Tensor
     event: Any  # torch.cuda.Event | None
     sketch: tuple[int, int] | None  # (dimension, seed) of a sketch after the scalars
+    host_values: list[float]  # values already on the host, after the device ones
 
 
 class Reporter:
@@ -68,9 +69,25 @@ class Reporter:
         pool.append(t)
         return t
 
-    def submit(self, step: int, keys: Sequence[SeriesKey], values: Sequence[torch.Tensor], sketch: tuple[torch.Tensor, int] | None = None) -> None:
-        """Queues one report. `sketch` is (vector, seed): appended after the scalars."""
+    def submit(
+        self,
+        step: int,
+        keys: Sequence[SeriesKey],
+        values: Sequence[torch.Tensor],
+        sketch: tuple[torch.Tensor, int] | None = None,
+        host: Sequence[tuple[SeriesKey, float]] = (),
+    ) -> None:
+        """Queues one report. `sketch` is (vector, seed): appended after the scalars. `host`
+        values (key, float) are known on the host already: they never visit the device and
+        are delivered with the device values of the same report."""
+        if not values and sketch is None and not host:
+            return
+        host_keys = [k for k, _ in host]
+        host_values = [float(v) for _, v in host]
         if not values and sketch is None:
+            sid = self._series_id((*keys, *host_keys))
+            self._inflight.append(_InFlight(step, sid, len(host_keys), torch.empty(0, dtype=torch.float64), None, None, host_values))
+            self.drain()
             return
         parts = [v.detach().reshape(1).to(self._device, torch.float64) for v in values]
         if sketch is not None:
@@ -87,9 +104,10 @@ class Reporter:
         if self._cuda:
             event = torch.cuda.Event()
             event.record()
-        sid = self._series_id(tuple(keys)) if keys else -1
+        all_keys = (*keys, *host_keys)
+        sid = self._series_id(all_keys) if all_keys else -1
         sketch_info = (sketch[0].numel(), sketch[1]) if sketch is not None else None
-        self._inflight.append(_InFlight(step, sid, len(keys), host, event, sketch_info))
+        self._inflight.append(_InFlight(step, sid, len(keys) + len(host_keys), host, event, sketch_info, host_values))
         if not self._cuda:
             # Host memory: the values are there already, no reason to hold them a report.
             self.drain()
@@ -103,8 +121,10 @@ class Reporter:
                     return
                 item.event.synchronize()
             self._inflight.popleft()
-            values = item.host.tolist()
-            scalars = values[: item.n]
+            device_values = item.host.tolist() if item.host.numel() else []
+            on_device = item.n - len(item.host_values)
+            scalars = device_values[:on_device] + item.host_values
+            values = scalars + device_values[on_device:]
             if item.n:
                 self._agent.log_series(item.step, item.series_id, scalars)
                 if self._on_values is not None:

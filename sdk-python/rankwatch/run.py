@@ -127,6 +127,14 @@ class Run:
         self._activations: Any = None
         self._gradients: Any = None
         self._optimizer_hook: Any = None
+        self._spectral_hook: Any = None
+        self._spectral_budget: Any = None
+        self._spectral_timer: Any = None
+        self._spectral_pending: list[tuple[str, int | None, str | None, torch.Tensor]] = []
+        self._spectral_ms: float | None = None
+        self._optimizer_steps = 0
+        self._step_ms: float | None = None
+        self._last_log_time: float | None = None
         self._alert_callbacks: list[Callable[[dict[str, Any]], None]] = []
         self._last_health_check = 0.0
         self._last_step: int | None = None
@@ -180,6 +188,7 @@ class Run:
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         scaler: Any = None,
+        spectral_budget: float = 0.01,
     ) -> Run:
         """Finds the model's blocks and installs the probes.
 
@@ -190,8 +199,15 @@ class Run:
         on its own, even one made after `watch`). `optimizer` lets activation maxima describe
         one optimizer step; `scaler` (a `torch.amp.GradScaler`) lets gradient norms be
         reported unscaled and skipped steps as `amp_skipped`. Every probe reads; none writes a
-        gradient, issues a collective or draws from a random stream, and `finish()` removes
-        them all.
+        gradient or draws from a random stream, and `finish()` removes them all.
+
+        Sharded models (see docs/parallelism.md): under FSDP2 (`fully_shard`; call `watch`
+        after it) the gradient probe adds one small all-reduce per reducing backward, and
+        sharded or tensor-parallel weights are measured by every rank together, at the same
+        optimizer steps — pass `optimizer`. FSDP1, DeepSpeed ZeRO and tensor-parallel
+        gradients are refused here with a message saying what is supported. The spectral probe
+        keeps its amortised cost under `spectral_budget` (a fraction of step time) by covering
+        fewer layers per call.
         """
         if self.mode == "disabled":
             return self
@@ -200,14 +216,15 @@ class Run:
         from .discovery import discover
 
         wrapper = ddp
+        given = model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             wrapper, model = model, model.module
-        layout = discover(model, mapping=dict(mapping) if mapping is not None else None)
         params = list(model.parameters())
         if not params:
             raise ValueError("rankwatch.watch: the model has no parameters")
-        if self.cadence.grad > 0 or (spectral and self.cadence.spectral > 0):
-            _refuse_sharded(model, params)
+        want_spectral = spectral and self.cadence.spectral > 0
+        fsdp = _check_sharding(given, model, params, grad=self.cadence.grad > 0, spectral=want_spectral)
+        layout = discover(model, mapping=dict(mapping) if mapping is not None else None)
         # Accelerate (and others) wrap the optimizer: hooks belong on the torch optimizer inside,
         # and its loss scaler is the one the gradients were scaled with.
         inner = getattr(optimizer, "optimizer", None)
@@ -228,12 +245,8 @@ class Run:
             self._announce()  # the run was announced before its layout was known
         agent = self._connect()
         self._reporter = Reporter(agent, self._device, self._remember)
-        if spectral and self.cadence.spectral > 0 and layout.blocks:
-            from .spectral import SpectralProbe
-
-            # Weights are identical on every data-parallel rank: rank 0 measures for all.
-            if self.rank == 0:
-                self._spectral = SpectralProbe(layout)
+        if want_spectral and layout.blocks:
+            self._watch_spectral(layout, optimizer, spectral_budget)
         if activations and self.cadence.activations > 0:
             from .activations import ActivationProbe
 
@@ -250,12 +263,61 @@ class Run:
                 dot_mode=self.dot_mode,
                 sketch_dim=self.sketch_dim,
                 sketch_seed=_sketch_seed(self.id),
+                fsdp=fsdp,
             )
             self._gradients.sketch_armed = self.cadence.sketch > 0
         if optimizer is not None and self._activations is not None:
             probe = self._activations
             self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: probe.new_step())
         return self
+
+    def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float) -> None:
+        """The spectral probe: layers shared out over the ranks, under a time budget."""
+        from .budget import SharedSums, SpectralBudget, SpectralTimer
+        from .spectral import ShardingError, SpectralProbe
+
+        try:
+            probe = SpectralProbe(layout, reporter=self.rank, reporters=self.world_size)
+        except ShardingError as e:
+            raise ValueError(f"rankwatch.watch: the spectral probe cannot measure this model's weights exactly: {e}. Pass every={{'spectral': 0}} to rankwatch.init to watch the rest.") from e
+        shared = None
+        layers = len(layout.blocks)
+        if probe.collective:
+            if optimizer is None:
+                raise ValueError(
+                    "rankwatch.watch: this model's weights are sharded, so every rank measures them together and must do so at the "
+                    "same steps; pass the optimizer to watch() (the probe runs after every k-th optimizer step), or every={'spectral': 0}"
+                )
+            import torch.distributed as dist
+
+            store = dist.distributed_c10d._get_default_store()
+            shared = SharedSums(store, f"rankwatch/{self.id}/spectral", probe.mesh_size)
+            self._spectral_hook = optimizer.register_step_post_hook(lambda *_: self._spectral_after_optimizer_step())
+        else:
+            layers = len([p for p in range(layers) if p % self.world_size == self.rank])
+        self._spectral = probe
+        self._spectral_timer = SpectralTimer(self._device)
+        self._spectral_budget = SpectralBudget(layers, fraction, self.cadence.spectral, shared=shared)
+
+    def _spectral_after_optimizer_step(self) -> None:
+        """Sharded weights: every rank measures after the same optimizer steps."""
+        self._optimizer_steps += 1
+        if self._spectral is not None and self._optimizer_steps % self.cadence.spectral == 0:
+            self._run_spectral()
+
+    def _run_spectral(self) -> None:
+        probe, timer = self._spectral, self._spectral_timer
+        probe.layers_per_call = self._spectral_budget.before_call(timer.last_ms(), self._step_ms)
+        timer.start()
+        try:
+            self._spectral_pending.extend(probe.compute())
+        except Exception as e:  # noqa: BLE001 - a failing probe turns itself off
+            self._probe_failed("spectral", e)
+            self._spectral = None
+            return
+        finally:
+            timer.stop()
+        self._spectral_ms = timer.last_ms()
 
     # -- the hot path ----------------------------------------------------------------------
 
@@ -302,6 +364,11 @@ class Run:
             self._probe(step, keys, values)
         except Exception as e:  # noqa: BLE001 - the step goes on without this report
             self._warn(f"report-{type(e).__name__}", f"rankwatch: the report of step {step} failed ({e!r}); training continues")
+        now = time.perf_counter()
+        if self._last_log_time is not None and self._last_step is not None and step > self._last_step:
+            per_step = (now - self._last_log_time) * 1000.0 / (step - self._last_step)
+            self._step_ms = per_step if self._step_ms is None else 0.8 * self._step_ms + 0.2 * per_step
+        self._last_log_time = now
         self._last_step = step
         self._health()
 
@@ -375,20 +442,19 @@ class Run:
                 self._activations.disarm()
             if Cadence.due_within(self.cadence.activations, step, upto):
                 self._activations.arm()
-        if self._spectral is not None and Cadence.due_within(self.cadence.spectral, previous, step):
-            try:
-                for metric, layer, site, tensor in self._spectral.compute():
-                    keys.append((metric, layer, site, True))
-                    values.append(tensor)
-            except Exception as e:  # noqa: BLE001 - a failing probe turns itself off
-                self._probe_failed("spectral", e)
-                self._spectral = None
+        if self._spectral is not None and not self._spectral.collective and Cadence.due_within(self.cadence.spectral, previous, step):
+            self._run_spectral()
+        for metric, layer, site, tensor in self._spectral_pending:
+            keys.append((metric, layer, site, True))
+            values.append(tensor)
+        self._spectral_pending = []
+        costs = self._costs()
         if self._gradients is not None:
             self._gradients.armed = Cadence.due_within(self.cadence.grad, step, upto)
             self._gradients.sketch_armed = Cadence.due_within(self.cadence.sketch, step, upto)
         reporter.drain()
-        if values or sketch is not None:
-            reporter.submit(step, keys, values, sketch)
+        if values or sketch is not None or costs:
+            reporter.submit(step, keys, values, sketch, host=costs)
 
     def _report_gradients(self, keys: list[SeriesKey], values: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
         """Adds the last optimizer step's gradient record, if one finished since the last log."""
@@ -420,6 +486,19 @@ class Run:
             values[at] = values[at] + record.nonfinite
         return (record.sketch, probe.sketch_seed) if record.sketch is not None else None
 
+    def _costs(self) -> list[tuple[SeriesKey, float]]:
+        """probe_ms.*: what each probe cost this rank since the last report. Host numbers, so
+        they go to the agent without visiting the device."""
+        costs: list[tuple[SeriesKey, float]] = []
+        for name, probe in (("grad", self._gradients), ("activations", self._activations)):
+            if probe is not None and probe.elapsed > 0:
+                costs.append(((f"probe_ms.{name}", None, None, False), probe.elapsed * 1000.0))
+                probe.elapsed = 0.0
+        if self._spectral_ms is not None:
+            costs.append((("probe_ms.spectral", None, None, False), self._spectral_ms))
+            self._spectral_ms = None
+        return costs
+
     def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
         """`watch` for integrations, which run inside the training job: a model the probes
         cannot watch (unknown layout, sharded) is a warning, and the run goes on logging."""
@@ -435,6 +514,8 @@ class Run:
             probe = getattr(self, attr)
             if probe is not None and probe.error is not None:
                 self._probe_failed(name, probe.error)
+                if getattr(probe, "collective", False):
+                    continue  # it keeps joining its collective, idle, until every rank unwatches
                 probe.remove()
                 setattr(self, attr, None)
 
@@ -558,10 +639,13 @@ class Run:
         if self._gradients is not None:
             self._gradients.remove()
             self._gradients = None
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
+        for attr in ("_optimizer_hook", "_spectral_hook"):
+            handle = getattr(self, attr)
+            if handle is not None:
+                handle.remove()
+                setattr(self, attr, None)
         self._spectral = None
+        self._spectral_pending = []
 
     def __enter__(self) -> Run:
         return self
@@ -570,27 +654,57 @@ class Run:
         self.finish()
 
 
-def _refuse_sharded(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
-    """The gradient probe reads each parameter's gradient as the rank's whole gradient, and the
-    spectral probe each weight as the whole matrix on rank 0 alone; under sharding (FSDP,
-    FSDP2's DTensor parameters, tensor parallelism) they are shards: the norms would be wrong,
-    and a probe running on one rank could wait in a collective the others never join."""
-    kinds: tuple[type, ...] = ()
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+_SUPPORTED = (
+    "rankwatch measures gradients under DistributedDataParallel and FSDP2 (torch.distributed.fsdp.fully_shard, 1-D or HSDP "
+    "mesh), and spectral norms of plain, FSDP2-sharded and tensor-parallel (DTensor) weights"
+)
+_PROBES_OFF = "pass every={'grad': 0, 'spectral': 0} to rankwatch.init to watch its activations and token cosine"
 
-        kinds = (FSDPModule, FullyShardedDataParallel)
+
+def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list[torch.nn.Parameter], *, grad: bool, spectral: bool) -> Any:
+    """Refuses layouts whose gradients or weights the probes would misread, with a message
+    naming what is supported; returns the FSDP2 layout the gradient probe needs, if any.
+
+    FSDP1 flattens every weight of a unit into one flat parameter; DeepSpeed ZeRO partitions
+    parameters and reduces gradients in hooks of its own: the probes would read shards as
+    wholes, so they are refused rather than wrong. Tensor-parallel DTensor gradients are shards
+    of one replica's gradient; the spectral probe measures DTensor weights exactly."""
+    if not (grad or spectral):
+        return None
+    from .gradients import FsdpLayout, find_wrapper, is_fsdp2
+
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
-        pass
+        FullyShardedDataParallel = ()  # type: ignore[assignment,misc]
+    modules = [given, *model.modules()]
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        raise ValueError(
+            f"rankwatch.watch: this model is wrapped in FSDP1 (FullyShardedDataParallel), whose flat parameters hide each weight and "
+            f"each rank's gradient; {_SUPPORTED}. Move to fully_shard, or {_PROBES_OFF}."
+        )
+    if any(_is_deepspeed(m) for m in modules) or any(hasattr(p, "ds_id") for p in params) or find_wrapper(model, _is_deepspeed) is not None:
+        raise ValueError(
+            f"rankwatch.watch: this model runs under DeepSpeed, whose ZeRO stages partition parameters and reduce gradients in "
+            f"hooks of their own; {_SUPPORTED}. To watch it anyway, {_PROBES_OFF}."
+        )
+    if is_fsdp2(model):
+        return FsdpLayout(model, params) if grad else None
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
-        DTensor = ()  # type: ignore[assignment,misc]
-    if any(isinstance(m, kinds) for m in model.modules()) or any(isinstance(p, DTensor) for p in params):
+        return None
+    if grad and any(isinstance(p, DTensor) for p in params):
         raise ValueError(
-            "rankwatch.watch: this model is sharded (FSDP/FSDP2/DTensor); the gradient and spectral probes do not measure sharded "
-            "parameters yet. Pass every={'grad': 0, 'spectral': 0} to rankwatch.init to watch its activations and token cosine."
+            "rankwatch.watch: this model's parameters are DTensors (tensor parallelism): each rank's gradient is a shard of one "
+            f"replica's gradient, not a replica's gradient; {_SUPPORTED}. Pass every={{'grad': 0}} to rankwatch.init to watch "
+            "its spectral norms and activations."
         )
+    return None
+
+
+def _is_deepspeed(module: Any) -> bool:
+    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__)
 
 
 def _sketch_seed(run: str) -> int:

@@ -87,7 +87,10 @@ def test_context_manager_finishes(tmp_path: Path) -> None:
     assert any(report_dir.rglob("*.spool")), "offline data waits in the spool"
 
 
-def test_a_sharded_model_is_refused_by_the_gradient_probe_with_a_way_out(tmp_path: Path) -> None:
+def test_a_sharded_model_needs_the_optimizer_for_its_spectral_steps(tmp_path: Path) -> None:
+    """FSDP2 weights are measured by every rank together, at the same optimizer steps: without
+    the optimizer watch() says so; with it, every probe reports (one rank here; several in
+    test_sharded.py)."""
     import os
 
     import torch.distributed as dist
@@ -101,12 +104,12 @@ def test_a_sharded_model_is_refused_by_the_gradient_probe_with_a_way_out(tmp_pat
         model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))
         fully_shard(model)
         run = offline(tmp_path)
-        with pytest.raises(ValueError, match="every=\\{'grad': 0, 'spectral': 0\\}"):
+        with pytest.raises(ValueError, match="pass the optimizer to watch\(\)"):
             run.watch(model)
         run.finish()
-        quiet = rankwatch.init(run="sharded", mode="offline", spool_dir=tmp_path / "spool", every={"grad": 0, "spectral": 0, "activations": 1})
-        quiet.watch(model)  # activation maxima and token cosine still watch it
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        quiet = rankwatch.init(run="sharded", mode="offline", spool_dir=tmp_path / "spool", every=1)
+        quiet.watch(model, optimizer)
         for step in range(2):
             x = torch.randint(0, 10, (2, 8))
             _, loss = model(x, torch.roll(x, -1, 1))
@@ -115,7 +118,7 @@ def test_a_sharded_model_is_refused_by_the_gradient_probe_with_a_way_out(tmp_pat
             optimizer.zero_grad()
             quiet.log(step, loss=loss.detach())
         names = {k[0] for k in quiet.last_values}
-        assert {"act_max", "token_cosine"} <= names and "grad_norm" not in names
+        assert {"act_max", "token_cosine", "grad_norm", "grad_norm_mean", "spectral.sigma", "probe_ms.spectral"} <= names
         quiet.finish()
     finally:
         dist.destroy_process_group()

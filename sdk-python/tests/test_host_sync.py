@@ -116,3 +116,34 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     names = {k[0] for k in run.last_values}
     for expected in ("loss", "tokens", "grad_norm", "grad_norm_mean", "cos_to_mean", "amp_skipped", "act_max", "token_cosine", "spectral.ratio"):
         assert expected in names, f"{expected} was measured"
+
+
+def test_a_full_fsdp2_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_rank_group: None, tmp_path: Path) -> None:
+    """The sharded paths too: FSDP2 gradient statistics (hooks on the unsharded parameters, the
+    end-of-backward all-reduce, shard sketches at global coordinates) and collective spectral
+    norms of DTensor weights, run from the optimizer's step hook."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = NanoGPT(NanoGPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = rankwatch.init(run="no-sync-fsdp2", mode="offline", spool_dir=tmp_path, every=1)
+    run.watch(model, optimizer)
+    assert run._spectral is not None and run._spectral.collective
+    reporter = run._reporter
+    guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
+    for step in range(3):
+        x = torch.randint(0, 40, (4, 16))
+        optimizer.zero_grad()
+        _, loss = model(x, torch.roll(x, -1, 1))
+        loss.backward()
+        optimizer.step()
+        run.log(step, loss=loss.detach())
+    run.finish(timeout=5)
+    assert guard.violations == []
+    names = {k[0] for k in run.last_values}
+    for expected in ("grad_norm", "grad_norm_mean", "cos_to_mean", "act_max", "spectral.ratio", "probe_ms.spectral"):
+        assert expected in names, f"{expected} was measured"
