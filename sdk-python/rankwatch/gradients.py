@@ -24,9 +24,11 @@ accumulated twice in one backward, as reentrant checkpointing does, is still cou
   coordinate i of parameter j is the 64-bit index (j << 32) | i, hashed with murmur3's
   finaliser, so every rank maps every coordinate to the same bucket and sign and ⟨s_i, s_j⟩
   estimates ⟨g_i, g_j⟩;
-* in dot mode, a copy of the local gradient, held until the end of the backward: then
-  ⟨g_k, ḡ⟩ (→ ``cos_to_mean``, exact) and the copy is freed. It costs one gradient's memory
-  for the length of a backward; `dot_mode=False` turns it off.
+* in dot mode, on dot steps (a cadence of its own, every 10th step by default), a copy of the
+  local gradient, held until the end of the backward: then ⟨g_k, ḡ⟩ (→ ``cos_to_mean``,
+  exact) and the copy is freed. It costs one gradient's memory for the length of a backward
+  and three passes over it — three times the norms' cost, hence not every step;
+  `dot_mode=False` turns it off.
 
 At the end of a backward whose gradients the wrapper reduced, ‖ḡ‖² comes from the reduced
 `.grad` (→ ``grad_norm_mean``). Under gradient accumulation with `no_sync`, the micro-batches
@@ -77,15 +79,39 @@ def _fmix32(h: Any) -> Any:
     return h ^ (h >> 16)
 
 
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """`_fmix32` in place on an int64 tensor of values in [0, 2^32)."""
+    h.bitwise_xor_(h >> 16)
+    h.mul_(0x85EBCA6B).bitwise_and_(_MASK32)
+    h.bitwise_xor_(h >> 13)
+    h.mul_(0xC2B2AE35).bitwise_and_(_MASK32)
+    return h.bitwise_xor_(h >> 16)
+
+
+_HASH_CHUNK = 1 << 20  # coordinates hashed at a time: the temporaries stay in cache
+
+
 def countsketch_coordinates(seed: int, block: int, n: int, dim: int, device: torch.device, indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output bucket and sign of coordinates 0..n of gradient block `block` (a parameter), or
-    of the flat `indices` of it (a shard's coordinates in the whole parameter)."""
+    """Output bucket (int32) and sign (int8) of coordinates 0..n of gradient block `block` (a
+    parameter), or of the flat `indices` of it (a shard's coordinates in the whole parameter).
+    The definition is analytics' `math/sketch.rs`; this computes it a chunk at a time, in place."""
     key = _fmix32((seed ^ 0x9E3779B9) & _MASK32)
-    lo = torch.arange(n, device=device, dtype=torch.int64) if indices is None else indices
     hi = block & _MASK32
-    h = _fmix32(((_fmix32(lo ^ key) ^ hi) + key) & _MASK32)
-    target = (h & 0x7FFFFFFF) % dim
-    sign = 1.0 - 2.0 * (h >= 0x80000000).to(torch.float32)
+    target = torch.empty(n, dtype=torch.int32, device=device)
+    sign = torch.empty(n, dtype=torch.int8, device=device)
+    for start in range(0, n, _HASH_CHUNK):
+        stop = min(n, start + _HASH_CHUNK)
+        if indices is None:
+            h = torch.arange(start, stop, device=device, dtype=torch.int64)
+        else:
+            h = indices[start:stop].to(torch.int64, copy=True)
+        h.bitwise_xor_(key)
+        _fmix32_(h).bitwise_xor_(hi).add_(key).bitwise_and_(_MASK32)
+        _fmix32_(h)
+        negative = h >= 0x80000000
+        sign[start:stop] = 1 - 2 * negative.to(torch.int8)
+        bucket = h.bitwise_and_(0x7FFFFFFF)
+        target[start:stop] = bucket.bitwise_and_(dim - 1) if dim & (dim - 1) == 0 else bucket.remainder_(dim)
     return target, sign
 
 
@@ -217,7 +243,7 @@ class GradientProbe:
         dot_mode: bool = True,
         sketch_dim: int = 1024,
         sketch_seed: int = 0,
-        cache_limit: int = 50_000_000,
+        cache_bytes: int = 512 << 20,
         copy_limit_bytes: int = 1 << 30,
         fsdp: FsdpLayout | None = None,
     ) -> None:
@@ -239,8 +265,9 @@ class GradientProbe:
         self.sketch_dim = sketch_dim
         self.sketch_seed = sketch_seed
         self.scaler = scaler
-        self._cache_limit = cache_limit
-        self._coordinates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache_bytes = cache_bytes
+        self._cached_bytes = 0
+        self._coordinates: dict[int, torch.Tensor] = {}
         n = len(self._params)
         self._norms: list[torch.Tensor | None] = [None] * n
         self._sketch_rows: torch.Tensor | None = None
@@ -248,6 +275,7 @@ class GradientProbe:
         # Cadence: the run arms the probe for the backward passes of steps it will report.
         self.armed = True
         self.sketch_armed = False
+        self.dot_armed = True
         self._record: GradientRecord | None = None  # the last backward's, until taken
         self.error: BaseException | None = None
         self._sync = True
@@ -352,38 +380,45 @@ class GradientProbe:
         self._norms[index] = torch.linalg.vector_norm(g, dtype=torch.float32)
         if self.sketch_armed:
             if self._sketch_rows is None:
-                self._sketch_rows = torch.zeros(len(self._params), self.sketch_dim, dtype=torch.float32, device=self.device)
-            target, sign = self._coords(index, g.numel())
+                self._sketch_rows = torch.zeros(len(self._params), 2 * self.sketch_dim, dtype=torch.float32, device=self.device)
             row = self._sketch_rows[index]
             row.zero_()
-            row.index_add_(0, target, g.reshape(-1).float() * sign)
-        if self.dot_mode:
+            row.index_add_(0, self._folded(index, g.numel()), g.reshape(-1).float())
+        if self.dot_mode and self.dot_armed:
+            # The exact dot has a cadence of its own: a copy of the gradient is the probe's
+            # most expensive work (a pass to write it, two to read it back).
             self._copies[index] = g.clone()
 
-    def _coords(self, index: int, n: int, shard_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket and sign of parameter `index`'s coordinates: all n of them, or those of this
-        rank's block of the DTensor `shard_of` (cached apart: key -1 - index)."""
+    def _folded(self, index: int, n: int, shard_of: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter `index`'s coordinates (all n, or this rank's block of the DTensor
+        `shard_of`; cached apart under key -1 - index) as buckets of a sketch of twice the
+        dimension: bucket + dim where the sign is −1. Adding the gradient there and taking
+        the first half minus the second is the CountSketch, without a multiply per coordinate."""
         key = index if shard_of is None else -1 - index
         hit = self._coordinates.get(key)
-        if hit is not None and hit[0].numel() == n:
+        if hit is not None and hit.numel() == n:
             return hit
         indices = shard_indices(shard_of) if shard_of is not None else None
-        coords = countsketch_coordinates(self.sketch_seed, index, n, self.sketch_dim, self.device, indices)
-        # Cache the hashes while the model is small enough that it pays; large models
-        # recompute them on each sketch step instead.
-        if sum(t.numel() for t, _ in self._coordinates.values()) + n <= self._cache_limit:
-            self._coordinates[key] = coords
-        return coords
+        target, sign = countsketch_coordinates(self.sketch_seed, index, n, self.sketch_dim, self.device, indices)
+        folded = target.add_((sign < 0).to(torch.int32), alpha=self.sketch_dim)
+        # Kept (4 bytes a coordinate) while they fit the cache budget: hashing costs some
+        # twenty integer passes, reading the cache one. Beyond it they are recomputed.
+        if self._cached_bytes + 4 * n <= self._cache_bytes:
+            self._coordinates[key] = folded
+            self._cached_bytes += 4 * n
+        return folded
+
+    def _unfold(self, doubled: torch.Tensor) -> torch.Tensor:
+        return doubled[: self.sketch_dim] - doubled[self.sketch_dim :]
 
     def _sketch_of(self, grads: list[tuple[int, torch.Tensor]], sharded: bool) -> torch.Tensor:
         """The CountSketch of gradients (index, tensor): whole ones, or DTensor shards placed
         at their coordinates in the whole parameter."""
-        sketch = torch.zeros(self.sketch_dim, dtype=torch.float32, device=self.device)
+        doubled = torch.zeros(2 * self.sketch_dim, dtype=torch.float32, device=self.device)
         for index, grad in grads:
             values = grad.to_local() if sharded else grad  # type: ignore[attr-defined]
-            target, sign = self._coords(index, values.numel(), grad if sharded else None)
-            sketch.index_add_(0, target, values.detach().reshape(-1).float() * sign)
-        return sketch
+            doubled.index_add_(0, self._folded(index, values.numel(), grad if sharded else None), values.detach().reshape(-1).float())
+        return self._unfold(doubled)
 
     def _end_of_backward(self, task: int, first_pass: bool) -> None:
         try:
@@ -424,7 +459,7 @@ class GradientProbe:
         return norms.double().square().sum(), (~torch.isfinite(norms)).sum().double()
 
     def _local_sketch(self) -> torch.Tensor | None:
-        return self._sketch_rows.sum(0) if self.sketch_armed and self._sketch_rows is not None else None
+        return self._unfold(self._sketch_rows.sum(0)) if self.sketch_armed and self._sketch_rows is not None else None
 
     def _close_sharded(self) -> None:
         """End of a backward under FSDP2: the shard group's one all-reduce, then the record."""
@@ -437,14 +472,20 @@ class GradientProbe:
         dim = self.sketch_dim
         # [‖ḡ shard‖², sketch of the ḡ shard, 1 if this rank measured]: summed over the group.
         payload = torch.zeros(dim + 2, dtype=torch.float64, device=self.device)
-        shards = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
-        if measured and shards:
-            norms = torch._foreach_norm([g.to_local().detach() for _, g in shards], 2, dtype=torch.float32)  # type: ignore[attr-defined]
-            payload[0] = torch.stack(norms).double().square().sum()
-            if self.sketch_armed:
-                payload[1 : dim + 1] = self._sketch_of(shards, sharded=True)  # type: ignore[arg-type]
         if measured:
-            payload[dim + 1] = 1.0
+            try:
+                shards = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
+                if shards:
+                    norms = torch._foreach_norm([g.to_local().detach() for _, g in shards], 2, dtype=torch.float32)  # type: ignore[attr-defined]
+                    payload[0] = torch.stack(norms).double().square().sum()
+                    if self.sketch_armed:
+                        payload[1 : dim + 1] = self._sketch_of(shards, sharded=True)  # type: ignore[arg-type]
+                payload[dim + 1] = 1.0
+            except Exception as e:  # noqa: BLE001 - the all-reduce below must happen regardless
+                self._fail(e)
+                measured = False
+                payload.zero_()
+        # Every rank reaches this line on every reducing backward: the collectives match.
         dist.all_reduce(payload, group=fsdp.process_group)
         if not measured:
             return
@@ -471,7 +512,7 @@ class GradientProbe:
                 mean_sq = torch.stack(norms).double().square().sum()
             else:
                 mean_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-            if self.dot_mode:
+            if self.dot_mode and any(c is not None for c in self._copies):
                 dots = []
                 for i in present:
                     copy = self._copies[i]

@@ -50,6 +50,7 @@ class Cadence:
 
     grad: int = 1
     sketch: int = 10
+    dot: int = 10
     activations: int = 25
     spectral: int = 50
 
@@ -65,7 +66,7 @@ class Cadence:
             if every < 1:
                 raise ValueError(f"rankwatch.init: every= must be at least 1, got {every}")
             # One number sets the cadence of the expensive probes; the cheap ones stay per step.
-            return cls(activations=every, spectral=every, sketch=every)
+            return cls(activations=every, spectral=every, sketch=every, dot=every)
         names = {f.name for f in fields(cls)}
         unknown = set(every) - names
         if unknown:
@@ -266,6 +267,7 @@ class Run:
                 fsdp=fsdp,
             )
             self._gradients.sketch_armed = self.cadence.sketch > 0
+            self._gradients.dot_armed = self.cadence.dot > 0
         if optimizer is not None and self._activations is not None:
             probe = self._activations
             self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: probe.new_step())
@@ -452,6 +454,7 @@ class Run:
         if self._gradients is not None:
             self._gradients.armed = Cadence.due_within(self.cadence.grad, step, upto)
             self._gradients.sketch_armed = Cadence.due_within(self.cadence.sketch, step, upto)
+            self._gradients.dot_armed = Cadence.due_within(self.cadence.dot, step, upto)
         reporter.drain()
         if values or sketch is not None or costs:
             reporter.submit(step, keys, values, sketch, host=costs)
@@ -645,6 +648,7 @@ class Run:
                 handle.remove()
                 setattr(self, attr, None)
         self._spectral = None
+        self._spectral_budget = None  # it holds the process group's store: gone with the probes
         self._spectral_pending = []
 
     def __enter__(self) -> Run:

@@ -33,7 +33,7 @@ def main() -> None:
     model = NanoGPT(config)
     reference = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    run = rankwatch.init(run="ddp-check", mode="offline", spool_dir=spool, every={"activations": 1, "spectral": 0, "sketch": 0})
+    run = rankwatch.init(run="ddp-check", mode="offline", spool_dir=spool, every={"activations": 1, "spectral": 0, "sketch": 0, "dot": 1})
     run.watch(ddp)
     gen = torch.Generator().manual_seed(100 + rank)
     records = []

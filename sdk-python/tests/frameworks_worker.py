@@ -43,7 +43,7 @@ def accelerate_job(out: Path, watched: bool) -> dict[str, Any]:
     seen: list[float] = []
     run = None
     if watched:
-        run = rankwatch.init(run="accelerate-loop", mode="offline", spool_dir=out / "spool", every={"grad": 1, "sketch": 1, "activations": 1, "spectral": 1})
+        run = rankwatch.init(run="accelerate-loop", mode="offline", spool_dir=out / "spool", every={"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1})
         run.watch(model, optimizer)
     else:
         optimizer.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(grad_norm(p for g in opt.param_groups for p in g["params"])))
@@ -100,7 +100,7 @@ def lightning_job(out: Path, watched: bool = True) -> dict[str, Any]:
         )
         plain.fit(module, data)
         return {"params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
-    callback = RankwatchCallback(run="pl-ddp", mode="offline", spool_dir=out / "spool", every={"spectral": 2})
+    callback = RankwatchCallback(run="pl-ddp", mode="offline", spool_dir=out / "spool", every={"spectral": 2, "dot": 1})
     recorded: list[dict[str, float]] = []
     original = callback.run
 

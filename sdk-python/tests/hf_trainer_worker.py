@@ -63,7 +63,7 @@ def main() -> None:
         return trainer
 
     plain = {k: v.detach().clone() for k, v in train([]).model.state_dict().items()}
-    callback = Recording(run=f"hf-{variant}", mode="offline", spool_dir=out / "spool", every={"grad": 1, "sketch": 1, "spectral": 1, "activations": 1})
+    callback = Recording(run=f"hf-{variant}", mode="offline", spool_dir=out / "spool", every={"grad": 1, "sketch": 1, "dot": 1, "spectral": 1, "activations": 1})
     trainer = train([callback])
     equal = all(torch.equal(plain[k], v) for k, v in trainer.model.state_dict().items())
     assert callback.run is not None

@@ -96,7 +96,7 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    run = rankwatch.init(run="no-sync", mode="offline", spool_dir=tmp_path, every={"grad": 1, "sketch": 1, "activations": 1, "spectral": 1})
+    run = rankwatch.init(run="no-sync", mode="offline", spool_dir=tmp_path, every={"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1})
     run.watch(ddp, optimizer, scaler=scaler)
     assert run._reporter is not None
     reporter = run._reporter

@@ -81,6 +81,23 @@ def test_fsdp2_twins_statistics_and_sharded_spectral(layout: str, tmp_path: Path
     check_spectral(ranks)
 
 
+def test_a_failing_fsdp2_probe_on_one_rank_neither_hangs_nor_lies(tmp_path: Path) -> None:
+    ranks = run_layout("fsdp2_failure", tmp_path)
+    for rank, result in enumerate(ranks):
+        assert all(result["equal"].values()), f"rank {rank}: watching changed training"
+        by_step = {r["step"]: r["values"] for r in result["reported"]}
+        assert sorted(by_step) == [0, 1, 2, 3, 4]
+        for step, values in by_step.items():
+            mean = values.get("grad_norm_mean/None/None")
+            if step < 2:
+                assert mean is not None and math.isfinite(mean)
+            elif rank == 1:
+                assert "grad_norm/None/None" not in values, "the failed probe reports nothing"
+            else:
+                assert mean is not None and math.isnan(mean), f"rank {rank} step {step}: a sum missing rank 1 must not look valid ({mean})"
+                assert math.isfinite(values["grad_norm/None/None"]), "the rank's own norm is still exact"
+
+
 def test_tensor_parallel_spectral_is_exact_and_gradients_are_refused(tmp_path: Path) -> None:
     ranks = run_layout("tp", tmp_path)
     for rank, result in enumerate(ranks):

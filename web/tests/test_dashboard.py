@@ -217,6 +217,9 @@ def test_workers_page_shows_each_rank_and_the_dispersion(finished_run, page) -> 
     assert disp.get_attribute("data-series") == "2"
     cos = chart(page, "Inter-worker gradient cosine")
     assert int(cos.get_attribute("data-series")) >= 1
+    # What watching costs each rank, reported by the agent itself.
+    cost = chart(page, "Monitoring cost per rank: gradient probe (ms per report)")
+    assert cost.get_attribute("data-series") == str(RANKS)
     screenshot(page, "workers")
 
 

@@ -32,7 +32,14 @@ tasks:
   bench [all|analytics|collector|sdk|ui] [ingest|queries|memory]
            benchmarks, printed as tables: power iteration vs dense SVD (criterion), the
            collector's ingest, query and memory targets beside VictoriaMetrics and DuckDB,
-           and the dashboard's load and zoom times on a 100,000-step x 64-layer x 8-rank run
+           the SDK's log() cost beside other loggers and each probe's step overhead and peak
+           memory on a ~100M-parameter model, and the dashboard's load and zoom times on a
+           100,000-step x 64-layer x 8-rank run
+  gpu [--dry-run]
+           the GPU suite, on a machine with CUDA (never part of `test`): a full step with
+           every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
+           accuracy on 4096x14336 weights, per-probe overhead and memory on GPT-2-small and a
+           bf16 ~1B model; --dry-run checks the script on CPU at toy sizes
   help     this text
 ";
 
@@ -43,6 +50,7 @@ fn main() -> ExitCode {
         Some("test") => test(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("web") => web(),
+        Some("gpu") => gpu(&args[1..]),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -607,6 +615,17 @@ fn build_release_collector() -> Result<()> {
     run("build rankwatch (release)", build)
 }
 
+/// The GPU suite (`bench/gpu_suite.py`): needs CUDA, so it is never part of `test`.
+fn gpu(extra: &[String]) -> Result<()> {
+    let python = ensure_venv()?;
+    ensure_native_module(&python, true)?;
+    let mut cmd = Command::new(python);
+    cmd.current_dir(root())
+        .arg("bench/gpu_suite.py")
+        .args(extra);
+    run("gpu suite", cmd)
+}
+
 fn bench(extra: &[String]) -> Result<()> {
     let which = extra.first().map(String::as_str).unwrap_or("all");
     if matches!(which, "all" | "analytics") {
@@ -641,11 +660,16 @@ fn bench(extra: &[String]) -> Result<()> {
             "install the comparison loggers",
         )?;
         ensure_native_module(&python, true)?;
-        let mut cmd = Command::new(python);
+        let mut cmd = Command::new(&python);
         cmd.current_dir(root())
             .arg("bench/sdk_bench.py")
             .args(extra.iter().skip(1));
         run("bench sdk", cmd)?;
+        let mut cmd = Command::new(python);
+        cmd.current_dir(root())
+            .arg("bench/probe_costs.py")
+            .args(["--model", "gpt2-100m"]);
+        run("bench sdk: per-probe cost", cmd)?;
     }
     if matches!(which, "all" | "ui") {
         ensure_debian("chromium", "/usr/bin/chromium")?;

@@ -1,0 +1,206 @@
+"""What each probe costs a training step, measured one probe at a time (shared by
+`cargo xtask bench sdk` on CPU and `cargo xtask gpu`).
+
+Method. One process trains the model throughout; in rounds, it runs `--steps` steps with no
+monitoring, then the same number with exactly one probe installed and due every step
+(cadence 1), removes it (`run.finish()`), and goes on to the next probe. Interleaving in one
+process cancels what separate processes differ by (placement, allocator state, a neighbour on
+a shared machine), which on a 2-vCPU VM is larger than the costs measured. A probe's cost when
+due is its median step time minus the median of the unmonitored steps; at the default cadence
+it is paid every k-th step, so its amortised share of training is cost / k / step time, and the
+total at the default cadence is the sum of the shares. The exact dot and the sketch ride on the
+gradient probe: their rows are their cost on top of it. Memory: on a GPU, the peak allocated
+during each probe's steps (torch.cuda.max_memory_allocated, reset per phase) minus the
+unmonitored peak; on CPU, where torch keeps no such counter, the bytes the probe holds between
+steps (its copies and its cached sketch coordinates) are reported instead. On a GPU every step
+ends with a synchronize so that step times are device times; the probes never synchronize.
+
+Usage: python bench/probe_costs.py [--model gpt2-100m|gpt2-small|llama-1b|tiny] [--device cpu|cuda]
+                                   [--dtype float32|bfloat16] [--steps N] [--rounds N] [--warmup N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "sdk-python"))
+
+OFF = {"grad": 0, "sketch": 0, "dot": 0, "activations": 0, "spectral": 0}
+CONFIGS: dict[str, dict[str, int]] = {
+    "none": OFF,
+    "grad": {**OFF, "grad": 1},
+    "grad+dot": {**OFF, "grad": 1, "dot": 1},
+    "grad+sketch": {**OFF, "grad": 1, "sketch": 1},
+    "activations": {**OFF, "activations": 1},
+    "spectral": {**OFF, "spectral": 1},
+}
+# The default cadence (rankwatch.run.Cadence): steps between measurements.
+DEFAULT_EVERY = {"grad": 1, "grad+dot": 10, "grad+sketch": 10, "activations": 25, "spectral": 50}
+# The dot and the sketch ride on the gradient probe: their own cost is the difference.
+ON_TOP_OF_GRAD = {"grad+dot": "exact dot (on top of grad)", "grad+sketch": "sketch (on top of grad)"}
+
+
+def build(name: str, device: str, dtype: str):  # type: ignore[no-untyped-def]
+    """(model, batch maker) for one of the benchmark models, random init."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "llama-1b":
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+        )
+        model = transformers.LlamaForCausalLM(config)
+        batch, seq, vocab = 4, 1024, 32000
+
+        def step_loss(m, x):  # type: ignore[no-untyped-def]
+            return m(input_ids=x, labels=x).loss
+    else:
+        from rankwatch.models import NanoGPT, NanoGPTConfig
+
+        sizes = {
+            "tiny": dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64),
+            "gpt2-100m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=8192, block_size=256),
+            "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
+        }[name]
+        model = NanoGPT(NanoGPTConfig(dropout=0.0, bias=True, **sizes))
+        batch, seq, vocab = {"tiny": (4, 64), "gpt2-100m": (2, 128), "gpt2-small": (8, 1024)}[name] + (sizes["vocab_size"],)
+
+        def step_loss(m, x):  # type: ignore[no-untyped-def]
+            return m(x, torch.roll(x, -1, 1))[1]
+    model = model.to(device=device, dtype=getattr(torch, dtype))
+    generator = torch.Generator(device="cpu").manual_seed(1)
+
+    def make_batch():  # type: ignore[no-untyped-def]
+        return torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+
+    return model, make_batch, step_loss
+
+
+def _held_bytes(run) -> int:  # type: ignore[no-untyped-def]
+    """Bytes a run's gradient probe holds between steps: sketch rows and cached coordinates."""
+    probe = run._gradients
+    if probe is None:
+        return 0
+    held = sum(t.numel() * t.element_size() for t in probe._coordinates.values())
+    rows = probe._sketch_rows
+    return held + (rows.numel() * rows.element_size() if rows is not None else 0)
+
+
+def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, rounds: int) -> list[dict]:
+    """Runs the interleaved phases in this process; one row per configuration."""
+    import torch
+    import torch.distributed as dist
+
+    import rankwatch
+
+    cuda = device == "cuda"
+    if not dist.is_initialized():
+        from socket import socket
+
+        with socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    model, make_batch, step_loss = build(model_name, device, dtype)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    spool = tempfile.mkdtemp(prefix="rw-costs-")
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    peaks: dict[str, float] = {c: 0.0 for c in CONFIGS}
+    step = 0
+
+    def phase(config: str, count: int, record: bool) -> None:
+        nonlocal step
+        every = CONFIGS[config]
+        run = None
+        if config != "none":
+            run = rankwatch.init(run=f"probe-costs-{config}-{step}", mode="offline", spool_dir=spool, every=every)
+            run.watch(ddp, optimizer, spectral=every["spectral"] > 0, activations=every["activations"] > 0)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(count):
+            x = make_batch()
+            started = time.perf_counter()
+            loss = step_loss(ddp, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if run is not None:
+                run.log(step, loss=loss.detach())
+            if cuda:
+                torch.cuda.synchronize()
+            if record:
+                times[config].append(time.perf_counter() - started)
+            step += 1
+        if record:
+            held = torch.cuda.max_memory_allocated() / 2**20 if cuda else (_held_bytes(run) / 2**20 if run is not None else 0.0)
+            peaks[config] = max(peaks[config], held)
+        if run is not None:
+            run.finish(timeout=5)
+
+    phase("none", warmup, record=False)
+    for _ in range(rounds):
+        for config in CONFIGS:
+            # The first step of a phase pays one-off work (hooks, hashes, a cold spectral start):
+            # run it unrecorded, as the first steps of a real run would amortise it.
+            phase(config, 1, record=False)
+            phase(config, steps, record=True)
+    params = sum(p.numel() for p in model.parameters())
+    return [{"config": c, "median_ms": statistics.median(times[c]) * 1e3, "peak_mb": peaks[c], "params": params, "cuda": cuda} for c in CONFIGS]
+
+
+def table(rows: list[dict], title: str) -> str:
+    base = next(r for r in rows if r["config"] == "none")
+    step, peak = base["median_ms"], base["peak_mb"]
+    memory = "peak memory Δ MB" if base["cuda"] else "memory held MB"
+    lines = [
+        f"\n## {title}: {rows[0]['params'] / 1e6:.1f}M parameters, unmonitored step {step:.1f} ms\n",
+        f"| probe | step ms, due every step | cost when due ms | default cadence (steps) | share of training at default cadence | {memory} |",
+        "|---|---|---|---|---|---|",
+    ]
+    total = 0.0
+    grad = next(r for r in rows if r["config"] == "grad")
+    for r in rows:
+        if r["config"] == "none":
+            continue
+        on_top = r["config"] in ON_TOP_OF_GRAD
+        cost = r["median_ms"] - (grad["median_ms"] if on_top else step)
+        held = r["peak_mb"] - (grad["peak_mb"] if on_top and base["cuda"] else (peak if base["cuda"] else 0.0))
+        every = DEFAULT_EVERY[r["config"]]
+        share = cost / every / step
+        total += share
+        label = ON_TOP_OF_GRAD.get(r["config"], r["config"])
+        lines.append(f"| {label} | {r['median_ms']:.1f} | {cost:+.2f} | {every} | {100 * share:+.2f} % | {held:+.0f} |")
+    lines.append(f"\nTotal at the default cadence: {100 * total:+.2f} % of step time.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt2-100m", choices=["tiny", "gpt2-100m", "gpt2-small", "llama-1b"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--steps", type=int, default=4, help="recorded steps per phase")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    rows = measure(args.model, args.device, args.dtype, args.steps, args.warmup, args.rounds)
+    print(table(rows, f"per-probe cost, {args.model} {args.dtype} on {args.device}"))
+
+
+if __name__ == "__main__":
+    main()
