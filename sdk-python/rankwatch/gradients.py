@@ -185,7 +185,8 @@ class FsdpLayout:
             self.groups.append(group)
             for fsdp_param in group.fsdp_params:
                 owner[id(fsdp_param.sharded_param)] = (fsdp_param, group)
-        self.params = [p for p in params if id(p) in owner]
+        # Trainable ones only, in the model's order: the probe's slots index this list.
+        self.params = [p for p in params if id(p) in owner and p.requires_grad]
         self.entries = [owner[id(p)] for p in self.params]
         if not self.entries:
             raise ValueError("rankwatch.watch: FSDP2 manages none of the model's trainable parameters")
@@ -251,7 +252,7 @@ class GradientProbe:
         # which every rank shares: the sketch's coordinates depend on it.
         self._params = list(dict.fromkeys(p for p in params if p.requires_grad))
         if fsdp is not None:
-            self._params = [p for p in fsdp.params if p.requires_grad]
+            self._params = list(fsdp.params)
         if not self._params:
             raise ValueError("rankwatch: no parameter requires a gradient; nothing for the gradient probe to watch")
         self._fsdp = fsdp
@@ -291,9 +292,7 @@ class GradientProbe:
             for index, param in enumerate(self._params):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(index)))
         else:
-            for index, (fsdp_param, _) in enumerate(fsdp.entries):
-                if fsdp_param.sharded_param.requires_grad:
-                    self._pending_params[index] = fsdp_param
+            self._pending_params = {index: fsdp_param for index, (fsdp_param, _) in enumerate(fsdp.entries)}
             self._install_unsharded()
             for group in fsdp.groups:
                 for module in group.modules:

@@ -4,7 +4,7 @@ unwatched and watched, plus brute-force references.
 Layouts (argv[1]):
 * fsdp2 — `fully_shard` on every block and the root, over all ranks;
 * fsdp2_accumulation — the same with two micro-batches per step, the first without gradient
-  sync (`set_requires_gradient_sync(False)`);
+  sync (`set_requires_gradient_sync(False)`), and the position embedding frozen;
 * hsdp — FSDP2 over a 2×2 mesh (replicate × shard);
 * fsdp2_failure — fsdp2 where rank 1's gradient hooks start failing at step 2: training must go
   on without a hang, rank 1 stops reporting gradients, the others report ‖ḡ‖ as NaN (a sum
@@ -129,6 +129,8 @@ def main() -> None:
     def job(watched: bool) -> tuple[dict[str, torch.Tensor], list[dict], list[dict], torch.nn.Module]:
         torch.manual_seed(0)
         model = NanoGPT(CONFIG)
+        if layout == "fsdp2_accumulation":
+            model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter among the sharded ones
         shard(model, layout, world)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         run = None
@@ -168,7 +170,7 @@ def main() -> None:
                 reported.append({"step": step, "values": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in run.last_values.items()}})
                 run.last_values.clear()
             if before is not None and layout not in ("tp", "fsdp2_failure"):
-                expected.append({"step": step, **shadow(before, batches, world, zlib.crc32(name.encode()))})
+                expected.append({"step": step, **shadow(before, batches, world, zlib.crc32(name.encode()), frozen=layout == "fsdp2_accumulation")})
         if run is not None:
             run.finish(timeout=5)
         return full_state(model), reported, expected, model
@@ -189,18 +191,20 @@ def main() -> None:
     os._exit(0)
 
 
-def shadow(before: tuple, batches: list[torch.Tensor], world: int, seed: int) -> dict:
+def shadow(before: tuple, batches: list[torch.Tensor], world: int, seed: int, frozen: bool = False) -> dict:
     """Brute force on a plain copy with the gathered weights and random state of the step."""
     weights, rng = before
     saved = torch.get_rng_state()  # before the copy's initialisation draws from it
     plain = NanoGPT(CONFIG)
     plain.load_state_dict(weights)
+    if frozen:
+        plain.transformer.wpe.weight.requires_grad_(False)
     torch.set_rng_state(rng)
     for x in batches:
         _, loss = plain(x, torch.roll(x, -1, 1))
         loss.backward()
     torch.set_rng_state(saved)
-    grads = [p.grad.double() for p in plain.parameters()]
+    grads = [p.grad.double() for p in plain.parameters() if p.requires_grad]  # the probe's order
     g = torch.cat([t.reshape(-1) for t in grads])
     gathered = [torch.zeros_like(g) for _ in range(world)]
     dist.all_gather(gathered, g)
