@@ -64,3 +64,34 @@ def test_the_timer_measures_host_time_on_cpu() -> None:
     torch.randn(256, 256) @ torch.randn(256, 256)
     timer.stop()
     assert timer.last_ms() is not None and timer.last_ms() > 0
+
+
+def test_a_run_over_its_spectral_budget_measures_fewer_layers_per_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With a budget no call can meet, the run halves the layers a spectral call covers down
+    to one; with a generous one it keeps every layer. Each call reports its time."""
+    import rankwatch
+    from rankwatch.models import NanoGPT, NanoGPTConfig
+
+    def spectral_layers(budget: float) -> list[int]:
+        torch.manual_seed(0)
+        model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=16, n_layer=4, n_head=2, n_embd=16))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        run = rankwatch.init(run="budget", mode="offline", spool_dir=tmp_path, every={"grad": 0, "activations": 0, "spectral": 1})
+        run.watch(model, optimizer, spectral_budget=budget)
+        covered = []
+        for step in range(6):
+            x = torch.randint(0, 16, (2, 8))
+            _, loss = model(x, torch.roll(x, -1, 1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run.log(step, loss=loss.detach())
+            covered.append(len({k[1] for k in run.last_values if k[0] == "spectral.sigma"}))
+            assert run.last_values[("probe_ms.spectral", None, None, False)] > 0
+            run.last_values.clear()
+        run.finish()
+        return covered
+
+    tight = spectral_layers(1e-12)
+    assert tight[0] == 4 and tight[-1] == 1 and tight == sorted(tight, reverse=True), tight
+    assert spectral_layers(1e6) == [4] * 6
