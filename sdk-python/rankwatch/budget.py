@@ -15,13 +15,15 @@ layer is then measured every `every · layers / layers_per_call` steps instead o
 Under sharded weights every rank must cover the same layers in the same call (the call's
 collectives depend on them), so the decision is taken from numbers every rank agrees on: the sums
 over ranks of call time and step time, added up in the process group's store (host integers:
-no collective, no device sync; the keys left behind are a few bytes per call). A rank adds its measurement of call c−1 when it starts call c,
-and reads the sums at call c+1 — by then every rank has passed call c's collectives, so every
-addition is in (the read waits on a key the last adder sets, which in practice is already there).
+no collective, no device sync; the keys left behind are a few bytes per call). A rank adds its
+measurement of call c−1 when it starts call c, and reads the sums at call c+1 — by then every
+rank has passed call c's collectives, so every addition is in (the read waits on a key the
+last adder sets, which in practice is already there).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -37,8 +39,6 @@ class SpectralTimer:
         self._started = 0.0
 
     def start(self) -> None:
-        import time
-
         self._started = time.perf_counter()
         if self._cuda:
             begin = torch.cuda.Event(enable_timing=True)
@@ -46,8 +46,6 @@ class SpectralTimer:
             self._events = (begin, None)
 
     def stop(self) -> None:
-        import time
-
         self._host_ms = (time.perf_counter() - self._started) * 1000.0
         if self._cuda and self._events is not None:
             end = torch.cuda.Event(enable_timing=True)
@@ -64,13 +62,13 @@ class SpectralTimer:
 class SpectralBudget:
     """Chooses layers per call from measured costs (see the module docstring)."""
 
-    def __init__(self, layers: int, fraction: float, every: int, *, shared: SharedSums | None = None, per_call: int | None = None) -> None:
+    def __init__(self, layers: int, fraction: float, every: int, *, shared: SharedSums | None = None) -> None:
         if not 0 < fraction:
             raise ValueError(f"the spectral budget must be a positive fraction of step time, got {fraction}")
         self.layers = max(1, layers)
         self.fraction = fraction
         self.every = max(1, every)
-        self.per_call = min(per_call or self.layers, self.layers)
+        self.per_call = self.layers
         self.shared = shared
         self._calls = 0
 

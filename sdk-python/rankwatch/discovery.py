@@ -130,14 +130,22 @@ class RowSlice:
         return self.base.dim()
 
 
+def is_dtensor(tensor: Any) -> bool:
+    """Whether `tensor` is a DTensor (False where torch is built without distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
 def rows(weight: torch.Tensor, start: int, stop: int) -> Any:
     """weight[start:stop]: a view, or a `RowSlice` of a DTensor sharded along its rows."""
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return weight[start:stop]
-    if isinstance(weight, DTensor) and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements):
-        return RowSlice(weight, start, stop)
+    if is_dtensor(weight):
+        from torch.distributed.tensor import Shard
+
+        if any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements):  # type: ignore[attr-defined]
+            return RowSlice(weight, start, stop)
     return weight[start:stop]
 
 

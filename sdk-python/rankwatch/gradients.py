@@ -66,6 +66,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .discovery import is_dtensor
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -211,13 +213,10 @@ class FsdpLayout:
 def shard_indices(tensor: torch.Tensor) -> torch.Tensor | None:
     """The flat coordinates, in the whole tensor, of this rank's block of DTensor `tensor`
     (None for a plain tensor: all of it)."""
-    try:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # pragma: no cover
+    if not is_dtensor(tensor):
         return None
-    if not isinstance(tensor, DTensor):
-        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape = tuple(tensor.shape)
     local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
     device = tensor.to_local().device
@@ -284,6 +283,7 @@ class GradientProbe:
         self._pending_tasks: set[int] = set()
         self._handles: list[Any] = []
         self._pending_params: dict[int, Any] = {}
+        self._installers: list[Any] = []  # forward hooks waiting for FSDP2's unsharded parameters
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._find_wrapper_of = find_wrapper_of if wrapper is None else None
         if wrapper is not None and fsdp is None:
@@ -294,9 +294,8 @@ class GradientProbe:
         else:
             self._pending_params = {index: fsdp_param for index, (fsdp_param, _) in enumerate(fsdp.entries)}
             self._install_unsharded()
-            for group in fsdp.groups:
-                for module in group.modules:
-                    self._handles.append(module.register_forward_hook(lambda *_: self._install_unsharded()))
+            if self._pending_params:
+                self._installers = [m.register_forward_hook(lambda *_: self._install_unsharded()) for g in fsdp.groups for m in g.modules]
 
     @property
     def collective(self) -> bool:
@@ -305,14 +304,20 @@ class GradientProbe:
         return self._fsdp is not None
 
     def _install_unsharded(self) -> None:
-        """Hooks FSDP2's unsharded parameters; FSDP makes them at a module's first forward."""
-        if not self._pending_params:
-            return
+        """Hooks FSDP2's unsharded parameters; FSDP makes them at a module's first forward.
+        The forward hooks that call this go once every parameter is hooked."""
         for index, fsdp_param in list(self._pending_params.items()):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 self._handles.append(unsharded.register_post_accumulate_grad_hook(self._hook_for(index)))
                 del self._pending_params[index]
+        if not self._pending_params:
+            self._remove_installers()
+
+    def _remove_installers(self) -> None:
+        for handle in self._installers:
+            handle.remove()
+        self._installers = []
 
     # -- wiring -----------------------------------------------------------------------------
 
@@ -332,6 +337,7 @@ class GradientProbe:
             handle.remove()
         self._handles.clear()
         self._pending_params = {}
+        self._remove_installers()
         self._copies = [None] * len(self._params)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -343,7 +349,7 @@ class GradientProbe:
                 if self._fsdp is not None:
                     # Every reducing backward ends in the probe's all-reduce, measured or not.
                     self._queue_end_of_backward()
-                if self.error is not None or not self.armed or not self._synced():
+                if self.error is not None or not self.armed or not self._synced(index):
                     return
                 self._observe(index, param)
             except Exception as e:  # noqa: BLE001 - a probe must never break the step
@@ -353,8 +359,9 @@ class GradientProbe:
 
         return hook
 
-    def _synced(self) -> bool:
-        return self._fsdp.reduces() if self._fsdp is not None else self._sync
+    def _synced(self, index: int) -> bool:
+        """Whether this backward reduces parameter `index`: its FSDP2 group's flag, or DDP's."""
+        return self._fsdp.entries[index][1].reduce_grads if self._fsdp is not None else self._sync
 
     def _queue_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()

@@ -675,6 +675,7 @@ def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list
     of one replica's gradient; the spectral probe measures DTensor weights exactly."""
     if not (grad or spectral):
         return None
+    from .discovery import is_dtensor
     from .gradients import FsdpLayout, find_wrapper, is_fsdp2
 
     try:
@@ -694,11 +695,7 @@ def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list
         )
     if is_fsdp2(model):
         return FsdpLayout(model, params) if grad else None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return None
-    if grad and any(isinstance(p, DTensor) for p in params):
+    if grad and any(is_dtensor(p) for p in params):
         raise ValueError(
             "rankwatch.watch: this model's parameters are DTensors (tensor parallelism): each rank's gradient is a shard of one "
             f"replica's gradient, not a replica's gradient; {_SUPPORTED}. Pass every={{'grad': 0}} to rankwatch.init to watch "

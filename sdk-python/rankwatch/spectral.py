@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from .discovery import MATRIX_SITES, AttentionShape, Layout, RowSlice
+from .discovery import MATRIX_SITES, AttentionShape, Layout, RowSlice, is_dtensor
 
 Metric = tuple[str, int | None, str | None, torch.Tensor]
 # A step of lockstep work: yields partial vectors to be summed over the mesh, receives the sums.
@@ -226,14 +226,6 @@ class _Mesh:
             dist.all_reduce(flat, group=self.mesh.get_group(dim))
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
-
-
 def _as_matrix(weight: torch.Tensor | RowSlice, chunk_bytes: int, where: str) -> tuple[_Matrix, Any]:
     """The stage for `weight` (2-D or 3-D, plain or DTensor, or rows of a row-sharded DTensor)
     and its device mesh (or None)."""
@@ -247,8 +239,7 @@ def _as_matrix(weight: torch.Tensor | RowSlice, chunk_bytes: int, where: str) ->
         shape = (whole.shape[0], weight.stop - weight.start, whole.shape[2])
         offset = (whole.offset[0], lo - weight.start if hi > lo else 0, whole.offset[2])
         return _Matrix(local, shape, offset, whole.owner and hi > lo, True, whole.chunk_rows), mesh
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(weight, dtensor):
+    if not is_dtensor(weight):
         w = weight.detach()
         w3 = w if w.dim() == 3 else w.unsqueeze(0)
         rows = _chunk_rows(w3, chunk_bytes)

@@ -27,6 +27,19 @@ import pytest  # noqa: E402
 REPO = SDK_ROOT.parent
 
 
+def train_step(model, optimizer, vocab: int, batch: int, seq: int):  # type: ignore[no-untyped-def]
+    """One optimizer step of a nanoGPT-style model on random tokens, next-token targets;
+    returns the detached loss."""
+    import torch
+
+    x = torch.randint(0, vocab, (batch, seq))
+    _, loss = model(x, torch.roll(x, -1, 1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
 def free_port() -> int:
     """A loopback port free at the moment of asking."""
     import socket

@@ -96,7 +96,7 @@ def test_a_sharded_model_needs_the_optimizer_for_its_spectral_steps(tmp_path: Pa
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from conftest import free_port
+    from conftest import free_port, train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -111,12 +111,7 @@ def test_a_sharded_model_needs_the_optimizer_for_its_spectral_steps(tmp_path: Pa
         quiet = rankwatch.init(run="sharded", mode="offline", spool_dir=tmp_path / "spool", every=1)
         quiet.watch(model, optimizer)
         for step in range(2):
-            x = torch.randint(0, 10, (2, 8))
-            _, loss = model(x, torch.roll(x, -1, 1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            quiet.log(step, loss=loss.detach())
+            quiet.log(step, loss=train_step(model, optimizer, vocab=10, batch=2, seq=8))
         names = {k[0] for k in quiet.last_values}
         assert {"act_max", "token_cosine", "grad_norm", "grad_norm_mean", "spectral.sigma", "probe_ms.spectral"} <= names
         quiet.finish()

@@ -70,6 +70,7 @@ def test_a_run_over_its_spectral_budget_measures_fewer_layers_per_call(tmp_path)
     """With a budget no call can meet, the run halves the layers a spectral call covers down
     to one; with a generous one it keeps every layer. Each call reports its time."""
     import rankwatch
+    from conftest import train_step
     from rankwatch.models import NanoGPT, NanoGPTConfig
 
     def spectral_layers(budget: float) -> list[int]:
@@ -80,12 +81,7 @@ def test_a_run_over_its_spectral_budget_measures_fewer_layers_per_call(tmp_path)
         run.watch(model, optimizer, spectral_budget=budget)
         covered = []
         for step in range(6):
-            x = torch.randint(0, 16, (2, 8))
-            _, loss = model(x, torch.roll(x, -1, 1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            run.log(step, loss=loss.detach())
+            run.log(step, loss=train_step(model, optimizer, vocab=16, batch=2, seq=8))
             covered.append(len({k[1] for k in run.last_values if k[0] == "spectral.sigma"}))
             assert run.last_values[("probe_ms.spectral", None, None, False)] > 0
             run.last_values.clear()

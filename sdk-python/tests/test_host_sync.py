@@ -24,7 +24,7 @@ import torch.distributed as dist
 import rankwatch
 from rankwatch.models import NanoGPT, NanoGPTConfig
 
-from conftest import free_port
+from conftest import free_port, train_step
 
 PACKAGE = str(Path(rankwatch.__file__).resolve().parent)
 GUARDED = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__")
@@ -136,12 +136,7 @@ def test_a_full_fsdp2_step_with_every_probe_on_never_syncs(guard: HostSyncGuard,
     reporter = run._reporter
     guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
     for step in range(3):
-        x = torch.randint(0, 40, (4, 16))
-        optimizer.zero_grad()
-        _, loss = model(x, torch.roll(x, -1, 1))
-        loss.backward()
-        optimizer.step()
-        run.log(step, loss=loss.detach())
+        run.log(step, loss=train_step(model, optimizer, vocab=40, batch=4, seq=16))
     run.finish(timeout=5)
     assert guard.violations == []
     names = {k[0] for k in run.last_values}
