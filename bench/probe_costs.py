@@ -4,19 +4,33 @@
 Method. One process trains the model throughout; in rounds, it runs `--steps` steps with no
 monitoring, then the same number with exactly one probe installed and due every step
 (cadence 1), removes it (`run.finish()`), and goes on to the next probe. Interleaving in one
-process cancels what separate processes differ by (placement, allocator state, a neighbour on
-a shared machine), which on a 2-vCPU VM is larger than the costs measured. A probe's cost when
-due is its median step time minus the median of the unmonitored steps; at the default cadence
-it is paid every k-th step, so its amortised share of training is cost / k / step time, and the
-total at the default cadence is the sum of the shares. The exact dot and the sketch ride on the
-gradient probe: their rows are their cost on top of it. Memory: on a GPU, the peak allocated
-during each probe's steps (torch.cuda.max_memory_allocated, reset per phase) minus the
-unmonitored peak; on CPU, where torch keeps no such counter, the bytes the probe holds between
-steps (its copies and its cached sketch coordinates) are reported instead. On a GPU every step
-ends with a synchronize so that step times are device times; the probes never synchronize.
+process cancels what separate processes differ by (placement, allocator state), but on a
+shared 2-vCPU VM a neighbour still adds hundreds of milliseconds to some steps, more than
+the costs measured. So each probe's cost when due is given two ways:
+
+- inside the agent: the time the training thread spends in the probe's hooks plus in
+  `run.log` (what the dashboard's `probe_ms.*` series show), median over the phase's steps.
+  On CPU every kernel runs on that thread as it is called, so this is the probe's cost; it
+  is the number the CPU total is made of.
+- step-time difference: the fastest step with the probe minus the fastest without it
+  (interference only ever adds time, so the minimum is the least disturbed estimate, as
+  `timeit` advises). It also catches indirect costs, such as caches the probe evicts; on a
+  GPU, where the host returns before the kernels finish, it is the only one that counts, and
+  the GPU total is made of it.
+
+At the default cadence a probe is paid every k-th step: its share of training is cost / k /
+step time, and the total is the sum of the shares. The exact dot and the sketch ride on the
+gradient probe: their rows are their cost on top of it. A probe's share falls as 1/tokens per
+step (its work grows with the parameters, a step's with parameters × tokens). Memory: on a
+GPU, the peak allocated during each probe's steps (torch.cuda.max_memory_allocated, reset per
+phase) minus the unmonitored peak; on CPU, where torch keeps no such counter, the bytes the
+probe holds between steps (its copy buffers and its cached sketch coordinates). On a GPU
+every step ends with a synchronize so that step times are device times; the probes never
+synchronize.
 
 Usage: python bench/probe_costs.py [--model gpt2-100m|gpt2-small|llama-1b|tiny] [--device cpu|cuda]
                                    [--dtype float32|bfloat16] [--steps N] [--rounds N] [--warmup N]
+                                   [--batch N --seq N]
 """
 
 from __future__ import annotations
@@ -47,8 +61,9 @@ DEFAULT_EVERY = {"grad": 1, "grad+dot": 10, "grad+sketch": 10, "activations": 25
 ON_TOP_OF_GRAD = {"grad+dot": "exact dot (on top of grad)", "grad+sketch": "sketch (on top of grad)"}
 
 
-def build(name: str, device: str, dtype: str):  # type: ignore[no-untyped-def]
-    """(model, batch maker) for one of the benchmark models, random init."""
+def build(name: str, device: str, dtype: str, shape: tuple[int, int] | None = None):  # type: ignore[no-untyped-def]
+    """(model, batch maker) for one of the benchmark models, random init; `shape` (batch,
+    sequence) overrides the model's default batch."""
     import torch
 
     torch.manual_seed(0)
@@ -73,10 +88,15 @@ def build(name: str, device: str, dtype: str):  # type: ignore[no-untyped-def]
             "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
         }[name]
         model = NanoGPT(NanoGPTConfig(dropout=0.0, bias=True, **sizes))
-        batch, seq, vocab = {"tiny": (4, 64), "gpt2-100m": (2, 128), "gpt2-small": (8, 1024)}[name] + (sizes["vocab_size"],)
+        # gpt2-100m on CPU: 4 × 256 tokens a step. A probe's cost grows with the parameters and a
+        # step's with parameters × tokens, so its share falls as 1/tokens: `--batch 2 --seq 128`
+        # shows the share at a quarter of the tokens.
+        batch, seq, vocab = {"tiny": (4, 64), "gpt2-100m": (4, 256), "gpt2-small": (8, 1024)}[name] + (sizes["vocab_size"],)
 
         def step_loss(m, x):  # type: ignore[no-untyped-def]
             return m(x, torch.roll(x, -1, 1))[1]
+    if shape is not None:
+        batch, seq = shape
     model = model.to(device=device, dtype=getattr(torch, dtype))
     generator = torch.Generator(device="cpu").manual_seed(1)
 
@@ -87,16 +107,18 @@ def build(name: str, device: str, dtype: str):  # type: ignore[no-untyped-def]
 
 
 def _held_bytes(run) -> int:  # type: ignore[no-untyped-def]
-    """Bytes a run's gradient probe holds between steps: sketch rows and cached coordinates."""
+    """Bytes a run's gradient probe holds between steps: sketch rows, cached coordinates and
+    (on CPU) the buffers the exact dot copies gradients into."""
     probe = run._gradients
     if probe is None:
         return 0
-    held = sum(t.numel() * t.element_size() for t in probe._coordinates.values())
+    kept = [*probe._coordinates.values(), *(b for b in probe._copy_buffers if b is not None)]
+    held = sum(t.numel() * t.element_size() for t in kept)
     rows = probe._sketch_rows
     return held + (rows.numel() * rows.element_size() if rows is not None else 0)
 
 
-def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, rounds: int) -> list[dict]:
+def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, rounds: int, shape: tuple[int, int] | None = None) -> list[dict]:
     """Runs the interleaved phases in this process; one row per configuration."""
     import torch
     import torch.distributed as dist
@@ -111,11 +133,12 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
             s.bind(("127.0.0.1", 0))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    model, make_batch, step_loss = build(model_name, device, dtype)
+    model, make_batch, step_loss = build(model_name, device, dtype, shape)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     spool = tempfile.mkdtemp(prefix="rw-costs-")
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    inside: dict[str, list[float]] = {c: [] for c in CONFIGS}
     peaks: dict[str, float] = {c: 0.0 for c in CONFIGS}
     step = 0
 
@@ -136,12 +159,18 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            agent_s = 0.0
             if run is not None:
+                # The hooks' time since the last log (log() hands it on and resets it), then log's own.
+                agent_s = sum(p.elapsed for p in (run._gradients, run._activations) if p is not None)
+                logged = time.perf_counter()
                 run.log(step, loss=loss.detach())
+                agent_s += time.perf_counter() - logged
             if cuda:
                 torch.cuda.synchronize()
             if record:
                 times[config].append(time.perf_counter() - started)
+                inside[config].append(agent_s)
             step += 1
         if record:
             held = torch.cuda.max_memory_allocated() / 2**20 if cuda else (_held_bytes(run) / 2**20 if run is not None else 0.0)
@@ -157,16 +186,30 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
             phase(config, 1, record=False)
             phase(config, steps, record=True)
     params = sum(p.numel() for p in model.parameters())
-    return [{"config": c, "median_ms": statistics.median(times[c]) * 1e3, "peak_mb": peaks[c], "params": params, "cuda": cuda} for c in CONFIGS]
+    tokens = make_batch().numel()
+    return [
+        {
+            "config": c,
+            "min_ms": min(times[c]) * 1e3,
+            "median_ms": statistics.median(times[c]) * 1e3,
+            "inside_ms": statistics.median(inside[c]) * 1e3,
+            "peak_mb": peaks[c],
+            "params": params,
+            "cuda": cuda,
+            "tokens": tokens,
+        }
+        for c in CONFIGS
+    ]
 
 
 def table(rows: list[dict], title: str) -> str:
     base = next(r for r in rows if r["config"] == "none")
-    step, peak = base["median_ms"], base["peak_mb"]
-    memory = "peak memory Δ MB" if base["cuda"] else "memory held MB"
+    cuda = base["cuda"]
+    step, fastest, peak = base["median_ms"], base["min_ms"], base["peak_mb"]
+    memory = "peak memory Δ MB" if cuda else "memory held MB"
     lines = [
-        f"\n## {title}: {rows[0]['params'] / 1e6:.1f}M parameters, unmonitored step {step:.1f} ms\n",
-        f"| probe | step ms, due every step | cost when due ms | default cadence (steps) | share of training at default cadence | {memory} |",
+        f"\n## {title}: {rows[0]['params'] / 1e6:.1f}M parameters, unmonitored step {step:.1f} ms (median), {fastest:.1f} ms (fastest)\n",
+        f"| probe | default cadence (steps) | cost when due, inside the agent ms | cost when due, step-time difference ms | share of training at default cadence | {memory} |",
         "|---|---|---|---|---|---|",
     ]
     total = 0.0
@@ -175,14 +218,17 @@ def table(rows: list[dict], title: str) -> str:
         if r["config"] == "none":
             continue
         on_top = r["config"] in ON_TOP_OF_GRAD
-        cost = r["median_ms"] - (grad["median_ms"] if on_top else step)
-        held = r["peak_mb"] - (grad["peak_mb"] if on_top and base["cuda"] else (peak if base["cuda"] else 0.0))
+        inside = r["inside_ms"] - (grad["inside_ms"] if on_top else 0.0)
+        difference = r["min_ms"] - (grad["min_ms"] if on_top else fastest)
+        held = r["peak_mb"] - (grad["peak_mb"] if on_top and cuda else (peak if cuda else 0.0))
         every = DEFAULT_EVERY[r["config"]]
-        share = cost / every / step
+        # On CPU the agent's own time is the cost; on a GPU only the step time says it.
+        share = (difference if cuda else inside) / every / step
         total += share
         label = ON_TOP_OF_GRAD.get(r["config"], r["config"])
-        lines.append(f"| {label} | {r['median_ms']:.1f} | {cost:+.2f} | {every} | {100 * share:+.2f} % | {held:+.0f} |")
-    lines.append(f"\nTotal at the default cadence: {100 * total:+.2f} % of step time.")
+        lines.append(f"| {label} | {every} | {inside:+.1f} | {difference:+.1f} | {100 * share:+.2f} % | {held:+.0f} |")
+    basis = "step-time differences" if cuda else "the time inside the agent"
+    lines.append(f"\nTotal at the default cadence: {100 * total:+.2f} % of step time (from {basis}).")
     return "\n".join(lines)
 
 
@@ -194,12 +240,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="recorded steps per phase")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, help="sequences a step (default: the model's)")
+    p.add_argument("--seq", type=int, help="tokens a sequence (default: the model's)")
     args = p.parse_args()
+    shape = (args.batch or 0, args.seq or 0) if args.batch or args.seq else None
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    rows = measure(args.model, args.device, args.dtype, args.steps, args.warmup, args.rounds)
-    print(table(rows, f"per-probe cost, {args.model} {args.dtype} on {args.device}"))
+    if shape is not None and 0 in shape:
+        p.error("--batch and --seq go together")
+    rows = measure(args.model, args.device, args.dtype, args.steps, args.warmup, args.rounds, shape)
+    print(table(rows, f"per-probe cost, {args.model} {args.dtype} on {args.device}, {rows[0]['tokens']} tokens a step"))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "sdk-python" / "examples" / "train_ddp.py"
+PLAIN = ROOT / "sdk-python" / "examples" / "train_plain.py"  # knows nothing of rankwatch (--attach)
 # The model and cadences the detection tests prove the faults on (sdk-python/tests/test_detection.py).
 MODEL = ["--layers", "2", "--width", "32", "--seq", "32", "--batch", "4", "--vocab", "64", "--corpus", "1024", "--lr", "3e-3"]
 CADENCE = ["--cadence", "spectral=5", "--cadence", "activations=5"]
@@ -167,6 +168,23 @@ def last_aligned_step(url: str, run: str) -> int | None:
     return rows[0]["s"] if rows else None
 
 
+def attach_by_pid(training: subprocess.Popen[bytes], url: str, run: str, log: Path) -> None:
+    """Waits for the plain job's first steps, then attaches to torchrun's pid as a user would."""
+    deadline = time.monotonic() + 300
+    while b"step 3 " not in (log.read_bytes() if log.exists() else b""):
+        if training.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"demo: the plain training job did not get going; see {log}")
+        time.sleep(0.5)
+    command = [sys.executable, "-m", "rankwatch", "attach", "--pid", str(training.pid), "--run", run, "--collector", url,
+               "--every", ",".join(CADENCE[1::2])]
+    say(f"Training started without rankwatch (torchrun pid {training.pid}); attaching: rankwatch attach --pid {training.pid} --run {run}")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    for line in (done.stdout + done.stderr).splitlines():
+        say(f"  {line}")
+    if done.returncode != 0:
+        raise SystemExit(f"demo: attaching failed (status {done.returncode})")
+
+
 def stop_process(proc: subprocess.Popen[bytes], name: str, first: signal.Signals, grace: float) -> None:
     if proc.poll() is not None:
         return
@@ -192,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "target" / "demo" / "data", help="the collector's data directory")
     p.add_argument("--step-sleep", type=float, default=0.2, help="seconds between steps, so the story can be watched live")
     p.add_argument("--exit", action="store_true", help="exit when the story ends instead of keeping the dashboard up")
+    p.add_argument("--attach", action="store_true", help="start a training job that never imports rankwatch, then attach to it by pid (gdb)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.ranks < 1:
         p.error("--steps and --ranks must be at least 1")
@@ -207,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     run = time.strftime("demo-%Y%m%d-%H%M%S")
-    scripted = [] if args.no_faults else faults(args.steps, args.ranks)
+    # The scripted faults live in rankwatch's own example; a plain job has none.
+    scripted = [] if args.no_faults or args.attach else faults(args.steps, args.ranks)
     collector = training = None
     code = 0
     try:
@@ -220,11 +240,16 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  scripted trouble: {f}")
         cmd = [sys.executable, str(EXAMPLE), "--nproc", str(args.ranks), "--steps", str(args.steps), "--run", run, "--collector", url,
                "--spool-dir", str(logs / "spool"), "--step-sleep", str(args.step_sleep), *MODEL, *CADENCE]
+        if args.attach:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks), "--master_port", str(free_port()),
+                   str(PLAIN), "--steps", str(args.steps), "--step-delay", str(args.step_sleep)]
         for f in scripted:
             cmd += ["--fault", f]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHELASTIC_RUN_ID": "none"}
         with (logs / "train.log").open("wb") as train_log:
             training = subprocess.Popen(cmd, stdout=train_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if args.attach:
+            attach_by_pid(training, url, run, logs / "train.log")
         follower = AlertFollower(url, run)
         shown = -1
         started = time.monotonic()

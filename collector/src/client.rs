@@ -1,5 +1,5 @@
-//! The command-line client of a running collector: `rankwatch runs list|delete|prune` and
-//! `rankwatch export`. Each is one call to the HTTP API (the same the dashboard and scripts
+//! The command-line client of a running collector: `rankwatch runs list|delete|prune`,
+//! `rankwatch attach|detach RUN` and `rankwatch export`. Each is one call to the HTTP API (the same the dashboard and scripts
 //! use), so what the CLI can do is exactly what the API allows with the same token.
 
 use std::fs::File;
@@ -58,6 +58,7 @@ fn call(remote: &Remote, method: &str, path: &str, body: Option<Value>) -> Resul
     let answer = match method {
         "GET" => authorized(agent.get(&url), remote).call(),
         "DELETE" => authorized(agent.delete(&url), remote).call(),
+        "PUT" => authorized(agent.put(&url), remote).send_json(body.unwrap_or(Value::Null)),
         _ => authorized(agent.post(&url), remote).send_json(body.unwrap_or(Value::Null)),
     };
     let mut answer = answer.map_err(|e| unreachable(&remote.url, e))?;
@@ -199,6 +200,24 @@ pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result
             }
         }
     }
+    Ok(())
+}
+
+/// `rankwatch attach RUN` / `rankwatch detach RUN`: records the wish at the collector, where
+/// the run's dormant agents poll it; they act at the end of an optimizer step.
+pub fn switch_probes(remote: &Remote, run: &str, on: bool, out: &mut dyn Write) -> Result<()> {
+    let answer = call(
+        remote,
+        "PUT",
+        &format!("/api/v1/runs/{}/probes", encode(run)),
+        Some(json!({ "on": on })),
+    )?;
+    writeln!(
+        out,
+        "{run}: probes {} (revision {}); its agents follow within a few steps",
+        if on { "on" } else { "off" },
+        answer["revision"]
+    )?;
     Ok(())
 }
 

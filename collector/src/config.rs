@@ -40,6 +40,33 @@ pub enum Command {
     },
     /// Download one run's rows from a running collector as Parquet or CSV.
     Export(ExportArgs),
+    /// Turn a run's probes on: the agents of a job started with `rankwatch run --dormant`
+    /// start measuring within a few steps. `rankwatch attach --pid PID [--run NAME] [--every
+    /// ...]` instead injects the agent into a job started without rankwatch (`python -m
+    /// rankwatch attach`; gdb, or sys.remote_exec on Python 3.14).
+    Attach(SwitchArgs),
+    /// Turn a run's probes off: its agents remove every hook within a few steps.
+    /// `rankwatch detach --pid PID` does it by process instead.
+    Detach(SwitchArgs),
+    /// Run a command with the agent in every Python process it starts:
+    /// `rankwatch run [--run NAME] [--collector URL] [--every N] [--dormant] -- torchrun ...`
+    /// (`python -m rankwatch run`; RANKWATCH_PYTHON names the Python, default python3).
+    #[command(disable_help_flag = true)]
+    Run {
+        /// Options, `--`, and the command; see `python -m rankwatch run --help`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+/// `rankwatch attach|detach RUN`.
+#[derive(Debug, Clone, Args)]
+pub struct SwitchArgs {
+    #[command(flatten)]
+    pub remote: Remote,
+
+    /// The run (its agents started with `rankwatch run --dormant`, or attached before).
+    pub run: String,
 }
 
 /// How the client subcommands reach the collector.

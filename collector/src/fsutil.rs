@@ -5,7 +5,30 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
 
+use rankwatch_analytics::RunId;
+
 use crate::error::Result;
+
+/// The `<run>.json` files in `dir` (none when it does not exist), each with its run; files
+/// whose name is not a valid run id are not ours and are left alone.
+pub fn run_files(dir: &Path) -> Result<Vec<(RunId, std::path::PathBuf)>> {
+    let mut out = Vec::new();
+    if !dir.exists() {
+        return Ok(out);
+    }
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        let run = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".json"))
+            .and_then(|n| RunId::new(n).ok());
+        if let Some(run) = run {
+            out.push((run, path));
+        }
+    }
+    Ok(out)
+}
 
 /// Atomically replaces `path` with `bytes`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {

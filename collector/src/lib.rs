@@ -26,6 +26,7 @@ pub mod query;
 pub mod retention;
 pub mod server;
 pub mod store;
+pub mod switches;
 pub mod telemetry;
 pub mod wal;
 

@@ -5,7 +5,33 @@ use clap::Parser;
 use rankwatch_collector::{Cli, Command};
 use tracing_subscriber::EnvFilter;
 
+/// `rankwatch run ...` and `rankwatch attach|detach --pid ...` are the Python SDK's (they start
+/// or inject Python code): handed to `python -m rankwatch` with the same arguments.
+fn python_command(args: &[String]) -> bool {
+    match args.get(1).map(String::as_str) {
+        Some("run") => true,
+        Some("attach" | "detach") => args.iter().any(|a| a == "--pid" || a.starts_with("--pid=")),
+        _ => false,
+    }
+}
+
+fn exec_python(args: &[String]) -> anyhow::Result<()> {
+    let python = std::env::var("RANKWATCH_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let status = std::process::Command::new(&python)
+        .args(["-m", "rankwatch"])
+        .args(&args[1..])
+        .status()
+        .with_context(|| {
+            format!("starting {python} -m rankwatch (set RANKWATCH_PYTHON to the Python that has the rankwatch SDK)")
+        })?;
+    std::process::exit(status.code().unwrap_or(1));
+}
+
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if python_command(&args) {
+        return exec_python(&args);
+    }
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -34,6 +60,9 @@ fn main() -> anyhow::Result<()> {
             rankwatch_collector::client::runs(&remote, &action, &mut std::io::stdout().lock())?;
             Ok(())
         }
+        Command::Attach(args) => switch(&args, true),
+        Command::Detach(args) => switch(&args, false),
+        Command::Run { .. } => anyhow::bail!("`rankwatch run` is handed to python before parsing"),
         Command::Export(args) => {
             let path = rankwatch_collector::client::export(&args)?;
             if path != std::path::Path::new("-") {
@@ -45,6 +74,16 @@ fn main() -> anyhow::Result<()> {
             .block_on(rankwatch_collector::serve(*config, shutdown_signal()))
             .context("rankwatch serve"),
     }
+}
+
+fn switch(args: &rankwatch_collector::config::SwitchArgs, on: bool) -> anyhow::Result<()> {
+    rankwatch_collector::client::switch_probes(
+        &args.remote,
+        &args.run,
+        on,
+        &mut std::io::stdout().lock(),
+    )?;
+    Ok(())
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -88,6 +88,9 @@ impl Collector {
             None => DetectorsConfig::default(),
         };
         let rule_book = Arc::new(RuleBook::open(base_rules, config.data_dir.join("rules"))?);
+        let switches = Arc::new(crate::switches::ProbeSwitches::open(
+            config.data_dir.join("probe-switches"),
+        )?);
 
         let wal_dir = config.data_dir.join(wal::DIR);
         let report = wal::replay(&wal_dir, store.flushed_seq())?;
@@ -191,6 +194,7 @@ impl Collector {
                 engine: handle.clone(),
             },
             config.retention(),
+            switches,
         );
         let (stop, stopped) = watch::channel(false);
         let tasks = vec![

@@ -542,3 +542,45 @@ proptest! {
         })?;
     }
 }
+
+async fn put_probes(c: &Collector, run: &str, body: &str) -> Reply {
+    let request = axum::http::Request::put(format!("/api/v1/runs/{run}/probes"))
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.to_owned()))
+        .unwrap();
+    call(c, request).await
+}
+
+#[tokio::test]
+async fn a_probe_switch_takes_only_on_or_off_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let c = Collector::open(&config(dir.path())).await.unwrap();
+        let unset = get(&c, "/api/v1/runs/job-1/probes").await;
+        assert_eq!(unset.status, 200);
+        assert_eq!(
+            (unset.json()["on"].clone(), unset.json()["revision"].clone()),
+            (json!(null), json!(0))
+        );
+        for (body, needle) in [
+            ("{}", "missing field `on`"),
+            (r#"{"on": "yes"}"#, "expected {\"on\": true|false}"),
+            (r#"{"on": true, "extra": 1}"#, "unknown field `extra`"),
+            ("not json", "expected {\"on\": true|false}"),
+        ] {
+            let r = put_probes(&c, "job-1", body).await;
+            assert_eq!(r.status.as_u16(), 400, "{body}: {}", r.text());
+            assert!(r.error().contains(needle), "{body}: {}", r.error());
+        }
+        let r = put_probes(&c, "bad%20run!", r#"{"on": true}"#).await;
+        assert_eq!(r.status.as_u16(), 400, "{}", r.text());
+        let on = put_probes(&c, "job-1", r#"{"on": true}"#).await.json();
+        assert_eq!((on["on"].clone(), on["revision"].clone()), (json!(true), json!(1)));
+        let off = put_probes(&c, "job-1", r#"{"on": false}"#).await.json();
+        assert_eq!((off["on"].clone(), off["revision"].clone()), (json!(false), json!(2)));
+        c.shutdown().await.unwrap();
+    }
+    let c = Collector::open(&config(dir.path())).await.unwrap();
+    let kept = get(&c, "/api/v1/runs/job-1/probes").await.json();
+    assert_eq!((kept["on"].clone(), kept["revision"].clone()), (json!(false), json!(2)));
+}

@@ -25,6 +25,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -80,6 +81,15 @@ class Cadence:
     def due_within(every: int, after: int, upto: int) -> bool:
         """Whether a step s with s % every == 0 lies in (after, upto]."""
         return every > 0 and upto // every > after // every
+
+
+# The process's unfinished runs: the zero-code agent stands aside where the script has its own.
+_live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+def live_runs() -> list[Run]:
+    """The runs of this process that are not finished."""
+    return [r for r in _live_runs if not r.finished]
 
 
 class Run:
@@ -145,6 +155,8 @@ class Run:
         self.last_values: dict[SeriesKey, float] = {}
         if replica_group is not None:
             self._join(replica_group)
+        if mode != "disabled":
+            _live_runs.add(self)
 
     # -- setup ---------------------------------------------------------------------------
 

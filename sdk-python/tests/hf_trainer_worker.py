@@ -35,19 +35,26 @@ class Recording(RankwatchCallback):
         self.run.last_values.clear()
 
 
-def main() -> None:
-    out, variant = Path(sys.argv[1]), sys.argv[2]
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
+def tiny_llama(ragged: bool) -> tuple[transformers.LlamaConfig, list[dict[str, torch.Tensor]]]:
+    """A 2-layer Llama config and 64 rows of 12 random tokens; `ragged`: a third of the rows
+    have their first labels ignored, so rows differ in token count and weighting matters."""
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     gen = torch.Generator().manual_seed(7)
     data = []
     for i in range(64):
         ids = torch.randint(0, 64, (12,), generator=gen)
         labels = ids.clone()
-        if variant == "items" and i % 3 == 0:
-            labels[: 2 + i % 5] = -100  # rows of unequal token counts: weighting matters
+        if ragged and i % 3 == 0:
+            labels[: 2 + i % 5] = -100
         data.append({"input_ids": ids, "labels": labels})
+    return config, data
+
+
+def main() -> None:
+    out, variant = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    config, data = tiny_llama(ragged=variant == "items")
     args = transformers.TrainingArguments(
         output_dir=str(out / "hf"), max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,

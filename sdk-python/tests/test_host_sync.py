@@ -83,6 +83,18 @@ def one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def amp_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """One bf16-autocast step of the nanoGPT under a GradScaler; returns the loss."""
+    x = torch.randint(0, 40, (4, 16))
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = ddp(x, torch.roll(x, -1, 1))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+
+
 def test_the_guard_sees_a_host_sync_in_rankwatch_frames(guard: HostSyncGuard) -> None:
     t = torch.ones(())
     with pytest.raises(RuntimeError, match="host sync"):
@@ -103,13 +115,7 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     # The reporter's host buffers are the pinned copies a GPU run reads after their event.
     guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
     for step in range(3):
-        x = torch.randint(0, 40, (4, 16))
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = ddp(x, torch.roll(x, -1, 1))
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        loss = amp_step(ddp, optimizer, scaler)
         run.log(step, loss=loss.detach(), tokens=torch.tensor(64))
     run.finish(timeout=5)
     assert guard.violations == []
@@ -142,3 +148,43 @@ def test_a_full_fsdp2_step_with_every_probe_on_never_syncs(guard: HostSyncGuard,
     names = {k[0] for k in run.last_values}
     for expected in ("grad_norm", "grad_norm_mean", "cos_to_mean", "act_max", "spectral.ratio", "probe_ms.spectral"):
         assert expected in names, f"{expected} was measured"
+
+
+def test_steps_watched_by_the_zero_code_agent_never_sync(guard: HostSyncGuard, one_rank_group: None, tmp_path: Path) -> None:
+    """What `rankwatch run` / `rankwatch attach` install: the agent's step hook, its loss capture
+    (the wrapped `torch.autograd.backward` and `GradScaler.scale`) and every probe. The guard
+    covers every step after the agent's start; the start itself (finding the model, reading the
+    optimizer's step count once) is a one-off between two steps."""
+    from rankwatch.auto.agent import AutoAgent, Settings
+
+    torch.manual_seed(0)
+    model = NanoGPT(NanoGPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    agent = AutoAgent(Settings(run="no-sync-auto", mode="offline", spool_dir=str(tmp_path), every={"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1}))
+    agent.install()
+    saved = guard.allowed
+    try:
+        for step in range(4):
+            if step == 1:
+                assert agent.state == "watching" and agent.run is not None
+                reporter = agent.run._reporter
+                guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
+            elif step == 0:
+                guard.allowed = lambda tensor: True  # the one-off start
+            last_loss = float(amp_step(ddp, optimizer, scaler).detach())
+        run = agent.run
+        assert run is not None
+        agent.uninstall()
+    finally:
+        guard.allowed = saved
+    assert guard.violations == []
+    assert agent.error is None
+    names = {k[0] for k in run.last_values}
+    for expected in ("loss", "grad_norm", "grad_norm_mean", "cos_to_mean", "amp_skipped", "act_max", "spectral.ratio"):
+        assert expected in names, f"{expected} was measured"
+    logged = next(v for k, v in run.last_values.items() if k[0] == "loss")
+    assert abs(logged - last_loss) <= 1e-6 * abs(last_loss), "the loss is the unscaled one scaler.scale was given"
+    assert scaler.get_scale() > 1000, "(the scale the backward ran at was large)"
+    assert torch.autograd.backward.__module__ == "torch.autograd", "the loss capture was undone"

@@ -294,12 +294,26 @@ pub(crate) async fn get<T: DeserializeOwned>(path: &str) -> ApiResult<T> {
 }
 
 async fn get_text(path: &str) -> ApiResult<String> {
+    request_text("GET", path, None).await
+}
+
+/// `PUT path` with a JSON body and parse the JSON answer.
+pub(crate) async fn put<T: DeserializeOwned>(path: &str, body: &serde_json::Value) -> ApiResult<T> {
+    let text = request_text("PUT", path, Some(body.to_string())).await?;
+    serde_json::from_str(&text).map_err(|e| ApiError::Unreadable(e.to_string()))
+}
+
+async fn request_text(method: &str, path: &str, body: Option<String>) -> ApiResult<String> {
     let window = web_sys::window().ok_or(ApiError::Unreachable)?;
     let init = web_sys::RequestInit::new();
-    init.set_method("GET");
+    init.set_method(method);
     let headers = web_sys::Headers::new().map_err(|_| ApiError::Unreachable)?;
     if let Some(token) = read_token() {
         let _ = headers.set("authorization", &format!("Bearer {token}"));
+    }
+    if let Some(body) = body {
+        let _ = headers.set("content-type", "application/json");
+        init.set_body(&JsValue::from_str(&body));
     }
     init.set_headers(&headers);
     let request = web_sys::Request::new_with_str_and_init(path, &init)
@@ -365,6 +379,26 @@ impl Window {
         }
         q
     }
+}
+
+/// A run's probe switch (`/api/v1/runs/{run}/probes`): whether an operator wants its dormant
+/// agents' probes on; `on` is `None` when nobody set it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub(crate) struct ProbeSwitch {
+    pub(crate) on: Option<bool>,
+    pub(crate) revision: u64,
+}
+
+pub(crate) async fn probe_switch(run: &str) -> ApiResult<ProbeSwitch> {
+    get(&format!("/api/v1/runs/{}/probes", enc(run))).await
+}
+
+pub(crate) async fn set_probe_switch(run: &str, on: bool) -> ApiResult<ProbeSwitch> {
+    put(
+        &format!("/api/v1/runs/{}/probes", enc(run)),
+        &serde_json::json!({ "on": on }),
+    )
+    .await
 }
 
 pub(crate) async fn runs() -> ApiResult<RunsAnswer> {

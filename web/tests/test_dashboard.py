@@ -223,6 +223,23 @@ def test_workers_page_shows_each_rank_and_the_dispersion(finished_run, page) -> 
     screenshot(page, "workers")
 
 
+def test_the_run_page_switches_a_runs_probes_through_the_collector(finished_run, page) -> None:
+    collector = finished_run
+    page.goto(f"{collector.url}/runs/{RUN}")
+    switch = page.locator(".probe-switch")
+    switch.wait_for(timeout=20_000)
+    page.wait_for_selector('.probe-switch[data-probes="unset"]', timeout=20_000)
+    page.click(".probe-switch button.attach")
+    page.wait_for_selector('.probe-switch[data-probes="on"]', timeout=20_000)
+    assert api(collector, f"/api/v1/runs/{RUN}/probes")["on"] is True
+    assert page.locator(".probe-switch button.attach").is_disabled()
+    page.click(".probe-switch button.detach")
+    page.wait_for_selector('.probe-switch[data-probes="off"]', timeout=20_000)
+    answer = api(collector, f"/api/v1/runs/{RUN}/probes")
+    assert (answer["on"], answer["revision"]) == (False, 2), "two clicks, two revisions the agents can tell apart"
+    screenshot(page, "probe-switch")
+
+
 def test_bad_input_is_shown_as_text_never_a_blank_page(finished_run, page) -> None:
     collector = finished_run
     hostile = "<img src=x onerror=window.__pwned=1>"

@@ -83,6 +83,20 @@ def test_demo_tells_its_story_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> Non
             proc.wait()
 
 
+def test_demo_attach_watches_a_job_started_without_rankwatch(tmp_path: Path) -> None:
+    """`cargo xtask demo --attach`: the training job starts plain; the demo attaches to it by
+    pid (gdb) while it runs, says what it found on each rank, and the run's metrics arrive."""
+    cmd = [*README_DEMO, "--attach", "--ranks", "2", "--steps", "60", "--step-sleep", "0.2", "--port", "0", "--exit", "--data-dir", str(tmp_path / "data")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SILENCE_LIMIT_S)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-4000:]
+    found = [line for line in text.splitlines() if re.search(r"pid \d+: watching DistributedDataParallel\(GPT2LMHeadModel\).*rank [01]/2", line)]
+    assert len(found) == 2, text[-4000:]
+    # The demo prints the run's last step as the collector reports it: metrics arrived.
+    assert re.search(r"^  step \d+$", text, re.M), text[-4000:]
+    assert "Story finished" in text and "demo: stopped cleanly" in text, text[-4000:]
+
+
 def test_the_readme_quick_start_is_what_ci_and_this_suite_run() -> None:
     """The quick start's two commands, copied literally: CI's `.ci/run` is the second one, and
     the test above runs the first one (with flags that only shorten the story)."""

@@ -137,28 +137,17 @@ impl RuleBook {
     /// longer fits the base is reported and skipped, never silently applied in part).
     pub fn open(base: DetectorsConfig, dir: PathBuf) -> Result<RuleBook> {
         let mut overrides = BTreeMap::new();
-        if dir.exists() {
-            for entry in std::fs::read_dir(&dir)? {
-                let path = entry?.path();
-                let Some(run) = path
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .and_then(|n| n.strip_suffix(".json"))
-                    .and_then(|n| RunId::new(n).ok())
-                else {
-                    continue;
-                };
-                let loaded = std::fs::read(&path)
-                    .map_err(Error::from)
-                    .and_then(|bytes| Ok(serde_json::from_slice::<Value>(&bytes)?))
-                    .and_then(|partial| Ok((merge(&base, &partial)?, partial)));
-                match loaded {
-                    Ok((config, partial)) => {
-                        overrides.insert(run, (partial, config));
-                    }
-                    Err(e) => {
-                        tracing::error!(path = %path.display(), error = %e, "saved rules override skipped");
-                    }
+        for (run, path) in crate::fsutil::run_files(&dir)? {
+            let loaded = std::fs::read(&path)
+                .map_err(Error::from)
+                .and_then(|bytes| Ok(serde_json::from_slice::<Value>(&bytes)?))
+                .and_then(|partial| Ok((merge(&base, &partial)?, partial)));
+            match loaded {
+                Ok((config, partial)) => {
+                    overrides.insert(run, (partial, config));
+                }
+                Err(e) => {
+                    tracing::error!(path = %path.display(), error = %e, "saved rules override skipped");
                 }
             }
         }

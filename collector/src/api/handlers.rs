@@ -380,6 +380,50 @@ pub(super) async fn alert_feed(
     })))
 }
 
+/// A run's probe switch: `{"run", "on", "revision", "changed_ms"}`, with `on: null` and
+/// `revision: 0` when nobody set it.
+pub(super) async fn probes(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+) -> Result<Json<Value>> {
+    let run = RunId::new(run)?;
+    Ok(Json(switch_body(&run, state.inner.switches.get(&run))))
+}
+
+fn switch_body(run: &RunId, switch: Option<crate::switches::Switch>) -> Value {
+    json!({
+        "run": run.as_str(),
+        "on": switch.map(|s| s.on),
+        "revision": switch.map_or(0, |s| s.revision),
+        "changed_ms": switch.map(|s| s.changed_ms),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SetProbes {
+    on: bool,
+}
+
+/// Sets a run's probes on or off (`{"on": true}`); its agents act within a few steps.
+pub(super) async fn set_probes(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>> {
+    let run = RunId::new(run)?;
+    let wish: SetProbes = serde_json::from_slice(&body).map_err(|e| {
+        crate::error::Error::bad(format!(
+            "probe switch: expected {{\"on\": true|false}}: {e}"
+        ))
+    })?;
+    let switch = state
+        .inner
+        .switches
+        .set(&run, wish.on, crate::now_ms())?;
+    Ok(Json(switch_body(&run, Some(switch))))
+}
+
 /// Deletes a run: its data, metadata, alerts and rule override.
 pub(super) async fn delete_run(
     State(state): State<AppState>,
@@ -387,8 +431,9 @@ pub(super) async fn delete_run(
 ) -> Result<Json<crate::store::Deleted>> {
     let run = RunId::new(run)?;
     let deleted = state.inner.housekeeper.delete_run(&run).await?;
-    // The run's rule override goes with it (none is fine).
+    // The run's rule override and probe switch go with it (none is fine).
     let _ = state.inner.alerting.rules.clear_override(&run);
+    let _ = state.inner.switches.remove(&run);
     Ok(Json(deleted))
 }
 

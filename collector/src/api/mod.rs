@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     pub(crate) housekeeper: crate::retention::Housekeeper,
     /// The collector's configured retention policy (`POST /api/v1/retention` without a body).
     pub(crate) retention: crate::retention::Policy,
+    /// Per-run wishes for dormant agents: probes on or off.
+    pub(crate) switches: Arc<crate::switches::ProbeSwitches>,
 }
 
 /// The tokens guarding the API; `None` leaves that group open.
@@ -80,6 +82,7 @@ impl AppState {
         max_body_bytes: usize,
         alerting: Alerting,
         retention: crate::retention::Policy,
+        switches: Arc<crate::switches::ProbeSwitches>,
     ) -> Self {
         let housekeeper =
             crate::retention::Housekeeper::new(engine.store().clone(), alerting.engine.clone());
@@ -97,6 +100,7 @@ impl AppState {
                 alerting,
                 housekeeper,
                 retention,
+                switches,
             }),
         }
     }
@@ -125,6 +129,11 @@ pub fn app(state: AppState) -> Router {
             axum::routing::put(handlers::set_rules).delete(handlers::clear_rules),
         )
         .route("/api/v1/runs/{run}/alerts/feed", get(handlers::alert_feed))
+        // Probe switches: the dormant agent polls them, `rankwatch attach/detach RUN` sets them.
+        .route(
+            "/api/v1/runs/{run}/probes",
+            get(handlers::probes).put(handlers::set_probes),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::ingest,

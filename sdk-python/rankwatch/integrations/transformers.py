@@ -25,57 +25,30 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..losses import TokenLoss
 from ..run import Run, init
-
-
-def _predicted_tokens(module: Any, labels: torch.Tensor) -> torch.Tensor:
-    # Causal LMs shift labels inside the model: position t predicts label t+1.
-    if type(module).__name__.endswith("ForCausalLM"):
-        labels = labels[..., 1:]
-    return (labels != -100).sum()
 
 
 class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, **init_kwargs: Any) -> None:
         self.init_kwargs = init_kwargs
         self.run: Run | None = None
-        self._loss_sum: torch.Tensor | None = None
-        self._tokens: torch.Tensor | None = None
+        self._loss = TokenLoss()
         self._step_loss: tuple[torch.Tensor, torch.Tensor] | None = None
         self._hook: Any = None
         self._pending_logs: dict[str, float] = {}
-
-    def _capture(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if not isinstance(loss, torch.Tensor) or not torch.is_grad_enabled():
-            return
-        labels = kwargs.get("labels")
-        tokens = _predicted_tokens(module, labels) if isinstance(labels, torch.Tensor) else torch.ones((), dtype=torch.int64, device=loss.device)
-        items = kwargs.get("num_items_in_batch")
-        loss = loss.detach().double()
-        if items is not None:
-            # loss = Σ token losses / num_items_in_batch: undo the division.
-            total = loss * (items.to(loss.device, torch.float64) if isinstance(items, torch.Tensor) else float(items))
-        else:
-            total = loss * tokens
-        self._loss_sum = total if self._loss_sum is None else self._loss_sum + total
-        self._tokens = tokens if self._tokens is None else self._tokens + tokens
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         if self.run is None or self.run.finished:  # a second train() gets a run of its own
             self.run = init(**self.init_kwargs)
         if model is not None:
-            self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
+            self._hook = model.register_forward_hook(self._loss.capture, with_kwargs=True)
             # An Accelerate optimizer: watch unwraps it and takes its loss scaler (fp16).
             self.run.watch_or_warn(model, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The micro-batches of this optimizer step are all in: close the step's loss.
-        if self._loss_sum is not None and self._tokens is not None:
-            self._step_loss = (self._loss_sum, self._tokens)
-        self._loss_sum = self._tokens = None
+        self._step_loss = self._loss.take()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None:
@@ -83,9 +56,7 @@ class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
         scalars: dict[str, Any] = dict(self._pending_logs)
         self._pending_logs.clear()
         if self._step_loss is not None:
-            total, tokens = self._step_loss
-            scalars["loss"] = total / tokens.clamp_min(1)
-            scalars["tokens"] = tokens
+            scalars["loss"], scalars["tokens"] = self._step_loss
         self._step_loss = None
         self.run.log(state.global_step, **scalars)
 

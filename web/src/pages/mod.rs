@@ -140,6 +140,7 @@ pub(crate) fn RunHeader(view: RunView, #[prop(into)] current: String) -> impl In
                 {tab("/workers", "Workers", "workers")}
                 {tab("/alerts", "Alerts", "alerts")}
             </nav>
+            <ProbeSwitchButton run=run />
             <div class="zoombar">
                 {move || {
                     let (from, to) = view.window.get();
@@ -166,6 +167,56 @@ pub(crate) fn RunHeader(view: RunView, #[prop(into)] current: String) -> impl In
                     {move || view.selected.get().map(|s| format!("step {s}"))}
                 </span>
             </div>
+        </div>
+    }
+}
+
+/// Attach / detach: turns the run's probes on or off through the collector, for agents
+/// started with `rankwatch run --dormant` (or attached by pid); they follow within a few steps.
+#[component]
+fn ProbeSwitchButton(run: Memo<String>) -> impl IntoView {
+    let changed = RwSignal::new(0u32);
+    let switch = fetched(move || {
+        changed.track();
+        let run = run.get();
+        Some(async move { api::probe_switch(&run).await })
+    });
+    let failed = RwSignal::new(None::<String>);
+    let flip = move |on: bool| {
+        let run = run.get_untracked();
+        leptos::task::spawn_local(async move {
+            match api::set_probe_switch(&run, on).await {
+                Ok(_) => {
+                    let _ = failed.try_set(None);
+                    let _ = changed.try_update(|n| *n += 1);
+                }
+                Err(e) => {
+                    let _ = failed.try_set(Some(e.to_string()));
+                }
+            }
+        });
+    };
+    let on = move || switch.get().and_then(|a| a.ok()).and_then(|s| s.on);
+    view! {
+        <div class="probe-switch" data-probes=move || match on() {
+            Some(true) => "on",
+            Some(false) => "off",
+            None => "unset",
+        }>
+            <span class="hint">
+                {move || match on() {
+                    Some(true) => "probes attached",
+                    Some(false) => "probes detached",
+                    None => "probes as started",
+                }}
+            </span>
+            <button class="attach" on:click=move |_| flip(true) disabled=move || on() == Some(true)>
+                "Attach"
+            </button>
+            <button class="detach" on:click=move |_| flip(false) disabled=move || on() == Some(false)>
+                "Detach"
+            </button>
+            {move || failed.get().map(|e| view! { <span class="error" role="alert">{e}</span> })}
         </div>
     }
 }

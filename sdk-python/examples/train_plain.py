@@ -1,0 +1,76 @@
+"""A training script that knows nothing of rankwatch, to watch without changing it:
+
+    rankwatch run --run plain -- torchrun --nproc_per_node 2 train_plain.py --steps 200
+    torchrun --nproc_per_node 2 train_plain.py --steps 1000 --step-delay 0.2 &   # then:
+    rankwatch attach --pid $!
+
+`cargo xtask demo --attach` and the zero-code tests (sdk-python/tests/test_attach.py) use it.
+
+A small GPT-2 (Hugging Face classes from a config, random init) on random tokens, under
+DistributedDataParallel when started by torchrun (gloo), AdamW, 0.. --steps optimizer steps,
+optionally with gradient accumulation. Deterministic: the same arguments give bit-identical
+parameters. Rank 0 writes them to --out at the end. With --pause-at K it stops before step K
+until the file --resume exists, polling in Python (a process sleeping in C would run no
+injected code), and writes --paused when it gets there, so a test can attach at a known step.
+
+    python train_plain.py --steps 30 --out params.pt [--accumulation 2] [--pause-at 10 --paused F --resume G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--pause-at", type=int, default=-1)
+    p.add_argument("--paused", type=Path)
+    p.add_argument("--resume", type=Path)
+    p.add_argument("--step-delay", type=float, default=0.0, help="seconds of Python-level waiting after each step")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, bos_token_id=0, eos_token_id=0, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    trained: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=3e-3)
+    data = torch.Generator().manual_seed(1 + rank)
+    for step in range(args.steps):
+        if step == args.pause_at:
+            if args.paused is not None:
+                args.paused.write_text(str(os.getpid()))
+            while args.resume is not None and not args.resume.exists():
+                time.sleep(0.02)
+        for micro in range(args.accumulation):
+            x = torch.randint(0, 96, (4, 16), generator=data)
+            out = trained(input_ids=x, labels=x)
+            (out.loss / args.accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        deadline = time.monotonic() + args.step_delay
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(f"step {step + 1} loss {out.loss.item():.4f}", flush=True)
+    if rank == 0 and args.out is not None:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""`rankwatch attach --pid PID` / `rankwatch detach --pid PID`: the agent into a running job.
+
+Nothing is prepared in the job. From PID (a rank, or a launcher such as torchrun's agent or
+`accelerate launch`) the training ranks on this node are found in /proc: the processes at or
+below PID that carry a RANK/LOCAL_RANK variable and whose parent does not (data-loader
+workers inherit their rank's variables and are left alone), or PID itself when nothing below
+it is a rank. Each gets a small payload file run in its main thread at a safe point:
+
+- Python >= 3.14 (when this interpreter has it too): `sys.remote_exec(pid, payload)`;
+- older Pythons, the way memray and pyrasite do it: gdb attaches, stops the process at the
+  entry of `malloc` (where no allocator lock is held, so calling `strdup` is safe), schedules
+  `PyRun_SimpleString("<run the payload>")` with `Py_AddPendingCall`, and detaches. The
+  interpreter runs pending calls in the main thread between two bytecodes, holding the GIL.
+  The scheduled string catches everything: a pending call that failed would raise into the
+  training loop.
+
+The payload starts the same agent `rankwatch run` installs (`rankwatch.auto.agent`), which
+takes over at the end of the next optimizer step, and every rank reports what it found in a
+status directory that this command reads back. A rank stuck in a collective or in native code
+runs no Python, so its payload waits: after `--timeout` this says so instead of hanging.
+Permissions: attaching needs ptrace rights on the target (same user, and either
+`kernel.yama.ptrace_scope` = 0 or CAP_SYS_PTRACE); Python >= 3.14 honours
+PYTHON_DISABLE_REMOTE_DEBUG and `-X disable-remote-debug` in the target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .launch import SDK, parse_every
+
+GDB_TIMEOUT_S = 60.0
+
+
+class AttachError(RuntimeError):
+    """Attaching to a process failed; the message says why and what to do."""
+
+
+# -- finding the ranks ----------------------------------------------------------------------
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: fields start after the last ')'.
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def _is_python(pid: int) -> bool:
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    return "python" in os.path.basename(exe)
+
+
+def _is_rank(env: dict[str, str]) -> bool:
+    return "RANK" in env or "LOCAL_RANK" in env
+
+
+def training_ranks(pid: int) -> list[int]:
+    """The training processes at or below `pid` on this node."""
+    if not Path(f"/proc/{pid}").exists():
+        raise AttachError(f"there is no process {pid}")
+    tree = _children()
+    found: list[int] = []
+    stack = [(pid, False)]
+    while stack:
+        p, parent_is_rank = stack.pop()
+        env = _environ(p)
+        rank = _is_rank(env) and _is_python(p)
+        if rank and not parent_is_rank:
+            found.append(p)
+        stack.extend((c, rank or parent_is_rank) for c in tree.get(p, []))
+    if not found:
+        if not _is_python(pid):
+            raise AttachError(f"process {pid} is not a Python process and has no training rank (RANK/LOCAL_RANK) below it")
+        found = [pid]
+    return sorted(found)
+
+
+# -- injecting ------------------------------------------------------------------------------
+
+
+def _python_version(pid: int) -> tuple[int, int] | None:
+    """The target's Python version, from the libpython or executable it maps."""
+    import re
+
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return None
+    match = re.search(r"libpython(\d)\.(\d+)", maps) or re.search(r"/python(\d)\.(\d+)\b", maps)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _payload(directory: Path, config: dict[str, Any]) -> Path:
+    """The file each target runs: loads rankwatch (from this SDK if the target's environment
+    lacks it) and hands `config` to the agent; any failure is written to the status dir."""
+    path = directory / "payload.py"
+    path.write_text(
+        f"""# rankwatch attach payload (run in the target's main thread)
+import json, os, sys
+_config = json.loads({json.dumps(json.dumps(config))})
+try:
+    try:
+        import rankwatch.auto.agent
+    except ImportError:
+        sys.path.append({str(SDK)!r})
+        import rankwatch.auto.agent
+    rankwatch.auto.agent.remote(_config)
+except BaseException as _e:
+    _status = os.path.join(_config["status_dir"], f"{{os.getpid()}}.json")
+    with open(_status + ".part", "w") as _f:
+        json.dump({{"pid": os.getpid(), "event": "failed", "error": f"{{type(_e).__name__}}: {{_e}}"}}, _f)
+    os.replace(_status + ".part", _status)
+"""
+    )
+    os.chmod(directory, 0o755)
+    path.chmod(0o644)
+    return path
+
+
+def _gdb_script(payload: Path) -> list[str]:
+    # PyRun_SimpleString's code: run the payload, swallowing everything (see the module doc).
+    code = f"try:\\n exec(compile(open({str(payload)!r}).read(), {str(payload)!r}, 'exec'), {{'__name__': '__rankwatch__'}})\\nexcept BaseException:\\n pass\\n"
+    return [
+        "set confirm off",
+        "set pagination off",
+        "set unwindonsignal on",
+        "sharedlibrary libc",
+        "sharedlibrary libpython",
+        'echo RANKWATCH: attached\\n',
+        "print (void*)Py_AddPendingCall",
+        "print (void*)PyRun_SimpleString",
+        'echo RANKWATCH: python found\\n',
+        "break malloc",
+        "commands 1",
+        "  disable breakpoints",
+        f'  set $rankwatch_code = (char*)strdup("{code}")',
+        "  print (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, (void*)$rankwatch_code)",
+        "end",
+        "continue",
+    ]
+
+
+def _inject_gdb(pid: int, payload: Path) -> None:
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        raise AttachError("gdb is not installed (apt install gdb); it is how rankwatch attaches to Python < 3.14")
+    with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as f:
+        f.write("\n".join(_gdb_script(payload)) + "\n")
+        script = f.name
+    try:
+        result = subprocess.run(
+            [gdb, "-batch", "-nx", "-nw", "-p", str(pid), "-iex", "set auto-solib-add off", "-x", script],
+            capture_output=True,
+            text=True,
+            timeout=GDB_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AttachError(f"gdb did not finish attaching to {pid} within {GDB_TIMEOUT_S:.0f} s") from e
+    finally:
+        os.unlink(script)
+    output = result.stdout + result.stderr
+    if "RANKWATCH: attached" not in output:
+        if "ptrace" in output or "Operation not permitted" in output:
+            raise AttachError(
+                f"not permitted to trace process {pid}: attaching needs the same user and ptrace rights "
+                "(kernel.yama.ptrace_scope = 0, or CAP_SYS_PTRACE; in a container: --cap-add SYS_PTRACE)"
+            )
+        raise AttachError(f"gdb could not attach to {pid}: {output.strip()[-400:]}")
+    if "RANKWATCH: python found" not in output:
+        raise AttachError(f"process {pid} has no CPython runtime gdb can call (Py_AddPendingCall not found)")
+    if " = 0\n" not in output.split("Py_AddPendingCall((int", 1)[-1]:
+        raise AttachError(f"scheduling the agent in {pid} failed: {output.strip()[-400:]}")
+
+
+def _inject(pid: int, payload: Path) -> str:
+    version = _python_version(pid)
+    if version is not None and version >= (3, 14):
+        remote_exec = getattr(sys, "remote_exec", None)
+        if remote_exec is None:
+            raise AttachError(f"process {pid} runs Python {version[0]}.{version[1]}; attach with a Python >= 3.14 (sys.remote_exec) or gdb")
+        remote_exec(pid, str(payload))
+        return "sys.remote_exec"
+    _inject_gdb(pid, payload)
+    return "gdb"
+
+
+def attach(pid: int, config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Injects `config` (action, settings) into every rank at or below `pid`; returns what each
+    reported (or a dict with `error`), waiting up to `timeout` seconds for the wanted event."""
+    ranks = training_ranks(pid)
+    status = Path(tempfile.mkdtemp(prefix="rankwatch-attach-"))
+    config = {**config, "status_dir": str(status)}
+    payload = _payload(status, config)
+    wanted = {"attach": "watching", "detach": "detached"}[config["action"]]
+    results: dict[int, dict[str, Any]] = {}
+    methods: dict[int, str] = {}
+    for rank_pid in ranks:
+        try:
+            methods[rank_pid] = _inject(rank_pid, payload)
+        except AttachError as e:
+            results[rank_pid] = {"pid": rank_pid, "event": "failed", "error": str(e)}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p not in results for p in ranks):
+        for p in ranks:
+            if p in results:
+                continue
+            try:
+                info = json.loads((status / f"{p}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if info.get("event") in (wanted, "failed", "not-watching"):
+                results[p] = {**info, "method": methods.get(p)}
+        time.sleep(0.1)
+    for p in ranks:
+        if p not in results:
+            try:
+                last = json.loads((status / f"{p}.json").read_text()).get("event")
+            except (OSError, ValueError):
+                last = None
+            why = (
+                "the payload ran but no optimizer step ended since (is the job paused, or between epochs?)"
+                if last
+                else "its main thread has run no Python since (stuck in a collective, in native code, or sleeping in C?)"
+            )
+            results[p] = {"pid": p, "event": "timeout", "method": methods.get(p), "error": f"no answer within {timeout:.0f} s: {why}"}
+    shutil.rmtree(status, ignore_errors=True)
+    return [results[p] for p in ranks]
+
+
+def main(args: Any, action: str) -> int:
+    settings: dict[str, Any] = {"run": args.run, "collector": args.collector, "mode": args.mode}
+    if getattr(args, "every", None):
+        try:
+            settings["every"] = parse_every(args.every)
+        except ValueError as e:
+            print(f"rankwatch {action}: {e}", file=sys.stderr)
+            return 2
+    if action == "attach" and not settings["run"]:
+        settings["run"] = f"attach-{args.pid}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        results = attach(args.pid, {"action": action, "settings": settings}, args.timeout)
+    except AttachError as e:
+        print(f"rankwatch {action}: {e}", file=sys.stderr)
+        return 1
+    failed = 0
+    for r in results:
+        if r.get("event") in ("watching", "detached"):
+            model = f" {r['model']}," if r.get("model") else ""
+            rank = f"rank {r['rank']}/{r['world_size']}" if r.get("rank") is not None else "rank ?"
+            when = f"from step {r['step'] + 1}" if r["event"] == "watching" else f"after step {r.get('step')}"
+            print(f"pid {r['pid']}: {r['event']}{model} {rank}, run {r.get('run')!r}, {when} (via {r.get('method')})")
+        else:
+            failed += 1
+            print(f"pid {r['pid']}: {r.get('event')}: {r.get('error')}", file=sys.stderr)
+    return 1 if failed else 0

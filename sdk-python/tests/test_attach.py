@@ -1,0 +1,374 @@
+"""Watching a job that never imports rankwatch: `rankwatch run -- torchrun ...`, a dormant run
+switched on and off through the collector, and `rankwatch attach --pid` into a job started
+plain (gdb here; `sys.remote_exec` where the interpreter is 3.14). The job is
+`examples/train_plain.py`: 2 gloo ranks of DDP over a small GPT-2, AdamW. Every case checks that the
+metrics arrive for both ranks at the same steps and that the watched job ends with exactly the
+parameters of its unwatched twin. Every process has a timeout: a hang fails the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SDK_ROOT, Collector, collector_binary, free_port
+
+pytest.importorskip("transformers")
+
+TRAIN = str(SDK_ROOT / "examples" / "train_plain.py")
+EVERY = "grad=1,sketch=3,dot=3,activations=3,spectral=3"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
+    # The SDK from this tree, not an installed one; quick switch polling for the tests.
+    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["RANKWATCH_SWITCH_POLL_S"] = "0.3"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), TRAIN, *args]
+
+
+def _plain_twin(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+    out = tmp_path / "unwatched.pt"
+    subprocess.run(_torchrun("--steps", str(steps), "--out", str(out)), env=_env(), check=True, timeout=300, capture_output=True)
+    return torch.load(out)
+
+
+def _assert_equal_parameters(watched: Path, twin: dict[str, torch.Tensor]) -> None:
+    got = torch.load(watched)
+    assert got.keys() == twin.keys()
+    different = [k for k in got if not torch.equal(got[k], twin[k])]
+    assert not different, f"watching changed training: {different[:5]}"
+
+
+def _steps(collector: Collector, run: str, metric: str) -> dict[int, list[int]]:
+    rows = collector.sql(f"SELECT rank, step FROM samples WHERE run = '{run}' AND metric = '{metric}' GROUP BY rank, step ORDER BY rank, step")
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        out.setdefault(r["rank"], []).append(r["step"])
+    return out
+
+
+def _wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+# -- in-process and small-process checks ------------------------------------------------------
+
+
+def test_when_imported_fires_after_the_import_and_at_once_for_an_imported_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankwatch.auto.imports import when_imported
+
+    (tmp_path / "rw_late_module.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    when_imported("rw_late_module", lambda m: seen.append(m.VALUE))
+    assert seen == []
+    import rw_late_module  # noqa: F401
+
+    assert seen == [7]
+    assert type(rw_late_module.__loader__).__name__ == "SourceFileLoader", "the module keeps its real loader"
+    when_imported("json", lambda m: seen.append(len(m.__name__)))
+    assert seen == [7, 4]
+
+
+def test_parse_every_accepts_numbers_and_pairs_and_names_bad_ones() -> None:
+    from rankwatch.auto.launch import parse_every
+
+    assert parse_every("50") == 50
+    assert parse_every("grad=1, spectral=100") == {"grad": 1, "spectral": 100}
+    with pytest.raises(ValueError, match="'spectrall=3'"):
+        parse_every("spectrall=3")
+    with pytest.raises(ValueError, match="probe=steps"):
+        parse_every("grad=x")
+
+
+def test_sitecustomize_chains_the_users_own_and_leaves_processes_without_torch_alone(tmp_path: Path) -> None:
+    users = tmp_path / "user"
+    users.mkdir()
+    (users / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    from rankwatch.auto.launch import environment
+
+    env = environment(["python", "x.py"], run="r", collector=None, every=None, dormant=False, mode="offline", base=_env(PYTHONPATH=str(users)))
+    probe = "import os, sys; print(os.environ.get('USER_SITE_RAN'), 'torch' in sys.modules, 'rankwatch.auto.agent' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["yes", "False", "False"], "the user's sitecustomize ran; neither torch nor the agent was loaded"
+    assert done.stderr == ""
+
+
+def test_a_process_that_imports_torch_but_never_steps_an_optimizer_is_left_alone(tmp_path: Path) -> None:
+    from rankwatch.auto.launch import environment
+
+    env = environment(["python"], run="r", collector=None, every=None, dormant=False, mode="offline", base=_env(RANKWATCH_SPOOL_DIR=str(tmp_path / "spool")))
+    code = (
+        "import threading, torch, rankwatch.auto.agent as a; m = torch.nn.Linear(2, 2); m(torch.ones(1, 2)).sum().backward();"
+        "print(a.agent() is not None, a.agent().state, a.agent().run, [t.name for t in threading.enumerate()])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True dormant None ['MainThread']", "the agent waits for an optimizer step: no run, no thread"
+    assert not (tmp_path / "spool").exists()
+
+
+def test_training_ranks_are_found_below_a_launcher_and_dataloader_workers_are_not(tmp_path: Path) -> None:
+    from rankwatch.auto.inject import AttachError, training_ranks
+
+    # A launcher (no RANK) with two ranks, each with a child that inherits its RANK (a worker).
+    rank_code = "import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); time.sleep(60)"
+    launcher_code = (
+        "import os, subprocess, sys, time\n"
+        "ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1]], env={**os.environ, 'RANK': str(r)}, stdout=sys.stdout) for r in range(2)]\n"
+        "print('ranks', *[p.pid for p in ps], flush=True); time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, rank_code], stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert launcher.stdout is not None
+        lines = [launcher.stdout.readline().split() for _ in range(3)]
+        ranks = sorted(int(x) for line in lines if line[0] == "ranks" for x in line[1:])
+        time.sleep(0.5)
+        assert training_ranks(launcher.pid) == ranks
+        assert training_ranks(ranks[0]) == [ranks[0]]
+    finally:
+        for p in [launcher.pid, *(int(x) for line in lines for x in line if x.isdigit())]:
+            try:
+                os.kill(p, 9)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
+    with pytest.raises(AttachError, match="no process"):
+        training_ranks(2**22 + 12345)
+
+
+def test_the_agent_stands_aside_where_the_script_calls_rankwatch_itself(tmp_path: Path) -> None:
+    import rankwatch
+    from rankwatch.auto.agent import AutoAgent, Settings
+
+    mine = rankwatch.init(run="mine", mode="offline", spool_dir=tmp_path)
+    agent = AutoAgent(Settings(run="auto", mode="offline", spool_dir=str(tmp_path)))
+    agent.install()
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        assert agent.state == "dormant" and agent.run is None
+        assert agent.error is not None and "'mine'" in agent.error and "stands aside" in agent.error
+        assert agent.steps == 2, "it still counts the steps"
+    finally:
+        agent.uninstall()
+        mine.finish(timeout=5)
+
+
+def test_an_agent_that_fails_removes_itself_and_training_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure while watching (here: the report of a step raises) stops the agent: its run is
+    finished, the probes' hooks and the loss capture are gone, a warning says so once, and the
+    parameters end where an unwatched twin's do."""
+    from rankwatch.auto import agent as auto
+    from rankwatch.run import RankwatchWarning, Run
+
+    from rankwatch.models import NanoGPT, NanoGPTConfig
+
+    hooked: list[int] = []
+
+    def hooks(model: torch.nn.Module) -> int:
+        forward = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+        return forward + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+    def train(watched: bool) -> tuple[dict[str, torch.Tensor], auto.AutoAgent | None]:
+        torch.manual_seed(0)
+        model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.0))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        agent = None
+        if watched:
+            agent = auto.AutoAgent(auto.Settings(run="failing", mode="offline", spool_dir=str(tmp_path)))
+            agent.install()
+        for step in range(6):
+            if step == 3:
+                hooked.append(hooks(model))
+                monkeypatch.setattr(Run, "log", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("report broke")))
+            x = torch.randint(0, 16, (2, 8), generator=gen)
+            model(x, torch.roll(x, -1, 1))[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        hooked.append(hooks(model))
+        monkeypatch.undo()
+        if agent is not None:
+            agent.uninstall()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, agent
+
+    with pytest.warns(RankwatchWarning, match="the agent stopped itself .*report broke"):
+        watched, agent = train(True)
+    unwatched, _ = train(False)
+    assert agent is not None and agent.state == "dormant" and agent.run is None
+    assert hooked[0] > 0 and hooked[1] == 0, f"probes were installed, then every hook removed: {hooked}"
+    assert torch.autograd.backward.__module__ == "torch.autograd", "the loss capture was undone"
+    assert all(torch.equal(watched[k], unwatched[k]) for k in watched)
+
+
+# -- end to end with a collector ---------------------------------------------------------------
+
+
+def test_rankwatch_run_watches_a_plain_torchrun_job(tmp_path: Path, collector: Collector) -> None:
+    steps = 10
+    cmd = [sys.executable, "-m", "rankwatch", "run", "--collector", collector.url, "--run", "zero-code", "--every", EVERY, "--", *_torchrun("--steps", str(steps), "--out", str(tmp_path / "watched.pt"))]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("rankwatch: watching DistributedDataParallel(GPT2LMHeadModel)") == 2, done.stderr[-3000:]
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps))
+    # The agent starts at the end of step 1: every later step, on both ranks.
+    _wait_for(lambda: _steps(collector, "zero-code", "loss") == {0: list(range(2, steps + 1)), 1: list(range(2, steps + 1))}, 30, "the loss of steps 2..10 on both ranks")
+    for metric in ("grad_norm", "grad_norm_mean", "cos_to_mean", "spectral.ratio"):
+        by_rank = _steps(collector, "zero-code", metric)
+        assert set(by_rank) == {0, 1} or metric == "spectral.ratio", (metric, by_rank)
+        assert by_rank, metric
+    act = collector.sql("SELECT DISTINCT metric FROM samples WHERE run = 'zero-code' AND metric LIKE 'act%'")
+    assert act, "activation metrics arrived"
+    # The loss is this rank's own: the mean token loss the model returned, as the script printed.
+    losses = collector.sql("SELECT rank, step, value FROM samples WHERE run = 'zero-code' AND metric = 'loss' AND step = 5")
+    assert len({round(r["value"], 6) for r in losses}) == 2, "each rank reports its own loss"
+
+
+def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Path, collector: Collector) -> None:
+    steps = 40
+    cmd = [
+        sys.executable, "-m", "rankwatch", "run", "--dormant", "--collector", collector.url, "--run", "sleeper", "--every", EVERY, "--",
+        *_torchrun("--steps", str(steps), "--step-delay", "0.25", "--out", str(tmp_path / "watched.pt")),
+    ]  # fmt: skip
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert _steps(collector, "sleeper", "loss") == {}, "a dormant job reports nothing"
+        cli = [collector_binary(), "attach", "sleeper", "--url", collector.url]
+        switched = subprocess.run(cli, capture_output=True, text=True, timeout=30)
+        assert switched.returncode == 0 and "probes on" in switched.stdout, switched.stderr
+        on = _wait_for(lambda: (s := _steps(collector, "sleeper", "loss")) and len(s.get(0, [])) >= 3 and len(s.get(1, [])) >= 3 and s, 60, "metrics after attach")
+        assert on[0][:3] == on[1][:3], f"both ranks report the same steps: {on}"
+        subprocess.run([collector_binary(), "detach", "sleeper", "--url", collector.url], check=True, capture_output=True, timeout=30)
+        detached_at = time.monotonic()
+        time.sleep(2.5)
+        settled = _steps(collector, "sleeper", "loss")
+        time.sleep(2.5)
+        assert _steps(collector, "sleeper", "loss") == settled, "no rows after the detach took effect"
+        assert job.poll() is None, "the job was still running while detached"
+        assert time.monotonic() - detached_at < 10
+        out, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, err[-3000:]
+    last = max(settled[0])
+    assert last < steps - 3, f"rows stopped at step {last}, well before the job's end ({steps})"
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps))
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collector: Collector) -> None:
+    steps = 30
+    paused, resume = tmp_path / "paused", tmp_path / "resume"
+    job = subprocess.Popen(
+        _torchrun("--steps", str(steps), "--step-delay", "0.1", "--out", str(tmp_path / "watched.pt"), "--pause-at", "8", "--paused", str(paused), "--resume", str(resume)),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(paused.exists, 120, "the job to reach step 8")
+        attach = subprocess.Popen(
+            [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", "attached", "--collector", collector.url, "--every", EVERY, "--timeout", "120"],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        resume.write_text("go")
+        out, err = attach.communicate(timeout=180)
+        assert attach.returncode == 0, out + err
+        lines = [line for line in out.splitlines() if line.startswith("pid ")]
+        assert len(lines) == 2 and all("watching DistributedDataParallel(GPT2LMHeadModel)" in line and "(via gdb)" in line for line in lines), out
+        job_err = job.communicate(timeout=240)[1]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, job_err[-3000:]
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps))
+    by_rank = _wait_for(lambda: (s := _steps(collector, "attached", "loss")) and len(s) == 2 and max(s[0]) == steps and max(s[1]) == steps and s, 30, "the loss up to the last step")
+    assert by_rank[0] == by_rank[1], "ranks attached at different moments still share step numbers"
+    assert by_rank[0][0] > 8, "attached mid-run"
+    assert set(_steps(collector, "attached", "grad_norm")) == {0, 1}
+
+
+@pytest.mark.skipif(not hasattr(sys, "remote_exec"), reason="sys.remote_exec needs Python >= 3.14, which this interpreter is not")
+def test_attach_by_pid_uses_remote_exec_on_python_314(tmp_path: Path) -> None:
+    from rankwatch.auto import inject
+
+    job = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"], env=_env())
+    try:
+        assert inject._inject(job.pid, inject._payload(tmp_path, {"action": "detach", "status_dir": str(tmp_path)})) == "sys.remote_exec"
+        status = _wait_for(lambda: (tmp_path / f"{job.pid}.json").exists(), 30, "the payload to run")
+        assert status
+        assert json.loads((tmp_path / f"{job.pid}.json").read_text())["event"] == "not-watching"
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_attach_names_the_reason_when_a_process_cannot_be_watched(tmp_path: Path) -> None:
+    from rankwatch.auto.inject import AttachError, training_ranks
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(AttachError, match="not a Python process"):
+            training_ranks(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    done = subprocess.run([sys.executable, "-m", "rankwatch", "run", "--every", "grad=x", "--", "true"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--every takes" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "rankwatch", "run", "--", "no-such-command-xyz"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 127 and "not a command" in done.stderr
+
+
+
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_under_the_zero_code_agent_a_framework_reports_what_its_callback_reports(framework: str, tmp_path: Path) -> None:
+    """The Hugging Face Trainer and Lightning (2 gloo ranks, DDP, accumulation 2): the agent
+    `rankwatch run` starts reports, from its first step on (step 2), the same per-rank loss and
+    gradient statistics, at the same step numbers, as rankwatch's callback for that framework."""
+    pytest.importorskip("lightning" if framework == "lightning" else "accelerate")
+    from conftest import torchrun
+
+    torchrun([str(Path(__file__).with_name("zero_code_worker.py")), str(tmp_path), framework], nproc=2, timeout=400, env={"HF_HUB_OFFLINE": "1"})
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        callback, agent = got["callback"], got["auto"]
+        assert sorted(map(int, callback)) == [1, 2, 3, 4, 5], callback.keys()
+        assert sorted(map(int, agent)) == [2, 3, 4, 5], "the agent starts at the end of step 1"
+        for step in agent:
+            for metric in ("loss", "grad_norm", "grad_norm_mean", "cos_to_mean", "nonfinite"):
+                want, have = callback[step][metric], agent[step][metric]
+                assert abs(want - have) <= 1e-6 * max(1.0, abs(want)), (framework, rank, step, metric, want, have)
