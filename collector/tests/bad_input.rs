@@ -575,12 +575,21 @@ async fn a_probe_switch_takes_only_on_or_off_and_survives_a_restart() {
         let r = put_probes(&c, "bad%20run!", r#"{"on": true}"#).await;
         assert_eq!(r.status.as_u16(), 400, "{}", r.text());
         let on = put_probes(&c, "job-1", r#"{"on": true}"#).await.json();
-        assert_eq!((on["on"].clone(), on["revision"].clone()), (json!(true), json!(1)));
+        assert_eq!(
+            (on["on"].clone(), on["revision"].clone()),
+            (json!(true), json!(1))
+        );
         let off = put_probes(&c, "job-1", r#"{"on": false}"#).await.json();
-        assert_eq!((off["on"].clone(), off["revision"].clone()), (json!(false), json!(2)));
+        assert_eq!(
+            (off["on"].clone(), off["revision"].clone()),
+            (json!(false), json!(2))
+        );
         c.shutdown().await.unwrap();
     }
     let c = Collector::open(&config(dir.path())).await.unwrap();
     let kept = get(&c, "/api/v1/runs/job-1/probes").await.json();
-    assert_eq!((kept["on"].clone(), kept["revision"].clone()), (json!(false), json!(2)));
+    assert_eq!(
+        (kept["on"].clone(), kept["revision"].clone()),
+        (json!(false), json!(2))
+    );
 }

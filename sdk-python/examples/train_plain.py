@@ -55,7 +55,7 @@ def main() -> None:
                 args.paused.write_text(str(os.getpid()))
             while args.resume is not None and not args.resume.exists():
                 time.sleep(0.02)
-        for micro in range(args.accumulation):
+        for _ in range(args.accumulation):
             x = torch.randint(0, 96, (4, 16), generator=data)
             out = trained(input_ids=x, labels=x)
             (out.loss / args.accumulation).backward()

@@ -417,10 +417,7 @@ pub(super) async fn set_probes(
             "probe switch: expected {{\"on\": true|false}}: {e}"
         ))
     })?;
-    let switch = state
-        .inner
-        .switches
-        .set(&run, wish.on, crate::now_ms())?;
+    let switch = state.inner.switches.set(&run, wish.on, crate::now_ms())?;
     Ok(Json(switch_body(&run, Some(switch))))
 }
 

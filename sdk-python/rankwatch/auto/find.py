@@ -14,7 +14,7 @@ import gc
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -53,7 +53,7 @@ def model_of(optimizer: torch.optim.Optimizer) -> Found:
     if not wanted:
         raise NothingToWatch("the optimizer has no parameters")
     # type(), not isinstance(): a weakref.proxy to a module (Lightning keeps some) passes isinstance.
-    modules = [o for o in _heap() if issubclass(type(o), torch.nn.Module)]
+    modules: list[torch.nn.Module] = [cast(torch.nn.Module, o) for o in _heap() if issubclass(type(o), torch.nn.Module)]
     children = {id(child) for m in modules for child in m.children()}
     best: tuple[int, int, torch.nn.Module] | None = None
     for module in modules:
@@ -109,5 +109,5 @@ def steps_done(optimizer: torch.optim.Optimizer, framework: Any) -> int | None:
 def live_scaler() -> Any:
     """The one enabled `GradScaler` in the process (mixed precision), else None."""
     classes = tuple({torch.amp.GradScaler, getattr(getattr(torch.cuda, "amp", None), "GradScaler", torch.amp.GradScaler)})
-    scalers = [o for o in _heap() if issubclass(type(o), classes) and o.is_enabled()]
+    scalers = [o for o in _heap() if issubclass(type(o), classes) and cast(torch.amp.GradScaler, o).is_enabled()]
     return scalers[0] if len(scalers) == 1 else None
