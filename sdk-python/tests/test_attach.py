@@ -325,6 +325,45 @@ def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collec
     assert set(_steps(collector, "attached", "grad_norm")) == {0, 1}
 
 
+def test_the_code_gdb_schedules_runs_the_payload_and_never_raises(tmp_path: Path) -> None:
+    """A pending call that fails would raise into the training loop: the scheduled code must
+    swallow whatever the payload does, and it is what PyRun_SimpleString will compile."""
+    from rankwatch.auto.inject import _gdb_script
+
+    payload = tmp_path / "payload.py"
+    script = _gdb_script(payload, tmp_path / "code.bin")
+    assert any(line.startswith("restore ") for line in script) and not any("malloc" in line or "strdup" in line for line in script)
+    code = (tmp_path / "code.bin").read_bytes()
+    assert code.endswith(b"\0")
+    source = code[:-1].decode()
+    for body in ("import builtins; builtins.rw_ran = 1", "raise SystemExit(3)", "raise KeyboardInterrupt", "this is not python"):
+        payload.write_text(body)
+        exec(compile(source, "<pending call>", "exec"), {})
+    import builtins
+
+    assert getattr(builtins, "rw_ran", None) == 1
+    del builtins.rw_ran  # type: ignore[attr-defined]
+    payload.unlink()
+    exec(compile(source, "<pending call>", "exec"), {})  # a payload gone (a late call) is no error either
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_attach_says_so_when_a_rank_runs_no_python(tmp_path: Path) -> None:
+    """A rank blocked in C (here a long `time.sleep`; in real jobs a collective) cannot run the
+    injected code: the command answers within its timeout and says why, and the process is
+    unharmed."""
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=_env(RANK="0"))
+    try:
+        time.sleep(1.0)
+        done = subprocess.run([sys.executable, "-m", "rankwatch", "attach", "--pid", str(stuck.pid), "--timeout", "3"], env=_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"pid {stuck.pid}: timeout: no answer within 3 s" in done.stderr and "stuck in a collective" in done.stderr, done.stderr
+        assert stuck.poll() is None, "the process goes on"
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
 @pytest.mark.skipif(not hasattr(sys, "remote_exec"), reason="sys.remote_exec needs Python >= 3.14, which this interpreter is not")
 def test_attach_by_pid_uses_remote_exec_on_python_314(tmp_path: Path) -> None:
     from rankwatch.auto import inject

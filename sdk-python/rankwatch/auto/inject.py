@@ -7,12 +7,15 @@ workers inherit their rank's variables and are left alone), or PID itself when n
 it is a rank. Each gets a small payload file run in its main thread at a safe point:
 
 - Python >= 3.14 (when this interpreter has it too): `sys.remote_exec(pid, payload)`;
-- older Pythons, the way memray and pyrasite do it: gdb attaches, stops the process at the
-  entry of `malloc` (where no allocator lock is held, so calling `strdup` is safe), schedules
-  `PyRun_SimpleString("<run the payload>")` with `Py_AddPendingCall`, and detaches. The
-  interpreter runs pending calls in the main thread between two bytecodes, holding the GIL.
-  The scheduled string catches everything: a pending call that failed would raise into the
-  training loop.
+- older Pythons, as memray and pyrasite do, through gdb: it attaches (loading only libc's
+  and libpython's symbols), maps one page with `mmap` (a plain system call, safe wherever the
+  process was stopped, unlike `malloc`, whose lock the stopped thread may hold), writes the
+  code into it through ptrace (`restore`), schedules `PyRun_SimpleString(page)` with
+  `Py_AddPendingCall`, and detaches. The interpreter runs pending calls in its main thread
+  between two bytecodes, holding the GIL. The scheduled code catches everything: a pending
+  call that failed would raise into the training loop. (memray instead waits at a `malloc`
+  breakpoint; a rank blocked in C never reaches one, and a breakpoint left behind by a gdb that
+  had to be killed would crash the job.)
 
 The payload starts the same agent `rankwatch run` installs (`rankwatch.auto.agent`), which
 takes over at the end of the next optimizer step, and every rank reports what it found in a
@@ -150,26 +153,30 @@ except BaseException as _e:
     return path
 
 
-def _gdb_script(payload: Path) -> list[str]:
+def _gdb_script(payload: Path, code_file: Path) -> list[str]:
+    """gdb commands: map a page, copy the code into it, schedule it. Nothing here allocates
+    with malloc in the target or waits for the target to do anything: `mmap` is a plain system
+    call, `restore` writes memory through ptrace, and `Py_AddPendingCall` only queues."""
     # PyRun_SimpleString's code: run the payload, swallowing everything (see the module doc).
-    code = f"try:\\n exec(compile(open({str(payload)!r}).read(), {str(payload)!r}, 'exec'), {{'__name__': '__rankwatch__'}})\\nexcept BaseException:\\n pass\\n"
+    code = f"try:\n exec(compile(open({str(payload)!r}).read(), {str(payload)!r}, 'exec'), {{'__name__': '__rankwatch__'}})\nexcept BaseException:\n pass\n"
+    code_file.write_bytes(code.encode() + b"\0")
+    size = (len(code) + 1 + 4095) // 4096 * 4096
     return [
         "set confirm off",
         "set pagination off",
         "set unwindonsignal on",
         "sharedlibrary libc",
         "sharedlibrary libpython",
-        'echo RANKWATCH: attached\\n',
+        "echo RANKWATCH: attached\\n",
         "print (void*)Py_AddPendingCall",
         "print (void*)PyRun_SimpleString",
-        'echo RANKWATCH: python found\\n',
-        "break malloc",
-        "commands 1",
-        "  disable breakpoints",
-        f'  set $rankwatch_code = (char*)strdup("{code}")',
-        "  print (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, (void*)$rankwatch_code)",
-        "end",
-        "continue",
+        "echo RANKWATCH: python found\\n",
+        # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS; kept for the life of the process.
+        f"set $rankwatch_code = (char*)mmap(0, {size}, 3, 0x22, -1, 0)",
+        f"restore {code_file} binary $rankwatch_code",
+        "echo RANKWATCH: scheduling\\n",
+        "print (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, (void*)$rankwatch_code)",
+        "detach",
     ]
 
 
@@ -178,7 +185,7 @@ def _inject_gdb(pid: int, payload: Path) -> None:
     if gdb is None:
         raise AttachError("gdb is not installed (apt install gdb); it is how rankwatch attaches to Python < 3.14")
     with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as f:
-        f.write("\n".join(_gdb_script(payload)) + "\n")
+        f.write("\n".join(_gdb_script(payload, payload.with_name(f"code-{pid}.bin"))) + "\n")
         script = f.name
     try:
         result = subprocess.run(
@@ -201,7 +208,9 @@ def _inject_gdb(pid: int, payload: Path) -> None:
         raise AttachError(f"gdb could not attach to {pid}: {output.strip()[-400:]}")
     if "RANKWATCH: python found" not in output:
         raise AttachError(f"process {pid} has no CPython runtime gdb can call (Py_AddPendingCall not found)")
-    if " = 0\n" not in output.split("Py_AddPendingCall((int", 1)[-1]:
+    import re
+
+    if not re.search(r"RANKWATCH: scheduling\n\$\d+ = 0\n", output):
         raise AttachError(f"scheduling the agent in {pid} failed: {output.strip()[-400:]}")
 
 
