@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,6 @@ class AutoAgent:
         try:
             followed = self._optimizer() if self._optimizer is not None else None
             if followed is None:
-                import weakref
-
                 self._optimizer = weakref.ref(optimizer)
                 followed = optimizer
             if optimizer is not followed:
