@@ -528,6 +528,9 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         "prometheus-alertmanager",
         "/usr/bin/prometheus-alertmanager",
     )?;
+    // `rankwatch attach --pid` on Python < 3.14 goes through gdb (the SDK's attach tests and
+    // `demo --attach`).
+    ensure_debian("gdb", "/usr/bin/gdb")?;
     let python = ensure_venv()?;
     // The deployment test trains a real run with the SDK.
     ensure_native_module(&python, false)?;
@@ -578,6 +581,9 @@ fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
 /// The main job: a collector with the dashboard and a real multi-rank training job with
 /// scripted trouble (`xtask/demo.py` tells the story). Everything it needs is installed first.
 fn demo(extra: &[String]) -> Result<()> {
+    if extra.iter().any(|a| a == "--attach") {
+        ensure_debian("gdb", "/usr/bin/gdb")?;
+    }
     let python = ensure_venv()?;
     ensure_native_module(&python, false)?;
     web()?;
