@@ -250,7 +250,7 @@ def test_rankwatch_run_watches_a_plain_torchrun_job(tmp_path: Path, collector: C
 
 
 def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Path, collector: Collector) -> None:
-    steps = 40
+    steps = 60  # long enough that it is still running well after the detach
     cmd = [
         sys.executable, "-m", "rankwatch", "run", "--dormant", "--collector", collector.url, "--run", "sleeper", "--every", EVERY, "--",
         *_torchrun("--steps", str(steps), "--step-delay", "0.25", "--out", str(tmp_path / "watched.pt")),
