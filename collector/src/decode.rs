@@ -29,7 +29,17 @@ use crate::error::{Error, Result};
 /// Media type of Arrow IPC stream bodies.
 pub const ARROW_STREAM: &str = "application/vnd.apache.arrow.stream";
 
-pub use rankwatch_analytics::schema::Table;
+pub use crate::entry::{Entry, Table};
+
+/// The media type of a `Content-Type` value: lowercase, parameters dropped.
+pub fn media_type(content_type: &str) -> String {
+    content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase()
+}
 
 /// Parses the `?table=` parameter.
 pub fn parse_table(name: &str) -> Result<Table> {
@@ -38,36 +48,6 @@ pub fn parse_table(name: &str) -> Result<Table> {
             "unknown table {name:?}; expected samples, sketches or runs"
         ))
     })
-}
-
-/// One ingest request's data, checked: rows of one run.
-#[derive(Debug, Clone)]
-pub struct Entry {
-    pub run: RunId,
-    pub samples: Option<RecordBatch>,
-    pub sketches: Option<RecordBatch>,
-    pub info: Option<RunInfo>,
-}
-
-impl Entry {
-    /// Rows over all parts.
-    pub fn rows(&self) -> usize {
-        self.samples.as_ref().map_or(0, RecordBatch::num_rows)
-            + self.sketches.as_ref().map_or(0, RecordBatch::num_rows)
-            + usize::from(self.info.is_some())
-    }
-
-    /// NaN and ±Inf sample values.
-    pub fn nonfinite(&self) -> usize {
-        self.samples.as_ref().map_or(0, |b| {
-            b.column(7)
-                .as_primitive::<Float64Type>()
-                .values()
-                .iter()
-                .filter(|v| !v.is_finite())
-                .count()
-        })
-    }
 }
 
 /// Limits a body must respect.
@@ -655,11 +635,3 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
     Ok(((!key.is_empty()).then_some(key), entry))
 }
 
-/// Shared handle to a schema, for callers that build empty tables.
-pub fn schema_of(table: Table) -> arrow_schema::SchemaRef {
-    match table {
-        Table::Samples => samples::schema_ref(),
-        Table::Sketches => sketches::schema_ref(),
-        Table::Runs => runs::schema_ref(),
-    }
-}

@@ -26,7 +26,7 @@ use parquet::file::properties::WriterProperties;
 use rankwatch_analytics::RunId;
 use tokio::sync::mpsc;
 
-use crate::decode::Table;
+use crate::entry::Table;
 use crate::error::{Error, Result};
 use crate::store::backend::Backend;
 use crate::store::{TableView, add_run_column, files::file_schema};

@@ -9,13 +9,16 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::Serialize;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
 use crate::alerting::EngineHandle;
+use crate::commit::Committer;
 use crate::decode::{self, Entry, Limits, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
-use crate::store::{Admission, Store};
-use crate::telemetry::Telemetry;
-use crate::wal::WalHandle;
+use crate::Labels;
 
 /// The body's format, from its content type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,7 +30,7 @@ pub enum Format {
 impl Format {
     /// Picks the format from a `Content-Type` value (parameters ignored).
     pub fn from_content_type(value: Option<&str>) -> Result<Format> {
-        let media = media_type(value.unwrap_or(""));
+        let media = decode::media_type(value.unwrap_or(""));
         match media.as_str() {
             decode::ARROW_STREAM => Ok(Format::Arrow),
             "application/json" => Ok(Format::Json),
@@ -44,15 +47,6 @@ impl Format {
     }
 }
 
-/// The media type of a `Content-Type` value: lowercase, parameters dropped.
-pub fn media_type(content_type: &str) -> String {
-    content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase()
-}
 
 /// What the collector answers to an accepted batch.
 #[derive(Debug, Serialize)]
@@ -67,15 +61,50 @@ pub struct Ack {
     pub seq: Option<u64>,
 }
 
+/// Ingest's own counters; [`crate::telemetry`] exports them.
+#[derive(Debug, Default)]
+pub struct IngestMetrics {
+    pub rows: Family<Labels, Counter>,
+    pub bytes: Counter,
+    pub batches: Family<Labels, Counter>,
+    pub nonfinite: Counter,
+    pub duplicates: Counter,
+}
+
+impl IngestMetrics {
+    /// Adds these metrics to a registry, with their names and help texts.
+    pub fn register(&self, r: &mut Registry) {
+        r.register("ingest_rows", "Rows accepted, by table", self.rows.clone());
+        r.register(
+            "ingest_bytes",
+            "Request body bytes accepted",
+            self.bytes.clone(),
+        );
+        r.register(
+            "ingest_batches",
+            "Batches accepted, by body format",
+            self.batches.clone(),
+        );
+        r.register(
+            "ingest_nonfinite_values",
+            "NaN or infinite sample values accepted (stored, not dropped)",
+            self.nonfinite.clone(),
+        );
+        r.register(
+            "ingest_duplicates",
+            "Batches acknowledged again for an idempotency key already applied",
+            self.duplicates.clone(),
+        );
+    }
+}
+
 /// Everything ingest needs.
 #[derive(Debug, Clone)]
 pub struct Ingestor {
-    pub store: Arc<Store>,
-    pub wal: WalHandle,
-    pub telemetry: Arc<Telemetry>,
+    pub committer: Committer,
+    pub metrics: Arc<IngestMetrics>,
     pub limits: Limits,
-    /// Where accepted batches go next; `None` for the engine's own writes (its derived
-    /// samples must not feed back into it).
+    /// Where accepted batches go next; `None` runs the collector without alerting.
     pub engine: Option<EngineHandle>,
 }
 
@@ -88,22 +117,8 @@ impl Ingestor {
         table: Table,
         key: Option<&str>,
     ) -> Result<Ack> {
-        let result = self.ingest_inner(body, format, table, key).await;
-        if let Err(e) = &result {
-            self.telemetry.reject(e);
-        }
-        result
-    }
-
-    async fn ingest_inner(
-        &self,
-        body: Bytes,
-        format: Format,
-        table: Table,
-        key: Option<&str>,
-    ) -> Result<Ack> {
         let key = key.map(Key::parse).transpose()?;
-        let store = self.store.clone();
+        let store = self.committer.store.clone();
         let limits = self.limits;
         let body_len = body.len();
         let decode_body = body.clone();
@@ -130,7 +145,7 @@ impl Ingestor {
         let raw = (format == Format::Arrow).then_some((table, &body[..]));
         let run = entry.run.to_string();
         let Some(seq) = self.commit(key.as_ref(), entry, raw).await? else {
-            self.telemetry.ingest_duplicates.inc();
+            self.metrics.duplicates.inc();
             return Ok(Ack {
                 status: "duplicate",
                 run,
@@ -140,20 +155,20 @@ impl Ingestor {
             });
         };
         let table_label = table.as_str();
-        let t = &self.telemetry;
+        let t = &self.metrics;
         let table_name = if format == Format::Json {
             "mixed"
         } else {
             table_label
         };
-        t.ingest_rows
+        t.rows
             .get_or_create(&vec![("table", table_name)])
             .inc_by(rows as u64);
-        t.ingest_batches
+        t.batches
             .get_or_create(&vec![("format", format.label())])
             .inc();
-        t.ingest_bytes.inc_by(body_len as u64);
-        t.ingest_nonfinite.inc_by(nonfinite as u64);
+        t.bytes.inc_by(body_len as u64);
+        t.nonfinite.inc_by(nonfinite as u64);
         Ok(Ack {
             status: "stored",
             run,
@@ -171,32 +186,9 @@ impl Ingestor {
         entry: Entry,
         raw: Option<(Table, &[u8])>,
     ) -> Result<Option<u64>> {
-        if let Admission::Duplicate = self.store.begin(key, &entry)? {
+        let Some(seq) = self.committer.commit(key, &entry, raw).await? else {
             return Ok(None);
-        }
-        let abort = |e: Error| {
-            if let Some(k) = key {
-                self.store.abort(k);
-            }
-            e
         };
-        let key_text = key.map(|k| k.to_string());
-        let payload = decode::encode_entry(key_text.as_deref(), &entry, raw).map_err(abort)?;
-        let store = self.store.clone();
-        let applied_key = key.cloned();
-        let apply_entry = entry.clone();
-        let seq = self
-            .wal
-            .append(
-                payload,
-                Box::new(move |seq| {
-                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, crate::now_ms()) {
-                        tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
-                    }
-                }),
-            )
-            .await
-            .map_err(abort)?;
         if let Some(engine) = &self.engine {
             engine.feed(entry).await;
         }

@@ -15,8 +15,10 @@
 pub mod alerting;
 pub mod api;
 pub mod client;
+pub mod commit;
 pub mod config;
 pub mod decode;
+pub mod entry;
 pub mod error;
 pub mod export;
 pub mod fsutil;
@@ -42,3 +44,7 @@ pub fn now_ms() -> i64 {
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
 }
+
+/// A label set of fixed, low-cardinality metric labels (`reason`, `table`, `format`): each
+/// component keeps its own counters under these, and [`telemetry`] exports them.
+pub type Labels = Vec<(&'static str, &'static str)>;

@@ -7,7 +7,7 @@
 //! and truncates the log, so a clean restart replays nothing.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -17,20 +17,21 @@ use tokio::task::JoinHandle;
 use rankwatch_analytics::detect::DetectorsConfig;
 
 use crate::alerting::rules::{self, RuleBook};
-use crate::alerting::sinks::{SinkConfig, Sinks};
-use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig};
+use crate::alerting::sinks::{SinkConfig, SinkMetrics, Sinks};
+use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig, EngineMetrics};
 use crate::api::{Alerting, AppState, Tokens, app};
 use crate::config::ServeConfig;
-use crate::decode::{self, Limits};
+use crate::commit::Committer;
+use crate::decode::{self, Entry, Limits};
 use crate::error::Result;
 use crate::idempotency::Key;
-use crate::ingest::Ingestor;
-use crate::query::Engine;
+use crate::ingest::{IngestMetrics, Ingestor};
+use crate::query::Queries;
 use crate::retention::{Housekeeper, Policy};
 use crate::store::backend::Backend;
 use crate::store::{Store, StoreLimits};
-use crate::telemetry::{Exporter, Telemetry};
-use crate::wal::{self, WalHandle};
+use crate::telemetry::{Exporter, RequestMetrics, Sources};
+use crate::wal::{self, WalHandle, WalMetrics};
 
 /// An open collector: store, log writer, background tasks and the API state.
 #[derive(Debug)]
@@ -45,43 +46,14 @@ pub struct Collector {
 }
 
 impl Collector {
-    /// Opens the data directory, recovers, and starts the background tasks.
+    /// Opens the data directory, recovers, and starts the background tasks. Components are
+    /// built in dependency order — store, queries, log, alert engine, ingest, telemetry, API —
+    /// each handed what it needs when it is made, so none holds a back-reference to a later one.
     pub async fn open(config: &ServeConfig) -> Result<Collector> {
         config.check()?;
-        let telemetry = Arc::new(Telemetry::default());
-        let store_cell = Arc::new(OnceLock::new());
-        let exporter = Exporter::new(
-            &telemetry,
-            store_cell.clone(),
-            config.active_window,
-            config.max_active_runs,
-        );
-        let limits = StoreLimits {
-            hot_budget_bytes: config.hot_budget_bytes,
-            max_series_per_run: config.max_series_per_run,
-            compact_small_rows: config.compact_small_rows,
-            compact_max_rows: config.compact_max_rows,
-            file_grace: config.query_timeout + Duration::from_secs(5),
-        };
-        let backend = match config.remote_storage() {
-            Some(url) => Backend::s3(url, &config.node_id(), &config.data_dir)?,
-            None => Backend::Local(config.data_dir.clone()),
-        };
-        tracing::info!(storage = %backend.describe(), "opening the store");
-        // Opening reads the manifest and the run tables, over the network with object storage.
-        let store = {
-            let dir = config.data_dir.clone();
-            let telemetry = telemetry.clone();
-            tokio::task::spawn_blocking(move || Store::open(&dir, backend, limits, telemetry))
-                .await
-                .map_err(|e| {
-                    crate::error::Error::Unavailable(format!("opening the store: {e}"))
-                })??
-        };
-        let store = Arc::new(store);
-        let _ = store_cell.set(Arc::downgrade(&store));
-        let engine = Engine::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
-        engine.rebuild_index().await?;
+        let store = Arc::new(open_store(config).await?);
+        let queries = Queries::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
+        queries.rebuild_index().await?;
 
         let base_rules = match &config.rules {
             Some(path) => rules::load_file(path)?,
@@ -92,96 +64,65 @@ impl Collector {
             config.data_dir.join("probe-switches"),
         )?);
 
-        let wal_dir = config.data_dir.join(wal::DIR);
-        let report = wal::replay(&wal_dir, store.flushed_seq())?;
-        let mut records = 0usize;
-        // Kept to feed the alert engine once it runs (it writes through the log).
-        let mut replayed = Vec::new();
-        for record in report.records {
-            match decode::decode_entry(&record.payload) {
-                Ok((key, entry)) => {
-                    let key = key.as_deref().map(Key::parse).transpose().ok().flatten();
-                    store.apply(record.seq, key.as_ref(), &entry, 0)?;
-                    records += 1;
-                    if !config.no_alert_engine {
-                        let derived = key.is_some_and(|k| {
-                            k.rank == ALIGNER_RANK && k.session == ALIGNER_SESSION
-                        });
-                        replayed.push((entry, derived));
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(seq = record.seq, error = %e, "unreadable write-ahead-log entry skipped");
-                }
-            }
-        }
-        if records > 0 || report.torn_bytes > 0 {
-            tracing::info!(
-                replayed = records,
-                torn_bytes = report.torn_bytes,
-                "recovered from the write-ahead log"
-            );
-        }
-        let (wal, wal_thread) = WalHandle::start(
-            wal_dir,
-            report.next_seq,
-            config.wal_segment_bytes,
-            telemetry.clone(),
-        )?;
-        // Segments wholly flushed before a crash are deleted now.
-        wal.truncate(store.flushed_seq());
-
-        // The engine writes its derived statistics through an ingestor of its own, which does
-        // not feed them back to it.
-        let writer = Ingestor {
+        let wal_metrics = Arc::new(WalMetrics::default());
+        let Recovered {
+            wal,
+            wal_thread,
+            replayed,
+        } = recover_log(config, &store, wal_metrics.clone())?;
+        let committer = Committer {
             store: store.clone(),
             wal: wal.clone(),
-            telemetry: telemetry.clone(),
-            limits: Limits {
-                max_rows: config.max_batch_rows,
-            },
-            engine: None,
         };
-        let sinks = Sinks::start(
-            &SinkConfig {
-                webhooks: config.webhook_urls.clone(),
-                slack: config.slack_webhook_urls.clone(),
-                alertmanagers: config.alertmanager_urls.clone(),
-                resend_interval: config.alertmanager_resend,
-                max_attempts: config.alert_max_attempts,
-                external_url: config
-                    .external_url
-                    .clone()
-                    .unwrap_or_else(|| format!("http://{}", config.listen)),
-            },
-            telemetry.clone(),
-        );
-        let alert_engine = (!config.no_alert_engine).then(|| {
-            AlertEngine::start(
-                writer.clone(),
+
+        let engine_metrics = Arc::new(EngineMetrics::default());
+        let sink_metrics = Arc::new(SinkMetrics::default());
+        let alert_engine = if config.no_alert_engine {
+            None
+        } else {
+            let engine = start_alert_engine(
+                config,
+                committer.clone(),
                 rule_book.clone(),
-                sinks,
-                EngineConfig {
-                    align_timeout: config.align_timeout,
-                    idle_evict: config.idle_evict,
-                },
-            )
-        });
-        let handle = alert_engine.as_ref().map(AlertEngine::handle);
-        if let Some(handle) = &handle {
+                engine_metrics.clone(),
+                sink_metrics.clone(),
+            );
+            // The log's batches first, then new ones: the engine sees the stream in order.
+            let handle = engine.handle();
             for (entry, derived) in replayed {
                 handle.replay(entry, derived).await;
             }
             handle.replay_done().await;
-        }
-        let ingestor = Ingestor {
-            engine: handle.clone(),
-            ..writer
+            Some(engine)
         };
+        let handle = alert_engine.as_ref().map(AlertEngine::handle);
+
+        let ingest_metrics = Arc::new(IngestMetrics::default());
+        let ingestor = Ingestor {
+            committer,
+            metrics: ingest_metrics.clone(),
+            limits: Limits {
+                max_rows: config.max_batch_rows,
+            },
+            engine: handle.clone(),
+        };
+        let requests = Arc::new(RequestMetrics::default());
+        let exporter = Exporter::new(
+            store.clone(),
+            Sources {
+                ingest: &ingest_metrics,
+                wal: &wal_metrics,
+                engine: &engine_metrics,
+                sinks: &sink_metrics,
+                requests: &requests,
+            },
+            config.active_window,
+            config.max_active_runs,
+        );
         let state = AppState::new(
             ingestor,
-            engine,
-            telemetry,
+            queries,
+            requests,
             exporter,
             Tokens {
                 ingest: config.ingest_token.clone(),
@@ -196,8 +137,9 @@ impl Collector {
             config.retention(),
             switches,
         );
+
         let (stop, stopped) = watch::channel(false);
-        let tasks = vec![
+        let mut tasks = vec![
             tokio::spawn(flusher(
                 store.clone(),
                 wal.clone(),
@@ -210,7 +152,6 @@ impl Collector {
                 stopped.clone(),
             )),
         ];
-        let mut tasks = tasks;
         let policy = config.retention();
         if policy.is_set() {
             tasks.push(tokio::spawn(retainer(
@@ -276,6 +217,120 @@ impl Collector {
         }
         flushed
     }
+}
+
+/// Opens the store on its backend (local directory or object storage): the manifest, the run
+/// tables, the key snapshot.
+async fn open_store(config: &ServeConfig) -> Result<Store> {
+    let limits = StoreLimits {
+        hot_budget_bytes: config.hot_budget_bytes,
+        max_series_per_run: config.max_series_per_run,
+        compact_small_rows: config.compact_small_rows,
+        compact_max_rows: config.compact_max_rows,
+        file_grace: config.query_timeout + Duration::from_secs(5),
+    };
+    let backend = match config.remote_storage() {
+        Some(url) => Backend::s3(url, &config.node_id(), &config.data_dir)?,
+        None => Backend::Local(config.data_dir.clone()),
+    };
+    tracing::info!(storage = %backend.describe(), "opening the store");
+    // Opening reads the manifest and the run tables, over the network with object storage.
+    let dir = config.data_dir.clone();
+    tokio::task::spawn_blocking(move || Store::open(&dir, backend, limits))
+        .await
+        .map_err(|e| crate::error::Error::Unavailable(format!("opening the store: {e}")))?
+}
+
+/// The write-ahead log after recovery.
+struct Recovered {
+    wal: WalHandle,
+    wal_thread: std::thread::JoinHandle<()>,
+    /// The replayed batches, for the alert engine (`true`: the aligner's own statistics).
+    replayed: Vec<(Entry, bool)>,
+}
+
+/// Replays the log's records after the manifest's `flushed_seq` into the hot buffer, then
+/// starts the log writer and deletes segments wholly flushed before a crash.
+fn recover_log(
+    config: &ServeConfig,
+    store: &Store,
+    metrics: Arc<WalMetrics>,
+) -> Result<Recovered> {
+    let wal_dir = config.data_dir.join(wal::DIR);
+    let report = wal::replay(&wal_dir, store.flushed_seq())?;
+    let mut records = 0usize;
+    let mut replayed = Vec::new();
+    for record in report.records {
+        match decode::decode_entry(&record.payload) {
+            Ok((key, entry)) => {
+                let key = key.as_deref().map(Key::parse).transpose().ok().flatten();
+                store.apply(record.seq, key.as_ref(), &entry, 0)?;
+                records += 1;
+                if !config.no_alert_engine {
+                    let derived =
+                        key.is_some_and(|k| k.rank == ALIGNER_RANK && k.session == ALIGNER_SESSION);
+                    replayed.push((entry, derived));
+                }
+            }
+            Err(e) => {
+                tracing::error!(seq = record.seq, error = %e, "unreadable write-ahead-log entry skipped");
+            }
+        }
+    }
+    if records > 0 || report.torn_bytes > 0 {
+        tracing::info!(
+            replayed = records,
+            torn_bytes = report.torn_bytes,
+            "recovered from the write-ahead log"
+        );
+    }
+    let (wal, wal_thread) = WalHandle::start(
+        wal_dir,
+        report.next_seq,
+        config.wal_segment_bytes,
+        metrics,
+    )?;
+    wal.truncate(store.flushed_seq());
+    Ok(Recovered {
+        wal,
+        wal_thread,
+        replayed,
+    })
+}
+
+/// Starts the alert sinks and the engine, which writes its derived statistics through
+/// `committer` (never fed back to it).
+fn start_alert_engine(
+    config: &ServeConfig,
+    committer: Committer,
+    rules: Arc<RuleBook>,
+    metrics: Arc<EngineMetrics>,
+    sink_metrics: Arc<SinkMetrics>,
+) -> AlertEngine {
+    let sinks = Sinks::start(
+        &SinkConfig {
+            webhooks: config.webhook_urls.clone(),
+            slack: config.slack_webhook_urls.clone(),
+            alertmanagers: config.alertmanager_urls.clone(),
+            resend_interval: config.alertmanager_resend,
+            max_attempts: config.alert_max_attempts,
+            external_url: config
+                .external_url
+                .clone()
+                .unwrap_or_else(|| format!("http://{}", config.listen)),
+        },
+        sink_metrics,
+    );
+    AlertEngine::start(
+        committer,
+        rules,
+        sinks,
+        EngineConfig {
+            align_timeout: config.align_timeout,
+            idle_evict: config.idle_evict,
+        },
+        metrics,
+    )
 }
 
 async fn flusher(

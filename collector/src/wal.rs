@@ -35,6 +35,9 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
@@ -55,6 +58,64 @@ pub trait WalObserver: Send + Sync {
     fn fsynced(&self, records: usize, bytes: usize, seconds: f64);
     /// The log now holds `segments` files and `bytes` bytes.
     fn size(&self, segments: usize, bytes: u64);
+}
+
+/// The log's counters, fed as its observer; [`crate::telemetry`] exports them.
+#[derive(Debug)]
+pub struct WalMetrics {
+    pub fsync_seconds: Histogram,
+    pub group_records: Histogram,
+    pub bytes: Gauge,
+    pub segments: Gauge,
+}
+
+impl Default for WalMetrics {
+    fn default() -> Self {
+        WalMetrics {
+            fsync_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            group_records: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
+            bytes: Gauge::default(),
+            segments: Gauge::default(),
+        }
+    }
+}
+
+impl WalMetrics {
+    /// Adds these metrics to a registry, with their names and help texts.
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "wal_fsync_seconds",
+            "Duration of one write-ahead-log group commit (write and fsync)",
+            self.fsync_seconds.clone(),
+        );
+        r.register(
+            "wal_group_records",
+            "Batches per write-ahead-log group commit",
+            self.group_records.clone(),
+        );
+        r.register(
+            "wal_bytes",
+            "Bytes in write-ahead-log segments",
+            self.bytes.clone(),
+        );
+        r.register(
+            "wal_segments",
+            "Write-ahead-log segment files",
+            self.segments.clone(),
+        );
+    }
+}
+
+impl WalObserver for WalMetrics {
+    fn fsynced(&self, records: usize, _bytes: usize, seconds: f64) {
+        self.fsync_seconds.observe(seconds);
+        self.group_records.observe(records as f64);
+    }
+
+    fn size(&self, segments: usize, bytes: u64) {
+        self.segments.set(segments as i64);
+        self.bytes.set(bytes as i64);
+    }
 }
 
 enum Message {

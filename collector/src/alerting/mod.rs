@@ -31,13 +31,17 @@ use std::time::Duration;
 use rankwatch_analytics::alert::AlertKey;
 use rankwatch_analytics::schema::{samples, sketches};
 use rankwatch_analytics::{Alert, AlertState, RunId};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::decode::Entry;
+use crate::entry::Entry;
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
-use crate::ingest::Ingestor;
+use crate::commit::Committer;
+use crate::Labels;
 use rules::RuleBook;
 use sinks::Sinks;
 use watch::{Output, RunWatch};
@@ -54,6 +58,47 @@ pub struct EngineConfig {
     pub align_timeout: Duration,
     /// Runs silent for this long are dropped from memory (their open steps closed first).
     pub idle_evict: Duration,
+}
+
+/// What the engine counts.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    pub alert_transitions: Family<Labels, Counter>,
+    pub aligner_steps: Family<Labels, Counter>,
+    pub aligner_late_rows: Counter,
+    pub derived_samples: Counter,
+    pub errors: Counter,
+}
+
+impl EngineMetrics {
+    /// Adds these metrics to a registry, with their names and help texts.
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "alert_transitions",
+            "Alert state changes raised by the alert engine, by rule, state and severity",
+            self.alert_transitions.clone(),
+        );
+        r.register(
+            "aligner_steps",
+            "Steps the aligner closed, by how (complete: every rank moved on; timeout)",
+            self.aligner_steps.clone(),
+        );
+        r.register(
+            "aligner_late_rows",
+            "Rows that arrived after their step had closed (stored, not in the step's statistics)",
+            self.aligner_late_rows.clone(),
+        );
+        r.register(
+            "derived_samples",
+            "All-ranks samples the aligner computed and stored",
+            self.derived_samples.clone(),
+        );
+        r.register(
+            "alert_engine_errors",
+            "Batches or derived writes the alert engine could not process (logged)",
+            self.errors.clone(),
+        );
+    }
 }
 
 enum Msg {
@@ -123,12 +168,14 @@ pub struct AlertEngine {
 }
 
 impl AlertEngine {
-    /// Starts the engine task. `writer` must have no engine (its writes are the derived ones).
+    /// Starts the engine task. It writes the statistics it derives through `writer`, which
+    /// never feeds them back to it.
     pub fn start(
-        writer: Ingestor,
+        writer: Committer,
         rules: Arc<RuleBook>,
         sinks: Sinks,
         config: EngineConfig,
+        metrics: Arc<EngineMetrics>,
     ) -> AlertEngine {
         let (tx, rx) = mpsc::channel(256);
         let restored = writer
@@ -140,6 +187,7 @@ impl AlertEngine {
             .collect();
         let task = Engine {
             writer,
+            metrics,
             rules,
             sinks: Some(sinks),
             config,
@@ -173,7 +221,8 @@ impl AlertEngine {
 }
 
 struct Engine {
-    writer: Ingestor,
+    writer: Committer,
+    metrics: Arc<EngineMetrics>,
     rules: Arc<RuleBook>,
     sinks: Option<Sinks>,
     config: EngineConfig,
@@ -291,7 +340,7 @@ impl Engine {
         }
         let run = entry.run.clone();
         let mut alerts = Vec::new();
-        let telemetry = self.writer.telemetry.clone();
+        let metrics = self.metrics.clone();
         let Some(watch) = self.watch(&run, now) else {
             return;
         };
@@ -302,14 +351,14 @@ impl Engine {
             })
         {
             tracing::error!(%run, error = %e, "alert engine could not read a samples batch");
-            telemetry.alert_engine_errors.inc();
+            metrics.errors.inc();
         }
         if let Some(batch) = &entry.sketches {
             match sketches::from_batch(batch) {
                 Ok(rows) => rows.into_iter().for_each(|s| watch.sketch(s, now)),
                 Err(e) => {
                     tracing::error!(%run, error = %e, "alert engine could not read a sketches batch");
-                    telemetry.alert_engine_errors.inc();
+                    metrics.errors.inc();
                 }
             }
         }
@@ -341,12 +390,12 @@ impl Engine {
         };
         let out = watch.tick(world, crate::now_ms(), all);
         let late = watch.take_late_rows();
-        self.writer.telemetry.aligner_late_rows.inc_by(late);
+        self.metrics.aligner_late_rows.inc_by(late);
         self.publish(run, out).await;
     }
 
     async fn publish(&mut self, run: &RunId, out: Output) {
-        let t = self.writer.telemetry.clone();
+        let t = self.metrics.clone();
         t.aligner_steps
             .get_or_create(&vec![("outcome", "complete")])
             .inc_by(out.steps_complete);
@@ -365,7 +414,7 @@ impl Engine {
         if let Some(last) = fresh.iter().map(|s| s.step).max() {
             if let Err(e) = self.write_derived(run, last, &fresh).await {
                 tracing::error!(%run, error = %e, "all-ranks statistics could not be stored");
-                t.alert_engine_errors.inc();
+                t.errors.inc();
             } else {
                 t.derived_samples.inc_by(fresh.len() as u64);
             }
@@ -394,7 +443,7 @@ impl Engine {
         // while stopping: the final flush is about to empty the hot buffer anyway).
         let attempts = if self.stopping { 1 } else { 30 };
         for _ in 0..attempts {
-            match self.writer.commit(Some(&key), entry.clone(), None).await {
+            match self.writer.commit(Some(&key), &entry, None).await {
                 Err(Error::Backpressure { .. }) => tokio::time::sleep(Duration::from_secs(1)).await,
                 other => return other.map(|_| ()),
             }
@@ -430,8 +479,7 @@ impl Engine {
 
     /// Counts, logs, hands to the sinks and stores one alert state.
     fn deliver(&self, alert: Alert) {
-        self.writer
-            .telemetry
+        self.metrics
             .alert_transitions
             .get_or_create(&vec![
                 ("rule", alert.rule.as_str()),

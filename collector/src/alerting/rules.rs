@@ -112,7 +112,7 @@ fn deep_merge(into: &mut Value, from: &Value) {
 pub fn parse_override(body: &[u8], content_type: Option<&str>) -> Result<Value> {
     let text =
         std::str::from_utf8(body).map_err(|_| Error::bad("rules override is not utf-8 text"))?;
-    let media = crate::ingest::media_type(content_type.unwrap_or("application/json"));
+    let media = crate::decode::media_type(content_type.unwrap_or("application/json"));
     match media.as_str() {
         "application/json" => Ok(serde_json::from_str(text)?),
         "application/toml" | "text/plain" => {

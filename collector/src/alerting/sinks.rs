@@ -17,10 +17,13 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use rankwatch_analytics::{Alert, AlertState};
 use serde_json::{Value, json};
 
-use crate::telemetry::Telemetry;
+use crate::Labels;
 
 /// The kinds of receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,19 +178,44 @@ fn worth_telling(alert: &Alert, told: Option<&Alert>) -> bool {
     }
 }
 
+/// What the sinks count: one delivery outcome per alert and receiver.
+#[derive(Debug, Default)]
+pub struct SinkMetrics {
+    pub notifications: Family<Labels, Counter>,
+}
+
+impl SinkMetrics {
+    /// Counts one delivery outcome of an alert sink.
+    pub fn notification(&self, sink: SinkKind, outcome: &'static str) {
+        self.notifications
+            .get_or_create(&vec![("sink", sink.as_str()), ("outcome", outcome)])
+            .inc();
+    }
+
+    /// Adds these metrics to a registry, with their names and help texts.
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "alert_notifications",
+            "Alert deliveries to webhooks, Slack and Alertmanager, by sink and outcome \
+             (delivered, retried, failed, dropped)",
+            self.notifications.clone(),
+        );
+    }
+}
+
 /// The running sinks.
 #[derive(Debug)]
 pub struct Sinks {
     queues: Vec<(SinkKind, String, SyncSender<Alert>)>,
     threads: Vec<JoinHandle<()>>,
-    telemetry: Arc<Telemetry>,
+    telemetry: Arc<SinkMetrics>,
 }
 
 const QUEUE: usize = 1024;
 
 impl Sinks {
     /// Starts one thread per configured receiver.
-    pub fn start(config: &SinkConfig, telemetry: Arc<Telemetry>) -> Sinks {
+    pub fn start(config: &SinkConfig, telemetry: Arc<SinkMetrics>) -> Sinks {
         let mut queues = Vec::new();
         let mut threads = Vec::new();
         let targets = [
@@ -257,7 +285,7 @@ struct Worker {
     kind: SinkKind,
     url: String,
     config: SinkConfig,
-    telemetry: Arc<Telemetry>,
+    telemetry: Arc<SinkMetrics>,
     agent: ureq::Agent,
 }
 

@@ -35,7 +35,7 @@ fn check(expected: Option<&str>, request: &Request) -> Result<(), Error> {
 
 fn guard(expected: Option<&str>, state: &AppState, request: &Request) -> Option<Response> {
     check(expected, request).err().map(|e| {
-        state.inner.telemetry.reject(&e);
+        state.inner.requests.reject(&e);
         e.into_response()
     })
 }

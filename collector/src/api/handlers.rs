@@ -77,24 +77,28 @@ pub(super) async fn ingest(
     let (body, format, table, key) = match result {
         Ok(parts) => parts,
         Err(e) => {
-            state.inner.telemetry.reject(&e);
+            state.inner.requests.reject(&e);
             return Err(e);
         }
     };
-    Ok(Json(
-        ingestor.ingest(body, format, table, key.as_deref()).await?,
-    ))
+    match ingestor.ingest(body, format, table, key.as_deref()).await {
+        Ok(ack) => Ok(Json(ack)),
+        Err(e) => {
+            state.inner.requests.reject(&e);
+            Err(e)
+        }
+    }
 }
 
 pub(super) async fn runs(State(state): State<AppState>) -> Json<Value> {
-    Json(state.inner.engine.runs())
+    Json(state.inner.queries.runs())
 }
 
 pub(super) async fn catalog(
     State(state): State<AppState>,
     Path(run): Path<String>,
 ) -> Result<Json<Value>> {
-    Ok(Json(state.inner.engine.catalog(&run)?))
+    Ok(Json(state.inner.queries.catalog(&run)?))
 }
 
 pub(super) async fn series(
@@ -102,7 +106,7 @@ pub(super) async fn series(
     Path(run): Path<String>,
     Query(q): Query<SeriesQuery>,
 ) -> Result<Json<Value>> {
-    Ok(Json(state.inner.engine.series(&run, q).await?))
+    Ok(Json(state.inner.queries.series(&run, q).await?))
 }
 
 pub(super) async fn heatmap(
@@ -110,7 +114,7 @@ pub(super) async fn heatmap(
     Path(run): Path<String>,
     Query(q): Query<HeatmapQuery>,
 ) -> Result<Json<Value>> {
-    Ok(Json(state.inner.engine.heatmap(&run, q).await?))
+    Ok(Json(state.inner.queries.heatmap(&run, q).await?))
 }
 
 pub(super) async fn workers(
@@ -118,7 +122,7 @@ pub(super) async fn workers(
     Path(run): Path<String>,
     Query(q): Query<WorkersQuery>,
 ) -> Result<Json<Value>> {
-    Ok(Json(state.inner.engine.workers(&run, q).await?))
+    Ok(Json(state.inner.queries.workers(&run, q).await?))
 }
 
 #[derive(Debug, Deserialize)]
@@ -164,8 +168,8 @@ pub(super) async fn events(
     Query(q): Query<EventsQuery>,
 ) -> Result<Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>>> {
     let run = q.run.map(RunId::new).transpose()?.map(|r| r.to_string());
-    let receiver = state.inner.engine.store().subscribe();
-    let gauge = ClientGauge::new(state.inner.telemetry.sse_clients.clone());
+    let receiver = state.inner.queries.store().subscribe();
+    let gauge = ClientGauge::new(state.inner.requests.sse_clients.clone());
     let stream = BroadcastStream::new(receiver).filter_map(move |item| {
         let _alive = &gauge;
         let event = match item {
@@ -244,7 +248,7 @@ pub(super) async fn sql(
     if sql.trim().is_empty() {
         return Err(Error::bad("empty SQL"));
     }
-    let (batches, truncated) = state.inner.engine.sql(&sql).await?;
+    let (batches, truncated) = state.inner.queries.sql(&sql).await?;
     let columns: Vec<String> = batches
         .first()
         .map(|b| {
@@ -371,7 +375,7 @@ pub(super) async fn alert_feed(
     Query(q): Query<FeedQuery>,
 ) -> Result<Json<Value>> {
     let run = RunId::new(run)?;
-    let store = state.inner.engine.store();
+    let store = state.inner.queries.store();
     let (revision, changes) = store.alert_changes(&run, q.after.unwrap_or(0));
     Ok(Json(json!({
         "epoch": store.epoch(),
@@ -507,18 +511,18 @@ pub(super) async fn export(
     Path(run): Path<String>,
     Query(q): Query<ExportQuery>,
 ) -> Result<Response> {
-    let run = state.inner.engine.known_run(&run)?;
+    let run = state.inner.queries.known_run(&run)?;
     let format = crate::export::Format::parse(q.format.as_deref().unwrap_or("parquet"))?;
     let table = match q.table.as_deref().unwrap_or("samples") {
-        "samples" => crate::decode::Table::Samples,
-        "sketches" => crate::decode::Table::Sketches,
+        "samples" => crate::entry::Table::Samples,
+        "sketches" => crate::entry::Table::Sketches,
         other => {
             return Err(Error::bad(format!(
                 "unknown table {other:?}; expected samples or sketches"
             )));
         }
     };
-    let store = state.inner.engine.store().clone();
+    let store = state.inner.queries.store().clone();
     let snapshot = crate::export::Snapshot::open(
         run.clone(),
         table,

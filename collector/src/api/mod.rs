@@ -20,8 +20,8 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 
 use crate::ingest::Ingestor;
-use crate::query::Engine;
-use crate::telemetry::{Exporter, Telemetry};
+use crate::query::Queries;
+use crate::telemetry::{Exporter, RequestMetrics};
 
 /// The OpenAPI document of this API.
 pub const OPENAPI: &str = include_str!("../../openapi.json");
@@ -35,8 +35,8 @@ pub struct AppState {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) ingestor: Ingestor,
-    pub(crate) engine: Engine,
-    pub(crate) telemetry: Arc<Telemetry>,
+    pub(crate) queries: Queries,
+    pub(crate) requests: Arc<RequestMetrics>,
     pub(crate) exporter: Exporter,
     pub(crate) ingest_token: Option<String>,
     pub(crate) read_token: Option<String>,
@@ -75,8 +75,8 @@ impl AppState {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ingestor: Ingestor,
-        engine: Engine,
-        telemetry: Arc<Telemetry>,
+        queries: Queries,
+        requests: Arc<RequestMetrics>,
         exporter: Exporter,
         tokens: Tokens,
         max_body_bytes: usize,
@@ -85,12 +85,12 @@ impl AppState {
         switches: Arc<crate::switches::ProbeSwitches>,
     ) -> Self {
         let housekeeper =
-            crate::retention::Housekeeper::new(engine.store().clone(), alerting.engine.clone());
+            crate::retention::Housekeeper::new(queries.store().clone(), alerting.engine.clone());
         AppState {
             inner: Arc::new(Shared {
                 ingestor,
-                engine,
-                telemetry,
+                queries,
+                requests,
                 exporter,
                 ingest_token: tokens.ingest,
                 read_token: tokens.read,
@@ -112,7 +112,7 @@ impl AppState {
     }
 
     pub(crate) fn is_ready(&self) -> bool {
-        self.inner.ready.load(Ordering::Acquire) && !self.inner.ingestor.wal.is_failed()
+        self.inner.ready.load(Ordering::Acquire) && !self.inner.ingestor.committer.wal.is_failed()
     }
 }
 

@@ -21,22 +21,23 @@ use datafusion::prelude::{
 use rankwatch_analytics::RunId;
 use rankwatch_analytics::schema::{alerts, runs};
 
-use crate::decode::Table;
+use crate::entry::Table;
 use crate::error::{Error, Result};
 use crate::store::{Store, files};
 
-/// Runs queries against the store.
+/// The read side: DataFusion over the store's Parquet files and hot buffer, and the
+/// dashboard's views. (Not to be confused with the alert engine, [`crate::alerting`].)
 #[derive(Clone)]
-pub struct Engine {
+pub struct Queries {
     store: Arc<Store>,
     ctx: SessionContext,
     timeout: Duration,
     sql_max_rows: usize,
 }
 
-impl std::fmt::Debug for Engine {
+impl std::fmt::Debug for Queries {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine")
+        f.debug_struct("Queries")
             .field("timeout", &self.timeout)
             .field("sql_max_rows", &self.sql_max_rows)
             .finish_non_exhaustive()
@@ -54,8 +55,8 @@ fn session(runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>) -> Sess
     SessionContext::new_with_config_rt(config, runtime)
 }
 
-impl Engine {
-    /// An engine over `store`.
+impl Queries {
+    /// Queries over `store`.
     pub fn new(store: Arc<Store>, timeout: Duration, sql_max_rows: usize) -> Result<Self> {
         let runtime = Arc::new(RuntimeEnvBuilder::new().build()?);
         // Parts in object storage are read by URL (`s3://bucket/...`) through the same client
@@ -63,7 +64,7 @@ impl Engine {
         if let Some((url, object_store)) = store.backend().object_store() {
             runtime.register_object_store(url, object_store);
         }
-        Ok(Engine {
+        Ok(Queries {
             ctx: session(runtime),
             store,
             timeout,
@@ -240,7 +241,7 @@ impl Engine {
                 let frame = match all {
                     Some(f) => f,
                     None => {
-                        ctx.read_batch(RecordBatch::new_empty(crate::decode::schema_of(table)))?
+                        ctx.read_batch(RecordBatch::new_empty(crate::entry::schema_of(table)))?
                     }
                 };
                 ctx.register_table(table.as_str(), frame.into_view())?;

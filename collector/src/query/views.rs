@@ -11,10 +11,10 @@ use rankwatch_analytics::{MetricName, RunId, Site};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::Engine;
+use super::Queries;
 use super::downsample::{BucketOut, Buckets, Cell, render};
 use super::json::Num;
-use crate::decode::Table;
+use crate::entry::Table;
 use crate::error::{Error, Result};
 
 /// Most points a series or heatmap may ask for.
@@ -98,7 +98,7 @@ fn site(s: Option<&str>) -> Result<Option<Site>> {
     Ok(s.map(str::parse::<Site>).transpose()?)
 }
 
-impl Engine {
+impl Queries {
     pub(crate) fn known_run(&self, run: &str) -> Result<RunId> {
         let run = RunId::new(run)?;
         if self.store().with_runs(|r| r.contains_key(&run)) {

@@ -37,7 +37,7 @@ use url::Url;
 
 use super::files;
 use super::manifest::Manifest;
-use crate::decode::Table;
+use crate::entry::Table;
 use crate::error::{Error, Result};
 
 /// The Parquet side's home.

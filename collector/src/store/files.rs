@@ -21,7 +21,7 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::SortingColumn;
 use parquet::file::properties::{EnabledStatistics, WriterProperties};
 
-use crate::decode::Table;
+use crate::entry::Table;
 use crate::error::{Error, Result};
 use crate::fsutil::sync_parent;
 
@@ -36,7 +36,7 @@ pub fn sort_columns(table: Table) -> &'static [&'static str] {
 
 /// The stored schema of `table`: the wire schema without `run`.
 pub fn file_schema(table: Table) -> SchemaRef {
-    let full = crate::decode::schema_of(table);
+    let full = crate::entry::schema_of(table);
     let fields: Vec<_> = full
         .fields()
         .iter()

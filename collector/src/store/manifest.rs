@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use rankwatch_analytics::RunId;
 use serde::{Deserialize, Serialize};
 
-use crate::decode::Table;
+use crate::entry::Table;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 

@@ -27,6 +27,7 @@ pub mod backend;
 pub mod files;
 pub mod index;
 pub mod manifest;
+pub mod metrics;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -38,13 +39,13 @@ use rankwatch_analytics::schema::{alerts, runs};
 use rankwatch_analytics::{Alert, RunId, RunInfo};
 use tokio::sync::{Notify, broadcast};
 
-use crate::decode::{Entry, Table};
+use crate::entry::{Entry, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::{Check, Key, KeySet};
-use crate::telemetry::Telemetry;
 use backend::Backend;
 use index::RunSummary;
 use manifest::{FileMeta, Manifest};
+use metrics::StoreMetrics;
 
 /// What changed, for `/api/v1/events` subscribers.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -120,7 +121,7 @@ pub struct Store {
     limits: StoreLimits,
     events: broadcast::Sender<Event>,
     flush_wanted: Notify,
-    telemetry: Arc<Telemetry>,
+    metrics: StoreMetrics,
     /// Serialises flushes and compactions (each commits a manifest).
     maintenance: tokio::sync::Mutex<()>,
     epoch: i64,
@@ -166,7 +167,6 @@ impl Store {
         dir: &Path,
         backend: Backend,
         limits: StoreLimits,
-        telemetry: Arc<Telemetry>,
     ) -> Result<Store> {
         std::fs::create_dir_all(dir)?;
         backend.claim(dir)?;
@@ -208,7 +208,7 @@ impl Store {
             limits,
             events,
             flush_wanted: Notify::new(),
-            telemetry,
+            metrics: StoreMetrics::default(),
             maintenance: tokio::sync::Mutex::new(()),
             epoch: crate::now_ms(),
         };
@@ -246,6 +246,11 @@ impl Store {
     /// Publishes an event (no subscriber is fine).
     pub fn publish(&self, event: Event) {
         let _ = self.events.send(event);
+    }
+
+    /// The store's counters (for `/metrics`).
+    pub fn metrics(&self) -> &StoreMetrics {
+        &self.metrics
     }
 
     /// Waits until ingest asks for an early flush.
@@ -382,7 +387,7 @@ impl Store {
                     state.hot_bytes += bytes;
                 }
             }
-            self.telemetry.hot_bytes.set(state.hot_bytes as i64);
+            self.metrics.hot_bytes.set(state.hot_bytes as i64);
             if state.hot_bytes >= self.limits.hot_budget_bytes {
                 self.flush_wanted.notify_one();
             }
@@ -547,9 +552,9 @@ impl Store {
                     .extend(replaced.into_iter().map(|p| (now, p)));
                 drop(state);
                 let _ = KeySet::prune(&self.dir, through);
-                self.telemetry.flushes.inc();
-                self.telemetry.flushed_rows.inc_by(rows);
-                self.telemetry
+                self.metrics.flushes.inc();
+                self.metrics.flushed_rows.inc_by(rows);
+                self.metrics
                     .flush_seconds
                     .observe(started.elapsed().as_secs_f64());
                 self.report_sizes();
@@ -571,7 +576,7 @@ impl Store {
                 state
                     .alerts_dirty
                     .extend(alerts.into_iter().map(|(r, _)| r));
-                self.telemetry.flush_errors.inc();
+                self.metrics.flush_errors.inc();
                 Err(e)
             }
         }
@@ -744,9 +749,9 @@ impl Store {
                 state.graveyard.extend(old.into_iter().map(|p| (now, p)));
             }
             merged += group.len();
-            self.telemetry.compactions.inc();
-            self.telemetry.compacted_files.inc_by(group.len() as u64);
-            self.telemetry
+            self.metrics.compactions.inc();
+            self.metrics.compacted_files.inc_by(group.len() as u64);
+            self.metrics
                 .compaction_seconds
                 .observe(started.elapsed().as_secs_f64());
         }
@@ -826,8 +831,8 @@ impl Store {
         state
             .graveyard
             .extend(gone.iter().map(|f| (now, f.relative())));
-        self.telemetry.hot_bytes.set(state.hot_bytes as i64);
-        self.telemetry.runs_deleted.inc();
+        self.metrics.hot_bytes.set(state.hot_bytes as i64);
+        self.metrics.runs_deleted.inc();
         self.publish(Event::RunDeleted {
             run: run.to_string(),
         });
@@ -875,13 +880,13 @@ impl Store {
 
     fn report_sizes(&self) {
         let state = self.lock();
-        self.telemetry
+        self.metrics
             .parquet_files
             .set(state.manifest.files.len() as i64);
-        self.telemetry
+        self.metrics
             .parquet_bytes
             .set(state.manifest.files.iter().map(|f| f.bytes as i64).sum());
-        self.telemetry.hot_bytes.set(state.hot_bytes as i64);
+        self.metrics.hot_bytes.set(state.hot_bytes as i64);
     }
 
     /// Loads run metadata and alerts from their files.

@@ -1,0 +1,107 @@
+//! The store's own counters: flushes, compactions, deletions and sizes. The store updates
+//! them where the work happens; [`crate::telemetry`] exports them.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Buckets for durations of maintenance work, 0.5 ms to ~16 s.
+pub fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// What the store counts.
+#[derive(Debug)]
+pub struct StoreMetrics {
+    pub flushes: Counter,
+    pub flush_errors: Counter,
+    pub runs_deleted: Counter,
+    pub flushed_rows: Counter,
+    pub flush_seconds: Histogram,
+    pub compactions: Counter,
+    pub compacted_files: Counter,
+    pub compaction_seconds: Histogram,
+    pub parquet_files: Gauge,
+    pub parquet_bytes: Gauge,
+    pub hot_bytes: Gauge,
+}
+
+impl Default for StoreMetrics {
+    fn default() -> Self {
+        StoreMetrics {
+            flushes: Counter::default(),
+            flush_errors: Counter::default(),
+            runs_deleted: Counter::default(),
+            flushed_rows: Counter::default(),
+            flush_seconds: seconds_histogram(),
+            compactions: Counter::default(),
+            compacted_files: Counter::default(),
+            compaction_seconds: seconds_histogram(),
+            parquet_files: Gauge::default(),
+            parquet_bytes: Gauge::default(),
+            hot_bytes: Gauge::default(),
+        }
+    }
+}
+
+impl StoreMetrics {
+    /// Adds these metrics to a registry, with their names and help texts.
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "flushes",
+            "Flushes of the hot buffer to Parquet",
+            self.flushes.clone(),
+        );
+        r.register(
+            "flush_errors",
+            "Flushes that failed and will be retried",
+            self.flush_errors.clone(),
+        );
+        r.register(
+            "runs_deleted",
+            "Runs deleted, by hand (DELETE /api/v1/runs/{run}) or by retention",
+            self.runs_deleted.clone(),
+        );
+        r.register(
+            "flushed_rows",
+            "Rows written to Parquet by flushes",
+            self.flushed_rows.clone(),
+        );
+        r.register(
+            "flush_seconds",
+            "Duration of one flush",
+            self.flush_seconds.clone(),
+        );
+        r.register(
+            "compactions",
+            "Compactions that merged small Parquet files",
+            self.compactions.clone(),
+        );
+        r.register(
+            "compacted_files",
+            "Parquet files merged away by compaction",
+            self.compacted_files.clone(),
+        );
+        r.register(
+            "compaction_seconds",
+            "Duration of one compaction",
+            self.compaction_seconds.clone(),
+        );
+        r.register(
+            "parquet_files",
+            "Parquet files in the manifest",
+            self.parquet_files.clone(),
+        );
+        r.register(
+            "parquet_bytes",
+            "Bytes of Parquet files in the manifest",
+            self.parquet_bytes.clone(),
+        );
+        r.register(
+            "hot_buffer_bytes",
+            "Bytes of Arrow data in the hot buffer",
+            self.hot_bytes.clone(),
+        );
+    }
+}
