@@ -1,4 +1,4 @@
-//! Alerts and their lifecycle (design guide §5).
+//! Alerts and their lifecycle (`docs/detection.md`).
 //!
 //! An alert is identified by its [`AlertKey`] (run, rule, layer, site, rank): at most one alert
 //! per key is open at a time, which is what deduplication means here. Its state moves

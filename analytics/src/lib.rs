@@ -4,8 +4,9 @@
 //! web dashboard (which compiles it to wasm), so every party agrees on one vocabulary
 //! ([`vocab`]), one set of record types ([`record`], [`alert`]), one Arrow layout per table
 //! ([`schema`]), one implementation of the metric math ([`math`]) and one set of alert
-//! detectors ([`detect`]). The definitions follow the project's design guide, §3 and §5; where
-//! a formula is not obvious, the module that implements it states it.
+//! detectors ([`detect`]). `docs/architecture.md` and `docs/detection.md` give the metric
+//! definitions and the alert rules; where a formula is not obvious, the module that implements
+//! it states it.
 
 pub mod alert;
 pub mod detect;
@@ -13,6 +14,7 @@ pub mod error;
 pub mod math;
 pub mod record;
 pub mod schema;
+#[cfg(feature = "test-support")]
 pub mod simulate;
 pub mod validate;
 pub mod vocab;

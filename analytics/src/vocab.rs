@@ -1,4 +1,4 @@
-//! The metric vocabulary (design guide §3): one set of names for the SDK, the collector, the
+//! The metric vocabulary: one set of names for the SDK, the collector, the
 //! UI, the alerts and the docs.
 //!
 //! A [`Metric`] knows its string form, its [`Scope`] (reported per rank, per layer, or computed

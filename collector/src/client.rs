@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
+use crate::clock::{Clock, SystemClock};
 use crate::config::{ExportArgs, Remote, RunsAction};
 use crate::error::{Error, Result};
 
@@ -92,7 +93,7 @@ fn ago(ms: Option<i64>) -> String {
     let Some(ms) = ms.filter(|m| *m > 0) else {
         return "-".into();
     };
-    let s = (crate::now_ms() - ms).max(0) / 1000;
+    let s = (SystemClock.now_ms() - ms).max(0) / 1000;
     match s {
         0..60 => format!("{s}s ago"),
         60..3600 => format!("{}m ago", s / 60),

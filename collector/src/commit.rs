@@ -53,7 +53,7 @@ impl Committer {
             .append(
                 payload,
                 Box::new(move |seq| {
-                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, crate::now_ms()) {
+                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, store.now_ms()) {
                         tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
                     }
                 }),

@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use std::io::Cursor;
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
+use arrow_array::types::{UInt32Type, UInt64Type};
 use arrow_array::{Array, RecordBatch};
 use arrow_ipc::reader::StreamReader;
 use arrow_ipc::writer::StreamWriter;
@@ -634,4 +634,3 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
     let entry = entry.ok_or_else(|| corrupt("no parts"))?;
     Ok(((!key.is_empty()).then_some(key), entry))
 }
-

@@ -13,12 +13,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
+use crate::Labels;
 use crate::alerting::EngineHandle;
 use crate::commit::Committer;
 use crate::decode::{self, Entry, Limits, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
-use crate::Labels;
 
 /// The body's format, from its content type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +46,6 @@ impl Format {
         }
     }
 }
-
 
 /// What the collector answers to an accepted batch.
 #[derive(Debug, Serialize)]
@@ -124,9 +123,10 @@ impl Ingestor {
         let decode_body = body.clone();
         let entry = tokio::task::spawn_blocking(move || {
             let known = |run: &rankwatch_analytics::RunId| store.run_info(run);
+            let arrived_ms = store.now_ms();
             match format {
                 Format::Arrow => decode::decode_arrow(&decode_body, table, limits, &known),
-                Format::Json => decode::decode_json(&decode_body, limits, crate::now_ms(), &known),
+                Format::Json => decode::decode_json(&decode_body, limits, arrived_ms, &known),
             }
         })
         .await
@@ -186,11 +186,12 @@ impl Ingestor {
         entry: Entry,
         raw: Option<(Table, &[u8])>,
     ) -> Result<Option<u64>> {
+        let arrived_ms = self.committer.store.now_ms();
         let Some(seq) = self.committer.commit(key, &entry, raw).await? else {
             return Ok(None);
         };
         if let Some(engine) = &self.engine {
-            engine.feed(entry).await;
+            engine.feed(entry, arrived_ms).await;
         }
         Ok(Some(seq))
     }

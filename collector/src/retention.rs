@@ -121,7 +121,7 @@ impl Housekeeper {
 
     /// Applies `policy` now (or only plans it, when `dry_run`).
     pub async fn retain(&self, policy: &Policy, dry_run: bool) -> Result<Report> {
-        let (planned, bytes_left) = plan(&self.store.usage(), crate::now_ms(), policy);
+        let (planned, bytes_left) = plan(&self.store.usage(), self.store.now_ms(), policy);
         let over_cap = policy.max_bytes.filter(|cap| bytes_left > *cap).map(|cap| {
             format!(
                 "{bytes_left} bytes remain over the cap of {cap}: the rest were active within the last {} s",

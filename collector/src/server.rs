@@ -20,8 +20,9 @@ use crate::alerting::rules::{self, RuleBook};
 use crate::alerting::sinks::{SinkConfig, SinkMetrics, Sinks};
 use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig, EngineMetrics};
 use crate::api::{Alerting, AppState, Tokens, app};
-use crate::config::ServeConfig;
+use crate::clock::{SharedClock, SystemClock};
 use crate::commit::Committer;
+use crate::config::ServeConfig;
 use crate::decode::{self, Entry, Limits};
 use crate::error::Result;
 use crate::idempotency::Key;
@@ -50,8 +51,14 @@ impl Collector {
     /// built in dependency order — store, queries, log, alert engine, ingest, telemetry, API —
     /// each handed what it needs when it is made, so none holds a back-reference to a later one.
     pub async fn open(config: &ServeConfig) -> Result<Collector> {
+        Collector::open_with_clock(config, SystemClock::shared()).await
+    }
+
+    /// [`Collector::open`] on a given clock: every time-dependent rule (step deadlines, stale
+    /// ranks, idle runs, retention ages, the active-run window) reads this one.
+    pub async fn open_with_clock(config: &ServeConfig, clock: SharedClock) -> Result<Collector> {
         config.check()?;
-        let store = Arc::new(open_store(config).await?);
+        let store = Arc::new(open_store(config, clock).await?);
         let queries = Queries::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
         queries.rebuild_index().await?;
 
@@ -89,8 +96,9 @@ impl Collector {
             );
             // The log's batches first, then new ones: the engine sees the stream in order.
             let handle = engine.handle();
+            let now_ms = store.now_ms();
             for (entry, derived) in replayed {
-                handle.replay(entry, derived).await;
+                handle.replay(entry, derived, now_ms).await;
             }
             handle.replay_done().await;
             Some(engine)
@@ -221,7 +229,7 @@ impl Collector {
 
 /// Opens the store on its backend (local directory or object storage): the manifest, the run
 /// tables, the key snapshot.
-async fn open_store(config: &ServeConfig) -> Result<Store> {
+async fn open_store(config: &ServeConfig, clock: SharedClock) -> Result<Store> {
     let limits = StoreLimits {
         hot_budget_bytes: config.hot_budget_bytes,
         max_series_per_run: config.max_series_per_run,
@@ -236,7 +244,7 @@ async fn open_store(config: &ServeConfig) -> Result<Store> {
     tracing::info!(storage = %backend.describe(), "opening the store");
     // Opening reads the manifest and the run tables, over the network with object storage.
     let dir = config.data_dir.clone();
-    tokio::task::spawn_blocking(move || Store::open(&dir, backend, limits))
+    tokio::task::spawn_blocking(move || Store::open(&dir, backend, limits, clock))
         .await
         .map_err(|e| crate::error::Error::Unavailable(format!("opening the store: {e}")))?
 }
@@ -251,11 +259,7 @@ struct Recovered {
 
 /// Replays the log's records after the manifest's `flushed_seq` into the hot buffer, then
 /// starts the log writer and deletes segments wholly flushed before a crash.
-fn recover_log(
-    config: &ServeConfig,
-    store: &Store,
-    metrics: Arc<WalMetrics>,
-) -> Result<Recovered> {
+fn recover_log(config: &ServeConfig, store: &Store, metrics: Arc<WalMetrics>) -> Result<Recovered> {
     let wal_dir = config.data_dir.join(wal::DIR);
     let report = wal::replay(&wal_dir, store.flushed_seq())?;
     let mut records = 0usize;
@@ -284,12 +288,8 @@ fn recover_log(
             "recovered from the write-ahead log"
         );
     }
-    let (wal, wal_thread) = WalHandle::start(
-        wal_dir,
-        report.next_seq,
-        config.wal_segment_bytes,
-        metrics,
-    )?;
+    let (wal, wal_thread) =
+        WalHandle::start(wal_dir, report.next_seq, config.wal_segment_bytes, metrics)?;
     wal.truncate(store.flushed_seq());
     Ok(Recovered {
         wal,
@@ -318,6 +318,7 @@ fn start_alert_engine(
                 .external_url
                 .clone()
                 .unwrap_or_else(|| format!("http://{}", config.listen)),
+            clock: committer.store.clock().clone(),
         },
         sink_metrics,
     );

@@ -150,7 +150,7 @@ const RUN_GAUGES: [(&str, &str); 9] = [
 impl RunGauges {
     fn rows(&self) -> Vec<RunRow> {
         let store = &self.store;
-        let now = crate::now_ms();
+        let now = store.now_ms();
         let window = self.window.as_millis() as i64;
         let alerts = store.alerts(None);
         let mut rows: Vec<(i64, RunRow)> = store.with_runs(|runs| {

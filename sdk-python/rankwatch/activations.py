@@ -1,6 +1,6 @@
 """Activation maxima and token cosine, measured by forward hooks while armed.
 
-Sites (design guide §3): "embed" (the embedding module's output), "residual" (each block's
+Sites (the `Site` vocabulary of the analytics crate): "embed" (the embedding module's output), "residual" (each block's
 output, i.e. the residual stream after the block), "attn_out" and "mlp_out" (the attention and
 MLP sublayer outputs, before the residual add), "gate" (opt-in: the gate projection's
 pre-activation output of gated MLPs) and "final_norm". For each armed site the probe keeps

@@ -24,7 +24,7 @@ Collector = sdk.Collector
 free_port = sdk.free_port
 
 CHROMIUM = os.environ.get("CHROMIUM_BIN", "/usr/bin/chromium")
-# What this machine's Chromium needs headless (DESIGN §8): no sandbox as root, no GPU, and no
+# What this machine's Chromium needs headless: no sandbox as root, no GPU, and no
 # background connections to hosts the closed network refuses.
 CHROMIUM_ARGS = [
     "--no-sandbox",

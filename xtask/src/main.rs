@@ -8,15 +8,19 @@
 //! DuckDB reading the Parquet files, a real Prometheus scraping `/metrics`, and schemathesis
 //! fuzzing the API from its OpenAPI document. Their tools are installed on demand: a
 //! git-ignored virtual environment `.venv` (PyPI) and Debian's `prometheus` package.
-//! `bench` runs the benchmarks and prints their tables.
+//! `bench` runs the benchmarks and prints their tables. `check` holds the collector to its
+//! layers (see `layers.rs`). Every step is timed, and `test` ends with the table of its stages.
 
 use std::env;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+
+mod layers;
 
 const USAGE: &str = "\
 usage: cargo xtask <task>
@@ -25,8 +29,10 @@ tasks:
   demo [--steps N] [--ranks N] [--no-faults] [--port P] [--exit]
            the main job: collector + dashboard on 127.0.0.1:7070 and a real DDP training
            job on CPU with scripted trouble; prints each alert as it fires (Ctrl-C stops)
-  test     formatting, clippy (-D warnings) and every test of the workspace, the browser
-           tests of the dashboard included
+  test     formatting, the layer check, clippy (-D warnings), the API docs (broken links
+           denied), every test of the workspace with the browser tests of the dashboard, and
+           ruff + mypy --strict on the Python SDK; ends with a table of its stages' times
+  check    the collector's modules import only from lower layers (xtask/src/layers.rs)
   web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
            wasm-bindgen-cli and npm packages are installed on demand
   bench [all|analytics|collector|sdk|ui] [ingest|queries|memory]
@@ -51,6 +57,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("web") => web(),
         Some("gpu") => gpu(&args[1..]),
+        Some("check") => check_layers(),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -202,11 +209,75 @@ fn run_counting(
         }
     }
     let status = child.wait()?;
+    let seconds = started.elapsed().as_secs_f64();
+    record_stage(step, seconds, status.success());
     if !status.success() {
         bail!("{step} failed ({status})");
     }
-    println!("==> {step}: ok in {:.1}s", started.elapsed().as_secs_f64());
+    println!("==> {step}: ok in {seconds:.1}s");
     Ok(())
+}
+
+/// Every step this process ran: name, seconds, success.
+static STAGES: Mutex<Vec<(String, f64, bool)>> = Mutex::new(Vec::new());
+
+fn record_stage(step: &str, seconds: f64, ok: bool) {
+    if let Ok(mut stages) = STAGES.lock() {
+        stages.push((step.to_owned(), seconds, ok));
+    }
+}
+
+/// The stage table: where a run's time went.
+fn print_stages(total: f64) {
+    let Ok(stages) = STAGES.lock() else {
+        return;
+    };
+    let width = stages
+        .iter()
+        .map(|(s, ..)| s.len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
+    println!("\n{:<width$}  {:>8}  {:>6}", "stage", "seconds", "share");
+    for (step, seconds, ok) in stages.iter() {
+        let mark = if *ok { "" } else { "  FAILED" };
+        println!(
+            "{step:<width$}  {seconds:>8.1}  {:>5.1}%{mark}",
+            100.0 * seconds / total.max(1e-9)
+        );
+    }
+    let counted: f64 = stages.iter().map(|(_, s, _)| s).sum();
+    println!(
+        "{:<width$}  {:>8.1}  {:>5.1}%",
+        "(between stages)",
+        total - counted,
+        100.0 * (total - counted) / total.max(1e-9)
+    );
+    println!("{:<width$}  {total:>8.1}", "total");
+}
+
+/// `cargo xtask check`: the collector's import layers.
+fn check_layers() -> Result<()> {
+    let src = root().join("collector/src");
+    let started = Instant::now();
+    let violations = layers::check(&src, layers::COLLECTOR_LAYERS)
+        .with_context(|| format!("reading {}", src.display()))?;
+    record_stage(
+        "layer check",
+        started.elapsed().as_secs_f64(),
+        violations.is_empty(),
+    );
+    if violations.is_empty() {
+        println!("==> layer check: collector/src imports only from lower layers");
+        return Ok(());
+    }
+    for v in &violations {
+        eprintln!("collector/src/{v}");
+    }
+    bail!(
+        "{} import(s) break the collector's layers (the table is in xtask/src/layers.rs)",
+        violations.len()
+    )
 }
 
 fn run(step: &str, cmd: Command) -> Result<()> {
@@ -214,11 +285,19 @@ fn run(step: &str, cmd: Command) -> Result<()> {
 }
 
 fn test(extra: &[String]) -> Result<()> {
+    let started = Instant::now();
+    let outcome = test_stages(extra);
+    print_stages(started.elapsed().as_secs_f64());
+    outcome
+}
+
+fn test_stages(extra: &[String]) -> Result<()> {
     ensure_component("rustfmt", &["fmt", "--version"])?;
     ensure_component("clippy", &["clippy", "--version"])?;
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--check"]);
     run("format", fmt)?;
+    check_layers()?;
     // First: the collector the tests build embeds the dashboard.
     web()?;
     let mut clippy = cargo();
@@ -247,6 +326,23 @@ fn test(extra: &[String]) -> Result<()> {
         "warnings",
     ]);
     run("clippy (dashboard, wasm32)", clippy_web)?;
+    // The API docs: an intra-doc link to something renamed or gone fails the run.
+    let mut docs = cargo();
+    docs.args([
+        "doc",
+        "--workspace",
+        "--exclude",
+        WEB_CRATE,
+        "--exclude",
+        "xtask",
+        "--no-deps",
+        "--locked",
+    ])
+    .env(
+        "RUSTDOCFLAGS",
+        "-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links",
+    );
+    run("rustdoc (broken links denied)", docs)?;
     let mut tally = Tally::default();
     let mut tests = cargo();
     tests.args(RUST_TEST_ARGS).args(extra);
@@ -267,7 +363,7 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 const WEB_CRATE: &str = "rankwatch-web";
-/// The Rust test suite's cargo arguments; the demo builds its collector with the same ones.
+/// The Rust test suite's cargo arguments.
 const RUST_TEST_ARGS: [&str; 5] = ["test", "--workspace", "--exclude", WEB_CRATE, "--locked"];
 const WASM_TARGET: &str = "wasm32-unknown-unknown";
 
@@ -564,8 +660,9 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         Some(tally),
         Tally::add_pytest_line,
     )?;
-    // The README's main job, as a user runs it.
-    let demo = pytest(&python, &root(), "xtask/tests");
+    // The README's main job, as a user runs it, on the binary the Rust tests built.
+    let mut demo = pytest(&python, &root(), "xtask/tests");
+    demo.env("RANKWATCH_BIN", &binary);
     run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
 }
 
@@ -584,26 +681,52 @@ fn demo(extra: &[String]) -> Result<()> {
     if extra.iter().any(|a| a == "--attach") {
         ensure_debian("gdb", "/usr/bin/gdb")?;
     }
-    let python = ensure_venv()?;
+    // pip mostly waits on the network and the disk: it fills the venv while cargo compiles.
+    let venv = std::thread::spawn(ensure_venv);
+    let built = web().and_then(|()| collector_binary());
+    let python = venv
+        .join()
+        .map_err(|_| anyhow::anyhow!("creating the venv panicked"))??;
+    let binary = built?;
     ensure_native_module(&python, false)?;
-    web()?;
-    // Exactly the build `cargo xtask test` makes: the same packages and targets, so the same
-    // feature set. `cargo build -p rankwatch-collector` alone unifies features differently and
-    // recompiled DataFusion from scratch (15 minutes on CI) after the test suite had built it.
-    let mut build = cargo();
-    build.args(RUST_TEST_ARGS).arg("--no-run");
-    run("build rankwatch (the test suite's build)", build)?;
     let mut story = Command::new(&python);
     story
         .current_dir(root())
         .arg(root().join("xtask/demo.py"))
         .arg("--bin")
-        .arg(root().join("target/debug/rankwatch"))
+        .arg(binary)
         .args(extra);
     // Replace this process: the terminal's Ctrl-C then reaches only the demo script, which
     // stops the training job and the collector in order.
     use std::os::unix::process::CommandExt;
     Err(anyhow::Error::new(story.exec()).context("starting xtask/demo.py"))
+}
+
+/// The collector binary the demo runs: `RANKWATCH_BIN` when set (`cargo xtask test` passes the
+/// one its Rust tests built), else `rankwatch` alone, built in the test profile so that it lands
+/// where the tests' build puts it and reuses the dependencies a test run compiled (the
+/// workspace's dependency table keeps one package's features equal to the whole workspace's).
+fn collector_binary() -> Result<PathBuf> {
+    if let Some(bin) = env::var_os("RANKWATCH_BIN").filter(|b| !b.is_empty()) {
+        let bin = PathBuf::from(bin);
+        if !bin.exists() {
+            bail!("RANKWATCH_BIN={} does not exist", bin.display());
+        }
+        return Ok(bin);
+    }
+    let mut build = cargo();
+    build.args([
+        "build",
+        "--locked",
+        "--profile",
+        "test",
+        "-p",
+        "rankwatch-collector",
+        "--bin",
+        "rankwatch",
+    ]);
+    run("build rankwatch (the collector)", build)?;
+    Ok(root().join("target/debug/rankwatch"))
 }
 
 /// `target/release/rankwatch`, for the benchmarks.

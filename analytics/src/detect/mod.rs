@@ -1,4 +1,4 @@
-//! Alert detectors (design guide §5): pure, deterministic state machines fed one observation
+//! Alert detectors (the rules of `docs/detection.md`): pure, deterministic state machines fed one observation
 //! at a time. They never read a clock or storage; time arrives inside observations, so a
 //! replay of the same observations gives the same alerts, ids included.
 //!

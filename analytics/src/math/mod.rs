@@ -1,4 +1,4 @@
-//! The metric math of design guide §3, in plain Rust on `nalgebra` and slices.
+//! The metric math (definitions: `docs/architecture.md`, "The analytics crate"), in plain Rust on `nalgebra` and slices.
 //!
 //! Spectral norms use warm-started power iteration on linear operators ([`operator`],
 //! [`power`]), so products such as W_down·W_up are never formed; [`reference`] holds the dense

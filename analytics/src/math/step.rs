@@ -1,4 +1,4 @@
-//! The all-ranks statistics of one step (design guide §3, second table), from what each rank
+//! The all-ranks statistics of one step (the all-ranks metrics of `docs/architecture.md`), from what each rank
 //! reported. The collector's step aligner calls [`StepStats::compute`] once a step is complete
 //! (or timed out) and stores [`StepStats::samples`] with `rank = null`.
 

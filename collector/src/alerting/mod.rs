@@ -2,8 +2,8 @@
 //!
 //! Every batch the collector acknowledges is also handed to one engine task (a bounded
 //! channel: when the engine falls behind, ingest waits rather than the engine losing rows).
-//! The task keeps a [`watch::RunWatch`] per run — a step aligner and the six detectors of
-//! design guide §5 — and never re-reads Parquet: detection is as fresh as ingest. Once a
+//! The task keeps a [`watch::RunWatch`] per run — a step aligner and the six detectors
+//! `docs/detection.md` describes — and never re-reads Parquet: detection is as fresh as ingest. Once a
 //! second (and after each batch) it closes the steps that are ready and checks for stale ranks.
 //!
 //! A closed step's all-ranks statistics are written like any batch (log, then hot buffer, then
@@ -28,20 +28,20 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rankwatch_analytics::alert::AlertKey;
-use rankwatch_analytics::schema::{samples, sketches};
-use rankwatch_analytics::{Alert, AlertState, RunId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use rankwatch_analytics::alert::AlertKey;
+use rankwatch_analytics::schema::{samples, sketches};
+use rankwatch_analytics::{Alert, AlertState, RunId};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use crate::Labels;
+use crate::commit::Committer;
 use crate::entry::Entry;
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
-use crate::commit::Committer;
-use crate::Labels;
 use rules::RuleBook;
 use sinks::Sinks;
 use watch::{Output, RunWatch};
@@ -63,6 +63,8 @@ pub struct EngineConfig {
 /// What the engine counts.
 #[derive(Debug, Default)]
 pub struct EngineMetrics {
+    /// Batches taken in (ingest's accepted batches minus these: the engine's backlog).
+    pub batches: Counter,
     pub alert_transitions: Family<Labels, Counter>,
     pub aligner_steps: Family<Labels, Counter>,
     pub aligner_late_rows: Counter,
@@ -73,6 +75,11 @@ pub struct EngineMetrics {
 impl EngineMetrics {
     /// Adds these metrics to a registry, with their names and help texts.
     pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "alert_engine_batches",
+            "Batches the alert engine has taken in, replayed ones included",
+            self.batches.clone(),
+        );
         r.register(
             "alert_transitions",
             "Alert state changes raised by the alert engine, by rule, state and severity",
@@ -102,7 +109,8 @@ impl EngineMetrics {
 }
 
 enum Msg {
-    Entry(Entry, bool),
+    /// A batch, whether it is the aligner's own (replayed), and when it arrived.
+    Entry(Entry, bool, i64),
     ReplayDone,
     Reset(RunId),
     Forget(RunId, oneshot::Sender<()>),
@@ -128,15 +136,17 @@ impl std::fmt::Debug for Msg {
 }
 
 impl EngineHandle {
-    /// Hands over an acknowledged batch (waits while the engine's queue is full).
-    pub async fn feed(&self, entry: Entry) {
-        let _ = self.tx.send(Msg::Entry(entry, false)).await;
+    /// Hands over an acknowledged batch that arrived at `arrived_ms` (waits while the engine's
+    /// queue is full). Deadlines and silences count from the arrival, not from when the engine
+    /// gets to the batch, so a busy engine does not stretch them.
+    pub async fn feed(&self, entry: Entry, arrived_ms: i64) {
+        let _ = self.tx.send(Msg::Entry(entry, false, arrived_ms)).await;
     }
 
     /// Hands over a batch replayed from the log at start-up; `derived` when it was the
     /// aligner's own.
-    pub async fn replay(&self, entry: Entry, derived: bool) {
-        let _ = self.tx.send(Msg::Entry(entry, derived)).await;
+    pub async fn replay(&self, entry: Entry, derived: bool, now_ms: i64) {
+        let _ = self.tx.send(Msg::Entry(entry, derived, now_ms)).await;
     }
 
     /// Ends the replay: steps may close from now on.
@@ -244,9 +254,10 @@ impl Engine {
         loop {
             tokio::select! {
                 msg = rx.recv() => match msg {
-                    Some(Msg::Entry(entry, derived)) => {
+                    Some(Msg::Entry(entry, derived, arrived_ms)) => {
                         let run = entry.run.clone();
-                        self.entry(entry, derived);
+                        self.metrics.batches.inc();
+                        self.entry(entry, derived, arrived_ms);
                         if !self.replaying {
                             self.tick_run(&run, false).await;
                         }
@@ -263,7 +274,7 @@ impl Engine {
                                 self.restored.insert(alert.key(), alert);
                             }
                             let world = self.writer.store.world_size(&run);
-                            let out = old.tick(world, crate::now_ms(), true);
+                            let out = old.tick(world, self.writer.store.now_ms(), true);
                             self.publish(&run, out).await;
                         }
                     }
@@ -275,7 +286,7 @@ impl Engine {
                         // Receivers hear that its firing alerts are over (Alertmanager would
                         // otherwise be re-sent them for ever); the store forgets them next.
                         if let Some(sinks) = &self.sinks {
-                            let now = crate::now_ms();
+                            let now = self.writer.store.now_ms();
                             for mut alert in self.writer.store.alerts(Some(&run)) {
                                 if alert.state == rankwatch_analytics::AlertState::Firing {
                                     alert.state = rankwatch_analytics::AlertState::Resolved;
@@ -325,8 +336,7 @@ impl Engine {
         self.config.align_timeout.as_millis() as i64
     }
 
-    fn entry(&mut self, entry: Entry, derived: bool) {
-        let now = crate::now_ms();
+    fn entry(&mut self, entry: Entry, derived: bool, now: i64) {
         if derived {
             if let Some(batch) = &entry.samples {
                 let through = self.derived_through.entry(entry.run.clone()).or_insert(0);
@@ -369,7 +379,7 @@ impl Engine {
     }
 
     async fn tick_all(&mut self, all: bool) {
-        let now = crate::now_ms();
+        let now = self.writer.store.now_ms();
         let runs: Vec<RunId> = self.runs.keys().cloned().collect();
         for run in runs {
             let idle = self.runs.get(&run).is_some_and(|w| {
@@ -388,7 +398,7 @@ impl Engine {
         let Some(watch) = self.runs.get_mut(run) else {
             return;
         };
-        let out = watch.tick(world, crate::now_ms(), all);
+        let out = watch.tick(world, self.writer.store.now_ms(), all);
         let late = watch.take_late_rows();
         self.metrics.aligner_late_rows.inc_by(late);
         self.publish(run, out).await;
@@ -503,7 +513,7 @@ impl Engine {
             .collect();
         for key in keys {
             if let Some(mut alert) = self.restored.remove(&key) {
-                let now = crate::now_ms();
+                let now = self.writer.store.now_ms();
                 alert.state = AlertState::Resolved;
                 alert.resolved_at_ms = Some(now);
                 alert.updated_at_ms = now;

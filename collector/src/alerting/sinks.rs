@@ -24,6 +24,7 @@ use rankwatch_analytics::{Alert, AlertState};
 use serde_json::{Value, json};
 
 use crate::Labels;
+use crate::clock::SharedClock;
 
 /// The kinds of receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +57,8 @@ pub struct SinkConfig {
     pub max_attempts: u32,
     /// Base URL of the dashboard, for links in payloads.
     pub external_url: String,
+    /// The collector's clock (resolution times, Alertmanager's `endsAt`).
+    pub clock: SharedClock,
 }
 
 /// The generic webhook body: version, the alert as the API returns it, and a one-line text.
@@ -300,7 +303,7 @@ impl Worker {
                 Ok(alert) => self.deliver(alert, &mut told),
                 Err(RecvTimeoutError::Timeout) => {
                     if self.kind == SinkKind::Alertmanager && !told.is_empty() {
-                        let now = crate::now_ms();
+                        let now = self.config.clock.now_ms();
                         let body: Vec<Value> = told
                             .values()
                             .map(|a| alertmanager_alert(a, &self.config.external_url, now))
@@ -322,7 +325,11 @@ impl Worker {
                 if !(firing || resolved) {
                     return;
                 }
-                let body = alertmanager_alert(&alert, &self.config.external_url, crate::now_ms());
+                let body = alertmanager_alert(
+                    &alert,
+                    &self.config.external_url,
+                    self.config.clock.now_ms(),
+                );
                 self.post(&json!([body]));
                 if firing {
                     told.insert(alert.id.clone(), alert);

@@ -148,7 +148,7 @@ pub(super) async fn alerts(
     let wanted = q.state.as_deref().map(parse_state).transpose()?;
     let alerts: Vec<_> = state
         .inner
-        .engine
+        .queries
         .store()
         .alerts(run.as_ref())
         .into_iter()
@@ -421,7 +421,10 @@ pub(super) async fn set_probes(
             "probe switch: expected {{\"on\": true|false}}: {e}"
         ))
     })?;
-    let switch = state.inner.switches.set(&run, wish.on, crate::now_ms())?;
+    let switch = state
+        .inner
+        .switches
+        .set(&run, wish.on, state.inner.queries.store().now_ms())?;
     Ok(Json(switch_body(&run, Some(switch))))
 }
 

@@ -178,7 +178,7 @@ impl Backend {
     /// Proves at start that the object store takes writes (a missing bucket or read-only
     /// credentials fail here, not at the first flush), leaving `_rankwatch/node-<node>.json`:
     /// which data directory this node id belongs to, and since when.
-    pub fn claim(&self, data_dir: &Path) -> Result<()> {
+    pub fn claim(&self, data_dir: &Path, now_ms: i64) -> Result<()> {
         let Backend::Remote(r) = self else {
             return Ok(());
         };
@@ -186,7 +186,7 @@ impl Backend {
         let body = serde_json::to_vec_pretty(&serde_json::json!({
             "node": r.node,
             "data_dir": data_dir.display().to_string(),
-            "started_ms": crate::now_ms(),
+            "started_ms": now_ms,
         }))?;
         r.handle
             .block_on(r.store.put(&key, PutPayload::from(body)))

@@ -39,6 +39,7 @@ use rankwatch_analytics::schema::{alerts, runs};
 use rankwatch_analytics::{Alert, RunId, RunInfo};
 use tokio::sync::{Notify, broadcast};
 
+use crate::clock::SharedClock;
 use crate::entry::{Entry, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::{Check, Key, KeySet};
@@ -122,6 +123,7 @@ pub struct Store {
     events: broadcast::Sender<Event>,
     flush_wanted: Notify,
     metrics: StoreMetrics,
+    clock: SharedClock,
     /// Serialises flushes and compactions (each commits a manifest).
     maintenance: tokio::sync::Mutex<()>,
     epoch: i64,
@@ -167,9 +169,10 @@ impl Store {
         dir: &Path,
         backend: Backend,
         limits: StoreLimits,
+        clock: SharedClock,
     ) -> Result<Store> {
         std::fs::create_dir_all(dir)?;
-        backend.claim(dir)?;
+        backend.claim(dir, clock.now_ms())?;
         let manifest = backend.load_manifest()?;
         let removed = backend.remove_unlisted(&manifest)?;
         if removed > 0 {
@@ -210,7 +213,8 @@ impl Store {
             flush_wanted: Notify::new(),
             metrics: StoreMetrics::default(),
             maintenance: tokio::sync::Mutex::new(()),
-            epoch: crate::now_ms(),
+            epoch: clock.now_ms(),
+            clock,
         };
         store.load_runs_and_alerts()?;
         store.report_sizes();
@@ -246,6 +250,16 @@ impl Store {
     /// Publishes an event (no subscriber is fine).
     pub fn publish(&self, event: Event) {
         let _ = self.events.send(event);
+    }
+
+    /// The collector's clock, shared by everything that reads the store.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// The current time by [`Store::clock`], in ms since the epoch.
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
     }
 
     /// The store's counters (for `/metrics`).

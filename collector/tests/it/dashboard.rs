@@ -3,9 +3,7 @@
 //! dashboard (`cargo xtask test` builds it first) these check the real files; a binary built
 //! without it must still answer pages with the how-to-build page rather than an error.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 #[tokio::test]
 async fn pages_files_and_api_404s_are_told_apart() {

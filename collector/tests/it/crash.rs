@@ -5,15 +5,13 @@
 //! Runs the real `rankwatch` binary with short flush and compaction intervals, so kills land
 //! in the middle of group commits, flushes and compactions too.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::{Value, json};
 
 const WRITERS: u32 = 4;

@@ -2,9 +2,7 @@
 //! endpoint back, compare values exactly — before a flush (hot buffer), after it (Parquet),
 //! and after a restart (index rebuilt from Parquet, keys from the snapshot).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use rankwatch_analytics::Site;
 use serde_json::{Value, json};
 

@@ -2,11 +2,9 @@
 //! stored changes. The decoder is fuzzed with proptest: random bytes and mutations of valid
 //! Arrow IPC streams never panic and never store anything.
 
-mod common;
-
+use crate::common::*;
 use arrow_array::{Float64Array, Int32Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
-use common::*;
 use proptest::prelude::*;
 use rankwatch_collector::Collector;
 use serde_json::json;

@@ -3,14 +3,12 @@
 //! restart, per-run rule overrides, and delivery to a webhook, Slack and the training
 //! process's feed.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use rankwatch_analytics::math::StepStats;
 use rankwatch_analytics::simulate::{DataParallelSim, Fault};
 use rankwatch_analytics::{Sample, Site};

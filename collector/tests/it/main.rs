@@ -1,0 +1,10 @@
+//! The collector's integration tests, one binary (one link of DataFusion) for all: the
+//! in-process API driven through `oneshot` and the real binary on a random port.
+
+mod alerting;
+mod bad_input;
+mod common;
+mod crash;
+mod dashboard;
+mod round_trip;
+mod time;
