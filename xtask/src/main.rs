@@ -221,9 +221,17 @@ fn run_counting(
 /// Every step this process ran: name, seconds, success.
 static STAGES: Mutex<Vec<(String, f64, bool)>> = Mutex::new(Vec::new());
 
+/// Background steps (run while the main line compiles) are marked, and left out of the sum.
+const BACKGROUND: &str = "(background) ";
+
 fn record_stage(step: &str, seconds: f64, ok: bool) {
+    let name = if std::thread::current().name() == Some("main") {
+        step.to_owned()
+    } else {
+        format!("{BACKGROUND}{step}")
+    };
     if let Ok(mut stages) = STAGES.lock() {
-        stages.push((step.to_owned(), seconds, ok));
+        stages.push((name, seconds, ok));
     }
 }
 
@@ -246,7 +254,11 @@ fn print_stages(total: f64) {
             100.0 * seconds / total.max(1e-9)
         );
     }
-    let counted: f64 = stages.iter().map(|(_, s, _)| s).sum();
+    let counted: f64 = stages
+        .iter()
+        .filter(|(step, ..)| !step.starts_with(BACKGROUND))
+        .map(|(_, s, _)| s)
+        .sum();
     println!(
         "{:<width$}  {:>8.1}  {:>5.1}%",
         "(between stages)",
@@ -298,6 +310,9 @@ fn test_stages(extra: &[String]) -> Result<()> {
     fmt.args(["fmt", "--all", "--check"]);
     run("format", fmt)?;
     check_layers()?;
+    // The Python suites' tools (Debian packages, the venv) mostly wait on the network and the
+    // disk: they are installed while cargo compiles, and waited for after the Rust tests.
+    let tools = std::thread::spawn(python_tools);
     // First: the collector the tests build embeds the dashboard.
     web()?;
     let mut clippy = cargo();
@@ -313,19 +328,7 @@ fn test_stages(extra: &[String]) -> Result<()> {
         "warnings",
     ]);
     run("clippy", clippy)?;
-    let mut clippy_web = cargo();
-    clippy_web.args([
-        "clippy",
-        "-p",
-        WEB_CRATE,
-        "--target",
-        WASM_TARGET,
-        "--locked",
-        "--",
-        "-D",
-        "warnings",
-    ]);
-    run("clippy (dashboard, wasm32)", clippy_web)?;
+    // The dashboard's clippy ran inside its build (see `web`).
     // The API docs: an intra-doc link to something renamed or gone fails the run.
     let mut docs = cargo();
     docs.args([
@@ -347,8 +350,18 @@ fn test_stages(extra: &[String]) -> Result<()> {
     let mut tests = cargo();
     tests.args(RUST_TEST_ARGS).args(extra);
     let mut outcome = run_with("rust tests", tests, Some(&mut tally));
+    let started = Instant::now();
+    let tools = tools
+        .join()
+        .map_err(|_| anyhow::anyhow!("installing the Python tools panicked"))
+        .and_then(|r| r);
+    record_stage(
+        "(waiting for the Python tools)",
+        started.elapsed().as_secs_f64(),
+        tools.is_ok(),
+    );
     if outcome.is_ok() {
-        outcome = python_suites(&mut tally);
+        outcome = tools.and_then(|python| python_suites(&python, &mut tally));
     }
     // The closing line CI reads: the totals over every suite.
     println!(
@@ -423,18 +436,25 @@ fn web() -> Result<()> {
             .args(["ci", "--no-audit", "--no-fund"]);
         run("npm ci (web)", npm)?;
     }
+    // Clippy lints the dashboard's crate *during* this build (clippy-driver as the workspace's
+    // rustc wrapper, warnings denied): a separate `cargo clippy --target wasm32` would compile
+    // every dependency a second time, in check mode, for nothing else.
+    ensure_component("clippy", &["clippy", "--version"])?;
     let mut build = cargo();
-    build.args([
-        "build",
-        "--locked",
-        "-p",
-        WEB_CRATE,
-        "--target",
-        WASM_TARGET,
-        "--profile",
-        "web",
-    ]);
-    run("build the dashboard (wasm32)", build)?;
+    build
+        .args([
+            "build",
+            "--locked",
+            "-p",
+            WEB_CRATE,
+            "--target",
+            WASM_TARGET,
+            "--profile",
+            "web",
+        ])
+        .env("RUSTC_WORKSPACE_WRAPPER", "clippy-driver")
+        .env("CLIPPY_ARGS", "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__");
+    run("build and clippy the dashboard (wasm32)", build)?;
     // Built into a fresh folder and swapped in, so a failed build never leaves half a
     // dashboard for the collector to embed.
     let staging = root().join("target/web-dist");
@@ -618,7 +638,9 @@ fn ensure_debian(package: &str, binary: &str) -> Result<()> {
     )
 }
 
-fn python_suites(tally: &mut Tally) -> Result<()> {
+/// What the Python suites need besides the build: Debian's Prometheus, Alertmanager, gdb and
+/// Chromium, and the venv. Returns the venv's interpreter.
+fn python_tools() -> Result<PathBuf> {
     ensure_debian("prometheus", "/usr/bin/prometheus")?;
     ensure_debian(
         "prometheus-alertmanager",
@@ -627,16 +649,30 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
     // `rankwatch attach --pid` on Python < 3.14 goes through gdb (the SDK's attach tests and
     // `demo --attach`).
     ensure_debian("gdb", "/usr/bin/gdb")?;
-    let python = ensure_venv()?;
+    // The dashboard in a real browser: Debian's Chromium, driven by Playwright.
+    ensure_debian("chromium", "/usr/bin/chromium")?;
+    ensure_venv()
+}
+
+fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     // The deployment test trains a real run with the SDK.
-    ensure_native_module(&python, false)?;
+    ensure_native_module(python, false)?;
+    // The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject).
+    let sdk_dir = root().join("sdk-python");
+    let mut ruff = Command::new(python);
+    ruff.current_dir(&sdk_dir)
+        .args(["-m", "ruff", "check", "rankwatch"]);
+    run("ruff (sdk-python/rankwatch)", ruff)?;
+    let mut mypy = Command::new(python);
+    mypy.current_dir(&sdk_dir).args(["-m", "mypy", "rankwatch"]);
+    run("mypy --strict (sdk-python/rankwatch)", mypy)?;
     // `cargo test` has just built the binary for the collector's integration tests; a separate
     // `cargo build` would compile it again under another profile.
     let binary = root().join("target/debug/rankwatch");
     if !binary.exists() {
         bail!("{} is missing: the Rust tests build it", binary.display());
     }
-    let mut collector = pytest(&python, &root(), "collector/tests/python");
+    let mut collector = pytest(python, &root(), "collector/tests/python");
     collector
         .env("RANKWATCH_BIN", &binary)
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
@@ -647,12 +683,10 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         Tally::add_pytest_line,
     )?;
     // The SDK's suite: its own conftest (a second one in the same pytest session would clash).
-    let mut sdk = pytest(&python, &root().join("sdk-python"), "tests");
+    let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
     sdk.env("RANKWATCH_BIN", &binary);
     run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)?;
-    // The dashboard in a real browser: Debian's Chromium, driven by Playwright.
-    ensure_debian("chromium", "/usr/bin/chromium")?;
-    let mut ui = pytest(&python, &root().join("web/tests"), ".");
+    let mut ui = pytest(python, &root().join("web/tests"), ".");
     ui.env("RANKWATCH_BIN", &binary);
     run_counting(
         "browser tests (dashboard)",
@@ -661,7 +695,7 @@ fn python_suites(tally: &mut Tally) -> Result<()> {
         Tally::add_pytest_line,
     )?;
     // The README's main job, as a user runs it, on the binary the Rust tests built.
-    let mut demo = pytest(&python, &root(), "xtask/tests");
+    let mut demo = pytest(python, &root(), "xtask/tests");
     demo.env("RANKWATCH_BIN", &binary);
     run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
 }
