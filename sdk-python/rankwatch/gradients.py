@@ -224,7 +224,7 @@ def shard_indices(tensor: torch.Tensor) -> torch.Tensor | None:
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     index = torch.zeros((), dtype=torch.int64, device=device)
-    for d, (start, length) in enumerate(zip(offset, local_shape)):
+    for d, (start, length) in enumerate(zip(offset, local_shape, strict=True)):
         axis = torch.arange(start, start + length, dtype=torch.int64, device=device) * strides[d]
         index = index.unsqueeze(-1) + axis
     return index.reshape(-1)

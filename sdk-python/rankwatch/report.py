@@ -138,7 +138,7 @@ class Reporter:
 
 
 def _grad_norm_of(keys: Sequence[SeriesKey], values: Sequence[float]) -> float | None:
-    for key, value in zip(keys, values):
+    for key, value in zip(keys, values, strict=True):
         if key[0] == "grad_norm":
             return value
     return None

@@ -205,7 +205,7 @@ def run_lockstep(works: Sequence[Work], reduce: Callable[[torch.Tensor], None]) 
         flat = torch.cat([p.reshape(-1).float() for p in parts])
         reduce(flat)
         start = 0
-        for i, part in zip(order, parts):
+        for i, part in zip(order, parts, strict=True):
             n = part.numel()
             advance(i, flat[start : start + n].reshape(part.shape).to(part.dtype))
             start += n
@@ -256,7 +256,7 @@ def _as_matrix(weight: torch.Tensor | RowSlice, chunk_bytes: int, where: str) ->
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ShardingError(f"{where}: this rank is not part of the weight's device mesh")
-    owner = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+    owner = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
     if weight.dim() == 2:
         local, shape, offset = local.unsqueeze(0), (1, *weight.shape), (0, *offset)
     else:
@@ -406,10 +406,10 @@ class SpectralProbe:
             jobs.extend((len(plans) - 1, name, work) for name, work in plan.works())
         results = run_lockstep([w for _, _, w in jobs], self._mesh.reduce if self._mesh is not None else _no_reduce)
         by_plan: list[dict[str, torch.Tensor]] = [{} for _ in plans]
-        for (index, name, _), value in zip(jobs, results):
+        for (index, name, _), value in zip(jobs, results, strict=True):
             by_plan[index][name] = value
         out: list[Metric] = []
-        for plan, values in zip(plans, by_plan):
+        for plan, values in zip(plans, by_plan, strict=True):
             if plan.position % self.reporters == self.reporter:
                 out.extend(plan.metrics(values))
         return out
