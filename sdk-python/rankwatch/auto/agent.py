@@ -243,7 +243,7 @@ class AutoAgent:
             return original_backward(tensors, *args, **kwargs)
 
         self._patched.append((torch.autograd, "backward", original_backward))
-        torch.autograd.backward = backward  # type: ignore[assignment]
+        torch.autograd.backward = backward
         scaler_classes = [torch.amp.GradScaler]
         cuda_scaler = getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)
         if cuda_scaler is not None and cuda_scaler not in scaler_classes:
