@@ -10,7 +10,7 @@ a `RuntimeError`.
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Literal, TypedDict, final
+from typing import Any, Literal, TypedDict, final
 
 __all__ = ["Agent", "sync", "vocabulary"]
 
@@ -83,7 +83,7 @@ class Agent:
     @property
     def closed(self) -> bool:
         """Whether the agent was shut down."""
-    def log(self, step: int, values: dict[str, object]) -> list[str] | None:
+    def log(self, step: int, values: dict[str, Any]) -> list[str] | None:
         """Queues this rank's scalars for `step`; returns the names of the values that are not
         plain floats or ints (tensors, numpy scalars, mistakes), or None when all were taken."""
     def register(self, series: Sequence[SeriesSpec]) -> int:

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, SupportsFloat, get_args
 
 import torch
 
@@ -43,7 +43,10 @@ from .report import Reporter, SeriesKey
 from .topology import ReplicaGroup, agree_run_name, clean_run_id, launcher_run_name, local_rank, rank_and_world
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import NoReturn, TypeAlias
+
+    from torch.distributed import ProcessGroup
 
     from ._native import AgentStats, SyncReport
 
@@ -125,7 +128,7 @@ class Run:
         cadence: Cadence,
         spool_dir: Path | None,
         token: str | None,
-        tags: Mapping[str, str],
+        tags: Mapping[str, object],
         dot_mode: bool,
         sketch_dim: int,
         replica_group: ReplicaGroup | None = None,
@@ -143,7 +146,7 @@ class Run:
         self._spool_root = spool_dir
         self.spool_dir: Path | None = None
         self._token = token
-        self.tags = dict(tags)
+        self.tags: dict[str, object] = dict(tags)
         self.dot_mode = dot_mode
         self.sketch_dim = sketch_dim
         self._replica_group = replica_group
@@ -218,7 +221,7 @@ class Run:
         spectral: bool = True,
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
-        scaler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
         spectral_budget: float = 0.01,
     ) -> Run:
         """Finds the model's blocks and installs the probes.
@@ -355,7 +358,15 @@ class Run:
 
     # -- the hot path ----------------------------------------------------------------------
 
-    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, loss: Any = None, tokens: Any = None, **scalars: Any) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, SupportsFloat] | None = None,
+        /,
+        loss: SupportsFloat | None = None,
+        tokens: SupportsFloat | None = None,
+        **scalars: SupportsFloat,
+    ) -> None:
         """Records this rank's values for `step`: `run.log(step, loss=l, tokens=n, lr=lr)`, or
         with a dict, `run.log(step, {"loss": l, "lr": lr})` (cheapest for many scalars: the
         dict is read as it is, never copied). Tensors are accepted and never read on the
@@ -378,7 +389,7 @@ class Run:
             if not isinstance(metrics, Mapping):
                 self._warn("metrics-type", f"rankwatch: log(step, metrics) needs a dict of name → value, got {type(metrics).__name__}; ignored")
                 return
-        values_in: dict[str, Any]
+        values_in: dict[str, SupportsFloat]  # tensors, numpy scalars, numbers; other types are warned about
         if metrics is None:
             values_in = scalars
         elif scalars:
@@ -709,7 +720,7 @@ class NoopRun(Run):
         local_rank: int,
         collector: str,
         cadence: Cadence,
-        tags: Mapping[str, str],
+        tags: Mapping[str, object],
         dot_mode: bool,
         sketch_dim: int,
         replica_group: ReplicaGroup | None = None,
@@ -725,7 +736,7 @@ class NoopRun(Run):
         self.mode = "disabled"
         self.cadence = cadence
         self.spool_dir = None
-        self.tags = dict(tags)
+        self.tags: dict[str, object] = dict(tags)
         self.dot_mode = dot_mode
         self.sketch_dim = sketch_dim
         self.last_values = {}
@@ -743,7 +754,7 @@ class NoopRun(Run):
         spectral: bool = True,
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
-        scaler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
         spectral_budget: float = 0.01,
     ) -> Run:
         return self
@@ -751,7 +762,15 @@ class NoopRun(Run):
     def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
         return self
 
-    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, loss: Any = None, tokens: Any = None, **scalars: Any) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, SupportsFloat] | None = None,
+        /,
+        loss: SupportsFloat | None = None,
+        tokens: SupportsFloat | None = None,
+        **scalars: SupportsFloat,
+    ) -> None:
         return None
 
     def on_alert(self, callback: Callable[[dict[str, Any]], None], *, poll_interval: float = 2.0) -> None:
@@ -849,10 +868,10 @@ def init(
     world_size: int | None = None,
     spool_dir: str | os.PathLike[str] | None = None,
     token: str | None = None,
-    tags: Mapping[str, Any] | None = None,
+    tags: Mapping[str, object] | None = None,
     dot_mode: bool = True,
     sketch_dim: int = 1024,
-    data_parallel_group: Any = None,
+    data_parallel_group: ProcessGroup | Sequence[int] | None = None,
 ) -> Run:
     """Starts monitoring this process's rank of a training run.
 
