@@ -4,8 +4,8 @@ Kept by hand next to the PyO3 definitions: every `#[pyfunction]`, `#[pyclass]` a
 `#[pymethods]` item there has its signature here, with the same argument names and defaults.
 The dicts the module returns are `TypedDict`s that exist only for type checking; import them
 under `typing.TYPE_CHECKING` (`stubtest-allowlist.txt` names them for `mypy.stubtest`, which
-checks this file against the built module). Every refusal is a `ValueError`; a call on a shut-down agent is
-a `RuntimeError`.
+checks this file against the built module). Every refusal is a `ValueError`; a call on a
+shut-down agent is a `RuntimeError`.
 """
 
 import os
@@ -84,8 +84,9 @@ class Agent:
     def closed(self) -> bool:
         """Whether the agent was shut down."""
     def log(self, step: int, values: dict[str, Any]) -> list[str] | None:
-        """Queues this rank's scalars for `step`; returns the names of the values that are not
-        plain floats or ints (tensors, numpy scalars, mistakes), or None when all were taken."""
+        """Queues this rank's scalars for `step`. Any value is accepted: plain floats and ints
+        are taken, and the names of the others (tensors, numpy scalars, mistakes) are returned
+        for the caller to resolve, or None when all were taken. Must be a dict, not a Mapping."""
     def register(self, series: Sequence[SeriesSpec]) -> int:
         """Registers a fixed list of series and returns its id for `log_series`."""
     def log_series(self, step: int, series_id: int, values: Sequence[float]) -> bool:
