@@ -38,7 +38,7 @@ def full_step(device: str, strict: bool = False) -> str:
     import torch.distributed as dist
 
     import rankwatch
-    from rankwatch.models import NanoGPT, NanoGPTConfig
+    from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
     if not dist.is_initialized():
         from socket import socket

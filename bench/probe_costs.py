@@ -80,7 +80,7 @@ def build(name: str, device: str, dtype: str, shape: tuple[int, int] | None = No
         def step_loss(m, x):  # type: ignore[no-untyped-def]
             return m(input_ids=x, labels=x).loss
     else:
-        from rankwatch.models import NanoGPT, NanoGPTConfig
+        from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
         sizes = {
             "tiny": dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64),

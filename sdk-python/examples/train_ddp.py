@@ -10,7 +10,7 @@ the same job without rankwatch, for overhead comparisons (`cargo xtask bench sdk
 
 `--fault KIND@STEP[:key=value...]` (repeatable) injects what goes wrong in real jobs — a rank
 with another data seed, corrupted labels, a silently perturbed local gradient, a layer pushed
-toward collapse, activation growth, NaN, a rank that stops reporting — see `rankwatch.faults`.
+toward collapse, activation growth, NaN, a rank that stops reporting — see `rankwatch_testkit.faults`.
 `--on-alert stop` makes the job checkpoint-and-stop when a critical alert arrives.
 """
 
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rankwatch  # noqa: E402
-from rankwatch.faults import Fault, Injector  # noqa: E402
-from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.faults import Fault, Injector  # noqa: E402
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 
 
 def bigram_corpus(sequences: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--corpus", type=int, default=4096, help="sequences in the synthetic corpus")
-    p.add_argument("--fault", action="append", default=[], help="KIND@STEP[:key=value...], see rankwatch.faults (repeatable)")
+    p.add_argument("--fault", action="append", default=[], help="KIND@STEP[:key=value...], see rankwatch_testkit.faults (repeatable)")
     p.add_argument("--cadence", action="append", default=[], help="probe cadence override, e.g. activations=5 (repeatable)")
     p.add_argument("--on-alert", default="record", choices=["record", "stop"], help="stop: checkpoint and stop all ranks on a critical alert")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (to pace a demo)")

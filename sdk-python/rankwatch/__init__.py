@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .run import Cadence, RankwatchWarning, Run, init, sync
+from .run import Cadence, Mode, NoopRun, RankwatchWarning, Run, init, sync
 
-__all__ = ["Cadence", "DiscoveryError", "RankwatchWarning", "Run", "init", "sync"]
+__all__ = ["Cadence", "DiscoveryError", "Mode", "NoopRun", "RankwatchWarning", "Run", "init", "sync"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:

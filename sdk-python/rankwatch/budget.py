@@ -41,14 +41,14 @@ class SpectralTimer:
     def start(self) -> None:
         self._started = time.perf_counter()
         if self._cuda:
-            begin = torch.cuda.Event(enable_timing=True)
+            begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
             begin.record()
             self._events = (begin, None)
 
     def stop(self) -> None:
         self._host_ms = (time.perf_counter() - self._started) * 1000.0
         if self._cuda and self._events is not None:
-            end = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
             end.record()
             self._events = (self._events[0], end)
 

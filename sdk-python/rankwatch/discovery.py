@@ -39,10 +39,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 MATRIX_SITES: tuple[str, ...] = ("q", "k", "v", "o", "up", "gate", "down")
 
@@ -109,7 +112,7 @@ class Layout:
 
 
 def _linear(module: nn.Module) -> MatrixAccessor:
-    return lambda: module.weight.detach()
+    return lambda: _weight(module).detach()
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class RowSlice:
     column-wise tensor parallelism). Slicing the DTensor itself would all-gather the whole
     weight first; the spectral probe instead intersects each rank's block with the rows."""
 
-    base: Any
+    base: torch.Tensor  # a DTensor
     start: int
     stop: int
 
@@ -130,7 +133,7 @@ class RowSlice:
         return self.base.dim()
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     """Whether `tensor` is a DTensor (False where torch is built without distributed)."""
     try:
         from torch.distributed.tensor import DTensor
@@ -144,28 +147,28 @@ def rows(weight: torch.Tensor, start: int, stop: int) -> Any:
     if is_dtensor(weight):
         from torch.distributed.tensor import Shard
 
-        if any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements):  # type: ignore[attr-defined]
+        if any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements):
             return RowSlice(weight, start, stop)
     return weight[start:stop]
 
 
 def _linear_rows(module: nn.Module, start: int, stop: int) -> MatrixAccessor:
     # Rows of an (out, in) weight are output features: a contiguous view.
-    return lambda: rows(module.weight.detach(), start, stop)
+    return lambda: rows(_weight(module).detach(), start, stop)
 
 
 def _conv1d(module: nn.Module) -> MatrixAccessor:
     # transformers' Conv1D computes x @ W with W (in, out): the transpose is a view.
-    return lambda: module.weight.detach().t()
+    return lambda: _weight(module).detach().t()
 
 
 def _conv1d_columns(module: nn.Module, start: int, stop: int) -> MatrixAccessor:
-    return lambda: module.weight.detach()[:, start:stop].t()
+    return lambda: _weight(module).detach()[:, start:stop].t()
 
 
 def _param(owner: nn.Module, name: str, transposed: bool = False) -> MatrixAccessor:
     def read() -> torch.Tensor:
-        weight = getattr(owner, name).detach()
+        weight = _weight(owner, name).detach()
         return weight.transpose(-2, -1) if transposed else weight
 
     return read
@@ -177,7 +180,7 @@ def _sliced_param(
     # `part` selects output features of an (experts, out, in) tensor (or (experts, in, out) when
     # stored transposed): a strided view either way.
     def read() -> torch.Tensor:
-        weight = getattr(owner, name).detach()
+        weight = _weight(owner, name).detach()
         if transposed:
             return weight[:, :, part].transpose(-2, -1)
         return weight[:, part, :]
@@ -187,7 +190,7 @@ def _sliced_param(
 
 def _stacked(modules: list[nn.Module], attr: str) -> MatrixAccessor:
     # ModuleList experts live in separate tensors; batching them needs one copy per call.
-    return lambda: torch.stack([getattr(m, attr).weight.detach() for m in modules])
+    return lambda: torch.stack([_weight(getattr(m, attr)).detach() for m in modules])
 
 
 def _neox_qkv(module: nn.Module, n_heads: int, head_dim: int, which: int) -> MatrixAccessor:
@@ -195,7 +198,7 @@ def _neox_qkv(module: nn.Module, n_heads: int, head_dim: int, which: int) -> Mat
     # view(..., -1, 3 * head_size) then chunk(3)), so q rows are strided per head. The gather
     # cannot be expressed as a 2-D view; reshape makes the one unavoidable copy.
     def read() -> torch.Tensor:
-        weight = module.weight.detach()
+        weight = _weight(module).detach()
         per_head = weight.view(n_heads, 3, head_dim, weight.shape[-1])
         return per_head[:, which].reshape(n_heads * head_dim, weight.shape[-1])
 
@@ -255,6 +258,20 @@ def _get(module: nn.Module, path: str) -> Any:
         if current is None:
             return None
     return current
+
+
+def _weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """`module.weight` (or another parameter of it), the tensor an accessor reads."""
+    weight = getattr(module, name)
+    if not isinstance(weight, torch.Tensor):
+        raise DiscoveryError(f"expected a tensor {name!r} in {type(module).__name__}, found {type(weight).__name__}")
+    return weight
+
+
+def _setting(owner: object, name: str) -> Any:
+    """A plain attribute of a module or of a model's config: an int, a transformers config.
+    torch types every module attribute as `Tensor | Module`, which these are not."""
+    return getattr(owner, name)
 
 
 def _need(owner: nn.Module, path: str, family: str, where: str) -> nn.Module:
@@ -338,7 +355,7 @@ def _decoder_attention(
         q = _need(attn, "q_proj", family, where + ".self_attn")
         k = _need(attn, "k_proj", family, where + ".self_attn")
         v = _need(attn, "v_proj", family, where + ".self_attn")
-        shape = _shape_from_rows(head_dim, q.weight.shape[0], k.weight.shape[0], family, where)
+        shape = _shape_from_rows(head_dim, _weight(q).shape[0], _weight(k).shape[0], family, where)
         matrices = {"q": _linear(q), "k": _linear(k), "v": _linear(v)}
     else:
         # Phi-3: qkv_proj output is [q (n_heads*hd) | k (n_kv*hd) | v (n_kv*hd)] (Phi3Attention).
@@ -346,9 +363,9 @@ def _decoder_attention(
         n_heads = config.num_attention_heads
         n_kv = _config_int(config, "num_key_value_heads") or n_heads
         q_rows, kv_rows = n_heads * head_dim, n_kv * head_dim
-        if qkv.weight.shape[0] != q_rows + 2 * kv_rows:
+        if _weight(qkv).shape[0] != q_rows + 2 * kv_rows:
             raise DiscoveryError(
-                f"{family} layout: qkv_proj has {qkv.weight.shape[0]} outputs, expected "
+                f"{family} layout: qkv_proj has {_weight(qkv).shape[0]} outputs, expected "
                 f"{q_rows} + 2*{kv_rows} in {where}"
             )
         shape = AttentionShape(n_heads, n_kv, head_dim)
@@ -416,7 +433,7 @@ def _decoder_mlp(
     if spec.mlp == "fused_gate_up":
         # Phi-3: `gate, up = gate_up_proj(x).chunk(2)`: gate is the first half (Phi3MLP).
         gate_up = _need(mlp, "gate_up_proj", family, where + ".mlp")
-        half = gate_up.weight.shape[0] // 2
+        half = _weight(gate_up).shape[0] // 2
         matrices = {
             "up": _linear_rows(gate_up, half, 2 * half),
             "gate": _linear_rows(gate_up, 0, half),
@@ -434,7 +451,7 @@ def _decoder_mlp(
 
 
 def _hf_decoder(base: nn.Module, family: str, spec: _DecoderSpec) -> Layout:
-    config = base.config
+    config = _setting(base, "config")
     layers = _need(base, "layers", family, "the base model")
     blocks: list[Block] = []
     for index, block in enumerate(_blocks_of(layers)):
@@ -468,13 +485,13 @@ def _hf_decoder(base: nn.Module, family: str, spec: _DecoderSpec) -> Layout:
 
 def _hf_gpt2(base: nn.Module) -> Layout:
     family = "gpt2"
-    config = base.config
+    config = _setting(base, "config")
     blocks: list[Block] = []
     for index, block in enumerate(_blocks_of(_need(base, "h", family, "the base model"))):
         where = f"h.{index}"
         attn = _need(block, "attn", family, where)
         c_attn = _need(attn, "c_attn", family, where + ".attn")
-        width = c_attn.weight.shape[0]  # Conv1D weight is (in, out) = (C, 3C)
+        width = _weight(c_attn).shape[0]  # Conv1D weight is (in, out) = (C, 3C)
         n_heads = getattr(attn, "num_heads", None) or config.num_attention_heads
         # GPT2Attention: `query, key, value = c_attn(x).split(split_size, dim=2)`.
         matrices = {
@@ -500,7 +517,7 @@ def _hf_gpt2(base: nn.Module) -> Layout:
 
 def _hf_gpt_neox(base: nn.Module) -> Layout:
     family = "gpt_neox"
-    config = base.config
+    config = _setting(base, "config")
     blocks: list[Block] = []
     for index, block in enumerate(_blocks_of(_need(base, "layers", family, "the base model"))):
         where = f"layers.{index}"
@@ -508,7 +525,7 @@ def _hf_gpt_neox(base: nn.Module) -> Layout:
         qkv = _need(attn, "query_key_value", family, where + ".attention")
         n_heads = config.num_attention_heads
         head_dim = getattr(attn, "head_size", None) or config.hidden_size // n_heads
-        if qkv.weight.shape[0] != 3 * n_heads * head_dim:
+        if _weight(qkv).shape[0] != 3 * n_heads * head_dim:
             raise DiscoveryError(f"{family} layout: query_key_value width mismatch in {where}")
         matrices = {
             "q": _neox_qkv(qkv, n_heads, head_dim, 0),
@@ -547,7 +564,7 @@ def _hf_bert(base: nn.Module) -> Layout:
         query = _need(self_attn, "query", family, where + ".attention.self")
         key = _need(self_attn, "key", family, where + ".attention.self")
         head_dim = getattr(self_attn, "attention_head_size", None) or (
-            query.weight.shape[0] // base.config.num_attention_heads
+            _weight(query).shape[0] // _setting(base, "config").num_attention_heads
         )
         attn_dense = _need(block, "attention.output.dense", family, where)
         down = _need(block, "output.dense", family, where)
@@ -564,7 +581,7 @@ def _hf_bert(base: nn.Module) -> Layout:
                     "down": _linear(down),
                 },
                 attention=_shape_from_rows(
-                    head_dim, query.weight.shape[0], key.weight.shape[0], family, where
+                    head_dim, _weight(query).shape[0], _weight(key).shape[0], family, where
                 ),
                 # BERT is post-LN: the sublayer modules end in residual + LayerNorm, so the
                 # projections themselves are the "before the residual add" points that match
@@ -576,9 +593,13 @@ def _hf_bert(base: nn.Module) -> Layout:
     return Layout(family, blocks, embed=_get(base, "embeddings"), final_norm=None, blocks_path="encoder.layer")
 
 
+def _hf_decoder_of(family: str, spec: _DecoderSpec) -> Callable[[nn.Module], Layout]:
+    return lambda base: _hf_decoder(base, family, spec)
+
+
 _HF_FAMILIES: dict[str, Callable[[nn.Module], Layout]] = {
     **{
-        model_type: (lambda base, f=family, s=spec: _hf_decoder(base, f, s))
+        model_type: _hf_decoder_of(family, spec)
         for model_type, (family, spec) in _DECODER_FAMILIES.items()
     },
     "gpt2": _hf_gpt2,
@@ -606,13 +627,15 @@ def _looks_like_nanogpt(model: nn.Module) -> bool:
 def _nanogpt(model: nn.Module) -> Layout:
     family = "nanogpt"
     transformer = model.transformer
+    if not isinstance(transformer, nn.ModuleDict):  # _looks_like_nanogpt checked it
+        raise DiscoveryError(f"{family} layout: model.transformer is a {type(transformer).__name__}, not a ModuleDict")
     blocks: list[Block] = []
     for index, block in enumerate(_blocks_of(transformer["h"])):
         where = f"transformer.h.{index}"
         attn = _need(block, "attn", family, where)
         c_attn = _need(attn, "c_attn", family, where + ".attn")
-        width = c_attn.weight.shape[0] // 3
-        n_heads = getattr(attn, "n_head", None) or model.config.n_head
+        width = _weight(c_attn).shape[0] // 3
+        n_heads = getattr(attn, "n_head", None) or _setting(model, "config").n_head
         # CausalSelfAttention: `q, k, v = c_attn(x).split(n_embd, dim=2)`: contiguous rows.
         blocks.append(
             Block(
@@ -660,7 +683,7 @@ def _torchtitan(model: nn.Module) -> Layout:
         attn = _need(block, "attention", family, where)
         wq = _need(attn, "wq", family, where + ".attention")
         wk = _need(attn, "wk", family, where + ".attention")
-        head_dim = getattr(attn, "head_dim", None) or wq.weight.shape[0] // attn.n_heads
+        head_dim = getattr(attn, "head_dim", None) or _weight(wq).shape[0] // _setting(attn, "n_heads")
         ffn = _need(block, "feed_forward", family, where)
         w1 = _need(ffn, "w1", family, where + ".feed_forward")
         blocks.append(
@@ -678,7 +701,7 @@ def _torchtitan(model: nn.Module) -> Layout:
                     "down": _linear(_need(ffn, "w2", family, where + ".feed_forward")),
                 },
                 attention=_shape_from_rows(
-                    head_dim, wq.weight.shape[0], wk.weight.shape[0], family, where
+                    head_dim, _weight(wq).shape[0], _weight(wk).shape[0], family, where
                 ),
                 attn_module=attn,
                 mlp_module=ffn,

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,14 +139,16 @@ def find_ddp_wrapper(module: torch.nn.Module) -> torch.nn.parallel.DistributedDa
     the end of the first backward)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return module
-    return find_wrapper(module, lambda holder: isinstance(holder, torch.nn.parallel.DistributedDataParallel))
+    found = find_wrapper(module, lambda holder: isinstance(holder, torch.nn.parallel.DistributedDataParallel))
+    return found if isinstance(found, torch.nn.parallel.DistributedDataParallel) else None
 
 
-def find_wrapper(module: torch.nn.Module, is_wrapper: Any) -> Any:
+def find_wrapper(module: torch.nn.Module, is_wrapper: Callable[[object], bool]) -> object | None:
     """An object satisfying `is_wrapper` whose `.module` is `module`, found through at most
     three dicts among the module's referrers (a wrapper's instance dict and its `_modules`)."""
     frontier: list[Any] = [module]
     seen = {id(module)}
+    holder: object
     for _ in range(3):
         holders: list[Any] = []
         for obj in frontier:
@@ -224,7 +227,7 @@ def shard_indices(tensor: torch.Tensor) -> torch.Tensor | None:
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     index = torch.zeros((), dtype=torch.int64, device=device)
-    for d, (start, length) in enumerate(zip(offset, local_shape)):
+    for d, (start, length) in enumerate(zip(offset, local_shape, strict=True)):
         axis = torch.arange(start, start + length, dtype=torch.int64, device=device) * strides[d]
         index = index.unsqueeze(-1) + axis
     return index.reshape(-1)
@@ -295,7 +298,8 @@ class GradientProbe:
             self._attach_wrapper(wrapper)
         if fsdp is None:
             for index, param in enumerate(self._params):
-                self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(index)))
+                # torch leaves register_post_accumulate_grad_hook unannotated.
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook_for(index)))  # type: ignore[no-untyped-call]
         else:
             self._pending_params = {index: fsdp_param for index, (fsdp_param, _) in enumerate(fsdp.entries)}
             self._install_unsharded()
@@ -523,7 +527,7 @@ class GradientProbe:
                     norms = torch._foreach_norm([g.to_local().detach() for _, g in shards], 2, dtype=torch.float32)  # type: ignore[attr-defined]
                     payload[0] = torch.stack(norms).double().square().sum()
                     if self.sketch_armed:
-                        payload[1 : dim + 1] = self._sketch_of(shards, sharded=True)  # type: ignore[arg-type]
+                        payload[1 : dim + 1] = self._sketch_of(shards, sharded=True)
                 payload[dim + 1] = 1.0
             except Exception as e:  # noqa: BLE001 - the all-reduce below must happen regardless
                 self._fail(e)
@@ -613,7 +617,7 @@ def _sketch_dot(own: torch.Tensor, mean: torch.Tensor, local_sq: torch.Tensor, m
     """⟨g_k, ḡ⟩ estimated as cos(sketch of g_k, sketch of ḡ) · ‖g_k‖ · ‖ḡ‖, so that the run's
     cos_to_mean = dot / (‖g_k‖ ‖ḡ‖) is the cosine of the sketches."""
     own, mean = own.double(), mean.double()
-    cosine = torch.dot(own, mean) / (torch.linalg.vector_norm(own) * torch.linalg.vector_norm(mean)).clamp_min(1e-300)
+    cosine: torch.Tensor = torch.dot(own, mean) / (torch.linalg.vector_norm(own) * torch.linalg.vector_norm(mean)).clamp_min(1e-300)
     return cosine * (local_sq * mean_sq).sqrt()
 
 

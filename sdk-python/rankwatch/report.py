@@ -98,16 +98,16 @@ class Reporter:
             self._buffer = torch.empty(self._capacity, dtype=torch.float64, device=self._device)
         device_values = self._buffer[:n]
         torch.cat(parts, out=device_values)
-        host = self._host_buffer(n)
-        host.copy_(device_values, non_blocking=self._cuda)
+        staged = self._host_buffer(n)
+        staged.copy_(device_values, non_blocking=self._cuda)
         event = None
         if self._cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
             event.record()
         all_keys = (*keys, *host_keys)
         sid = self._series_id(all_keys) if all_keys else -1
         sketch_info = (sketch[0].numel(), sketch[1]) if sketch is not None else None
-        self._inflight.append(_InFlight(step, sid, len(keys) + len(host_keys), host, event, sketch_info, host_values))
+        self._inflight.append(_InFlight(step, sid, len(keys) + len(host_keys), staged, event, sketch_info, host_values))
         if not self._cuda:
             # Host memory: the values are there already, no reason to hold them a report.
             self.drain()
@@ -138,7 +138,7 @@ class Reporter:
 
 
 def _grad_norm_of(keys: Sequence[SeriesKey], values: Sequence[float]) -> float | None:
-    for key, value in zip(keys, values):
+    for key, value in zip(keys, values, strict=True):
         if key[0] == "grad_norm":
             return value
     return None

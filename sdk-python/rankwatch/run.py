@@ -16,6 +16,11 @@ the activations of that step's forward passes).
 
 The agent is made on first use, not in `init`: `watch` may find that the data-parallel group
 is a subgroup of the world, and then the run is that group's (see `topology.py`).
+
+`init(mode="disabled")` returns a `NoopRun` instead: a `Run` whose every public method does
+nothing, so that scripts, integrations and the zero-code agent call the same interface whether
+or not the process reports, and `Run` itself never asks whether it is disabled (as wandb's
+disabled mode hands out a run object that does nothing).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, SupportsFloat, get_args
 
 import torch
 
@@ -37,7 +42,23 @@ from . import _native
 from .report import Reporter, SeriesKey
 from .topology import ReplicaGroup, agree_run_name, clean_run_id, launcher_run_name, local_rank, rank_and_world
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import NoReturn, TypeAlias
+
+    from torch.distributed import ProcessGroup
+
+    from ._native import AgentStats, SyncReport
+
+    # What `stats()` and `finish()` return: the agent's counters, or `{}` from a `NoopRun`.
+    RunStats: TypeAlias = AgentStats | dict[str, NoReturn]
+
 DEFAULT_COLLECTOR = "http://127.0.0.1:7070"
+# "online" streams (spooling while the collector is away), "offline" only spools, "disabled"
+# reports nothing: `init` returns a `NoopRun`. Only the first two reach the native agent.
+Mode = Literal["online", "offline", "disabled"]
+AgentMode = Literal["online", "offline"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 _VOCABULARY = {name: scope for name, scope, _ in _native.vocabulary()}
 
 
@@ -103,11 +124,11 @@ class Run:
         world_size: int,
         local_rank: int,
         collector: str,
-        mode: str,
+        mode: AgentMode,
         cadence: Cadence,
         spool_dir: Path | None,
         token: str | None,
-        tags: Mapping[str, str],
+        tags: Mapping[str, object],
         dot_mode: bool,
         sketch_dim: int,
         replica_group: ReplicaGroup | None = None,
@@ -119,16 +140,17 @@ class Run:
         self.global_world_size = world_size
         self.local_rank = local_rank
         self.collector = collector
-        self.mode = mode
+        self.mode: Mode = mode
+        self._agent_mode: AgentMode = mode
         self.cadence = cadence
         self._spool_root = spool_dir
         self.spool_dir: Path | None = None
         self._token = token
-        self.tags = dict(tags)
+        self.tags: dict[str, object] = dict(tags)
         self.dot_mode = dot_mode
         self.sketch_dim = sketch_dim
         self._replica_group = replica_group
-        self._agent: Any = None
+        self._agent: _native.Agent | None = None
         self._finished = False
         self._warned: set[str] = set()
         self._reporter: Reporter | None = None
@@ -155,8 +177,7 @@ class Run:
         self.last_values: dict[SeriesKey, float] = {}
         if replica_group is not None:
             self._join(replica_group)
-        if mode != "disabled":
-            _live_runs.add(self)
+        _live_runs.add(self)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -170,9 +191,9 @@ class Run:
             self.world_size = len(group.ranks)
             self.tags["global_ranks"] = ",".join(map(str, group.ranks))
 
-    def _connect(self) -> Any:
-        """The native agent, made on first use; None in disabled mode."""
-        if self._agent is None and self.mode != "disabled":
+    def _connect(self) -> _native.Agent:
+        """The native agent, made on first use."""
+        if self._agent is None:
             if self._spool_root is not None:
                 self.spool_dir = self._spool_root / self.id / f"rank-{self.rank}"
             self._agent = _native.Agent(
@@ -180,15 +201,15 @@ class Run:
                 self.rank,
                 self.collector,
                 token=self._token,
-                mode=self.mode,
+                mode=self._agent_mode,
                 spool_dir=str(self.spool_dir) if self.spool_dir is not None else None,
             )
-            self._announce()
+            self._announce(self._agent)
         return self._agent
 
-    def _announce(self) -> None:
+    def _announce(self, agent: _native.Agent) -> None:
         layout = self._layout.to_info() if self._layout is not None else {"family": "", "layers": []}
-        self._agent.set_info(self.world_size, json.dumps(layout), {k: str(v) for k, v in self.tags.items()})
+        agent.set_info(self.world_size, json.dumps(layout), {k: str(v) for k, v in self.tags.items()})
 
     def watch(
         self,
@@ -200,7 +221,7 @@ class Run:
         spectral: bool = True,
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
-        scaler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
         spectral_budget: float = 0.01,
     ) -> Run:
         """Finds the model's blocks and installs the probes.
@@ -222,8 +243,6 @@ class Run:
         keeps its amortised cost under `spectral_budget` (a fraction of step time) by covering
         fewer layers per call.
         """
-        if self.mode == "disabled":
-            return self
         if self._gradients is not None or self._activations is not None or self._spectral is not None:
             raise RuntimeError("rankwatch.watch: this run already watches a model; call finish() first")
         from .discovery import discover
@@ -253,9 +272,13 @@ class Run:
         elif wrapper is not None and self._agent is not None:
             group = ReplicaGroup.of(wrapper.process_group)
             if group is not None and group.run_suffix(self.global_world_size):
-                self._warn("late-group", "rankwatch: the data-parallel group is a subgroup, but this run already reported as the whole world; call watch() before the first log() so the statistics compare replicas only")
+                self._warn(
+                    "late-group",
+                    "rankwatch: the data-parallel group is a subgroup, but this run already reported as the whole world; "
+                    "call watch() before the first log() so the statistics compare replicas only",
+                )
         if self._agent is not None:
-            self._announce()  # the run was announced before its layout was known
+            self._announce(self._agent)  # the run was announced before its layout was known
         agent = self._connect()
         self._reporter = Reporter(agent, self._device, self._remember)
         if want_spectral and layout.blocks:
@@ -335,20 +358,26 @@ class Run:
 
     # -- the hot path ----------------------------------------------------------------------
 
-    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, loss: Any = None, tokens: Any = None, **scalars: Any) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, SupportsFloat] | None = None,
+        /,
+        loss: SupportsFloat | None = None,
+        tokens: SupportsFloat | None = None,
+        **scalars: SupportsFloat,
+    ) -> None:
         """Records this rank's values for `step`: `run.log(step, loss=l, tokens=n, lr=lr)`, or
         with a dict, `run.log(step, {"loss": l, "lr": lr})` (cheapest for many scalars: the
         dict is read as it is, never copied). Tensors are accepted and never read on the
         training thread; names outside the vocabulary are stored as `user/<name>`. Never
         raises for a value: a bad one is skipped, warned about once, and counted (`rejected`)."""
-        if self.mode == "disabled":
-            return
         if self._finished:
             self._warn("after-finish", "rankwatch: log() after finish() is ignored")
             return
         agent = self._connect()
         if self._alert_callbacks:
-            self._deliver_alerts()
+            self._deliver_alerts(agent)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             self._warn(f"step-{type(step).__name__}", f"rankwatch: log() needs a step that is an int >= 0, got {step!r}; the call is ignored")
             return
@@ -360,12 +389,17 @@ class Run:
             if not isinstance(metrics, Mapping):
                 self._warn("metrics-type", f"rankwatch: log(step, metrics) needs a dict of name → value, got {type(metrics).__name__}; ignored")
                 return
-            scalars = {**metrics, **scalars} if scalars else metrics  # type: ignore[assignment]
-        values_in = scalars if isinstance(scalars, dict) else dict(scalars)
+        values_in: dict[str, SupportsFloat]  # tensors, numpy scalars, numbers; other types are warned about
+        if metrics is None:
+            values_in = scalars
+        elif scalars:
+            values_in = {**metrics, **scalars}
+        else:
+            values_in = metrics if isinstance(metrics, dict) else dict(metrics)  # a dict is read as it is
         try:
             others = agent.log(step, values_in) if values_in else None
         except ValueError:
-            others = self._log_one_by_one(step, values_in)
+            others = self._log_one_by_one(agent, step, values_in)
         except RuntimeError as e:
             self._warn("closed", f"rankwatch: {e}")
             return
@@ -375,7 +409,7 @@ class Run:
             for name in others:
                 self._take_other(name, values_in[name], keys, values)
         try:
-            self._probe(step, keys, values)
+            self._probe(agent, step, keys, values)
         except Exception as e:  # noqa: BLE001 - the step goes on without this report
             self._warn(f"report-{type(e).__name__}", f"rankwatch: the report of step {step} failed ({e!r}); training continues")
         now = time.perf_counter()
@@ -384,14 +418,14 @@ class Run:
             self._step_ms = per_step if self._step_ms is None else 0.8 * self._step_ms + 0.2 * per_step
         self._last_log_time = now
         self._last_step = step
-        self._health()
+        self._health(agent)
 
-    def _log_one_by_one(self, step: int, values: dict[str, Any]) -> list[str]:
+    def _log_one_by_one(self, agent: _native.Agent, step: int, values: dict[str, Any]) -> list[str]:
         """The slow path after a bad name: each plain number alone, the bad ones counted."""
         others: list[str] = []
         for name, value in values.items():
             try:
-                rest = self._agent.log(step, {name: value})
+                rest = agent.log(step, {name: value})
             except ValueError as e:
                 self._reject(f"name-{name}", f"rankwatch: log(step={step}) skipped {name!r}: {e}")
                 continue
@@ -429,13 +463,13 @@ class Run:
                 return
         self._reject(f"type-{name}", f"rankwatch: log() value {name!r} is a {type(value).__name__}; expected a number or a tensor, skipped")
 
-    def _probe(self, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
+    def _probe(self, agent: _native.Agent, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
         reporter = self._reporter
         if reporter is None:
             if values or self._rejected != self._rejected_reported:
                 # No watch(): tensors logged by hand still go through a CPU/device reporter.
                 device = values[0].device if values else torch.device("cpu")
-                self._reporter = reporter = Reporter(self._agent, device, self._remember)
+                self._reporter = reporter = Reporter(agent, device, self._remember)
             else:
                 return
         if self._rejected != self._rejected_reported:
@@ -538,19 +572,19 @@ class Run:
         self._warn(f"probe-{name}", f"rankwatch: the {name} probe failed ({error!r}) and turned itself off; training and the other probes go on")
 
     def _remember(self, step: int, keys: Any, values: list[float]) -> None:
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             self.last_values[key] = value
             if key[0] == "loss" and not math.isfinite(value):
                 self._warn("nonfinite-loss", f"rankwatch: loss is {value} at step {step} on rank {self.rank}; it is stored and counted (metric 'nonfinite')")
 
     # -- health and lifecycle ----------------------------------------------------------------
 
-    def _health(self) -> None:
+    def _health(self, agent: _native.Agent) -> None:
         now = time.monotonic()
         if now - self._last_health_check < 2.0:
             return
         self._last_health_check = now
-        stats = self._agent.stats()
+        stats = agent.stats()
         if self.mode == "online" and not stats["connected"] and stats["retries"] > 0:
             where = f"; spooling to {self.spool_dir}" if self.spool_dir else ""
             self._warn("unreachable", f"rankwatch: collector {self.collector} is not taking rows ({stats['last_error']}){where}. Training continues.")
@@ -577,15 +611,15 @@ class Run:
         if not callable(callback):
             raise TypeError("rankwatch: on_alert needs a callable")
         self._alert_callbacks.append(callback)
-        if self.mode != "disabled" and not self._finished:
+        if not self._finished:
             if not self._connect().watch_alerts(poll_interval):
                 self._warn("alerts-offline", "rankwatch: on_alert has no effect in offline mode (no collector to hear alerts from)")
 
-    def _deliver_alerts(self) -> None:
+    def _deliver_alerts(self, agent: _native.Agent) -> None:
         """Calls the on_alert callbacks with what the feed brought since the last call."""
-        if not self._alert_callbacks or self._agent is None:
+        if not self._alert_callbacks:
             return
-        texts = self._agent.take_alerts()
+        texts = agent.take_alerts()
         if not texts:
             return
         import json
@@ -597,7 +631,7 @@ class Run:
                     callback(alert)
                 except (SystemExit, KeyboardInterrupt):
                     raise
-                except Exception as e:  # noqa: BLE001 - a broken callback must not end the job
+                except Exception as e:  # a broken callback must not end the job
                     if getattr(e, "stop", False):
                         raise
                     self._warn(f"callback-{id(callback)}", f"rankwatch: on_alert callback {callback!r} raised {e!r}; further alerts are still delivered")
@@ -607,29 +641,27 @@ class Run:
         """Whether `finish()` was called."""
         return self._finished
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RunStats:
         """The agent's counters: sent, retried, spooled, dropped, last error."""
-        return dict(self._connect().stats()) if self.mode != "disabled" else {}
+        return self._connect().stats()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Delivers what was logged so far, waiting at most `timeout` seconds."""
-        if self.mode == "disabled" or self._finished:
+        if self._finished:
             return True
         agent = self._connect()
         if self._reporter is not None:
             self._reporter.drain(wait=True)
         return bool(agent.flush(timeout))
 
-    def finish(self, timeout: float = 10.0) -> dict[str, Any]:
+    def finish(self, timeout: float = 10.0) -> RunStats:
         """Ends the run: removes the probes, delivers what it can within `timeout`, spools the
         rest. Calling it twice is harmless (the second call warns and returns the stats)."""
-        if self.mode == "disabled":
-            return {}
-        self._connect()
+        agent = self._connect()
         if self._finished:
             self._warn("finish-twice", "rankwatch: finish() called twice; the second call does nothing")
-            return dict(self._agent.stats())
-        self._deliver_alerts()
+            return agent.stats()
+        self._deliver_alerts(agent)
         self._finished = True
         if self._reporter is not None:
             try:
@@ -637,7 +669,7 @@ class Run:
             except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
                 self._warn("drain", f"rankwatch: could not read back the last report: {e}")
         self.unwatch()
-        stats = dict(self._agent.shutdown(timeout))
+        stats = agent.shutdown(timeout)
         if self.mode == "online" and not stats["ever_connected"]:
             where = f" They wait in {self.spool_dir}; send them with rankwatch.sync({str(self.spool_dir)!r})." if stats["spooled_batches"] else ""
             why = f" ({stats['last_error']})" if stats.get("last_error") else ""
@@ -666,7 +698,106 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+
+class NoopRun(Run):
+    """The run of `init(mode="disabled")`: `Run`'s public interface, every method a no-op.
+
+    It overrides every public method of `Run` (a test holds it to that), so nothing of `Run`'s
+    machinery — agent, probes, spool — is ever reached; it holds only the public attributes,
+    for code that reads `run.rank` or `run.id` whether or not the process reports. It is not a
+    live run: the zero-code agent does not stand aside for it.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        collector: str,
+        cadence: Cadence,
+        tags: Mapping[str, object],
+        dot_mode: bool,
+        sketch_dim: int,
+        replica_group: ReplicaGroup | None = None,
+    ) -> None:
+        # Deliberately not Run.__init__: no agent state, and not registered as a live run.
+        self.id = run
+        self.rank = rank
+        self.world_size = world_size
+        self.global_rank = rank
+        self.global_world_size = world_size
+        self.local_rank = local_rank
+        self.collector = collector
+        self.mode = "disabled"
+        self.cadence = cadence
+        self.spool_dir = None
+        self.tags: dict[str, object] = dict(tags)
+        self.dot_mode = dot_mode
+        self.sketch_dim = sketch_dim
+        self.last_values = {}
+        self._finished = False
+        if replica_group is not None:
+            self._join(replica_group)
+
+    def watch(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        mapping: Mapping[str, Any] | None = None,
+        activations: bool = True,
+        spectral: bool = True,
+        gate: bool = False,
+        ddp: torch.nn.parallel.DistributedDataParallel | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        spectral_budget: float = 0.01,
+    ) -> Run:
+        return self
+
+    def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
+        return self
+
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, SupportsFloat] | None = None,
+        /,
+        loss: SupportsFloat | None = None,
+        tokens: SupportsFloat | None = None,
+        **scalars: SupportsFloat,
+    ) -> None:
+        return None
+
+    def on_alert(self, callback: Callable[[dict[str, Any]], None], *, poll_interval: float = 2.0) -> None:
+        if not callable(callback):  # a mistake in the script, whether or not it reports
+            raise TypeError("rankwatch: on_alert needs a callable")
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def stats(self) -> RunStats:
+        return {}
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return True
+
+    def finish(self, timeout: float = 10.0) -> RunStats:
+        self._finished = True
+        return {}
+
+    def unwatch(self) -> None:
+        return None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.finish()
 
 
@@ -731,16 +862,16 @@ def init(
     run: str | None = None,
     collector: str | None = None,
     *,
-    mode: str | None = None,
+    mode: Mode | None = None,
     every: int | Mapping[str, int] | Cadence | None = None,
     rank: int | None = None,
     world_size: int | None = None,
     spool_dir: str | os.PathLike[str] | None = None,
     token: str | None = None,
-    tags: Mapping[str, Any] | None = None,
+    tags: Mapping[str, object] | None = None,
     dot_mode: bool = True,
     sketch_dim: int = 1024,
-    data_parallel_group: Any = None,
+    data_parallel_group: ProcessGroup | Sequence[int] | None = None,
 ) -> Run:
     """Starts monitoring this process's rank of a training run.
 
@@ -757,24 +888,36 @@ def init(
     `RANKWATCH_SPOOL_DIR`. `dot_mode` measures each rank's exact cosine to the averaged
     gradient at the cost of one copy of the gradient during the backward pass.
     """
-    mode = mode or os.environ.get("RANKWATCH_MODE", "online")
-    if mode not in ("online", "offline", "disabled"):
-        raise ValueError(f"rankwatch.init: mode must be 'online', 'offline' or 'disabled', got {mode!r}")
+    mode = parse_mode(mode or os.environ.get("RANKWATCH_MODE", "online"))
     found_rank, found_world = rank_and_world()
     rank = found_rank if rank is None else rank
     world_size = found_world if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rankwatch.init: rank {rank} is not within world size {world_size}")
     named = run or launcher_run_name()
-    run_id = clean_run_id(named) if named else (agree_run_name(rank, world_size) if mode != "disabled" else "disabled")
     collector = collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
-    if mode != "disabled" and not collector.startswith("http://"):
-        raise ValueError(f"rankwatch.init: collector must be an http:// URL, got {collector!r}")
     if sketch_dim < 1:
         raise ValueError("rankwatch.init: sketch_dim must be at least 1")
-    spool: Path | None = None
-    if mode != "disabled":
-        spool = Path(spool_dir or os.environ.get("RANKWATCH_SPOOL_DIR") or Path.home() / ".cache" / "rankwatch" / "spool")
+    cadence = Cadence.parse(every)
+    replica_group = ReplicaGroup.of(data_parallel_group) if data_parallel_group is not None else None
+    if mode == "disabled":
+        # Nothing is reported, so nothing is agreed with the other ranks or checked for sending.
+        return NoopRun(
+            clean_run_id(named) if named else "disabled",
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank(),
+            collector=collector,
+            cadence=cadence,
+            tags=tags or {},
+            dot_mode=dot_mode,
+            sketch_dim=sketch_dim,
+            replica_group=replica_group,
+        )
+    run_id = clean_run_id(named) if named else agree_run_name(rank, world_size)
+    if not collector.startswith("http://"):
+        raise ValueError(f"rankwatch.init: collector must be an http:// URL, got {collector!r}")
+    spool = Path(spool_dir or os.environ.get("RANKWATCH_SPOOL_DIR") or Path.home() / ".cache" / "rankwatch" / "spool")
     return Run(
         run_id,
         rank=rank,
@@ -782,26 +925,35 @@ def init(
         local_rank=local_rank(),
         collector=collector,
         mode=mode,
-        cadence=Cadence.parse(every),
+        cadence=cadence,
         spool_dir=spool,
         token=token or os.environ.get("RANKWATCH_INGEST_TOKEN"),
         tags=tags or {},
         dot_mode=dot_mode,
         sketch_dim=sketch_dim,
-        replica_group=ReplicaGroup.of(data_parallel_group) if data_parallel_group is not None else None,
+        replica_group=replica_group,
     )
 
 
-def sync(spool_dir: str | os.PathLike[str], collector: str | None = None, *, token: str | None = None) -> dict[str, Any]:
+def parse_mode(text: str) -> Mode:
+    """`text` as a mode; raises ValueError naming the modes when it is none of them."""
+    for mode in MODES:
+        if text == mode:
+            return mode
+    raise ValueError(f"rankwatch.init: mode must be 'online', 'offline' or 'disabled', got {text!r}")
+
+
+def sync(spool_dir: str | os.PathLike[str], collector: str | None = None, *, token: str | None = None) -> SyncReport:
     """Sends what an offline run (or a process that lost its collector) left in `spool_dir`.
 
     `spool_dir` may be one rank's directory or a run's (all its `rank-*` directories)."""
     collector = collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
     root = Path(spool_dir)
     dirs = sorted(p for p in root.glob("rank-*") if p.is_dir()) or [root]
-    total: dict[str, Any] = {"batches": 0, "rows": 0, "duplicates": 0, "refused_rows": 0, "corrupt": 0, "remaining": 0, "errors": []}
+    total: SyncReport = {"batches": 0, "rows": 0, "duplicates": 0, "refused_rows": 0, "corrupt": 0, "remaining": 0, "errors": []}
     for d in dirs:
         report = _native.sync(str(d), collector, token or os.environ.get("RANKWATCH_INGEST_TOKEN"))
-        for k, v in report.items():
-            total[k] = total[k] + v
+        for key in ("batches", "rows", "duplicates", "refused_rows", "corrupt", "remaining"):
+            total[key] += report[key]
+        total["errors"] += report["errors"]
     return total

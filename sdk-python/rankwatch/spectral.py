@@ -180,8 +180,15 @@ def _apply_adjoint(stages: Sequence[_Stage], y: torch.Tensor) -> Work:
     return y
 
 
+def _three(dims: Sequence[int]) -> tuple[int, int, int]:
+    """A (batch, out, in) shape or offset; the weights here are 3-D or made so."""
+    batch, out, inner = dims
+    return batch, out, inner
+
+
 def _batch_norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    norm: torch.Tensor = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    return norm
 
 
 def run_lockstep(works: Sequence[Work], reduce: Callable[[torch.Tensor], None]) -> list[Any]:
@@ -205,7 +212,7 @@ def run_lockstep(works: Sequence[Work], reduce: Callable[[torch.Tensor], None]) 
         flat = torch.cat([p.reshape(-1).float() for p in parts])
         reduce(flat)
         start = 0
-        for i, part in zip(order, parts):
+        for i, part in zip(order, parts, strict=True):
             n = part.numel()
             advance(i, flat[start : start + n].reshape(part.shape).to(part.dtype))
             start += n
@@ -243,7 +250,7 @@ def _as_matrix(weight: torch.Tensor | RowSlice, chunk_bytes: int, where: str) ->
         w = weight.detach()
         w3 = w if w.dim() == 3 else w.unsqueeze(0)
         rows = _chunk_rows(w3, chunk_bytes)
-        return _Matrix(w3, tuple(w3.shape), (0, 0, 0), True, False, rows), None  # type: ignore[arg-type]
+        return _Matrix(w3, _three(w3.shape), (0, 0, 0), True, False, rows), None
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -252,17 +259,17 @@ def _as_matrix(weight: torch.Tensor | RowSlice, chunk_bytes: int, where: str) ->
         if type(placement) not in (Replicate, Shard):
             raise ShardingError(f"{where}: a weight placed as {placement} (only Shard and Replicate blocks can be measured without gathering)")
     local = weight.to_local().detach()
-    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    _, global_offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ShardingError(f"{where}: this rank is not part of the weight's device mesh")
-    owner = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+    owner = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
     if weight.dim() == 2:
-        local, shape, offset = local.unsqueeze(0), (1, *weight.shape), (0, *offset)
+        local, dims, at = local.unsqueeze(0), (1, *weight.shape), (0, *global_offset)
     else:
-        shape = tuple(weight.shape)
+        dims, at = tuple(weight.shape), tuple(global_offset)
     rows = _chunk_rows(local, chunk_bytes)
-    return _Matrix(local, shape, tuple(offset), owner, True, rows), mesh  # type: ignore[arg-type]
+    return _Matrix(local, _three(dims), _three(at), owner, True, rows), mesh
 
 
 def _chunk_rows(w: torch.Tensor, chunk_bytes: int) -> int:
@@ -406,10 +413,10 @@ class SpectralProbe:
             jobs.extend((len(plans) - 1, name, work) for name, work in plan.works())
         results = run_lockstep([w for _, _, w in jobs], self._mesh.reduce if self._mesh is not None else _no_reduce)
         by_plan: list[dict[str, torch.Tensor]] = [{} for _ in plans]
-        for (index, name, _), value in zip(jobs, results):
+        for (index, name, _), value in zip(jobs, results, strict=True):
             by_plan[index][name] = value
         out: list[Metric] = []
-        for plan, values in zip(plans, by_plan):
+        for plan, values in zip(plans, by_plan, strict=True):
             if plan.position % self.reporters == self.reporter:
                 out.extend(plan.metrics(values))
         return out

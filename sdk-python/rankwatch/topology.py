@@ -28,7 +28,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torch.distributed import ProcessGroup
 
 _RUN_ID = re.compile(r"[^A-Za-z0-9._-]+")
 _RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
@@ -128,7 +133,7 @@ class ReplicaGroup:
     ranks: tuple[int, ...]
 
     @classmethod
-    def of(cls, group: Any) -> ReplicaGroup | None:
+    def of(cls, group: ProcessGroup | Sequence[int] | None) -> ReplicaGroup | None:
         """From a ProcessGroup (None: the world) or a sequence of global ranks."""
         if isinstance(group, (list, tuple)):
             return cls(tuple(sorted(int(r) for r in group)))

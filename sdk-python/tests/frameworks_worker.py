@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rankwatch  # noqa: E402
-from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 
 CONFIG = NanoGPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 

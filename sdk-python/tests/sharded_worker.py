@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rankwatch  # noqa: E402
 from rankwatch.discovery import discover  # noqa: E402
 from rankwatch.gradients import countsketch_coordinates  # noqa: E402
-from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 from rankwatch.spectral import SpectralProbe  # noqa: E402
 
 STEPS = 5

@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from rankwatch.activations import ActivationProbe  # noqa: E402
 from rankwatch.discovery import discover  # noqa: E402
-from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 
 ACT_RTOL = 1e-5
 COSINE_ATOL = 1e-5

@@ -186,7 +186,7 @@ def test_an_agent_that_fails_removes_itself_and_training_goes_on(tmp_path: Path,
     from rankwatch.auto import agent as auto
     from rankwatch.run import RankwatchWarning, Run
 
-    from rankwatch.models import NanoGPT, NanoGPTConfig
+    from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
     hooked: list[int] = []
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rankwatch
-from rankwatch.models import NanoGPT, NanoGPTConfig
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
 from conftest import Collector
 
@@ -77,6 +77,34 @@ def test_disabled_mode_is_a_no_op(tmp_path: Path) -> None:
     run.log(0, loss=torch.tensor(1.0))
     assert run.finish() == {} and run.stats() == {}
     assert not list(model.modules())[0]._forward_hooks
+
+
+def test_disabled_mode_returns_a_noop_run_with_every_public_method_of_run() -> None:
+    """NoopRun overrides each public method and property of Run, so none of Run's machinery
+    (agent, probes, spool) runs in disabled mode — including methods added to Run later."""
+    run = rankwatch.init(mode="disabled")
+    assert type(run) is rankwatch.NoopRun and isinstance(run, rankwatch.Run)
+    public = {name for name in dir(rankwatch.Run) if not name.startswith("_") or name in ("__enter__", "__exit__")}
+    methods = {name for name in public if callable(getattr(rankwatch.Run, name)) or isinstance(getattr(rankwatch.Run, name), property)}
+    assert methods >= {"watch", "watch_or_warn", "log", "on_alert", "stats", "flush", "finish", "unwatch", "finished"}
+    missing = sorted(name for name in methods if name not in vars(rankwatch.NoopRun))
+    assert not missing, f"NoopRun does not override Run.{missing}: in disabled mode they would run Run's code"
+    model = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a no-op warns about nothing either
+        with run as same:
+            assert same is run
+            assert run.watch(model) is run and run.watch_or_warn(model) is run
+            run.log(0, {"loss": 1.0}, tokens=3, lr=torch.tensor(0.1))
+            run.on_alert(lambda alert: None)
+            assert run.flush() is True and run.stats() == {}
+            run.unwatch()
+        assert run.finished and run.finish() == {}
+    assert not model._forward_hooks and not model.weight._post_accumulate_grad_hooks
+    assert run.mode == "disabled" and run.id == "disabled" and run.last_values == {}
+    assert run not in rankwatch.run.live_runs()
+    with pytest.raises(TypeError, match="callable"):
+        run.on_alert("not a function")  # type: ignore[arg-type]
 
 
 def test_context_manager_finishes(tmp_path: Path) -> None:

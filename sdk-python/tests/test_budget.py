@@ -71,7 +71,7 @@ def test_a_run_over_its_spectral_budget_measures_fewer_layers_per_call(tmp_path)
     to one; with a generous one it keeps every layer. Each call reports its time."""
     import rankwatch
     from conftest import train_step
-    from rankwatch.models import NanoGPT, NanoGPTConfig
+    from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
     def spectral_layers(budget: float) -> list[int]:
         torch.manual_seed(0)

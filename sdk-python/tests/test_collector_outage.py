@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import rankwatch
-from rankwatch.models import NanoGPT, NanoGPTConfig
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
 from conftest import Collector
 

@@ -1,6 +1,6 @@
 """Detection on real training: a small GPT trained with DDP over gloo (4 CPU processes),
 streaming to the real collector with its documented default rules, with faults injected by
-`rankwatch.faults`. Each scenario asserts what the alert engine must (and must not) say, and
+`rankwatch_testkit.faults`. Each scenario asserts what the alert engine must (and must not) say, and
 records its figures (alert step, lead, false alerts) in `target/detection/<scenario>.json`
 for docs/detection.md.
 """

@@ -27,7 +27,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from rankwatch.discovery import AttentionShape, DiscoveryError, Layout, discover  # noqa: E402
-from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 from torchtitan_llama_reference import Transformer, TransformerModelArgs  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5

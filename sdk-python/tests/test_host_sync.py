@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import rankwatch
-from rankwatch.models import NanoGPT, NanoGPTConfig
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
 from conftest import free_port, train_step
 

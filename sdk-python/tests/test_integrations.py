@@ -54,7 +54,7 @@ def test_hugging_face_trainer_callback(collector: Collector, tmp_path: Path) -> 
 def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
     L = pytest.importorskip("lightning.pytorch")
     from rankwatch.integrations.lightning import RankwatchCallback
-    from rankwatch.models import NanoGPT, NanoGPTConfig
+    from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
     class Module(L.LightningModule):
         def __init__(self) -> None:

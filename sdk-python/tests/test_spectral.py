@@ -29,7 +29,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from rankwatch.discovery import Block, Layout, discover  # noqa: E402
-from rankwatch.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 from rankwatch.spectral import SpectralProbe  # noqa: E402
 
 REL_TOL = 1e-3

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..losses import BackwardLoss, TokenLoss
-from ..run import RankwatchWarning, Run, init, live_runs
+from ..run import RankwatchWarning, Run, init, live_runs, parse_mode
 from .find import Found, live_scaler, model_of, steps_done
 
 
@@ -198,7 +198,7 @@ class AutoAgent:
         run = init(
             run=settings.run,
             collector=settings.collector,
-            mode=settings.mode,
+            mode=parse_mode(settings.mode) if settings.mode else None,  # settings come as text
             every=settings.every,
             spool_dir=settings.spool_dir,
             tags={"attached": "auto", **settings.tags},
@@ -243,7 +243,7 @@ class AutoAgent:
             return original_backward(tensors, *args, **kwargs)
 
         self._patched.append((torch.autograd, "backward", original_backward))
-        torch.autograd.backward = backward  # type: ignore[assignment]
+        torch.autograd.backward = backward
         scaler_classes = [torch.amp.GradScaler]
         cuda_scaler = getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)
         if cuda_scaler is not None and cuda_scaler not in scaler_classes:

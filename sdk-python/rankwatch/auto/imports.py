@@ -48,7 +48,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module: ModuleType) -> None:
-                loader.exec_module(module)  # type: ignore[union-attr]
+                loader.exec_module(module)
                 # The real loader back, so the module looks as it would without us.
                 module.__loader__ = loader
                 if module.__spec__ is not None:

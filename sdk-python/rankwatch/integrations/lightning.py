@@ -25,7 +25,7 @@ except ImportError:  # the older package name
 from ..run import Run, init
 
 
-class RankwatchCallback(pl.Callback):  # type: ignore[misc]
+class RankwatchCallback(pl.Callback):
     def __init__(self, module_attr: str | None = None, **init_kwargs: Any) -> None:
         """`module_attr` names the attribute of the LightningModule that holds the
         transformer (default: the module itself if rankwatch recognises it, else `.model`)."""

@@ -29,7 +29,7 @@ from ..losses import TokenLoss
 from ..run import Run, init
 
 
-class RankwatchCallback(TrainerCallback):  # type: ignore[misc]
+class RankwatchCallback(TrainerCallback):
     def __init__(self, **init_kwargs: Any) -> None:
         self.init_kwargs = init_kwargs
         self.run: Run | None = None

@@ -24,7 +24,7 @@ def _chain() -> None:
         importlib.import_module("sitecustomize")
     except ImportError:
         pass
-    except Exception as e:  # the user's sitecustomize failed: as Python reports it, and go on
+    except Exception as e:  # noqa: BLE001 - the user's sitecustomize failed: as Python reports it, and go on
         print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(e).__name__}: {e}", file=sys.stderr)
     finally:
         sys.path[:] = saved
