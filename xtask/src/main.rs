@@ -453,7 +453,10 @@ fn web() -> Result<()> {
             "web",
         ])
         .env("RUSTC_WORKSPACE_WRAPPER", "clippy-driver")
-        .env("CLIPPY_ARGS", "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__");
+        .env(
+            "CLIPPY_ARGS",
+            "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+        );
     run("build and clippy the dashboard (wasm32)", build)?;
     // Built into a fresh folder and swapped in, so a failed build never leaves half a
     // dashboard for the collector to embed.
