@@ -116,6 +116,20 @@ def live_runs() -> list[Run]:
 class Run:
     """One rank's view of a monitored training run. Create it with `rankwatch.init`."""
 
+    # The public attributes (set by `_init_public`, for `Run` and `NoopRun` alike).
+    id: str
+    rank: int
+    world_size: int
+    global_rank: int
+    global_world_size: int
+    local_rank: int
+    collector: str
+    cadence: Cadence
+    spool_dir: Path | None
+    tags: dict[str, object]
+    dot_mode: bool
+    sketch_dim: int
+
     def __init__(
         self,
         run: str,
@@ -133,22 +147,11 @@ class Run:
         sketch_dim: int,
         replica_group: ReplicaGroup | None = None,
     ) -> None:
-        self.id = run
-        self.rank = rank
-        self.world_size = world_size
-        self.global_rank = rank
-        self.global_world_size = world_size
-        self.local_rank = local_rank
-        self.collector = collector
+        self._init_public(run, rank, world_size, local_rank, collector, cadence, tags, dot_mode, sketch_dim)
         self.mode: Mode = mode
         self._agent_mode: AgentMode = mode
-        self.cadence = cadence
         self._spool_root = spool_dir
-        self.spool_dir: Path | None = None
         self._token = token
-        self.tags: dict[str, object] = dict(tags)
-        self.dot_mode = dot_mode
-        self.sketch_dim = sketch_dim
         self._replica_group = replica_group
         self._agent: _native.Agent | None = None
         self._finished = False
@@ -210,6 +213,32 @@ class Run:
     def _announce(self, agent: _native.Agent) -> None:
         layout = self._layout.to_info() if self._layout is not None else {"family": "", "layers": []}
         agent.set_info(self.world_size, json.dumps(layout), {k: str(v) for k, v in self.tags.items()})
+
+    def _init_public(
+        self,
+        run: str,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        collector: str,
+        cadence: Cadence,
+        tags: Mapping[str, object],
+        dot_mode: bool,
+        sketch_dim: int,
+    ) -> None:
+        """The public attributes every run has, reporting or not (`NoopRun` shares them)."""
+        self.id = run
+        self.rank = rank
+        self.world_size = world_size
+        self.global_rank = rank
+        self.global_world_size = world_size
+        self.local_rank = local_rank
+        self.collector = collector
+        self.cadence = cadence
+        self.spool_dir = None
+        self.tags = dict(tags)
+        self.dot_mode = dot_mode
+        self.sketch_dim = sketch_dim
 
     def watch(
         self,
@@ -726,19 +755,8 @@ class NoopRun(Run):
         replica_group: ReplicaGroup | None = None,
     ) -> None:
         # Deliberately not Run.__init__: no agent state, and not registered as a live run.
-        self.id = run
-        self.rank = rank
-        self.world_size = world_size
-        self.global_rank = rank
-        self.global_world_size = world_size
-        self.local_rank = local_rank
-        self.collector = collector
+        self._init_public(run, rank, world_size, local_rank, collector, cadence, tags, dot_mode, sketch_dim)
         self.mode = "disabled"
-        self.cadence = cadence
-        self.spool_dir = None
-        self.tags: dict[str, object] = dict(tags)
-        self.dot_mode = dot_mode
-        self.sketch_dim = sketch_dim
         self.last_values = {}
         self._finished = False
         if replica_group is not None:

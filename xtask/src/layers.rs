@@ -15,10 +15,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The collector's layers, lowest first. `Labels` is an item of the crate root.
+/// The collector's layers, lowest first. `Labels` and `seconds_histogram` are items of the
+/// crate root.
 pub(crate) const COLLECTOR_LAYERS: &[&[&str]] = &[
-    // The error type and the metric label type everything shares.
-    &["error", "Labels"],
+    // The error type and the metric helpers everything shares.
+    &["error", "Labels", "seconds_histogram"],
     // File helpers and the clock.
     &["fsutil", "clock"],
     // The data model and the durable primitives under the store.

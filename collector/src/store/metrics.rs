@@ -3,13 +3,10 @@
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Buckets for durations of maintenance work, 0.5 ms to ~16 s.
-pub fn seconds_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
-}
+use crate::seconds_histogram;
 
 /// What the store counts.
 #[derive(Debug)]

@@ -59,6 +59,22 @@ async fn wait_engine(c: &Collector, n: u64) {
     wait_metric(c, &format!("rankwatch_alert_engine_batches_total {n}")).await;
 }
 
+/// Polls until `run`'s `stale_rank` alert satisfies `pred`, 10 s at most.
+async fn wait_stale(c: &Collector, run: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = alerts(c, run)
+            .await
+            .into_iter()
+            .find(|a| a["rule"] == "stale_rank");
+        if let Some(a) = found.filter(|a| pred(a)) {
+            return a;
+        }
+        assert!(Instant::now() < deadline, "stale_rank never {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn alerts(c: &Collector, run: &str) -> Vec<Value> {
     get(c, &format!("/api/v1/alerts?run={run}")).await.json()["alerts"]
         .as_array()
@@ -108,39 +124,13 @@ async fn a_silent_rank_goes_stale_after_the_timeout_and_not_before() {
     );
     clock.advance(Duration::from_secs(2));
     loss(&c, run, 0, 3).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let stale = loop {
-        let found = alerts(&c, run)
-            .await
-            .into_iter()
-            .find(|a| a["rule"] == "stale_rank");
-        if let Some(a) = found {
-            break a;
-        }
-        assert!(Instant::now() < deadline, "no stale_rank alert");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let stale = wait_stale(&c, run, "raised", |_| true).await;
     assert_eq!(stale["rank"], 1, "{stale:#}");
     assert_eq!(stale["state"], "firing", "{stale:#}");
     // Rank 1 reports again: the alert resolves, at the clock's time.
     loss(&c, run, 1, 3).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let a = alerts(&c, run)
-            .await
-            .into_iter()
-            .find(|a| a["rule"] == "stale_rank")
-            .unwrap();
-        if a["state"] == "resolved" {
-            assert_eq!(a["resolved_at_ms"], T0 + 61_000, "{a:#}");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "stale_rank never resolved: {a:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let resolved = wait_stale(&c, run, "resolved", |a| a["state"] == "resolved").await;
+    assert_eq!(resolved["resolved_at_ms"], T0 + 61_000, "{resolved:#}");
     c.shutdown().await.unwrap();
 }
 
