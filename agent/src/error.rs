@@ -1,7 +1,7 @@
 //! The agent's one error type.
 
 /// Everything the agent can refuse or fail at. Delivery failures are not errors: they are
-/// retried, spooled or counted (see [`crate::Stats`]); only misuse and local I/O surface here.
+/// retried, spooled or counted (see [`crate::StatsSnapshot`]); only misuse and local I/O surface here.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A configuration value is unusable.

@@ -5,7 +5,7 @@
 //! `Idempotency-Key`, then joins the **backlog**: a bounded in-memory queue while the collector
 //! answers, the disk spool as soon as it does not (and for whatever outgrows memory). The
 //! thread delivers the backlog head first, always, so batches reach the collector in the order
-//! they were sealed. A failed attempt schedules the next one by [`Backoff`] (the collector's
+//! they were sealed. A failed attempt schedules the next one by `Backoff` (the collector's
 //! `Retry-After` as a floor); the thread never sleeps, it waits on the queue with a timeout, so
 //! records keep being drained and batched while the collector is away.
 //!

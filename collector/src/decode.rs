@@ -152,7 +152,7 @@ fn preflight(body: &[u8], max_rows: usize) -> Result<()> {
 }
 
 /// Reads every batch of an Arrow IPC stream whose schema is `expected`'s. The framing is checked
-/// first ([`preflight`]) and the schema before any batch is decoded; a panic inside the decoder
+/// first (`preflight`) and the schema before any batch is decoded; a panic inside the decoder
 /// (a bug in a dependency on hostile input) becomes an error too.
 pub fn read_ipc(body: &[u8], table: Table, max_rows: usize) -> Result<Vec<RecordBatch>> {
     preflight(body, max_rows)?;

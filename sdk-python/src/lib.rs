@@ -1,11 +1,11 @@
 //! `rankwatch._native`: the Rust agent ([`rankwatch_agent`]) as a Python extension.
 //!
 //! The Python package calls this from the training thread, so the hot entry points are built
-//! for that: [`Agent::log`] takes the keyword dict of `run.log(step, **scalars)` as it is,
+//! for that: `Agent::log` takes the keyword dict of `run.log(step, **scalars)` as it is,
 //! resolves each key to a validated metric through a cache keyed by the (interned) Python
 //! string object, reads plain `float`/`int` values directly and hands anything else — above
 //! all tensors, whose `__float__` would force a device sync — back to Python untouched.
-//! Probe outputs use pre-registered series ([`Agent::register`], [`Agent::log_series`]), so a
+//! Probe outputs use pre-registered series (`Agent::register`, `Agent::log_series`), so a
 //! report of a thousand layer values is one call with one list of floats. Waiting calls
 //! (`flush`, `shutdown`) release the GIL. Every refusal is a `ValueError` naming the problem.
 

@@ -1,9 +1,9 @@
 //! The metric math (definitions: `docs/architecture.md`, "The analytics crate"), in plain Rust on `nalgebra` and slices.
 //!
 //! Spectral norms use warm-started power iteration on linear operators ([`operator`],
-//! [`power`]), so products such as W_down·W_up are never formed; [`reference`] holds the dense
+//! [`power`]), so products such as W_down·W_up are never formed; [`mod@reference`] holds the dense
 //! SVD the tests compare against. The cross-rank statistics ([`dispersion`], [`cosine`],
-//! [`noise`], [`perplexity`]) are what the collector computes per step, and [`step`] bundles
+//! [`noise`], [`mod@perplexity`]) are what the collector computes per step, and [`step`] bundles
 //! them. [`sketch`] defines the gradient sketches precisely enough for any client to reproduce.
 
 pub mod cosine;

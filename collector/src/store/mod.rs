@@ -3,7 +3,7 @@
 //!
 //! # Design
 //!
-//! Everything mutable lives in one [`State`] behind a mutex held only for bookkeeping (never
+//! Everything mutable lives in one `State` behind a mutex held only for bookkeeping (never
 //! across I/O): the hot batches per (table, run), batches being flushed, the list of Parquet
 //! files from the manifest, the idempotency keys and the run index. A reader takes a
 //! [`TableView`] — file paths plus hot and flushing batches — in one critical section, so it
