@@ -16,14 +16,14 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use serde_json::Value;
+use rankwatch_api::{Alert, AlertState, Severity};
 
 /// Alert changes kept for the training thread before the oldest are dropped.
 const QUEUE: usize = 1024;
 
 #[derive(Debug, Default)]
 struct Shared {
-    queue: Mutex<VecDeque<Value>>,
+    queue: Mutex<VecDeque<Alert>>,
     stop: Mutex<bool>,
     wake: Condvar,
     dropped: AtomicU64,
@@ -70,9 +70,8 @@ impl AlertFeed {
         })
     }
 
-    /// The alert changes received since the last call, oldest first (each the collector's
-    /// alert object).
-    pub fn take(&self) -> Vec<Value> {
+    /// The alert changes received since the last call, oldest first.
+    pub fn take(&self) -> Vec<Alert> {
         let mut queue = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
         queue.drain(..).collect()
     }
@@ -120,12 +119,12 @@ impl Poller {
     fn run(self) {
         let mut epoch: Option<i64> = None;
         let mut after = 0u64;
-        let mut told: HashSet<(String, String, String)> = HashSet::new();
+        let mut told: HashSet<(String, AlertState, Severity)> = HashSet::new();
         loop {
             match self.poll(after) {
                 Ok(answer) => {
                     self.shared.connected.store(true, Relaxed);
-                    let this_epoch = answer.get("epoch").and_then(Value::as_i64);
+                    let this_epoch = Some(answer.epoch);
                     if this_epoch != epoch {
                         epoch = this_epoch;
                         if after != 0 {
@@ -134,16 +133,8 @@ impl Poller {
                             continue;
                         }
                     }
-                    after = answer
-                        .get("revision")
-                        .and_then(Value::as_u64)
-                        .unwrap_or(after);
-                    let alerts = answer
-                        .get("alerts")
-                        .and_then(Value::as_array)
-                        .cloned()
-                        .unwrap_or_default();
-                    for alert in alerts {
+                    after = answer.revision;
+                    for alert in answer.alerts {
                         self.offer(alert, &mut told);
                     }
                 }
@@ -164,7 +155,7 @@ impl Poller {
         }
     }
 
-    fn poll(&self, after: u64) -> Result<Value, String> {
+    fn poll(&self, after: u64) -> Result<rankwatch_api::AlertFeed, String> {
         let mut request = self.agent.get(format!("{}?after={after}", self.url));
         if let Some(auth) = &self.authorization {
             request = request.header("authorization", auth);
@@ -175,24 +166,18 @@ impl Poller {
         }
         response
             .body_mut()
-            .read_json::<Value>()
+            .read_json::<rankwatch_api::AlertFeed>()
             .map_err(|e| e.to_string())
     }
 
-    fn offer(&self, alert: Value, told: &mut HashSet<(String, String, String)>) {
-        let field = |name: &str| {
-            alert
-                .get(name)
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned()
+    fn offer(&self, alert: Alert, told: &mut HashSet<(String, AlertState, Severity)>) {
+        let untold = match alert.state {
+            AlertState::Pending => false,
+            // A pending alert that cleared never fired: nothing to tell.
+            AlertState::Resolved => alert.has_fired(),
+            AlertState::Firing => true,
         };
-        let state = field("state");
-        let fired = alert.get("fired_at_ms").is_some_and(|v| !v.is_null());
-        if state == "pending" || (state == "resolved" && !fired) {
-            return;
-        }
-        if !told.insert((field("id"), state, field("severity"))) {
+        if !untold || !told.insert((alert.id.clone(), alert.state, alert.severity)) {
             return;
         }
         let mut queue = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());

@@ -8,92 +8,14 @@
 //! replayed after a restart has the same id.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::Error;
 use crate::validate::RunId;
 use crate::vocab::Site;
 
-/// The rule that raised an alert.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Rule {
-    RankCollapse,
-    SilentInconsistency,
-    Nonfinite,
-    LossSpike,
-    ActivationOutlier,
-    StaleRank,
-}
-
-/// How urgent an alert is. Ordered: `Info < Warning < Critical`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Severity {
-    Info,
-    Warning,
-    Critical,
-}
-
-/// Where an alert is in its lifecycle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AlertState {
-    Pending,
-    Firing,
-    Resolved,
-}
-
-macro_rules! string_enum {
-    ($ty:ident { $($variant:ident = $name:literal),* $(,)? }) => {
-        impl $ty {
-            /// Every value, in declaration order.
-            pub const ALL: &'static [$ty] = &[$($ty::$variant),*];
-            /// The wire and storage name.
-            pub const fn as_str(self) -> &'static str {
-                match self { $($ty::$variant => $name),* }
-            }
-        }
-        impl fmt::Display for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-        impl FromStr for $ty {
-            type Err = Error;
-            fn from_str(s: &str) -> Result<Self, Error> {
-                $ty::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| {
-                    Error::Config(format!(
-                        "unknown {} {s:?}; expected one of {}",
-                        stringify!($ty).to_lowercase(),
-                        $ty::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
-                    ))
-                })
-            }
-        }
-    };
-}
-
-string_enum!(Rule {
-    RankCollapse = "rank_collapse",
-    SilentInconsistency = "silent_inconsistency",
-    Nonfinite = "nonfinite",
-    LossSpike = "loss_spike",
-    ActivationOutlier = "activation_outlier",
-    StaleRank = "stale_rank",
-});
-string_enum!(Severity {
-    Info = "info",
-    Warning = "warning",
-    Critical = "critical",
-});
-string_enum!(AlertState {
-    Pending = "pending",
-    Firing = "firing",
-    Resolved = "resolved",
-});
+// The alert vocabulary is part of the wire contract: one definition, in `rankwatch-api`.
+pub use rankwatch_api::{AlertState, Rule, Severity};
 
 /// What an alert is about; at most one open alert per key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -132,6 +54,32 @@ pub struct Alert {
     pub resolved_at_ms: Option<i64>,
     /// One line a person can act on.
     pub explanation: String,
+}
+
+impl From<&Alert> for rankwatch_api::Alert {
+    /// The alert as the API shows it: a non-finite value or threshold is null there.
+    fn from(a: &Alert) -> Self {
+        rankwatch_api::Alert {
+            id: a.id.clone(),
+            run: a.run.to_string(),
+            rule: a.rule,
+            severity: a.severity,
+            state: a.state,
+            layer: a.layer,
+            site: a.site.map(|s| s.as_str().to_owned()),
+            rank: a.rank,
+            outlier_ranks: a.outlier_ranks.clone(),
+            value: a.value.is_finite().then_some(a.value),
+            threshold: a.threshold.is_finite().then_some(a.threshold),
+            first_step: a.first_step,
+            last_step: a.last_step,
+            started_at_ms: a.started_at_ms,
+            updated_at_ms: a.updated_at_ms,
+            fired_at_ms: a.fired_at_ms,
+            resolved_at_ms: a.resolved_at_ms,
+            explanation: a.explanation.clone(),
+        }
+    }
 }
 
 impl Alert {

@@ -54,3 +54,9 @@ pub enum Error {
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<rankwatch_api::UnknownName> for Error {
+    fn from(e: rankwatch_api::UnknownName) -> Self {
+        Error::Config(e.to_string())
+    }
+}

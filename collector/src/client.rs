@@ -6,7 +6,11 @@ use std::fs::File;
 use std::io::{self, BufRead, IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 
-use serde_json::{Value, json};
+use rankwatch_api::{
+    ByteSize, Deleted, ErrorBody, ProbeSwitch, RetentionReport, RetentionRequest, Runs, SetProbes,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{ExportArgs, Remote, RunsAction};
@@ -34,10 +38,9 @@ fn encode(segment: &str) -> String {
 
 /// The collector's message for a non-2xx answer.
 fn refusal(status: u16, body: &str) -> Error {
-    let message = serde_json::from_str::<Value>(body)
-        .ok()
-        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-        .unwrap_or_else(|| body.trim().to_owned());
+    let message = serde_json::from_str::<ErrorBody>(body)
+        .map(|b| b.error)
+        .unwrap_or_else(|_| body.trim().to_owned());
     Error::Remote(format!("the collector answered {status}: {message}"))
 }
 
@@ -53,14 +56,25 @@ fn authorized<B>(request: ureq::RequestBuilder<B>, remote: &Remote) -> ureq::Req
     }
 }
 
-fn call(remote: &Remote, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+/// One API call; the answer is read as the contract's type `T`.
+fn call<T: DeserializeOwned>(
+    remote: &Remote,
+    method: &str,
+    path: &str,
+    body: Option<&dyn Body>,
+) -> Result<T> {
     let url = format!("{}{path}", remote.url.trim_end_matches('/'));
     let agent = agent();
+    let json = body.map(|b| b.to_json()).transpose()?.unwrap_or_default();
     let answer = match method {
         "GET" => authorized(agent.get(&url), remote).call(),
         "DELETE" => authorized(agent.delete(&url), remote).call(),
-        "PUT" => authorized(agent.put(&url), remote).send_json(body.unwrap_or(Value::Null)),
-        _ => authorized(agent.post(&url), remote).send_json(body.unwrap_or(Value::Null)),
+        "PUT" => authorized(agent.put(&url), remote)
+            .header("content-type", "application/json")
+            .send(json.as_bytes()),
+        _ => authorized(agent.post(&url), remote)
+            .header("content-type", "application/json")
+            .send(json.as_bytes()),
     };
     let mut answer = answer.map_err(|e| unreachable(&remote.url, e))?;
     let status = answer.status().as_u16();
@@ -71,7 +85,22 @@ fn call(remote: &Remote, method: &str, path: &str, body: Option<Value>) -> Resul
     if !(200..300).contains(&status) {
         return Err(refusal(status, &text));
     }
-    Ok(serde_json::from_str(&text)?)
+    serde_json::from_str(&text).map_err(|e| {
+        Error::Remote(format!(
+            "unreadable answer from the collector to {method} {path}: {e}"
+        ))
+    })
+}
+
+/// A request body: any contract type (so `call` need not be generic in it).
+trait Body {
+    fn to_json(&self) -> Result<String>;
+}
+
+impl<T: Serialize> Body for T {
+    fn to_json(&self) -> Result<String> {
+        Ok(serde_json::to_string(self)?)
+    }
 }
 
 fn human_bytes(n: u64) -> String {
@@ -106,28 +135,28 @@ fn ago(ms: Option<i64>) -> String {
 pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result<()> {
     match action {
         RunsAction::List { json } => {
-            let answer = call(remote, "GET", "/api/v1/runs", None)?;
+            let answer: Runs = call(remote, "GET", "/api/v1/runs", None)?;
             if *json {
                 writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
                 return Ok(());
             }
-            let runs = answer["runs"].as_array().cloned().unwrap_or_default();
+            let runs = answer.runs;
             writeln!(
                 out,
                 "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7}",
                 "RUN", "RANKS", "LAST STEP", "LAST SEEN", "SIZE", "FIRING"
             )?;
             for r in &runs {
-                let num = |k: &str| r[k].as_u64().map_or("-".into(), |v| v.to_string());
+                let num = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
                 writeln!(
                     out,
                     "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7}",
-                    r["run"].as_str().unwrap_or("?"),
-                    num("world_size"),
-                    num("last_step"),
-                    ago(r["last_seen_ms"].as_i64()),
-                    human_bytes(r["bytes"].as_u64().unwrap_or(0)),
-                    num("alerts_firing"),
+                    r.run,
+                    num(r.world_size.map(u64::from)),
+                    num(r.last_step),
+                    ago(r.last_seen_ms),
+                    human_bytes(r.bytes),
+                    r.alerts_firing,
                 )?;
             }
             writeln!(out, "{} run(s)", runs.len())?;
@@ -149,7 +178,7 @@ pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result
                 }
             }
             for run in runs {
-                let d = call(
+                let d: Deleted = call(
                     remote,
                     "DELETE",
                     &format!("/api/v1/runs/{}", encode(run)),
@@ -158,10 +187,10 @@ pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result
                 writeln!(
                     out,
                     "deleted {run}: {} rows, {} files ({}), {} alerts",
-                    d["rows"],
-                    d["files"],
-                    human_bytes(d["bytes"].as_u64().unwrap_or(0)),
-                    d["alerts"]
+                    d.rows,
+                    d.files,
+                    human_bytes(d.bytes),
+                    d.alerts
                 )?;
             }
         }
@@ -170,33 +199,34 @@ pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result
             max_bytes,
             dry_run,
         } => {
-            let mut body = json!({ "dry_run": dry_run });
-            if let Some(age) = older_than {
-                body["max_age"] = json!(format!("{}s", age.as_secs()));
-            }
-            if let Some(cap) = max_bytes {
-                body["max_bytes"] = json!(cap);
-            }
-            let report = call(remote, "POST", "/api/v1/retention", Some(body))?;
+            let request = RetentionRequest {
+                max_age: older_than.map(|age| format!("{}s", age.as_secs())),
+                max_bytes: max_bytes.map(ByteSize::Bytes),
+                dry_run: *dry_run,
+            };
+            let report: RetentionReport =
+                call(remote, "POST", "/api/v1/retention", Some(&request))?;
             let verb = if *dry_run { "would delete" } else { "deleted" };
-            let deleted = report["deleted"].as_array().cloned().unwrap_or_default();
-            for d in &deleted {
+            for d in &report.deleted {
+                let reason = match d.reason {
+                    rankwatch_api::RetentionReason::Age => "age",
+                    rankwatch_api::RetentionReason::Size => "size",
+                };
                 writeln!(
                     out,
-                    "{verb} {} ({}, last seen {}, {})",
-                    d["run"].as_str().unwrap_or("?"),
-                    d["reason"].as_str().unwrap_or("?"),
-                    ago(d["last_seen_ms"].as_i64()),
-                    human_bytes(d["bytes"].as_u64().unwrap_or(0)),
+                    "{verb} {} ({reason}, last seen {}, {})",
+                    d.run,
+                    ago(Some(d.last_seen_ms)),
+                    human_bytes(d.bytes),
                 )?;
             }
             writeln!(
                 out,
                 "{verb} {} run(s); {} left",
-                deleted.len(),
-                human_bytes(report["bytes_left"].as_u64().unwrap_or(0))
+                report.deleted.len(),
+                human_bytes(report.bytes_left)
             )?;
-            if let Some(why) = report["over_cap"].as_str() {
+            if let Some(why) = &report.over_cap {
                 writeln!(out, "warning: {why}")?;
             }
         }
@@ -207,17 +237,17 @@ pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result
 /// `rankwatch attach RUN` / `rankwatch detach RUN`: records the wish at the collector, where
 /// the run's dormant agents poll it; they act at the end of an optimizer step.
 pub fn switch_probes(remote: &Remote, run: &str, on: bool, out: &mut dyn Write) -> Result<()> {
-    let answer = call(
+    let answer: ProbeSwitch = call(
         remote,
         "PUT",
         &format!("/api/v1/runs/{}/probes", encode(run)),
-        Some(json!({ "on": on })),
+        Some(&SetProbes { on }),
     )?;
     writeln!(
         out,
         "{run}: probes {} (revision {}); its agents follow within a few steps",
         if on { "on" } else { "off" },
-        answer["revision"]
+        answer.revision
     )?;
     Ok(())
 }

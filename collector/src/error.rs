@@ -7,6 +7,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use rankwatch_api::ErrorReason;
 
 /// Everything that can go wrong in the collector.
 #[derive(Debug, thiserror::Error)]
@@ -127,28 +128,28 @@ impl Error {
         }
     }
 
-    /// A short, stable reason label for the `rejects` counter.
-    pub fn reason(&self) -> &'static str {
+    /// The stable reason code of the error body (and the `rejects` counter's label).
+    pub fn reason(&self) -> ErrorReason {
         match self {
-            Error::BadRequest(_) => "bad_request",
-            Error::Domain(_) => "invalid_data",
-            Error::Arrow(_) => "malformed_arrow",
-            Error::Json(_) => "malformed_json",
-            Error::BodyTooLarge { .. } => "body_too_large",
-            Error::TooManyRows { .. } => "too_many_rows",
-            Error::Cardinality(_) => "cardinality",
-            Error::UnsupportedMediaType(_) => "media_type",
-            Error::Unauthorized(_) => "unauthorized",
-            Error::UnknownRun(_) => "unknown_run",
-            Error::NotFound => "not_found",
-            Error::InFlight(_) => "in_flight",
-            Error::Backpressure { .. } => "backpressure",
-            Error::Sql(_) => "sql",
-            Error::Unavailable(_) => "unavailable",
-            Error::Storage(_) => "storage",
-            Error::Remote(_) => "remote",
+            Error::BadRequest(_) => ErrorReason::BadRequest,
+            Error::Domain(_) => ErrorReason::InvalidData,
+            Error::Arrow(_) => ErrorReason::MalformedArrow,
+            Error::Json(_) => ErrorReason::MalformedJson,
+            Error::BodyTooLarge { .. } => ErrorReason::BodyTooLarge,
+            Error::TooManyRows { .. } => ErrorReason::TooManyRows,
+            Error::Cardinality(_) => ErrorReason::Cardinality,
+            Error::UnsupportedMediaType(_) => ErrorReason::MediaType,
+            Error::Unauthorized(_) => ErrorReason::Unauthorized,
+            Error::UnknownRun(_) => ErrorReason::UnknownRun,
+            Error::NotFound => ErrorReason::NotFound,
+            Error::InFlight(_) => ErrorReason::InFlight,
+            Error::Backpressure { .. } => ErrorReason::Backpressure,
+            Error::Sql(_) => ErrorReason::Sql,
+            Error::Unavailable(_) => ErrorReason::Unavailable,
+            Error::Storage(_) => ErrorReason::Storage,
+            Error::Remote(_) => ErrorReason::Remote,
             Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
-                "internal"
+                ErrorReason::Internal
             }
         }
     }
@@ -165,7 +166,10 @@ impl IntoResponse for Error {
         if status.is_server_error() {
             tracing::error!(error = %self, "request failed");
         }
-        let body = serde_json::json!({ "error": self.to_string(), "reason": self.reason() });
+        let body = rankwatch_api::ErrorBody {
+            error: self.to_string(),
+            reason: self.reason(),
+        };
         let mut response = (status, axum::Json(body)).into_response();
         let headers = response.headers_mut();
         if let Error::Backpressure { retry_after_s, .. } = self {

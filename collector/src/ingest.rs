@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use serde::Serialize;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -47,18 +46,9 @@ impl Format {
     }
 }
 
-/// What the collector answers to an accepted batch.
-#[derive(Debug, Serialize)]
-pub struct Ack {
-    /// `stored`, or `duplicate` for an idempotency key already applied.
-    pub status: &'static str,
-    pub run: String,
-    pub rows: usize,
-    pub nonfinite: usize,
-    /// Write-ahead-log sequence number (absent for duplicates).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub seq: Option<u64>,
-}
+/// What the collector answers to an accepted batch: the contract's type.
+pub use rankwatch_api::Ack;
+use rankwatch_api::AckStatus;
 
 /// Ingest's own counters; [`crate::telemetry`] exports them.
 #[derive(Debug, Default)]
@@ -147,10 +137,10 @@ impl Ingestor {
         let Some(seq) = self.commit(key.as_ref(), entry, raw).await? else {
             self.metrics.duplicates.inc();
             return Ok(Ack {
-                status: "duplicate",
+                status: AckStatus::Duplicate,
                 run,
-                rows,
-                nonfinite,
+                rows: rows as u64,
+                nonfinite: nonfinite as u64,
                 seq: None,
             });
         };
@@ -170,10 +160,10 @@ impl Ingestor {
         t.bytes.inc_by(body_len as u64);
         t.nonfinite.inc_by(nonfinite as u64);
         Ok(Ack {
-            status: "stored",
+            status: AckStatus::Stored,
             run,
-            rows,
-            nonfinite,
+            rows: rows as u64,
+            nonfinite: nonfinite as u64,
             seq: Some(seq),
         })
     }

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rankwatch_analytics::RunId;
-use serde::Serialize;
 
 use crate::alerting::EngineHandle;
 use crate::error::Result;
@@ -39,15 +38,14 @@ impl Policy {
 }
 
 /// Why a run is to be deleted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
     Age,
     Size,
 }
 
 /// One planned deletion.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Doomed {
     pub run: RunId,
     pub reason: Reason,
@@ -88,15 +86,37 @@ pub fn plan(usage: &[RunUsage], now_ms: i64, policy: &Policy) -> (Vec<Doomed>, u
 }
 
 /// What a retention pass did (or, dry, would do).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct Report {
     pub dry_run: bool,
     pub deleted: Vec<Doomed>,
     /// Parquet bytes left after the pass.
     pub bytes_left: u64,
     /// Set when the size cap is still exceeded (only protected, recently active runs remain).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub over_cap: Option<String>,
+}
+
+impl From<Report> for rankwatch_api::RetentionReport {
+    fn from(r: Report) -> Self {
+        rankwatch_api::RetentionReport {
+            dry_run: r.dry_run,
+            deleted: r
+                .deleted
+                .into_iter()
+                .map(|d| rankwatch_api::Doomed {
+                    run: d.run.to_string(),
+                    reason: match d.reason {
+                        Reason::Age => rankwatch_api::RetentionReason::Age,
+                        Reason::Size => rankwatch_api::RetentionReason::Size,
+                    },
+                    bytes: d.bytes,
+                    last_seen_ms: d.last_seen_ms,
+                })
+                .collect(),
+            bytes_left: r.bytes_left,
+            over_cap: r.over_cap,
+        }
+    }
 }
 
 /// Deletes runs: the store and the alert engine together.

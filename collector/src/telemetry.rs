@@ -45,7 +45,7 @@ impl RequestMetrics {
     /// Counts a refused request under its reason label.
     pub fn reject(&self, error: &crate::error::Error) {
         self.rejects
-            .get_or_create(&vec![("reason", error.reason())])
+            .get_or_create(&vec![("reason", error.reason().as_str())])
             .inc();
     }
 

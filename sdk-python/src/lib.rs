@@ -392,7 +392,13 @@ impl Agent {
     fn take_alerts(&self) -> Vec<String> {
         let feed = self.feed.lock().unwrap_or_else(|p| p.into_inner());
         feed.as_ref()
-            .map(|f| f.take().iter().map(|a| a.to_string()).collect())
+            .map(|f| {
+                f.take()
+                    .iter()
+                    // Plain fields only: serialising an alert cannot fail.
+                    .filter_map(|a| serde_json::to_string(a).ok())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 

@@ -1,231 +1,52 @@
-//! Typed views of the collector's read API, and the one `fetch` every page goes through.
-//! Each struct holds only the fields the pages read; serde skips the rest of an answer.
+//! The collector's read API as the pages call it, and the one `fetch` every page goes through.
 //!
-//! The dashboard does not share Rust types with the collector: the collector's answers are
-//! built as JSON there, and the analytics crate that holds the domain types carries Arrow and
-//! nalgebra, which would triple the wasm. These structs deserialise exactly the documented
-//! shapes (`docs/api.md`); the browser tests are what keep the two sides in step.
+//! The answers are the contract's own types (`rankwatch-api`, the crate the collector
+//! serialises from), so a field renamed there is a compile error here rather than a page that
+//! silently shows nothing. Non-finite floats arrive as [`Num`]; [`NumExt`] reads the nullable
+//! ones.
 //!
 //! Every failure becomes an [`ApiError`] whose text is shown to the user as is: the HTTP status
-//! and the collector's own `message`, or a plain "cannot reach the collector" when the request
-//! never got an answer (the collector restarting, say).
+//! and the collector's own `error` text, or a plain "cannot reach the collector" when the
+//! request never got an answer (the collector restarting, say).
 
 use std::fmt;
 
-use serde::Deserialize;
+use rankwatch_api::ErrorBody;
+pub(crate) use rankwatch_api::{
+    Alert, Alerts, BucketRange, Catalog, Cosine, Heatmap, Num, ProbeSwitch, RulesAnswer,
+    RunSummary, Runs, Series, SeriesAnswer, SetProbes, Workers,
+};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 
-/// A value that may be a number, `null` or one of the strings `"NaN"`, `"inf"`, `"-inf"` the
-/// collector writes for non-finite floats.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub(crate) struct Num(pub(crate) Option<f64>);
-
-impl<'de> Deserialize<'de> for Num {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Number(f64),
-            Text(String),
-            Null,
-        }
-        Ok(Num(match Option::<Raw>::deserialize(d)? {
-            Some(Raw::Number(x)) => Some(x),
-            Some(Raw::Text(s)) => match s.to_ascii_lowercase().as_str() {
-                "nan" => Some(f64::NAN),
-                "inf" | "+inf" | "infinity" => Some(f64::INFINITY),
-                "-inf" | "-infinity" => Some(f64::NEG_INFINITY),
-                _ => None,
-            },
-            Some(Raw::Null) | None => None,
-        }))
-    }
-}
-
-impl Num {
+/// Reading the contract's nullable floats.
+pub(crate) trait NumExt {
+    /// The value, non-finite ones included; `None` when there is none.
+    fn value(self) -> Option<f64>;
     /// The value when it is a finite number.
-    pub(crate) fn finite(self) -> Option<f64> {
-        self.0.filter(|x| x.is_finite())
+    fn finite(self) -> Option<f64>;
+}
+
+impl NumExt for Option<Num> {
+    fn value(self) -> Option<f64> {
+        self.map(Num::get)
+    }
+
+    fn finite(self) -> Option<f64> {
+        self.and_then(Num::finite)
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct RunsAnswer {
-    pub(crate) runs: Vec<RunInfo>,
+/// Reading the rules in force (the dashboard reads a few thresholds to draw healthy bands).
+pub(crate) trait RulesExt {
+    /// `rules[rule][key]` when it is a number.
+    fn number(&self, rule: &str, key: &str) -> Option<f64>;
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct RunInfo {
-    pub(crate) run: String,
-    pub(crate) world_size: Option<u32>,
-    pub(crate) layers: Option<u32>,
-    pub(crate) first_step: Option<i64>,
-    pub(crate) last_step: Option<i64>,
-    pub(crate) last_seen_ms: Option<i64>,
-    pub(crate) alerts_firing: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct Catalog {
-    pub(crate) metrics: Vec<CatalogMetric>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct CatalogMetric {
-    pub(crate) metric: String,
-    pub(crate) scope: Option<String>,
-    pub(crate) user: bool,
-    pub(crate) layers: Vec<i64>,
-    pub(crate) sites: Vec<String>,
-    pub(crate) ranks: Vec<i64>,
-}
-
-impl Catalog {
-    pub(crate) fn get(&self, metric: &str) -> Option<&CatalogMetric> {
-        self.metrics.iter().find(|m| m.metric == metric)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-pub(crate) struct Buckets {
-    pub(crate) from: i64,
-    pub(crate) to: i64,
-    pub(crate) width: i64,
-    pub(crate) count: i64,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct Bucket {
-    pub(crate) start: i64,
-    pub(crate) nonfinite: u64,
-    pub(crate) last: Num,
-    pub(crate) last_step: i64,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct Series {
-    pub(crate) layer: Option<i64>,
-    pub(crate) site: Option<String>,
-    pub(crate) rank: Option<i64>,
-    pub(crate) buckets: Vec<Bucket>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct SeriesAnswer {
-    pub(crate) buckets: Option<Buckets>,
-    pub(crate) series: Vec<Series>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct Heatmap {
-    pub(crate) buckets: Option<Buckets>,
-    pub(crate) steps: Vec<i64>,
-    pub(crate) layers: Vec<i64>,
-    pub(crate) last: Vec<Vec<Num>>,
-    pub(crate) count: Vec<Vec<u64>>,
-    pub(crate) nonfinite: Vec<Vec<u64>>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct Workers {
-    pub(crate) step: Option<i64>,
-    pub(crate) ranks: Vec<i64>,
-    pub(crate) metrics: Vec<WorkerMetric>,
-    pub(crate) cosine: Option<serde_json::Value>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct WorkerMetric {
-    pub(crate) metric: String,
-    pub(crate) layer: Option<i64>,
-    pub(crate) values: Vec<Num>,
-}
-
-/// The rank × rank cosine matrix of `/workers`, or why there is none.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Cosine {
-    Matrix {
-        ranks: Vec<i64>,
-        matrix: Vec<Vec<Num>>,
-        pair_mean: Num,
-    },
-    Error(String),
-    Missing,
-}
-
-impl Workers {
-    pub(crate) fn cosine(&self) -> Cosine {
-        #[derive(Deserialize)]
-        struct Matrix {
-            ranks: Vec<i64>,
-            matrix: Vec<Vec<Num>>,
-            pair_mean: Num,
-        }
-        match &self.cosine {
-            None | Some(serde_json::Value::Null) => Cosine::Missing,
-            Some(v) => {
-                if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
-                    return Cosine::Error(e.to_owned());
-                }
-                match serde_json::from_value::<Matrix>(v.clone()) {
-                    Ok(m) => Cosine::Matrix {
-                        ranks: m.ranks,
-                        matrix: m.matrix,
-                        pair_mean: m.pair_mean,
-                    },
-                    Err(e) => Cosine::Error(format!("unreadable cosine matrix: {e}")),
-                }
-            }
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct AlertsAnswer {
-    pub(crate) alerts: Vec<Alert>,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct Alert {
-    pub(crate) id: String,
-    pub(crate) run: String,
-    pub(crate) rule: String,
-    pub(crate) severity: String,
-    pub(crate) state: String,
-    pub(crate) layer: Option<i64>,
-    pub(crate) site: Option<String>,
-    pub(crate) rank: Option<i64>,
-    #[serde(default)]
-    pub(crate) outlier_ranks: Vec<i64>,
-    pub(crate) value: Num,
-    pub(crate) threshold: Num,
-    pub(crate) first_step: i64,
-    pub(crate) last_step: i64,
-    pub(crate) started_at_ms: i64,
-    pub(crate) updated_at_ms: i64,
-    pub(crate) fired_at_ms: Option<i64>,
-    pub(crate) resolved_at_ms: Option<i64>,
-    pub(crate) explanation: String,
-}
-
-impl Alert {
-    /// Alerts that reached `firing` (a pending one that resolved never did).
-    pub(crate) fn has_fired(&self) -> bool {
-        self.fired_at_ms.is_some()
-    }
-}
-
-/// `GET /api/v1/rules?run=R`: the rules in force for a run, as plain JSON (the dashboard reads
-/// a few thresholds from it to draw healthy bands).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct RulesAnswer {
-    pub(crate) rules: serde_json::Value,
-}
-
-impl RulesAnswer {
-    pub(crate) fn number(&self, rule: &str, key: &str) -> Option<f64> {
+impl RulesExt for RulesAnswer {
+    fn number(&self, rule: &str, key: &str) -> Option<f64> {
         self.rules.get(rule)?.get(key)?.as_f64()
     }
 }
@@ -298,8 +119,9 @@ async fn get_text(path: &str) -> ApiResult<String> {
 }
 
 /// `PUT path` with a JSON body and parse the JSON answer.
-pub(crate) async fn put<T: DeserializeOwned>(path: &str, body: &serde_json::Value) -> ApiResult<T> {
-    let text = request_text("PUT", path, Some(body.to_string())).await?;
+pub(crate) async fn put<T: DeserializeOwned>(path: &str, body: &impl Serialize) -> ApiResult<T> {
+    let body = serde_json::to_string(body).map_err(|e| ApiError::Unreadable(e.to_string()))?;
+    let text = request_text("PUT", path, Some(body)).await?;
     serde_json::from_str(&text).map_err(|e| ApiError::Unreadable(e.to_string()))
 }
 
@@ -335,13 +157,10 @@ async fn request_text(method: &str, path: &str, body: Option<String>) -> ApiResu
     if (200..300).contains(&status) {
         return Ok(body);
     }
-    let message = serde_json::from_str::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| {
-            let text = v.get("error").or_else(|| v.get("message"))?;
-            text.as_str().map(str::to_owned)
-        })
-        .unwrap_or_else(|| body.chars().take(200).collect());
+    // A proxy's error page is not the contract's body: show its start instead.
+    let message = serde_json::from_str::<ErrorBody>(&body)
+        .map(|b| b.error)
+        .unwrap_or_else(|_| body.chars().take(200).collect());
     Err(match status {
         401 => ApiError::Unauthorized(message),
         // A proxy in front of a restarting collector answers 502/503/504.
@@ -363,8 +182,8 @@ fn describe(v: &JsValue) -> String {
 /// The step range and resolution of a downsampled query.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Window {
-    pub(crate) from: Option<i64>,
-    pub(crate) to: Option<i64>,
+    pub(crate) from: Option<u64>,
+    pub(crate) to: Option<u64>,
     pub(crate) points: u32,
 }
 
@@ -381,14 +200,6 @@ impl Window {
     }
 }
 
-/// A run's probe switch (`/api/v1/runs/{run}/probes`): whether an operator wants its dormant
-/// agents' probes on; `on` is `None` when nobody set it.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub(crate) struct ProbeSwitch {
-    pub(crate) on: Option<bool>,
-    pub(crate) revision: u64,
-}
-
 pub(crate) async fn probe_switch(run: &str) -> ApiResult<ProbeSwitch> {
     get(&format!("/api/v1/runs/{}/probes", enc(run))).await
 }
@@ -396,12 +207,12 @@ pub(crate) async fn probe_switch(run: &str) -> ApiResult<ProbeSwitch> {
 pub(crate) async fn set_probe_switch(run: &str, on: bool) -> ApiResult<ProbeSwitch> {
     put(
         &format!("/api/v1/runs/{}/probes", enc(run)),
-        &serde_json::json!({ "on": on }),
+        &SetProbes { on },
     )
     .await
 }
 
-pub(crate) async fn runs() -> ApiResult<RunsAnswer> {
+pub(crate) async fn runs() -> ApiResult<Runs> {
     get("/api/v1/runs").await
 }
 
@@ -413,9 +224,9 @@ pub(crate) async fn catalog(run: &str) -> ApiResult<Catalog> {
 pub(crate) async fn series(
     run: &str,
     metric: &str,
-    layer: Option<i64>,
+    layer: Option<u32>,
     site: Option<&str>,
-    rank: Option<i64>,
+    rank: Option<u32>,
     window: Window,
 ) -> ApiResult<SeriesAnswer> {
     let mut path = format!(
@@ -454,7 +265,7 @@ pub(crate) async fn heatmap(
     get(&path).await
 }
 
-pub(crate) async fn workers(run: &str, step: Option<i64>) -> ApiResult<Workers> {
+pub(crate) async fn workers(run: &str, step: Option<u64>) -> ApiResult<Workers> {
     let mut path = format!("/api/v1/runs/{}/workers", enc(run));
     if let Some(step) = step {
         path.push_str(&format!("?step={step}"));
@@ -462,7 +273,7 @@ pub(crate) async fn workers(run: &str, step: Option<i64>) -> ApiResult<Workers> 
     get(&path).await
 }
 
-pub(crate) async fn alerts(run: Option<&str>) -> ApiResult<AlertsAnswer> {
+pub(crate) async fn alerts(run: Option<&str>) -> ApiResult<Alerts> {
     match run {
         Some(run) => get(&format!("/api/v1/alerts?run={}", enc(run))).await,
         None => get("/api/v1/alerts").await,

@@ -7,12 +7,13 @@
 //! fetches finer buckets rather than stretching the coarse ones.
 
 use leptos::prelude::*;
+use rankwatch_api::Severity;
 use serde::Serialize;
 use wasm_bindgen::JsValue;
 use wasm_bindgen::closure::Closure;
 use wasm_bindgen::prelude::wasm_bindgen;
 
-use crate::api::{Alert, Buckets, SeriesAnswer};
+use crate::api::{Alert, BucketRange as Buckets, NumExt, SeriesAnswer};
 
 #[wasm_bindgen(module = "/js/charts.js")]
 extern "C" {
@@ -78,7 +79,7 @@ pub(crate) struct ChartSpec {
     pub(crate) marks: Vec<Mark>,
     pub(crate) lines: Vec<Level>,
     pub(crate) nonfinite: Vec<f64>,
-    pub(crate) selected: Option<i64>,
+    pub(crate) selected: Option<u64>,
     /// The bucket grid `x` was laid out on (the first answer's); later answers are placed
     /// on it.
     #[serde(skip)]
@@ -102,21 +103,28 @@ impl ChartSpec {
         mut style: impl FnMut(usize, &crate::api::Series) -> LineStyle,
         map: impl Fn(f64) -> f64,
     ) {
-        let Some(answer_grid) = answer.buckets else {
-            return;
-        };
+        let answer_grid = answer.buckets;
         let grid = *self.grid.get_or_insert_with(|| {
-            self.x = (0..answer_grid.count.max(0))
-                .map(|i| (answer_grid.from + i * answer_grid.width.max(1)) as f64)
+            self.x = (0..answer_grid.count)
+                .map(|i| {
+                    answer_grid
+                        .from
+                        .saturating_add(i.saturating_mul(answer_grid.width.max(1)))
+                        as f64
+                })
                 .collect();
             answer_grid
         });
-        let slots = self.x.len() as i64;
+        let slots = self.x.len() as u64;
         for (i, s) in answer.series.iter().enumerate() {
             let mut ys = vec![None; self.x.len()];
             for b in &s.buckets {
-                let j = (b.start - grid.from).div_euclid(grid.width.max(1));
-                if (0..slots).contains(&j) {
+                // A bucket before this chart's grid (a later part's wider window) is left out.
+                let Some(offset) = b.start.checked_sub(grid.from) else {
+                    continue;
+                };
+                let j = offset / grid.width.max(1);
+                if j < slots {
                     ys[j as usize] = b.last.finite().map(&map).filter(|v| v.is_finite());
                     if b.nonfinite > 0 {
                         self.nonfinite.push(b.start as f64);
@@ -131,16 +139,16 @@ impl ChartSpec {
     /// Shades each alert's step span.
     pub(crate) fn add_alerts<'a>(&mut self, alerts: impl IntoIterator<Item = &'a Alert>) {
         for a in alerts {
-            let color = match a.severity.as_str() {
-                "critical" => "#d0021b",
-                "warning" => "#f5a623",
-                _ => "#4a90e2",
+            let color = match a.severity {
+                Severity::Critical => "#d0021b",
+                Severity::Warning => "#f5a623",
+                Severity::Info => "#4a90e2",
             };
             self.marks.push(Mark {
                 from: a.first_step as f64,
                 to: a.last_step as f64,
                 color: color.into(),
-                label: crate::format::rule_label(&a.rule).into(),
+                label: crate::format::rule_label(a.rule).into(),
             });
         }
     }
@@ -173,8 +181,8 @@ pub(crate) fn mean_style(label: &str) -> LineStyle {
 #[component]
 pub(crate) fn Chart(
     #[prop(into)] spec: Signal<Option<ChartSpec>>,
-    on_zoom: Callback<(i64, i64)>,
-    on_pick: Callback<i64>,
+    on_zoom: Callback<(u64, u64)>,
+    on_pick: Callback<u64>,
     #[prop(into)] name: String,
 ) -> impl IntoView {
     let node = NodeRef::<leptos::html::Div>::new();
@@ -191,9 +199,9 @@ pub(crate) fn Chart(
             return;
         }
         let zoom = Closure::<dyn FnMut(f64, f64)>::new(move |a: f64, b: f64| {
-            on_zoom.run((a as i64, b as i64));
+            on_zoom.run((a.max(0.0) as u64, b.max(0.0) as u64));
         });
-        let pick = Closure::<dyn FnMut(f64)>::new(move |s: f64| on_pick.run(s as i64));
+        let pick = Closure::<dyn FnMut(f64)>::new(move |s: f64| on_pick.run(s.max(0.0) as u64));
         let h = chart_create(&el, &json, &zoom, &pick);
         closures.set_value(Some((zoom, pick)));
         handle.set_value(Some(h));
@@ -235,8 +243,8 @@ pub(crate) struct Band {
 #[serde(rename_all = "camelCase")]
 pub(crate) struct HeatSpec {
     pub(crate) rows: Vec<String>,
-    pub(crate) cols: Vec<i64>,
-    pub(crate) last_step: i64,
+    pub(crate) cols: Vec<u64>,
+    pub(crate) last_step: u64,
     pub(crate) values: Vec<Vec<Option<f64>>>,
     /// Cells without a measurement of their own, showing the previous probe's value.
     pub(crate) filled: Vec<Vec<bool>>,

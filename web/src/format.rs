@@ -1,5 +1,7 @@
 //! How numbers, times and names read on the page.
 
+use rankwatch_api::Rule;
+
 /// A value with about three significant digits; non-finite values spelled out.
 pub(crate) fn num(v: Option<f64>) -> String {
     match v {
@@ -51,20 +53,19 @@ pub(crate) fn time(ms: Option<i64>) -> String {
 }
 
 /// The words a rule goes by on the page.
-pub(crate) fn rule_label(rule: &str) -> &str {
+pub(crate) fn rule_label(rule: Rule) -> &'static str {
     match rule {
-        "rank_collapse" => "rank collapse",
-        "silent_inconsistency" => "silent inconsistency",
-        "nonfinite" => "non-finite",
-        "loss_spike" => "loss spike",
-        "activation_outlier" => "activation outlier",
-        "stale_rank" => "stale rank",
-        other => other,
+        Rule::RankCollapse => "rank collapse",
+        Rule::SilentInconsistency => "silent inconsistency",
+        Rule::Nonfinite => "non-finite",
+        Rule::LossSpike => "loss spike",
+        Rule::ActivationOutlier => "activation outlier",
+        Rule::StaleRank => "stale rank",
     }
 }
 
 /// The label of a per-layer series: "layer 3", "layer 3 · v".
-pub(crate) fn layer_label(layer: Option<i64>, site: Option<&str>) -> String {
+pub(crate) fn layer_label(layer: Option<u32>, site: Option<&str>) -> String {
     match (layer, site) {
         (Some(l), Some(s)) => format!("layer {l} · {s}"),
         (Some(l), None) => format!("layer {l}"),

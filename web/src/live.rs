@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 
 use leptos::prelude::*;
+use rankwatch_api::Event;
 use wasm_bindgen::JsCast;
 use wasm_bindgen::closure::Closure;
 
@@ -166,50 +167,51 @@ fn connect(live: Live, pending: Rc<RefCell<Pending>>) {
         source.set_onerror(Some(on_error.as_ref().unchecked_ref()));
         on_error.forget();
     }
-    let listen = |name: &str, f: Box<dyn FnMut(web_sys::MessageEvent)>| {
-        let cb = Closure::<dyn FnMut(web_sys::MessageEvent)>::new(f);
-        let _ = source.add_event_listener_with_callback(name, cb.as_ref().unchecked_ref());
-        cb.forget();
-    };
-    {
+    // One listener per event the contract defines; each event only marks what changed.
+    for name in Event::NAMES {
         let pending = pending.clone();
-        listen(
-            "samples",
-            Box::new(move |e| {
-                if let Some(run) = event_run(&e) {
-                    pending.borrow_mut().runs.insert(run);
-                }
-            }),
-        );
-    }
-    {
-        let pending = pending.clone();
-        listen(
-            "run",
-            Box::new(move |e| {
+        let on_event =
+            Closure::<dyn FnMut(web_sys::MessageEvent)>::new(move |e: web_sys::MessageEvent| {
+                let parsed = e
+                    .data()
+                    .as_string()
+                    .map(|d| serde_json::from_str::<Event>(&d));
                 let mut p = pending.borrow_mut();
-                p.run_meta = true;
-                if let Some(run) = event_run(&e) {
-                    p.runs.insert(run);
+                match parsed {
+                    Some(Ok(event)) => p.mark(&event),
+                    // An event this dashboard cannot read: re-query everything rather than miss it.
+                    _ => p.everything = true,
                 }
-            }),
-        );
+            });
+        let _ = source.add_event_listener_with_callback(name, on_event.as_ref().unchecked_ref());
+        on_event.forget();
     }
-    {
-        let pending = pending.clone();
-        listen(
-            "alert",
-            Box::new(move |_| {
-                let mut p = pending.borrow_mut();
-                p.alerts = true;
-                p.run_meta = true;
-            }),
-        );
+}
+
+impl Pending {
+    /// Marks what `event` changed, for the next refresh.
+    fn mark(&mut self, event: &Event) {
+        match event {
+            Event::Samples { run, .. } => {
+                self.runs.insert(run.clone());
+            }
+            Event::Run { run, .. } => {
+                self.run_meta = true;
+                self.runs.insert(run.clone());
+            }
+            Event::Alert { .. } => {
+                self.alerts = true;
+                self.run_meta = true;
+            }
+            // The run's pages re-query (and say it is gone); lists and alerts drop it.
+            Event::RunDeleted { run } => {
+                self.runs.insert(run.clone());
+                self.run_meta = true;
+                self.alerts = true;
+            }
+            Event::Lagged { .. } => self.everything = true,
+        }
     }
-    listen(
-        "lagged",
-        Box::new(move |_| pending.borrow_mut().everything = true),
-    );
 }
 
 fn retry_later(live: Live, pending: Rc<RefCell<Pending>>) {
@@ -222,10 +224,4 @@ fn retry_later(live: Live, pending: Rc<RefCell<Pending>>) {
     });
     let _ =
         window.set_timeout_with_callback_and_timeout_and_arguments_0(again.unchecked_ref(), 2000);
-}
-
-fn event_run(e: &web_sys::MessageEvent) -> Option<String> {
-    let data = e.data().as_string()?;
-    let v: serde_json::Value = serde_json::from_str(&data).ok()?;
-    v.get("run")?.as_str().map(str::to_owned)
 }

@@ -116,9 +116,18 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Alert>> {
             Ok(Alert {
                 id: s("id").value(i).to_owned(),
                 run: RunId::new(s("run").value(i)).map_err(&at)?,
-                rule: s("rule").value(i).parse().map_err(&at)?,
-                severity: s("severity").value(i).parse().map_err(&at)?,
-                state: s("state").value(i).parse().map_err(&at)?,
+                rule: s("rule")
+                    .value(i)
+                    .parse()
+                    .map_err(|e: rankwatch_api::UnknownName| at(e.into()))?,
+                severity: s("severity")
+                    .value(i)
+                    .parse()
+                    .map_err(|e: rankwatch_api::UnknownName| at(e.into()))?,
+                state: s("state")
+                    .value(i)
+                    .parse()
+                    .map_err(|e: rankwatch_api::UnknownName| at(e.into()))?,
                 layer: opt(c.u32s("layer"), i),
                 site: opt_str(s("site"), i)
                     .map(Site::from_str)

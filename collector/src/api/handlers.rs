@@ -12,8 +12,11 @@ use axum::response::{IntoResponse, Response};
 use futures_util::Stream;
 use futures_util::StreamExt;
 use rankwatch_analytics::{AlertState, RunId};
+use rankwatch_api::{
+    AlertFeed, Alerts, ByteSize, Catalog, Health, Heatmap, Override, ProbeSwitch, RetentionReport,
+    RetentionRequest, RulesAnswer, Runs, SeriesAnswer, SetProbes, SqlAnswer, SqlRequest, Workers,
+};
 use serde::Deserialize;
-use serde_json::{Value, json};
 use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 
@@ -90,14 +93,14 @@ pub(super) async fn ingest(
     }
 }
 
-pub(super) async fn runs(State(state): State<AppState>) -> Json<Value> {
+pub(super) async fn runs(State(state): State<AppState>) -> Json<Runs> {
     Json(state.inner.queries.runs())
 }
 
 pub(super) async fn catalog(
     State(state): State<AppState>,
     Path(run): Path<String>,
-) -> Result<Json<Value>> {
+) -> Result<Json<Catalog>> {
     Ok(Json(state.inner.queries.catalog(&run)?))
 }
 
@@ -105,7 +108,7 @@ pub(super) async fn series(
     State(state): State<AppState>,
     Path(run): Path<String>,
     Query(q): Query<SeriesQuery>,
-) -> Result<Json<Value>> {
+) -> Result<Json<SeriesAnswer>> {
     Ok(Json(state.inner.queries.series(&run, q).await?))
 }
 
@@ -113,7 +116,7 @@ pub(super) async fn heatmap(
     State(state): State<AppState>,
     Path(run): Path<String>,
     Query(q): Query<HeatmapQuery>,
-) -> Result<Json<Value>> {
+) -> Result<Json<Heatmap>> {
     Ok(Json(state.inner.queries.heatmap(&run, q).await?))
 }
 
@@ -121,7 +124,7 @@ pub(super) async fn workers(
     State(state): State<AppState>,
     Path(run): Path<String>,
     Query(q): Query<WorkersQuery>,
-) -> Result<Json<Value>> {
+) -> Result<Json<Workers>> {
     Ok(Json(state.inner.queries.workers(&run, q).await?))
 }
 
@@ -133,17 +136,14 @@ pub(super) struct AlertsQuery {
 }
 
 fn parse_state(s: &str) -> Result<AlertState> {
-    serde_json::from_value(Value::String(s.to_owned())).map_err(|_| {
-        Error::bad(format!(
-            "unknown alert state {s:?}; expected pending, firing or resolved"
-        ))
-    })
+    s.parse()
+        .map_err(|e: rankwatch_api::UnknownName| Error::bad(e.to_string()))
 }
 
 pub(super) async fn alerts(
     State(state): State<AppState>,
     Query(q): Query<AlertsQuery>,
-) -> Result<Json<Value>> {
+) -> Result<Json<Alerts>> {
     let run = q.run.map(RunId::new).transpose()?;
     let wanted = q.state.as_deref().map(parse_state).transpose()?;
     let alerts: Vec<_> = state
@@ -153,8 +153,9 @@ pub(super) async fn alerts(
         .alerts(run.as_ref())
         .into_iter()
         .filter(|a| wanted.is_none_or(|s| a.state == s))
+        .map(|a| (&a).into())
         .collect();
-    Ok(Json(json!({ "alerts": alerts })))
+    Ok(Json(Alerts { alerts }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -174,36 +175,21 @@ pub(super) async fn events(
         let _alive = &gauge;
         let event = match item {
             Ok(event) => {
-                let matches = match (&run, &event) {
-                    (None, _) => true,
-                    (
-                        Some(r),
-                        Event::Samples { run, .. }
-                        | Event::Run { run, .. }
-                        | Event::RunDeleted { run },
-                    ) => r == run,
-                    (Some(r), Event::Alert { alert }) => alert.run.as_str() == r,
+                let matches = match (&run, event.run()) {
+                    (Some(wanted), Some(about)) => wanted == about,
+                    // Unfiltered, or not about one run: every subscriber gets it.
+                    _ => true,
                 };
-                matches.then(|| {
-                    let name = match &event {
-                        Event::Samples { .. } => "samples",
-                        Event::Run { .. } => "run",
-                        Event::Alert { .. } => "alert",
-                        Event::RunDeleted { .. } => "run_deleted",
-                    };
-                    SseEvent::default()
-                        .event(name)
-                        .data(serde_json::to_string(&event).unwrap_or_default())
-                })
+                matches.then_some(event)
             }
             // A slow client missed events; it learns how many and can re-query.
-            Err(BroadcastStreamRecvError::Lagged(n)) => Some(
-                SseEvent::default()
-                    .event("lagged")
-                    .data(json!({ "type": "lagged", "missed": n }).to_string()),
-            ),
+            Err(BroadcastStreamRecvError::Lagged(missed)) => Some(Event::Lagged { missed }),
         };
-        std::future::ready(event.map(Ok))
+        std::future::ready(event.map(|e| {
+            Ok(SseEvent::default()
+                .event(e.name())
+                .data(serde_json::to_string(&e).unwrap_or_default()))
+        }))
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
@@ -224,17 +210,11 @@ impl Drop for ClientGauge {
     }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SqlRequest {
-    sql: String,
-}
-
 pub(super) async fn sql(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Body,
-) -> Result<Json<Value>> {
+) -> Result<Json<SqlAnswer>> {
     let bytes = read_body(body, &headers, 1 << 20).await?;
     let is_json = headers
         .get(header::CONTENT_TYPE)
@@ -259,11 +239,11 @@ pub(super) async fn sql(
                 .collect()
         })
         .unwrap_or_default();
-    Ok(Json(json!({
-        "columns": columns,
-        "rows": json::rows(&batches),
-        "truncated": truncated,
-    })))
+    Ok(Json(SqlAnswer {
+        columns,
+        rows: json::rows(&batches),
+        truncated,
+    }))
 }
 
 pub(super) async fn metrics(State(state): State<AppState>) -> Response {
@@ -277,19 +257,21 @@ pub(super) async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-pub(super) async fn healthz() -> Json<Value> {
-    Json(json!({ "status": "ok" }))
+fn health(status: &str) -> Json<Health> {
+    Json(Health {
+        status: status.to_owned(),
+    })
+}
+
+pub(super) async fn healthz() -> Json<Health> {
+    health("ok")
 }
 
 pub(super) async fn readyz(State(state): State<AppState>) -> Response {
     if state.is_ready() {
-        Json(json!({ "status": "ready" })).into_response()
+        health("ready").into_response()
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "not ready" })),
-        )
-            .into_response()
+        (StatusCode::SERVICE_UNAVAILABLE, health("not ready")).into_response()
     }
 }
 
@@ -307,16 +289,31 @@ pub(super) struct RulesQuery {
 pub(super) async fn rules(
     State(state): State<AppState>,
     Query(q): Query<RulesQuery>,
-) -> Result<Json<Value>> {
+) -> Result<Json<RulesAnswer>> {
     let book = &state.inner.alerting.rules;
     match q.run.map(RunId::new).transpose()? {
-        None => Ok(Json(json!({ "rules": book.base() }))),
-        Some(run) => Ok(Json(json!({
-            "run": run.as_str(),
-            "rules": book.for_run(&run),
-            "override": book.override_of(&run),
-        }))),
+        None => Ok(Json(RulesAnswer {
+            run: None,
+            rules: to_json(book.base())?,
+            overrides: Override::Absent,
+        })),
+        Some(run) => {
+            let overrides = match book.override_of(&run) {
+                Some(o) => Override::Set(to_json(o)?),
+                None => Override::None,
+            };
+            Ok(Json(RulesAnswer {
+                run: Some(run.to_string()),
+                rules: to_json(book.for_run(&run))?,
+                overrides,
+            }))
+        }
     }
+}
+
+/// Rules (the analytics crate's configuration) as the JSON the contract passes through.
+fn to_json(value: impl serde::Serialize) -> Result<serde_json::Value> {
+    serde_json::to_value(value).map_err(|e| Error::Unavailable(format!("rules as JSON: {e}")))
 }
 
 /// Sets a run's rule override (JSON, or TOML as application/toml); the run's detectors
@@ -326,7 +323,7 @@ pub(super) async fn set_rules(
     Path(run): Path<String>,
     headers: HeaderMap,
     body: Bytes,
-) -> Result<Json<Value>> {
+) -> Result<Json<RulesAnswer>> {
     let run = RunId::new(run)?;
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -337,27 +334,29 @@ pub(super) async fn set_rules(
     if let Some(engine) = &alerting.engine {
         engine.reset(run.clone()).await;
     }
-    Ok(Json(json!({
-        "run": run.as_str(),
-        "rules": config,
-        "override": partial,
-    })))
+    Ok(Json(RulesAnswer {
+        run: Some(run.to_string()),
+        rules: to_json(config)?,
+        overrides: Override::Set(to_json(partial)?),
+    }))
 }
 
 /// Drops a run's override: the file's rules apply again.
 pub(super) async fn clear_rules(
     State(state): State<AppState>,
     Path(run): Path<String>,
-) -> Result<Json<Value>> {
+) -> Result<Json<RulesAnswer>> {
     let run = RunId::new(run)?;
     let alerting = &state.inner.alerting;
     let config = alerting.rules.clear_override(&run)?;
     if let Some(engine) = &alerting.engine {
         engine.reset(run.clone()).await;
     }
-    Ok(Json(
-        json!({ "run": run.as_str(), "rules": config, "override": null }),
-    ))
+    Ok(Json(RulesAnswer {
+        run: Some(run.to_string()),
+        rules: to_json(config)?,
+        overrides: Override::None,
+    }))
 }
 
 #[derive(Debug, Deserialize)]
@@ -373,15 +372,15 @@ pub(super) async fn alert_feed(
     State(state): State<AppState>,
     Path(run): Path<String>,
     Query(q): Query<FeedQuery>,
-) -> Result<Json<Value>> {
+) -> Result<Json<AlertFeed>> {
     let run = RunId::new(run)?;
     let store = state.inner.queries.store();
     let (revision, changes) = store.alert_changes(&run, q.after.unwrap_or(0));
-    Ok(Json(json!({
-        "epoch": store.epoch(),
-        "revision": revision,
-        "alerts": changes,
-    })))
+    Ok(Json(AlertFeed {
+        epoch: store.epoch(),
+        revision,
+        alerts: changes.iter().map(Into::into).collect(),
+    }))
 }
 
 /// A run's probe switch: `{"run", "on", "revision", "changed_ms"}`, with `on: null` and
@@ -389,24 +388,18 @@ pub(super) async fn alert_feed(
 pub(super) async fn probes(
     State(state): State<AppState>,
     Path(run): Path<String>,
-) -> Result<Json<Value>> {
+) -> Result<Json<ProbeSwitch>> {
     let run = RunId::new(run)?;
     Ok(Json(switch_body(&run, state.inner.switches.get(&run))))
 }
 
-fn switch_body(run: &RunId, switch: Option<crate::switches::Switch>) -> Value {
-    json!({
-        "run": run.as_str(),
-        "on": switch.map(|s| s.on),
-        "revision": switch.map_or(0, |s| s.revision),
-        "changed_ms": switch.map(|s| s.changed_ms),
-    })
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct SetProbes {
-    on: bool,
+fn switch_body(run: &RunId, switch: Option<crate::switches::Switch>) -> ProbeSwitch {
+    ProbeSwitch {
+        run: run.to_string(),
+        on: switch.map(|s| s.on),
+        revision: switch.map_or(0, |s| s.revision),
+        changed_ms: switch.map(|s| s.changed_ms),
+    }
 }
 
 /// Sets a run's probes on or off (`{"on": true}`); its agents act within a few steps.
@@ -414,7 +407,7 @@ pub(super) async fn set_probes(
     State(state): State<AppState>,
     Path(run): Path<String>,
     body: Bytes,
-) -> Result<Json<Value>> {
+) -> Result<Json<ProbeSwitch>> {
     let run = RunId::new(run)?;
     let wish: SetProbes = serde_json::from_slice(&body).map_err(|e| {
         crate::error::Error::bad(format!(
@@ -432,7 +425,7 @@ pub(super) async fn set_probes(
 pub(super) async fn delete_run(
     State(state): State<AppState>,
     Path(run): Path<String>,
-) -> Result<Json<crate::store::Deleted>> {
+) -> Result<Json<rankwatch_api::Deleted>> {
     let run = RunId::new(run)?;
     let deleted = state.inner.housekeeper.delete_run(&run).await?;
     // The run's rule override and probe switch go with it (none is fine).
@@ -441,22 +434,11 @@ pub(super) async fn delete_run(
     Ok(Json(deleted))
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RetentionRequest {
-    /// `30d`, `12h`: delete runs silent longer than this.
-    max_age: Option<String>,
-    /// `50GB`, or a number of bytes.
-    max_bytes: Option<Value>,
-    #[serde(default)]
-    dry_run: bool,
-}
-
 /// Applies a retention policy now: the one in the body, else the collector's own.
 pub(super) async fn retention(
     State(state): State<AppState>,
     body: Bytes,
-) -> Result<Json<crate::retention::Report>> {
+) -> Result<Json<RetentionReport>> {
     let request: RetentionRequest = if body.is_empty() {
         RetentionRequest::default()
     } else {
@@ -472,18 +454,10 @@ pub(super) async fn retention(
             .map_err(|e| Error::bad(format!("max_age: {e}")))?;
         policy.max_bytes = match &request.max_bytes {
             None => None,
-            Some(Value::Number(n)) => Some(
-                n.as_u64()
-                    .ok_or_else(|| Error::bad("max_bytes must be a non-negative integer"))?,
-            ),
-            Some(Value::String(s)) => Some(
+            Some(ByteSize::Bytes(n)) => Some(*n),
+            Some(ByteSize::Text(s)) => Some(
                 crate::config::parse_bytes(s).map_err(|e| Error::bad(format!("max_bytes: {e}")))?,
             ),
-            Some(_) => {
-                return Err(Error::bad(
-                    "max_bytes must be a number or a size like \"50GB\"",
-                ));
-            }
         };
     }
     if !policy.is_set() {
@@ -497,7 +471,8 @@ pub(super) async fn retention(
             .inner
             .housekeeper
             .retain(&policy, request.dry_run)
-            .await?,
+            .await?
+            .into(),
     ))
 }
 

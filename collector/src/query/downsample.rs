@@ -4,12 +4,10 @@
 //! so it is never averaged away at any zoom. When the range has no more steps than `points`,
 //! buckets are one step wide and the values are the raw ones.
 
-use serde::Serialize;
-
-use super::json::Num;
+use rankwatch_api::{Bucket, BucketRange, Num};
 
 /// How a step range is cut into buckets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buckets {
     pub from: u64,
     pub to: u64,
@@ -29,6 +27,16 @@ impl Buckets {
             to,
             width: u64::try_from(width).unwrap_or(u64::MAX),
             count: span.div_ceil(width) as usize,
+        }
+    }
+
+    /// The buckets as the API describes them.
+    pub fn range(&self) -> BucketRange {
+        BucketRange {
+            from: self.from,
+            to: self.to,
+            width: self.width,
+            count: self.count as u64,
         }
     }
 
@@ -93,26 +101,13 @@ impl Cell {
     }
 }
 
-/// A bucket as the API returns it.
-#[derive(Debug, Clone, Serialize)]
-pub struct BucketOut {
-    pub start: u64,
-    pub end: u64,
-    pub count: u64,
-    pub nonfinite: u64,
-    pub min: Option<Num>,
-    pub max: Option<Num>,
-    pub last: Option<Num>,
-    pub last_step: u64,
-}
-
-/// Non-empty buckets of a series, in step order.
-pub fn render(buckets: &Buckets, cells: &[Cell]) -> Vec<BucketOut> {
+/// The non-empty buckets, as the API returns them.
+pub fn render(buckets: &Buckets, cells: &[Cell]) -> Vec<Bucket> {
     cells
         .iter()
         .enumerate()
         .filter(|(_, c)| c.count > 0)
-        .map(|(i, c)| BucketOut {
+        .map(|(i, c)| Bucket {
             start: buckets.start(i),
             end: buckets.end(i),
             count: c.count,

@@ -1,33 +1,15 @@
-//! JSON encoding of query results. JSON has no NaN or infinity, and a non-finite value is
-//! exactly what a user must see, so such values are written as the strings `"NaN"`,
-//! `"Infinity"` and `"-Infinity"` — the same spellings the JSON ingest form accepts.
+//! JSON encoding of SQL results, cell by cell. Floats follow the contract's convention
+//! ([`Num`]): a non-finite value, exactly what a user must see, is the string `"NaN"`,
+//! `"Infinity"` or `"-Infinity"`.
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::*;
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::{DataType, TimeUnit};
 use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
-use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
-/// An f64 that serialises non-finite values as strings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Num(pub f64);
-
-impl Serialize for Num {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let v = self.0;
-        if v.is_finite() {
-            s.serialize_f64(v)
-        } else if v.is_nan() {
-            s.serialize_str("NaN")
-        } else if v > 0.0 {
-            s.serialize_str("Infinity")
-        } else {
-            s.serialize_str("-Infinity")
-        }
-    }
-}
+pub use rankwatch_api::Num;
 
 /// A float as a JSON value, per [`Num`].
 pub fn float(v: f64) -> Value {

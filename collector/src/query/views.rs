@@ -8,12 +8,14 @@ use arrow_array::{Array, RecordBatch};
 use datafusion::prelude::{Expr, col, lit};
 use rankwatch_analytics::math::cosine::{cos_pair_mean, sketch_cosine_matrix};
 use rankwatch_analytics::{MetricName, RunId, Site};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use rankwatch_api::{
+    Catalog, CatalogMetric, Cosine, CosineMatrix, Heatmap, MetricScope, Num, RunSummary, Runs,
+    Series, SeriesAnswer, WorkerMetric, Workers,
+};
+use serde::Deserialize;
 
 use super::Queries;
-use super::downsample::{BucketOut, Buckets, Cell, render};
-use super::json::Num;
+use super::downsample::{Buckets, Cell, render};
 use crate::entry::Table;
 use crate::error::{Error, Result};
 
@@ -61,15 +63,6 @@ pub struct HeatmapQuery {
 #[serde(deny_unknown_fields)]
 pub struct WorkersQuery {
     pub step: Option<u64>,
-}
-
-/// One series of a `series` answer.
-#[derive(Debug, Serialize)]
-pub struct SeriesOut {
-    pub layer: Option<u32>,
-    pub site: Option<Site>,
-    pub rank: Option<u32>,
-    pub buckets: Vec<BucketOut>,
 }
 
 fn points(p: Option<usize>) -> Result<usize> {
@@ -123,7 +116,7 @@ impl Queries {
     }
 
     /// `GET /runs/{run}/series`.
-    pub async fn series(&self, run: &str, q: SeriesQuery) -> Result<Value> {
+    pub async fn series(&self, run: &str, q: SeriesQuery) -> Result<SeriesAnswer> {
         let run = self.known_run(run)?;
         let metric = MetricName::new(q.metric)?;
         let site = site(q.site.as_deref())?;
@@ -172,21 +165,26 @@ impl Queries {
                 }
             }
         }
-        let series: Vec<SeriesOut> = cells
+        let series = cells
             .into_iter()
-            .map(|((layer, site, rank), cells)| SeriesOut {
+            .map(|((layer, site, rank), cells)| Series {
                 layer,
-                site: site.and_then(|s| s.parse().ok()),
+                site,
                 rank,
                 buckets: render(&buckets, &cells),
             })
             .collect();
-        Ok(json!({ "run": run, "metric": metric, "buckets": buckets, "series": series }))
+        Ok(SeriesAnswer {
+            run: run.to_string(),
+            metric: metric.to_string(),
+            buckets: buckets.range(),
+            series,
+        })
     }
 
     /// `GET /runs/{run}/heatmap`: a layer × step-bucket grid of one metric (and site). Cells
     /// pool every rank unless `rank` is given; each keeps min, max, last and counts.
-    pub async fn heatmap(&self, run: &str, q: HeatmapQuery) -> Result<Value> {
+    pub async fn heatmap(&self, run: &str, q: HeatmapQuery) -> Result<Heatmap> {
         let run = self.known_run(run)?;
         let metric = MetricName::new(q.metric)?;
         let site = site(q.site.as_deref())?;
@@ -232,24 +230,24 @@ impl Queries {
             .map(|c| c.iter().map(|c| c.nonfinite).collect())
             .collect();
         let starts: Vec<u64> = (0..buckets.count).map(|i| buckets.start(i)).collect();
-        Ok(json!({
-            "run": run,
-            "metric": metric,
-            "site": site,
-            "buckets": buckets,
-            "steps": starts,
-            "layers": grid.keys().collect::<Vec<_>>(),
-            "last": last,
-            "min": min,
-            "max": max,
-            "count": count,
-            "nonfinite": nonfinite,
-        }))
+        Ok(Heatmap {
+            run: run.to_string(),
+            metric: metric.to_string(),
+            site: site.map(|s| s.as_str().to_owned()),
+            buckets: buckets.range(),
+            steps: starts,
+            layers: grid.keys().copied().collect(),
+            last,
+            min,
+            max,
+            count,
+            nonfinite,
+        })
     }
 
     /// `GET /runs/{run}/workers`: every rank's values at one step and the sketch cosine
     /// matrix.
-    pub async fn workers(&self, run: &str, q: WorkersQuery) -> Result<Value> {
+    pub async fn workers(&self, run: &str, q: WorkersQuery) -> Result<Workers> {
         let run = self.known_run(run)?;
         let step = match q.step {
             Some(s) => Some(s),
@@ -269,9 +267,14 @@ impl Queries {
                 .and_then(|s| s.info.as_ref().map(|i| i.world_size))
         });
         let Some(step) = step else {
-            return Ok(
-                json!({ "run": run, "step": null, "world_size": world, "ranks": [], "metrics": [], "cosine": null }),
-            );
+            return Ok(Workers {
+                run: run.to_string(),
+                step: None,
+                world_size: world,
+                ranks: Vec::new(),
+                metrics: Vec::new(),
+                cosine: None,
+            });
         };
         let at_step = || col("step").eq(lit(step));
         let samples = self
@@ -312,28 +315,30 @@ impl Queries {
             .await?;
         let cosine = cosine(&sketches)?;
         let ranks: Vec<u32> = ranks.into_iter().collect();
-        let metrics: Vec<Value> = metrics
+        let metrics = metrics
             .into_iter()
-            .map(|((metric, layer, site), by_rank)| {
-                let values: Vec<Option<Num>> = ranks
+            .map(|((metric, layer, site), by_rank)| WorkerMetric {
+                metric,
+                layer,
+                site,
+                values: ranks
                     .iter()
                     .map(|r| by_rank.get(r).copied().map(Num))
-                    .collect();
-                json!({ "metric": metric, "layer": layer, "site": site, "values": values })
+                    .collect(),
             })
             .collect();
-        Ok(json!({
-            "run": run,
-            "step": step,
-            "world_size": world,
-            "ranks": ranks,
-            "metrics": metrics,
-            "cosine": cosine,
-        }))
+        Ok(Workers {
+            run: run.to_string(),
+            step: Some(step),
+            world_size: world,
+            ranks,
+            metrics,
+            cosine,
+        })
     }
 
     /// `GET /runs`.
-    pub fn runs(&self) -> Value {
+    pub fn runs(&self) -> Runs {
         let alerts = self.store().alerts(None);
         let bytes: BTreeMap<RunId, u64> = self
             .store()
@@ -341,7 +346,7 @@ impl Queries {
             .into_iter()
             .map(|u| (u.run, u.bytes))
             .collect();
-        let runs: Vec<Value> = self.store().with_runs(|runs| {
+        let runs = self.store().with_runs(|runs| {
             runs.iter()
                 .map(|(run, s)| {
                     let firing = alerts
@@ -349,33 +354,34 @@ impl Queries {
                         .filter(|a| {
                             a.run == *run && a.state == rankwatch_analytics::AlertState::Firing
                         })
-                        .count();
+                        .count() as u64;
                     let last_seen = s.last_time_ms.unwrap_or(0).max(s.last_seen_ms);
-                    json!({
-                        "run": run,
-                        "world_size": s.info.as_ref().map(|i| i.world_size),
-                        "family": s.info.as_ref().map(|i| i.layout.family.clone()),
-                        "layers": s.info.as_ref().map(|i| i.layout.layer_count()),
-                        "started_at_ms": s.info.as_ref().map(|i| i.started_at_ms),
-                        "tags": s.info.as_ref().map(|i| i.tags.clone()),
-                        "first_step": s.first_step,
-                        "last_step": s.last_step,
-                        "last_seen_ms": (last_seen > 0).then_some(last_seen),
-                        "samples": s.samples,
-                        "nonfinite": s.nonfinite,
-                        "sketches": s.sketches,
-                        "series": s.series.len(),
-                        "bytes": bytes.get(run).copied().unwrap_or(0),
-                        "alerts_firing": firing,
-                    })
+                    let info = s.info.as_ref();
+                    RunSummary {
+                        run: run.to_string(),
+                        world_size: info.map(|i| i.world_size),
+                        family: info.map(|i| i.layout.family.clone()),
+                        layers: info.map(|i| i.layout.layer_count()),
+                        started_at_ms: info.map(|i| i.started_at_ms),
+                        tags: info.map(|i| i.tags.clone()),
+                        first_step: s.first_step,
+                        last_step: s.last_step,
+                        last_seen_ms: (last_seen > 0).then_some(last_seen),
+                        samples: s.samples,
+                        nonfinite: s.nonfinite,
+                        sketches: s.sketches,
+                        series: s.series.len() as u64,
+                        bytes: bytes.get(run).copied().unwrap_or(0),
+                        alerts_firing: firing,
+                    }
                 })
                 .collect()
         });
-        json!({ "runs": runs })
+        Runs { runs }
     }
 
     /// `GET /runs/{run}/catalog`.
-    pub fn catalog(&self, run: &str) -> Result<Value> {
+    pub fn catalog(&self, run: &str) -> Result<Catalog> {
         let run = self.known_run(run)?;
         let metrics = self.store().with_runs(|runs| {
             let mut by_metric: BTreeMap<&str, CatalogEntry> = BTreeMap::new();
@@ -392,24 +398,36 @@ impl Queries {
                 .into_iter()
                 .map(|(metric, (layers, sites, ranks, series))| {
                     let known = metric.parse::<rankwatch_analytics::Metric>().ok();
-                    json!({
-                        "metric": metric,
-                        "scope": known.map(|m| m.scope()),
-                        "user": known.is_none(),
-                        "layers": layers,
-                        "sites": sites,
-                        "ranks": ranks,
-                        "series": series,
-                    })
+                    CatalogMetric {
+                        metric: metric.to_owned(),
+                        scope: known.map(|m| wire_scope(m.scope())),
+                        user: known.is_none(),
+                        layers: layers.into_iter().collect(),
+                        sites: sites.into_iter().map(str::to_owned).collect(),
+                        ranks: ranks.into_iter().collect(),
+                        series: series as u64,
+                    }
                 })
                 .collect::<Vec<_>>()
         });
-        Ok(json!({ "run": run, "metrics": metrics }))
+        Ok(Catalog {
+            run: run.to_string(),
+            metrics,
+        })
+    }
+}
+
+/// A metric's scope as the API names it.
+fn wire_scope(scope: rankwatch_analytics::Scope) -> MetricScope {
+    match scope {
+        rankwatch_analytics::Scope::Rank => MetricScope::Rank,
+        rankwatch_analytics::Scope::Layer => MetricScope::Layer,
+        rankwatch_analytics::Scope::AllRanks => MetricScope::AllRanks,
     }
 }
 
 /// The sketch cosine matrix of one step, ranks in ascending order.
-fn cosine(batches: &[RecordBatch]) -> Result<Value> {
+fn cosine(batches: &[RecordBatch]) -> Result<Option<Cosine>> {
     let mut rows: BTreeMap<u32, (String, u32, f64, Vec<f32>)> = BTreeMap::new();
     for b in batches {
         let rank = b.column(0).as_primitive::<UInt32Type>();
@@ -432,27 +450,31 @@ fn cosine(batches: &[RecordBatch]) -> Result<Value> {
         }
     }
     if rows.len() < 2 {
-        return Ok(Value::Null);
+        return Ok(None);
     }
     let first = rows.values().next().map(|r| (r.0.clone(), r.1));
     if rows.values().any(|r| Some((r.0.clone(), r.1)) != first) {
-        return Ok(
-            json!({ "error": "sketches of this step use different kinds or seeds and do not compare" }),
-        );
+        return Ok(Some(Cosine::Error {
+            error: "sketches of this step use different kinds or seeds and do not compare".into(),
+        }));
     }
     let ranks: Vec<u32> = rows.keys().copied().collect();
     let vectors: Vec<&[f32]> = rows.values().map(|r| r.3.as_slice()).collect();
     let norms: Vec<f64> = rows.values().map(|r| r.2).collect();
     let matrix = match sketch_cosine_matrix(&vectors, &norms) {
         Ok(m) => m,
-        Err(e) => return Ok(json!({ "error": e.to_string() })),
+        Err(e) => {
+            return Ok(Some(Cosine::Error {
+                error: e.to_string(),
+            }));
+        }
     };
     let grid: Vec<Vec<Num>> = (0..matrix.nrows())
         .map(|i| (0..matrix.ncols()).map(|j| Num(matrix[(i, j)])).collect())
         .collect();
-    Ok(json!({
-        "ranks": ranks,
-        "matrix": grid,
-        "pair_mean": cos_pair_mean(&matrix).map(Num),
-    }))
+    Ok(Some(Cosine::Matrix(CosineMatrix {
+        ranks,
+        matrix: grid,
+        pair_mean: cos_pair_mean(&matrix).map(Num),
+    })))
 }

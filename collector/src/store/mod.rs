@@ -48,24 +48,8 @@ use index::RunSummary;
 use manifest::{FileMeta, Manifest};
 use metrics::StoreMetrics;
 
-/// What changed, for `/api/v1/events` subscribers.
-#[derive(Debug, Clone, serde::Serialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum Event {
-    /// New samples arrived for a run.
-    Samples {
-        run: String,
-        rows: usize,
-        first_step: u64,
-        last_step: u64,
-    },
-    /// A run announced (or changed) its metadata.
-    Run { run: String, world_size: u32 },
-    /// An alert changed state.
-    Alert { alert: Box<Alert> },
-    /// A run was deleted (by hand or by retention).
-    RunDeleted { run: String },
-}
+/// What changed, for `/api/v1/events` subscribers: the contract's event type.
+pub use rankwatch_api::Event;
 
 /// Limits the store enforces at ingest.
 #[derive(Debug, Clone, Copy)]
@@ -129,17 +113,8 @@ pub struct Store {
     epoch: i64,
 }
 
-/// What [`Store::delete_run`] removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Deleted {
-    pub run: String,
-    /// Parquet files (samples, sketches, run metadata, alerts).
-    pub files: usize,
-    pub bytes: u64,
-    /// Sample rows, in files and in the hot buffer.
-    pub rows: u64,
-    pub alerts: usize,
-}
+/// What [`Store::delete_run`] removed: the contract's type.
+pub use rankwatch_api::Deleted;
 
 /// One run's footprint, for retention.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -384,7 +359,7 @@ impl Store {
                 let (first, last) = files::step_range(batch);
                 events.push(Event::Samples {
                     run: entry.run.to_string(),
-                    rows: batch.num_rows(),
+                    rows: batch.num_rows() as u64,
                     first_step: first.unwrap_or(0),
                     last_step: last.unwrap_or(0),
                 });
@@ -462,7 +437,7 @@ impl Store {
             state.alerts.insert(alert.id.clone(), alert.clone());
         }
         self.publish(Event::Alert {
-            alert: Box::new(alert),
+            alert: Box::new((&alert).into()),
         });
     }
 
@@ -806,7 +781,7 @@ impl Store {
         state.manifest = manifest;
         let mut deleted = Deleted {
             run: run.to_string(),
-            files: gone.len(),
+            files: gone.len() as u64,
             bytes: gone.iter().map(|f| f.bytes).sum(),
             rows: gone
                 .iter()
@@ -840,7 +815,7 @@ impl Store {
             state.alerts.remove(id);
             state.alert_revisions.remove(id);
         }
-        deleted.alerts = ids.len();
+        deleted.alerts = ids.len() as u64;
         let now = Instant::now();
         state
             .graveyard

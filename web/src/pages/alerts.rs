@@ -10,17 +10,22 @@ use crate::api::{self, Alert};
 use crate::fetch::fetched;
 use crate::format;
 use crate::live::Live;
+use rankwatch_api::{AlertState, Rule};
 
 /// Where an alert is best looked at: its layer for per-layer rules, the workers otherwise.
 fn view_link(a: &Alert) -> (String, &'static str) {
     let run = api::enc(&a.run);
     let step = a.first_step;
     // A window around the alert, so the link lands with the alert in view.
-    let pad = ((a.last_step - a.first_step) + 100).max(100);
-    let window = format!("from={}&to={}", (step - pad).max(0), a.last_step + pad);
-    match (a.rule.as_str(), a.layer) {
-        ("rank_collapse" | "activation_outlier", Some(layer)) => {
-            let metric = if a.rule == "rank_collapse" {
+    let pad = a.last_step.saturating_sub(a.first_step).saturating_add(100);
+    let window = format!(
+        "from={}&to={}",
+        step.saturating_sub(pad),
+        a.last_step.saturating_add(pad)
+    );
+    match (a.rule, a.layer) {
+        (Rule::RankCollapse | Rule::ActivationOutlier, Some(layer)) => {
+            let metric = if a.rule == Rule::RankCollapse {
                 "spectral.ratio"
             } else {
                 "act_max"
@@ -79,8 +84,8 @@ fn AlertCard(alert: Alert, show_run: bool) -> impl IntoView {
     } else {
         format!("steps {}–{}", alert.first_step, alert.last_step)
     };
-    let when = match alert.state.as_str() {
-        "resolved" => format!(
+    let when = match alert.state {
+        AlertState::Resolved => format!(
             "fired {}, resolved {}",
             format::time(alert.fired_at_ms),
             format::time(alert.resolved_at_ms)
@@ -91,18 +96,18 @@ fn AlertCard(alert: Alert, show_run: bool) -> impl IntoView {
         ),
     };
     view! {
-        <article class=format!("alert {} {}", alert.severity, alert.state) data-alert=alert.id.clone() data-rule=alert.rule.clone() data-state=alert.state.clone()>
+        <article class=format!("alert {} {}", alert.severity, alert.state) data-alert=alert.id.clone() data-rule=alert.rule.as_str() data-state=alert.state.as_str()>
             <header>
-                <span class="sev">{alert.severity.clone()}</span>
-                <span class="state">{alert.state.clone()}</span>
-                <strong>{format::rule_label(&alert.rule).to_owned()}</strong>
+                <span class="sev">{alert.severity.as_str()}</span>
+                <span class="state">{alert.state.as_str()}</span>
+                <strong>{format::rule_label(alert.rule).to_owned()}</strong>
                 {show_run.then(|| view! { <span class="run">{format!("run {}", alert.run)}</span> })}
                 <span class="where">{where_(&alert)}</span>
                 <span class="steps">{steps}</span>
             </header>
             <p class="explanation">{alert.explanation.clone()}</p>
             <footer>
-                <span>{format!("value {} · threshold {} · {when}", format::num(alert.value.0), format::num(alert.threshold.0))}</span>
+                <span>{format!("value {} · threshold {} · {when}", format::num(alert.value), format::num(alert.threshold))}</span>
                 <A href=href attr:class="goto">{format!("open the {what} at step {}", alert.first_step)}</A>
             </footer>
         </article>
@@ -139,14 +144,14 @@ fn AlertList(run: Option<Memo<String>>) -> impl IntoView {
                     .alerts
                     .into_iter()
                     .filter(|a| match want.as_str() {
-                        "firing" => a.state == "firing",
-                        "resolved" => a.state == "resolved" && a.has_fired(),
+                        "firing" => a.state == AlertState::Firing,
+                        "resolved" => a.state == AlertState::Resolved && a.has_fired(),
                         "all" => true,
-                        _ => a.state == "firing" || (a.state == "resolved" && a.has_fired()),
+                        _ => a.state == AlertState::Firing || (a.state == AlertState::Resolved && a.has_fired()),
                     })
                     .collect();
                 // Firing first, then the most recent.
-                list.sort_by_key(|a| (a.state != "firing", -a.updated_at_ms));
+                list.sort_by_key(|a| (a.state != AlertState::Firing, -a.updated_at_ms));
                 if list.is_empty() {
                     view! { <p class="empty">"No alerts."</p> }.into_any()
                 } else {

@@ -7,7 +7,9 @@ use leptos::prelude::*;
 use leptos_router::hooks::use_query_map;
 
 use super::{ErrorBox, MetricChart, Part, Role, RunHeader, RunView, catalog, points};
-use crate::api::{self, Catalog, Heatmap, RulesAnswer};
+use rankwatch_api::MetricScope;
+
+use crate::api::{self, Catalog, Heatmap, NumExt, RulesAnswer, RulesExt};
 use crate::chart::{Band, HeatSpec, HeatmapCanvas, Level, Scale};
 use crate::fetch::{error_of, fetched};
 use crate::format;
@@ -66,8 +68,8 @@ fn heat_spec(
     h: &Heatmap,
     metric: &str,
     band: Option<Band>,
-    layer: Option<i64>,
-    step: Option<i64>,
+    layer: Option<u32>,
+    step: Option<u64>,
 ) -> HeatSpec {
     let finite = h.last.iter().flatten().filter_map(|v| v.finite());
     let (mut min, mut max) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
@@ -122,7 +124,7 @@ fn heat_spec(
     HeatSpec {
         rows: h.layers.iter().map(|l| format!("layer {l}")).collect(),
         cols: h.steps.clone(),
-        last_step: h.buckets.map_or(0, |b| b.to),
+        last_step: h.buckets.to,
         values,
         filled,
         nonfinite: h.nonfinite.clone(),
@@ -150,7 +152,7 @@ fn offered(c: &Catalog) -> Vec<(String, Vec<String>)> {
         .iter()
         .filter_map(|m| c.get(m))
         .chain(c.metrics.iter().filter(|m| {
-            m.scope.as_deref() == Some("layer") && !METRICS.contains(&m.metric.as_str())
+            m.scope == Some(MetricScope::Layer) && !METRICS.contains(&m.metric.as_str())
         }))
         .map(|m| (m.metric.clone(), m.sites.clone()))
         .collect()
@@ -160,7 +162,7 @@ fn offered(c: &Catalog) -> Vec<(String, Vec<String>)> {
 fn layer_charts(
     view: RunView,
     c: &Catalog,
-    layer: i64,
+    layer: u32,
     rules: Option<&RulesAnswer>,
 ) -> Vec<AnyView> {
     let part = |metric: &str, label: &str| {
@@ -246,7 +248,7 @@ pub(crate) fn LayersPage() -> impl IntoView {
     );
     let site = RwSignal::new(query.with_untracked(|q| q.get("site")));
     let layer =
-        RwSignal::new(query.with_untracked(|q| q.get("layer").and_then(|l| l.parse::<i64>().ok())));
+        RwSignal::new(query.with_untracked(|q| q.get("layer").and_then(|l| l.parse::<u32>().ok())));
     let rules = fetched(move || {
         let run = view.run.get();
         Some(async move { api::rules(&run).await })

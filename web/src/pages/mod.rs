@@ -11,7 +11,7 @@ use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::{use_params_map, use_query_map};
 
-use crate::api::{self, AlertsAnswer, ApiError, SeriesAnswer, Window};
+use crate::api::{self, Alerts as AlertsAnswer, ApiError, SeriesAnswer, Window};
 use crate::chart::{Chart, ChartSpec, Level, LineStyle, mean_style, rank_style};
 use crate::fetch::{Fetched, TokenWanted, error_of, fetched};
 use crate::live::Live;
@@ -22,8 +22,11 @@ pub(crate) fn run_param() -> Memo<String> {
     Memo::new(move |_| params.with(|p| p.get("run").unwrap_or_default()))
 }
 
-/// An integer query parameter of the current URL.
-pub(crate) fn query_int(name: &'static str) -> Memo<Option<i64>> {
+/// A numeric query parameter of the current URL (`None` when absent or not a number).
+pub(crate) fn query_int<T>(name: &'static str) -> Memo<Option<T>>
+where
+    T: std::str::FromStr + Clone + PartialEq + Send + Sync + 'static,
+{
     let query = use_query_map();
     Memo::new(move |_| query.with(|q| q.get(name).and_then(|v| v.parse().ok())))
 }
@@ -40,8 +43,8 @@ pub(crate) fn run_revision(run: Memo<String>) -> Memo<u64> {
 pub(crate) struct RunView {
     pub(crate) run: Memo<String>,
     /// `None` bounds follow the run's first and last step (and so grow live).
-    pub(crate) window: RwSignal<(Option<i64>, Option<i64>)>,
-    pub(crate) selected: RwSignal<Option<i64>>,
+    pub(crate) window: RwSignal<(Option<u64>, Option<u64>)>,
+    pub(crate) selected: RwSignal<Option<u64>>,
     pub(crate) alerts: Fetched<AlertsAnswer>,
     pub(crate) revision: Memo<u64>,
 }
@@ -76,16 +79,16 @@ impl RunView {
         Window { from, to, points }
     }
 
-    pub(crate) fn zoom(&self) -> Callback<(i64, i64)> {
+    pub(crate) fn zoom(&self) -> Callback<(u64, u64)> {
         let window = self.window;
-        Callback::new(move |(a, b): (i64, i64)| {
+        Callback::new(move |(a, b): (u64, u64)| {
             if b > a {
-                window.set((Some(a.max(0)), Some(b)));
+                window.set((Some(a), Some(b)));
             }
         })
     }
 
-    pub(crate) fn pick(&self) -> Callback<i64> {
+    pub(crate) fn pick(&self) -> Callback<u64> {
         let selected = self.selected;
         Callback::new(move |s| selected.set(Some(s)))
     }
@@ -272,9 +275,9 @@ pub(crate) struct Part {
     pub(crate) role: Role,
     /// Draw `exp(value)` (perplexity from loss).
     pub(crate) exp: bool,
-    pub(crate) layer: Option<i64>,
+    pub(crate) layer: Option<u32>,
     pub(crate) site: Option<String>,
-    pub(crate) rank: Option<i64>,
+    pub(crate) rank: Option<u32>,
 }
 
 impl Part {
@@ -328,7 +331,7 @@ pub(crate) fn MetricChart(
             let style = |i: usize, s: &api::Series| -> LineStyle {
                 match &p.role {
                     Role::PerRank => {
-                        let r = s.rank.unwrap_or(i as i64);
+                        let r = s.rank.unwrap_or(i as u32);
                         rank_style(r as usize, format!("rank {r}"))
                     }
                     Role::Mean(label) => mean_style(label),

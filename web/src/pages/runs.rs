@@ -5,7 +5,9 @@ use leptos::prelude::*;
 use leptos_router::components::A;
 
 use super::ErrorBox;
-use crate::api::{self, AlertsAnswer, RunInfo};
+use rankwatch_api::{AlertState, Rule};
+
+use crate::api::{self, Alerts as AlertsAnswer, RunSummary as RunInfo};
 use crate::fetch::fetched;
 use crate::format;
 use crate::live::Live;
@@ -40,7 +42,7 @@ fn status(run: &RunInfo, alerts: &AlertsAnswer, now: i64) -> Status {
     let stale = alerts
         .alerts
         .iter()
-        .any(|a| a.run == run.run && a.rule == "stale_rank" && a.state == "firing");
+        .any(|a| a.run == run.run && a.rule == Rule::StaleRank && a.state == AlertState::Firing);
     match run.last_seen_ms {
         None => Status::Waiting,
         Some(_) if stale => Status::Stale,
@@ -62,7 +64,7 @@ pub(crate) fn RunsPage() -> impl IntoView {
         Some(async { api::alerts(None).await })
     });
     let filter = RwSignal::new(String::new());
-    let table = move |answer: api::RunsAnswer| {
+    let table = move |answer: api::Runs| {
         let needle = filter.get().to_lowercase();
         let alerts = match alerts.get() {
             Some(Ok(a)) => a,

@@ -7,7 +7,9 @@ use std::collections::BTreeSet;
 use leptos::prelude::*;
 
 use super::{ErrorBox, MetricChart, Part, Role, RunHeader, RunView, catalog};
-use crate::api::{self, Alert, Cosine, Num, Window, Workers};
+use rankwatch_api::{AlertState, CosineMatrix as Matrix, Rule};
+
+use crate::api::{self, Alert, Cosine, Num, NumExt, Window, Workers};
 use crate::chart::Level;
 use crate::fetch::fetched;
 use crate::format;
@@ -15,14 +17,14 @@ use crate::format;
 /// The ranks to highlight at `step`: those a silent-inconsistency alert covering the step
 /// names, else the rank whose mean cosine to the others is lowest when it is clearly apart
 /// (below the pair mean by more than 0.2).
-fn outliers(alerts: &[Alert], step: i64, ranks: &[i64], matrix: &[Vec<Num>]) -> BTreeSet<i64> {
-    let mut out: BTreeSet<i64> = alerts
+fn outliers(alerts: &[Alert], step: u64, ranks: &[u32], matrix: &[Vec<Num>]) -> BTreeSet<u32> {
+    let mut out: BTreeSet<u32> = alerts
         .iter()
         .filter(|a| {
-            a.rule == "silent_inconsistency"
+            a.rule == Rule::SilentInconsistency
                 && a.has_fired()
                 && a.first_step <= step
-                && (a.state == "firing" || step <= a.last_step)
+                && (a.state == AlertState::Firing || step <= a.last_step)
         })
         .flat_map(|a| a.outlier_ranks.iter().copied().chain(a.rank))
         .collect();
@@ -66,21 +68,21 @@ fn cell_colour(v: Option<f64>) -> String {
 #[component]
 fn CosineMatrix(workers: Workers, alerts: Vec<Alert>) -> impl IntoView {
     let step = workers.step.unwrap_or(0);
-    match workers.cosine() {
-        Cosine::Missing => view! {
+    match workers.cosine {
+        None => view! {
             <p class="empty">
                 "No cosine matrix at this step: fewer than two ranks sent a gradient sketch."
             </p>
         }
         .into_any(),
-        Cosine::Error(e) => {
+        Some(Cosine::Error { error: e }) => {
             view! { <p class="error">{format!("The sketches do not compare: {e}")}</p> }.into_any()
         }
-        Cosine::Matrix {
+        Some(Cosine::Matrix(Matrix {
             ranks,
             matrix,
             pair_mean,
-        } => {
+        })) => {
             let flagged = outliers(&alerts, step, &ranks, &matrix);
             let header = ranks
                 .iter()
@@ -97,7 +99,7 @@ fn CosineMatrix(workers: Workers, alerts: Vec<Alert>) -> impl IntoView {
                             {row
                                 .iter()
                                 .map(|v| {
-                                    let text = format::num(v.0);
+                                    let text = format::num(Some(v.get()));
                                     view! {
                                         <td style=format!(
                                             "background:{}",
@@ -124,7 +126,7 @@ fn CosineMatrix(workers: Workers, alerts: Vec<Alert>) -> impl IntoView {
             };
             view! {
                 <p>
-                    {format!("Gradient-sketch cosine at step {step}; mean over pairs {}. ", format::num(pair_mean.0))}
+                    {format!("Gradient-sketch cosine at step {step}; mean over pairs {}. ", format::num(pair_mean.value()))}
                     <strong class="outlier-note">{note}</strong>
                 </p>
                 <table class="cosine" data-step=step>
@@ -152,7 +154,7 @@ fn RankValues(workers: Workers) -> impl IntoView {
             view! {
                 <tr>
                     <th>{m.metric.clone()}</th>
-                    {m.values.iter().map(|v| view! { <td>{format::num(v.0)}</td> }).collect_view()}
+                    {m.values.iter().map(|v| view! { <td>{format::num(v.value())}</td> }).collect_view()}
                 </tr>
             }
         })
@@ -177,7 +179,7 @@ fn RankValues(workers: Workers) -> impl IntoView {
 /// The first (or last) step in `from..=to` with gradient sketches, read off `cos_pair_mean`,
 /// which the aligner writes at exactly those steps. With `first`, the window is at most 10,000
 /// steps, so buckets are one step wide and the first one is exact.
-async fn sketched_step(run: &str, from: Option<i64>, to: Option<i64>, first: bool) -> Option<i64> {
+async fn sketched_step(run: &str, from: Option<u64>, to: Option<u64>, first: bool) -> Option<u64> {
     let points = if first { 10_000 } else { 1 };
     let window = Window { from, to, points };
     let answer = api::series(run, "cos_pair_mean", None, None, None, window)
@@ -217,7 +219,7 @@ pub(crate) fn WorkersPage() -> impl IntoView {
             let at = match (sketched, step) {
                 (false, _) => step,
                 (true, Some(s)) => {
-                    match sketched_step(&run, Some(s), Some(s + 9_999), true).await {
+                    match sketched_step(&run, Some(s), Some(s.saturating_add(9_999)), true).await {
                         Some(found) => Some(found),
                         None => sketched_step(&run, None, Some(s), false).await.or(step),
                     }

@@ -1,0 +1,101 @@
+//! The names an alert carries on the wire: which rule raised it, how urgent it is, where it
+//! is in its lifecycle. The analytics crate's detectors use these very types.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// A name that is not one of a vocabulary's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownName {
+    /// The vocabulary, e.g. `severity`.
+    pub kind: &'static str,
+    /// What was given.
+    pub given: String,
+    /// Every name it accepts.
+    pub expected: &'static [&'static str],
+}
+
+impl fmt::Display for UnknownName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown {} {:?}; expected one of {}",
+            self.kind,
+            self.given,
+            self.expected.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for UnknownName {}
+
+macro_rules! vocabulary {
+    ($(#[$meta:meta])* $ty:ident ($kind:literal) { $($variant:ident = $name:literal),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $ty {
+            $($variant),*
+        }
+
+        impl $ty {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),*];
+            /// Every wire name, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($name),*];
+            /// The wire and storage name.
+            pub const fn as_str(self) -> &'static str {
+                match self { $($ty::$variant => $name),* }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = UnknownName;
+            fn from_str(s: &str) -> Result<Self, UnknownName> {
+                $ty::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| UnknownName {
+                    kind: $kind,
+                    given: s.to_owned(),
+                    expected: $ty::NAMES,
+                })
+            }
+        }
+    };
+}
+
+vocabulary!(
+    /// The rule that raised an alert.
+    Rule ("rule") {
+        RankCollapse = "rank_collapse",
+        SilentInconsistency = "silent_inconsistency",
+        Nonfinite = "nonfinite",
+        LossSpike = "loss_spike",
+        ActivationOutlier = "activation_outlier",
+        StaleRank = "stale_rank",
+    }
+);
+
+vocabulary!(
+    /// How urgent an alert is. Ordered: `Info < Warning < Critical`.
+    Severity ("severity") {
+        Info = "info",
+        Warning = "warning",
+        Critical = "critical",
+    }
+);
+
+vocabulary!(
+    /// Where an alert is in its lifecycle: pending → firing → resolved.
+    AlertState ("alert state") {
+        Pending = "pending",
+        Firing = "firing",
+        Resolved = "resolved",
+    }
+);
