@@ -27,7 +27,7 @@ mod workers;
 pub use alerts::{Alert, AlertFeed, Alerts};
 pub use error::{ErrorBody, ErrorReason};
 pub use events::Event;
-pub use num::Num;
+pub use num::{Num, non_finite};
 pub use ops::{
     Ack, AckStatus, ByteSize, Deleted, Doomed, Health, Override, ProbeSwitch, RetentionReason,
     RetentionReport, RetentionRequest, RulesAnswer, SetProbes, SqlAnswer, SqlRequest, Tags,

@@ -1,7 +1,8 @@
 //! Floats on the wire. JSON has no NaN or infinity, and a non-finite value is exactly what a
 //! user must see (a loss that diverged), so [`Num`] writes them as the strings `"NaN"`,
-//! `"Infinity"` and `"-Infinity"` — the spellings the JSON ingest form accepts — and reads
-//! only those back. `Option<Num>` is the nullable form: `null` when there is no value at all.
+//! `"Infinity"` and `"-Infinity"`. Reading is a little more forgiving, as the JSON ingest form
+//! always was: `"nan"`, `"inf"`, `"+Infinity"` and `"-inf"` too ([`non_finite`]), and nothing
+//! else. `Option<Num>` is the nullable form: `null` when there is no value at all.
 
 use std::fmt;
 
@@ -17,6 +18,17 @@ pub struct Num(pub f64);
 
 /// The string spellings of the non-finite values, in the order NaN, +∞, −∞.
 pub(crate) const NON_FINITE: [&str; 3] = ["NaN", "Infinity", "-Infinity"];
+
+/// The non-finite value a string spells, if it spells one: the written forms `"NaN"`,
+/// `"Infinity"`, `"-Infinity"` and the accepted `"nan"`, `"inf"`, `"+Infinity"`, `"-inf"`.
+pub fn non_finite(text: &str) -> Option<f64> {
+    match text {
+        "NaN" | "nan" => Some(f64::NAN),
+        "Infinity" | "inf" | "+Infinity" => Some(f64::INFINITY),
+        "-Infinity" | "-inf" => Some(f64::NEG_INFINITY),
+        _ => None,
+    }
+}
 
 impl Num {
     /// The value, whatever it is.
@@ -85,11 +97,8 @@ impl Visitor<'_> for NumVisitor {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Num, E> {
-        match NON_FINITE.iter().position(|s| *s == v) {
-            Some(0) => Ok(Num(f64::NAN)),
-            Some(1) => Ok(Num(f64::INFINITY)),
-            Some(2) => Ok(Num(f64::NEG_INFINITY)),
-            _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
-        }
+        non_finite(v)
+            .map(Num)
+            .ok_or_else(|| E::invalid_value(de::Unexpected::Str(v), &self))
     }
 }

@@ -231,7 +231,24 @@ fn non_finite_floats_use_the_documented_spellings() {
         None::<Num>
     ]);
     assert_eq!(v, json!(["NaN", "Infinity", "-Infinity", 1.5, null]));
-    for bad in [r#""inf""#, r#""nan""#, r#""1.5""#, "true", "{}"] {
+    for (text, v) in [
+        ("inf", f64::INFINITY),
+        ("+Infinity", f64::INFINITY),
+        ("-inf", f64::NEG_INFINITY),
+    ] {
+        assert_eq!(
+            serde_json::from_value::<Num>(json!(text)).unwrap(),
+            Num(v),
+            "{text}"
+        );
+    }
+    assert!(
+        serde_json::from_value::<Num>(json!("nan"))
+            .unwrap()
+            .get()
+            .is_nan()
+    );
+    for bad in [r#""INF""#, r#""Inf""#, r#""1.5""#, r#""""#, "true", "{}"] {
         let err = serde_json::from_str::<Num>(bad).unwrap_err().to_string();
         assert!(
             err.contains(r#""NaN", "Infinity", "-Infinity""#),

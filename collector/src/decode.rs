@@ -425,14 +425,12 @@ impl JsonValue {
     fn value(&self, what: &str) -> Result<f64> {
         match self {
             JsonValue::Number(v) => Ok(*v),
-            JsonValue::Text(t) => match t.as_str() {
-                "NaN" | "nan" => Ok(f64::NAN),
-                "Infinity" | "inf" | "+Infinity" => Ok(f64::INFINITY),
-                "-Infinity" | "-inf" => Ok(f64::NEG_INFINITY),
-                other => Err(Error::bad(format!(
-                    "{what}: {other:?} is not a number (use a number, \"NaN\", \"Infinity\" or \"-Infinity\")"
-                ))),
-            },
+            // The contract's one spelling of non-finite floats.
+            JsonValue::Text(t) => rankwatch_api::non_finite(t).ok_or_else(|| {
+                Error::bad(format!(
+                    "{what}: {t:?} is not a number (use a number, \"NaN\", \"Infinity\" or \"-Infinity\")"
+                ))
+            }),
         }
     }
 }
