@@ -178,6 +178,20 @@ def test_nan_stale_rank_and_activation_growth(collector: Collector, tmp_path: Pa
     """Scenario 3: NaN injected at step 40 (a critical alert at 40, delivered to every rank's
     on_alert callback); a rank whose agent stops reporting (stale_rank, after the 60 s
     silence); a layer whose output grows a hundredfold from step 80 (activation_outlier)."""
+    # Rank 1's agent goes quiet at step 20 while rank 0 trains on, paced at 0.5 s a step: the
+    # default 60 s silence (not the 200-step lag, never reached here) makes rank 1 stale. The
+    # job mostly sleeps, so it runs beside the other two scenarios rather than before them.
+    stale_job: list[BaseException] = []
+
+    def train_stale() -> None:
+        try:
+            train(collector, "stale", tmp_path, steps=160, nproc=2, faults=("stop_reporting@20:rank=1",), extra=("--step-sleep", "0.5"))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
+            stale_job.append(e)
+
+    stale_thread = threading.Thread(target=train_stale, daemon=True)
+    stale_thread.start()
+
     # Paced so the alert comes back while the job still runs (callbacks run inside log()).
     results = train(collector, "nan", tmp_path, steps=100, faults=("nan@40:rank=1",), extra=("--step-sleep", "0.05"))
     alerts = settle(collector, "nan", 99)
@@ -188,9 +202,16 @@ def test_nan_stale_rank_and_activation_growth(collector: Collector, tmp_path: Pa
     for r in results:
         assert any(a["rule"] == "nonfinite" and a["fired_at_ms"] is not None and a["first_step"] == 40 for a in r["alerts"]), r["alerts"]
 
-    # Rank 1's agent goes quiet at step 20 while rank 0 trains on, paced at 0.5 s a step: the
-    # default 60 s silence (not the 200-step lag, never reached here) makes rank 1 stale.
-    train(collector, "stale", tmp_path, steps=160, nproc=2, faults=("stop_reporting@20:rank=1",), extra=("--step-sleep", "0.5"))
+    # After the warm-up (50 steps) and the baseline (5 probes): the fault at step 80.
+    train(collector, "act-grow", tmp_path, steps=120, faults=("act_grow@80:layer=0:factor=100",), extra=("--cadence", "activations=5"))
+    grow = fired(settle(collector, "act-grow", 119), "activation_outlier")
+    assert grow and min(a["first_step"] for a in grow) == 80, collector.alerts("act-grow")
+    assert {a["layer"] for a in grow if a["first_step"] == 80} >= {0}, grow
+
+    stale_thread.join(timeout=660)  # train()'s own timeout is 600 s
+    assert not stale_thread.is_alive(), "the stale-rank job did not finish"
+    if stale_job:
+        raise stale_job[0]
     stale = fired(settle(collector, "stale", 19), "stale_rank")
     assert stale and stale[0]["rank"] == 1, collector.alerts("stale")
     assert "silent for" in stale[0]["explanation"], stale
@@ -198,11 +219,6 @@ def test_nan_stale_rank_and_activation_growth(collector: Collector, tmp_path: Pa
     silence_s = (stale[0]["fired_at_ms"] - last_report_ms) / 1000
     assert silence_s >= 60, stale  # never before the timeout
 
-    # After the warm-up (50 steps) and the baseline (5 probes): the fault at step 80.
-    train(collector, "act-grow", tmp_path, steps=120, faults=("act_grow@80:layer=0:factor=100",), extra=("--cadence", "activations=5"))
-    grow = fired(settle(collector, "act-grow", 119), "activation_outlier")
-    assert grow and min(a["first_step"] for a in grow) == 80, collector.alerts("act-grow")
-    assert {a["layer"] for a in grow if a["first_step"] == 80} >= {0}, grow
     record(
         "faults",
         {

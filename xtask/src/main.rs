@@ -193,28 +193,48 @@ fn run_counting(
     tally: Option<&mut Tally>,
     count: fn(&mut Tally, &str),
 ) -> Result<()> {
-    println!("\n==> {step}: {cmd:?}");
+    // A step on a side thread runs beside the main line: its output is held and printed in
+    // one block when it ends, so the two never interleave line by line.
+    let side = std::thread::current().name() != Some("main");
+    let mut held = String::new();
+    let mut say = |line: &str| {
+        if side {
+            held.push_str(line);
+            held.push('\n');
+        } else {
+            println!("{line}");
+        }
+    };
+    say(&format!("\n==> {step}: {cmd:?}"));
     let started = Instant::now();
-    if tally.is_some() {
+    if tally.is_some() || side {
         cmd.stdout(Stdio::piped());
     }
     let mut child = cmd
         .spawn()
         .with_context(|| format!("{step}: could not start {cmd:?}"))?;
-    if let (Some(tally), Some(stdout)) = (tally, child.stdout.take()) {
+    let mut tally = tally;
+    if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines() {
             let line = line.context("reading test output")?;
-            println!("{line}");
-            count(tally, &line);
+            say(&line);
+            if let Some(tally) = tally.as_deref_mut() {
+                count(tally, &line);
+            }
         }
     }
     let status = child.wait()?;
     let seconds = started.elapsed().as_secs_f64();
     record_stage(step, seconds, status.success());
+    if status.success() {
+        say(&format!("==> {step}: ok in {seconds:.1}s"));
+    }
+    if side {
+        print!("{held}");
+    }
     if !status.success() {
         bail!("{step} failed ({status})");
     }
-    println!("==> {step}: ok in {seconds:.1}s");
     Ok(())
 }
 
@@ -315,41 +335,20 @@ fn test_stages(extra: &[String]) -> Result<()> {
     let tools = std::thread::spawn(python_tools);
     // First: the collector the tests build embeds the dashboard.
     web()?;
-    let mut clippy = cargo();
-    clippy.args([
-        "clippy",
-        "--workspace",
-        "--exclude",
-        WEB_CRATE,
-        "--all-targets",
-        "--locked",
-        "--",
-        "-D",
-        "warnings",
-    ]);
-    run("clippy", clippy)?;
-    // The dashboard's clippy ran inside its build (see `web`).
-    // The API docs: an intra-doc link to something renamed or gone fails the run.
-    let mut docs = cargo();
-    docs.args([
-        "doc",
-        "--workspace",
-        "--exclude",
-        WEB_CRATE,
-        "--exclude",
-        "xtask",
-        "--no-deps",
-        "--locked",
-    ])
-    .env(
-        "RUSTDOCFLAGS",
-        "-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links",
-    );
-    run("rustdoc (broken links denied)", docs)?;
+    // Clippy lints the workspace's crates *during* the test build (clippy-driver as the
+    // workspace's rustc wrapper, warnings denied), as the dashboard's build does: a separate
+    // `cargo clippy --all-targets` compiled every dependency a second time, in check mode, for
+    // 330 s of a fresh run. The API docs, which need that check build, are built later beside
+    // the Python suites, whose processes leave a core idle much of the time.
     let mut tally = Tally::default();
     let mut tests = cargo();
     tests.args(RUST_TEST_ARGS).args(extra);
-    let mut outcome = run_with("rust tests", tests, Some(&mut tally));
+    with_clippy(&mut tests);
+    let mut outcome = run_with(
+        "rust tests (clippy -D warnings while compiling)",
+        tests,
+        Some(&mut tally),
+    );
     let started = Instant::now();
     let tools = tools
         .join()
@@ -375,6 +374,36 @@ fn test_stages(extra: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Makes a cargo build lint the workspace's own crates with clippy as it compiles them,
+/// warnings denied (what `cargo clippy -- -D warnings` passes); dependencies are compiled as
+/// usual.
+fn with_clippy(cmd: &mut Command) {
+    cmd.env("RUSTC_WORKSPACE_WRAPPER", "clippy-driver").env(
+        "CLIPPY_ARGS",
+        "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+    );
+}
+
+/// The API docs: an intra-doc link to something renamed or gone fails the run.
+fn rustdoc() -> Result<()> {
+    let mut docs = cargo();
+    docs.args([
+        "doc",
+        "--workspace",
+        "--exclude",
+        WEB_CRATE,
+        "--exclude",
+        "xtask",
+        "--no-deps",
+        "--locked",
+    ])
+    .env(
+        "RUSTDOCFLAGS",
+        "-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links",
+    );
+    run("rustdoc (broken links denied)", docs)
+}
+
 const WEB_CRATE: &str = "rankwatch-web";
 /// The Rust test suite's cargo arguments.
 const RUST_TEST_ARGS: [&str; 5] = ["test", "--workspace", "--exclude", WEB_CRATE, "--locked"];
@@ -394,21 +423,8 @@ fn locked_wasm_bindgen() -> Result<String> {
     bail!("Cargo.lock has no wasm-bindgen package")
 }
 
-/// Builds the dashboard into `web/dist`: the wasm module (cargo, profile `web`), its JS glue
-/// (`wasm-bindgen`), uPlot from npm, and the static files. What it needs is installed first:
-/// the wasm32 target, the wasm-bindgen-cli of the locked version, the npm packages.
-fn web() -> Result<()> {
-    let installed = Command::new("rustup")
-        .current_dir(root())
-        .args(["target", "list", "--installed"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).contains(WASM_TARGET))
-        .unwrap_or(false);
-    if !installed {
-        let mut cmd = Command::new("rustup");
-        cmd.current_dir(root()).args(["target", "add", WASM_TARGET]);
-        run("install the wasm32 target", cmd)?;
-    }
+/// The wasm-bindgen CLI of the version in Cargo.lock, installed when missing or different.
+fn ensure_wasm_bindgen_cli() -> Result<()> {
     let version = locked_wasm_bindgen()?;
     let have = Command::new("wasm-bindgen")
         .arg("--version")
@@ -426,6 +442,29 @@ fn web() -> Result<()> {
         ]);
         run(&format!("install wasm-bindgen-cli {version}"), cmd)?;
     }
+    Ok(())
+}
+
+/// Builds the dashboard into `web/dist`: the wasm module (cargo, profile `web`), its JS glue
+/// (`wasm-bindgen`), uPlot from npm, and the static files. What it needs is installed first:
+/// the wasm32 target, the wasm-bindgen-cli of the locked version, the npm packages.
+fn web() -> Result<()> {
+    let installed = Command::new("rustup")
+        .current_dir(root())
+        .args(["target", "list", "--installed"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains(WASM_TARGET))
+        .unwrap_or(false);
+    if !installed {
+        let mut cmd = Command::new("rustup");
+        cmd.current_dir(root()).args(["target", "add", WASM_TARGET]);
+        run("install the wasm32 target", cmd)?;
+    }
+    // The CLI compiles (minutes on a fresh machine) while the dashboard does: it is needed
+    // only for the glue, after the build.
+    let cli = std::thread::Builder::new()
+        .name("wasm-bindgen-cli".into())
+        .spawn(ensure_wasm_bindgen_cli)?;
     let web = root().join("web");
     if !web
         .join("node_modules/uplot/dist/uPlot.iife.min.js")
@@ -441,35 +480,49 @@ fn web() -> Result<()> {
     // every dependency a second time, in check mode, for nothing else.
     ensure_component("clippy", &["clippy", "--version"])?;
     let mut build = cargo();
-    build
-        .args([
-            "build",
-            "--locked",
-            "-p",
-            WEB_CRATE,
-            "--target",
-            WASM_TARGET,
-            "--profile",
-            "web",
-        ])
-        .env("RUSTC_WORKSPACE_WRAPPER", "clippy-driver")
-        .env(
-            "CLIPPY_ARGS",
-            "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
-        );
-    run("build and clippy the dashboard (wasm32)", build)?;
+    build.args([
+        "build",
+        "--locked",
+        "-p",
+        WEB_CRATE,
+        "--target",
+        WASM_TARGET,
+        "--profile",
+        "web",
+    ]);
+    with_clippy(&mut build);
+    let built = run("build and clippy the dashboard (wasm32)", build);
+    cli.join()
+        .map_err(|_| anyhow::anyhow!("installing wasm-bindgen-cli panicked"))??;
+    built?;
     // Built into a fresh folder and swapped in, so a failed build never leaves half a
     // dashboard for the collector to embed.
     let staging = root().join("target/web-dist");
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging)?;
-    let mut bindgen = Command::new("wasm-bindgen");
-    bindgen
-        .current_dir(root())
-        .args(["--target", "web", "--no-typescript", "--out-dir"])
-        .arg(&staging)
-        .arg(root().join(format!("target/{WASM_TARGET}/web/rankwatch_web.wasm")));
-    run("wasm-bindgen", bindgen)?;
+    let module = root().join(format!("target/{WASM_TARGET}/web/rankwatch_web.wasm"));
+    // wasm-bindgen's output differs from run to run on the same module (the order of its
+    // generated shims), and a changed web/dist recompiles the collector that embeds it: the
+    // glue is made again only when the module changed since the glue in web/dist was made.
+    let glued = root().join("target/web-dist.input.wasm");
+    let dist = web.join("dist");
+    let glue = ["rankwatch_web.js", "rankwatch_web_bg.wasm"];
+    let module_bytes = std::fs::read(&module).context("reading the dashboard's wasm module")?;
+    let same_module = std::fs::read(&glued).ok().as_deref() == Some(module_bytes.as_slice())
+        && glue.iter().all(|f| dist.join(f).exists());
+    if same_module {
+        for f in glue {
+            std::fs::copy(dist.join(f), staging.join(f))?;
+        }
+    } else {
+        let mut bindgen = Command::new("wasm-bindgen");
+        bindgen
+            .current_dir(root())
+            .args(["--target", "web", "--no-typescript", "--out-dir"])
+            .arg(&staging)
+            .arg(&module);
+        run("wasm-bindgen", bindgen)?;
+    }
     for (from, to) in [
         ("static/index.html", "index.html"),
         ("static/style.css", "style.css"),
@@ -482,13 +535,13 @@ fn web() -> Result<()> {
         std::fs::copy(web.join(from), staging.join(to))
             .with_context(|| format!("copying web/{from}"))?;
     }
-    let dist = web.join("dist");
     if same_tree(&staging, &dist) {
         // Unchanged: leave the files (and their times) alone, so the collector is not rebuilt.
         return Ok(());
     }
     let _ = std::fs::remove_dir_all(&dist);
     copy_tree(&staging, &dist)?;
+    std::fs::write(&glued, &module_bytes)?;
     println!("==> dashboard built into {}", dist.display());
     Ok(())
 }
@@ -586,8 +639,9 @@ fn pip_install(python: &Path, files: &[&str], step: &str) -> Result<()> {
 }
 
 /// Builds the SDK's native module into the venv (`maturin develop`, editable install). Cargo
-/// reuses the workspace's `target/`, so after `cargo test` this only links the extension.
-fn ensure_native_module(python: &Path, release: bool) -> Result<()> {
+/// reuses the workspace's `target/`. With `lint`, clippy lints the workspace's crates as they
+/// compile (warnings denied): `cargo test` never builds this one, a cdylib without tests.
+fn ensure_native_module(python: &Path, release: bool, lint: bool) -> Result<()> {
     let venv = root().join(".venv");
     let mut cmd = Command::new(venv.join("bin").join("maturin"));
     without_package_env(&mut cmd);
@@ -608,7 +662,15 @@ fn ensure_native_module(python: &Path, release: bool) -> Result<()> {
     if env::var_os("CI").is_some() {
         cmd.env("CARGO_INCREMENTAL", "0");
     }
-    run("build rankwatch._native (maturin develop)", cmd)?;
+    if lint {
+        with_clippy(&mut cmd);
+    }
+    let step = if lint {
+        "build rankwatch._native (maturin develop, clippy -D warnings)"
+    } else {
+        "build rankwatch._native (maturin develop)"
+    };
+    run(step, cmd)?;
     let mut check = Command::new(python);
     check.args(["-c", "import rankwatch._native"]);
     run("import rankwatch._native", check)
@@ -659,8 +721,44 @@ fn python_tools() -> Result<PathBuf> {
 
 fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     // The deployment test trains a real run with the SDK.
-    ensure_native_module(python, false)?;
-    // The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject).
+    ensure_native_module(python, false, true)?;
+    // `cargo test` has just built the binary for the collector's integration tests; a separate
+    // `cargo build` would compile it again under another profile.
+    let binary = root().join("target/debug/rankwatch");
+    if !binary.exists() {
+        bail!("{} is missing: the Rust tests build it", binary.display());
+    }
+    // Two lanes: the SDK suite (the longest, mostly training on both cores) on this thread,
+    // and the static checks, the collector's suites, the browser tests and the demo on a side
+    // thread. Much of the second lane waits (on a flush, a timeout, a page, a paced job), so
+    // beside the first it costs far less than after it.
+    let side_python = python.to_path_buf();
+    let side_binary = binary.clone();
+    let side = std::thread::Builder::new()
+        .name("checks, collector, browser and demo suites".into())
+        .spawn(move || {
+            let mut tally = Tally::default();
+            let outcome = sdk_static_checks(&side_python)
+                .and_then(|()| {
+                    collector_browser_and_demo_suites(&side_python, &side_binary, &mut tally)
+                })
+                .and_then(|()| rustdoc());
+            (outcome, tally)
+        })?;
+    let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
+    sdk.env("RANKWATCH_BIN", &binary);
+    let sdk_outcome = run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line);
+    let (side_outcome, side_tally) = side
+        .join()
+        .map_err(|_| anyhow::anyhow!("the side lane of the Python suites panicked"))?;
+    tally.passed += side_tally.passed;
+    tally.failed += side_tally.failed;
+    tally.skipped += side_tally.skipped;
+    sdk_outcome.and(side_outcome)
+}
+
+/// The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject).
+fn sdk_static_checks(python: &Path) -> Result<()> {
     let sdk_dir = root().join("sdk-python");
     let mut ruff = Command::new(python);
     ruff.current_dir(&sdk_dir)
@@ -668,16 +766,19 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     run("ruff (sdk-python/rankwatch)", ruff)?;
     let mut mypy = Command::new(python);
     mypy.current_dir(&sdk_dir).args(["-m", "mypy", "rankwatch"]);
-    run("mypy --strict (sdk-python/rankwatch)", mypy)?;
-    // `cargo test` has just built the binary for the collector's integration tests; a separate
-    // `cargo build` would compile it again under another profile.
-    let binary = root().join("target/debug/rankwatch");
-    if !binary.exists() {
-        bail!("{} is missing: the Rust tests build it", binary.display());
-    }
+    run("mypy --strict (sdk-python/rankwatch)", mypy)
+}
+
+/// The collector's Python suites, the dashboard in a browser and the README's main job, one
+/// after another, against `binary`.
+fn collector_browser_and_demo_suites(
+    python: &Path,
+    binary: &Path,
+    tally: &mut Tally,
+) -> Result<()> {
     let mut collector = pytest(python, &root(), "collector/tests/python");
     collector
-        .env("RANKWATCH_BIN", &binary)
+        .env("RANKWATCH_BIN", binary)
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
     run_counting(
         "python suites",
@@ -685,12 +786,8 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
         Some(tally),
         Tally::add_pytest_line,
     )?;
-    // The SDK's suite: its own conftest (a second one in the same pytest session would clash).
-    let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
-    sdk.env("RANKWATCH_BIN", &binary);
-    run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)?;
     let mut ui = pytest(python, &root().join("web/tests"), ".");
-    ui.env("RANKWATCH_BIN", &binary);
+    ui.env("RANKWATCH_BIN", binary);
     run_counting(
         "browser tests (dashboard)",
         ui,
@@ -699,7 +796,7 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     )?;
     // The README's main job, as a user runs it, on the binary the Rust tests built.
     let mut demo = pytest(python, &root(), "xtask/tests");
-    demo.env("RANKWATCH_BIN", &binary);
+    demo.env("RANKWATCH_BIN", binary);
     run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
 }
 
@@ -707,7 +804,16 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
 fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
     let mut cmd = Command::new(python);
     cmd.current_dir(dir)
-        .args(["-m", "pytest", "-p", "no:cacheprovider", "-q", target])
+        // The slowest tests are printed, so a suite that grows slow shows where.
+        .args([
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--durations=15",
+            target,
+        ])
         .env("HF_HUB_OFFLINE", "1");
     cmd
 }
@@ -725,7 +831,7 @@ fn demo(extra: &[String]) -> Result<()> {
         .join()
         .map_err(|_| anyhow::anyhow!("creating the venv panicked"))??;
     let binary = built?;
-    ensure_native_module(&python, false)?;
+    ensure_native_module(&python, false, false)?;
     let mut story = Command::new(&python);
     story
         .current_dir(root())
@@ -784,7 +890,7 @@ fn build_release_collector() -> Result<()> {
 /// The GPU suite (`bench/gpu_suite.py`): needs CUDA, so it is never part of `test`.
 fn gpu(extra: &[String]) -> Result<()> {
     let python = ensure_venv()?;
-    ensure_native_module(&python, true)?;
+    ensure_native_module(&python, true, false)?;
     let mut cmd = Command::new(python);
     cmd.current_dir(root())
         .arg("bench/gpu_suite.py")
@@ -825,7 +931,7 @@ fn bench(extra: &[String]) -> Result<()> {
             &["bench/sdk-requirements.txt"],
             "install the comparison loggers",
         )?;
-        ensure_native_module(&python, true)?;
+        ensure_native_module(&python, true, false)?;
         let mut cmd = Command::new(&python);
         cmd.current_dir(root())
             .arg("bench/sdk_bench.py")

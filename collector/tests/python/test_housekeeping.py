@@ -46,8 +46,9 @@ def test_delete_removes_exactly_one_run_files_included_and_it_stays_gone_after_a
     assert (data / "table=samples" / "run=doomed").exists()
     # No flush while this one runs: the next rows of the doomed run live only in memory and in
     # the write-ahead log when it is deleted. A short query timeout makes the deleted files'
-    # grace period short (timeout + 5 s).
-    c = Collector(data, "--flush-interval", "1h", "--query-timeout", "1s")
+    # grace period short (timeout + 5 s); the files are removed by the next compaction pass after
+    # it, so that pass runs often too.
+    c = Collector(data, "--flush-interval", "1h", "--query-timeout", "1s", "--compact-interval", "2s")
     try:
         kept_before = count(c, "kept")
         listed = cli(c.url, "runs", "list")
