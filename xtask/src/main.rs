@@ -84,28 +84,7 @@ fn root() -> PathBuf {
 }
 
 fn cargo() -> Command {
-    cargo_from(Command::new(cargo_program()))
-}
-
-fn cargo_program() -> String {
-    env::var("CARGO").unwrap_or_else(|_| "cargo".into())
-}
-
-/// `program` at the lowest CPU priority (`nice -n 19`) where `nice` exists: for work that runs
-/// beside the main line and is not waited for soon (pip filling the venv while cargo compiles,
-/// the API docs beside the Python suites), so that it takes only the CPU the main line leaves.
-fn lowly(program: impl AsRef<std::ffi::OsStr>) -> Command {
-    let nice = Path::new("/usr/bin/nice");
-    if !nice.exists() {
-        return Command::new(program);
-    }
-    let mut cmd = Command::new(nice);
-    cmd.args(["-n", "19"]).arg(program);
-    cmd
-}
-
-/// A cargo command in the workspace root, without the package variables of this process.
-fn cargo_from(mut cmd: Command) -> Command {
+    let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(root());
     without_package_env(&mut cmd);
     if env::var_os("CI").is_some() {
@@ -408,13 +387,12 @@ fn with_clippy(cmd: &mut Command) {
     );
 }
 
-/// The API docs: an intra-doc link to something renamed or gone fails the run. Built at the
-/// lowest CPU priority: it runs beside the Python suites and takes what they leave. In its own
-/// target folder, so it never holds the lock of the main one, which the demo's test needs
-/// (`cargo xtask demo`); nothing is lost, as rustdoc needs check builds of the dependencies,
-/// which no other step makes.
+/// The API docs: an intra-doc link to something renamed or gone fails the run. In its own
+/// target folder, so it never holds the lock of the main one (the demo's test runs `cargo
+/// xtask demo`); nothing is lost, as rustdoc needs check builds of the dependencies, which no
+/// other step makes.
 fn rustdoc() -> Result<()> {
-    let mut docs = cargo_from(lowly(cargo_program()));
+    let mut docs = cargo();
     docs.args([
         "doc",
         "--target-dir",
@@ -652,7 +630,7 @@ fn ensure_venv() -> Result<PathBuf> {
 
 /// `pip install -r` each of `files` (paths relative to the repository) into `python`'s env.
 fn pip_install(python: &Path, files: &[&str], step: &str) -> Result<()> {
-    let mut pip = lowly(python);
+    let mut pip = Command::new(python);
     pip.current_dir(root()).args([
         "-m",
         "pip",
@@ -758,58 +736,33 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     if !binary.exists() {
         bail!("{} is missing: the Rust tests build it", binary.display());
     }
-    // Three lanes, since much of each suite waits (on a flush, a timeout, a page, a paced job)
-    // rather than computing: most of the SDK's suite on this thread; the static checks, the
-    // collector's suites, the browser tests, the demo and the rest of the SDK's suite on a
-    // side thread; the API docs, at the lowest priority, on a third.
-    let docs = std::thread::Builder::new()
-        .name("api docs".into())
-        .spawn(rustdoc)?;
+    // Two lanes, since much of each suite waits (on a flush, a timeout, a page, a paced job)
+    // rather than computing: the SDK's suite, the longest, on this thread; the static checks,
+    // the collector's suites, the browser tests, the demo and the API docs on a side thread.
     let side_python = python.to_path_buf();
     let side_binary = binary.clone();
     let side = std::thread::Builder::new()
-        .name("checks, collector, browser, demo and sdk suites".into())
+        .name("checks, collector, browser, demo and docs".into())
         .spawn(move || {
             let mut tally = Tally::default();
             let outcome = sdk_static_checks(&side_python)
                 .and_then(|()| {
                     collector_browser_and_demo_suites(&side_python, &side_binary, &mut tally)
                 })
-                .and_then(|()| {
-                    let mut sdk =
-                        pytest(&side_python, &root().join("sdk-python"), SDK_SIDE_FILES[0]);
-                    sdk.args(&SDK_SIDE_FILES[1..])
-                        .env("RANKWATCH_BIN", &side_binary);
-                    run_counting(
-                        "python sdk suite (second part)",
-                        sdk,
-                        Some(&mut tally),
-                        Tally::add_pytest_line,
-                    )
-                });
+                .and_then(|()| rustdoc());
             (outcome, tally)
         })?;
     let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
-    for file in SDK_SIDE_FILES {
-        sdk.arg("--ignore").arg(file);
-    }
     sdk.env("RANKWATCH_BIN", &binary);
     let sdk_outcome = run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line);
     let (side_outcome, side_tally) = side
         .join()
         .map_err(|_| anyhow::anyhow!("the side lane of the Python suites panicked"))?;
-    let docs_outcome = docs
-        .join()
-        .map_err(|_| anyhow::anyhow!("building the API docs panicked"))?;
     tally.passed += side_tally.passed;
     tally.failed += side_tally.failed;
     tally.skipped += side_tally.skipped;
-    sdk_outcome.and(side_outcome).and(docs_outcome)
+    sdk_outcome.and(side_outcome)
 }
-
-/// The SDK's test files that run in the side lane (the rest run on the main line): about the
-/// share that balances the two lanes' times.
-const SDK_SIDE_FILES: [&str; 2] = ["tests/test_attach.py", "tests/test_sharded.py"];
 
 /// The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject).
 fn sdk_static_checks(python: &Path) -> Result<()> {

@@ -171,6 +171,11 @@ def _gdb_script(payload: Path, code_file: Path) -> list[str]:
         "print (void*)Py_AddPendingCall",
         "print (void*)PyRun_SimpleString",
         "echo RANKWATCH: python found\\n",
+        # Only the stopped thread runs the calls below (as memray's attach does): with every
+        # thread resumed for them, a busy job's other threads (gloo, autograd, a rank's
+        # training loop) could take a signal mid-call and gdb abandons the call (seen once on
+        # a loaded machine: "signaled while in a function called from GDB").
+        "set scheduler-locking on",
         # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS; kept for the life of the process.
         f"set $rankwatch_code = (char*)mmap(0, {size}, 3, 0x22, -1, 0)",
         f"restore {code_file} binary $rankwatch_code",
