@@ -142,6 +142,13 @@ struct Tally {
 }
 
 impl Tally {
+    /// Adds another runner's counts.
+    fn merge(&mut self, other: Tally) {
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.skipped += other.skipped;
+    }
+
     /// Adds the counts of a pytest summary line (`==== 5 passed, 1 skipped in 3.2s ====`).
     fn add_pytest_line(&mut self, line: &str) {
         let line = line.trim().trim_matches('=').trim();
@@ -193,12 +200,12 @@ fn run_with(step: &str, cmd: Command, tally: Option<&mut Tally>) -> Result<()> {
 fn run_counting(
     step: &str,
     mut cmd: Command,
-    tally: Option<&mut Tally>,
+    mut tally: Option<&mut Tally>,
     count: fn(&mut Tally, &str),
 ) -> Result<()> {
-    // A step on a side thread runs beside the main line: its output is held and printed in
-    // one block when it ends, so the two never interleave line by line.
-    let side = std::thread::current().name() != Some("main");
+    // A step on a side lane runs beside the main line: its output is held and printed in one
+    // block when it ends, so the two never interleave line by line.
+    let side = on_side_lane();
     let mut held = String::new();
     let mut say = |line: &str| {
         if side {
@@ -216,7 +223,6 @@ fn run_counting(
     let mut child = cmd
         .spawn()
         .with_context(|| format!("{step}: could not start {cmd:?}"))?;
-    let mut tally = tally;
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines() {
             let line = line.context("reading test output")?;
@@ -247,11 +253,17 @@ static STAGES: Mutex<Vec<(String, f64, bool)>> = Mutex::new(Vec::new());
 /// Background steps (run while the main line compiles) are marked, and left out of the sum.
 const BACKGROUND: &str = "(background) ";
 
+/// Whether this thread is a side lane (anything but the main thread): its steps run beside
+/// the main line.
+fn on_side_lane() -> bool {
+    std::thread::current().name() != Some("main")
+}
+
 fn record_stage(step: &str, seconds: f64, ok: bool) {
-    let name = if std::thread::current().name() == Some("main") {
-        step.to_owned()
-    } else {
+    let name = if on_side_lane() {
         format!("{BACKGROUND}{step}")
+    } else {
+        step.to_owned()
     };
     if let Ok(mut stages) = STAGES.lock() {
         stages.push((name, seconds, ok));
@@ -483,9 +495,8 @@ fn web() -> Result<()> {
             .args(["ci", "--no-audit", "--no-fund"]);
         run("npm ci (web)", npm)?;
     }
-    // Clippy lints the dashboard's crate *during* this build (clippy-driver as the workspace's
-    // rustc wrapper, warnings denied): a separate `cargo clippy --target wasm32` would compile
-    // every dependency a second time, in check mode, for nothing else.
+    // Clippy lints the dashboard's crate during this build (`with_clippy`): a separate `cargo
+    // clippy --target wasm32` would compile every dependency a second time, in check mode.
     ensure_component("clippy", &["clippy", "--version"])?;
     let mut build = cargo();
     build.args([
@@ -758,9 +769,7 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     let (side_outcome, side_tally) = side
         .join()
         .map_err(|_| anyhow::anyhow!("the side lane of the Python suites panicked"))?;
-    tally.passed += side_tally.passed;
-    tally.failed += side_tally.failed;
-    tally.skipped += side_tally.skipped;
+    tally.merge(side_tally);
     sdk_outcome.and(side_outcome)
 }
 
