@@ -7,13 +7,14 @@
 `cargo xtask demo --attach` and the zero-code tests (sdk-python/tests/test_attach.py) use it.
 
 A small GPT-2 (Hugging Face classes from a config, random init) on random tokens, under
-DistributedDataParallel when started by torchrun (gloo), AdamW, 0.. --steps optimizer steps,
+DistributedDataParallel when started by torchrun (gloo; with --fsdp2, sharded by FSDP2's
+`fully_shard` on every block and the model instead), AdamW, 0.. --steps optimizer steps,
 optionally with gradient accumulation. Deterministic: the same arguments give bit-identical
 parameters. Rank 0 writes them to --out at the end. With --pause-at K it stops before step K
 until the file --resume exists, polling in Python (a process sleeping in C would run no
 injected code), and writes --paused when it gets there, so a test can attach at a known step.
 
-    python train_plain.py --steps 30 --out params.pt [--accumulation 2] [--pause-at 10 --paused F --resume G]
+    python train_plain.py --steps 30 --out params.pt [--accumulation 2] [--fsdp2] [--pause-at 10 --paused F --resume G]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--pause-at", type=int, default=-1)
     p.add_argument("--paused", type=Path)
     p.add_argument("--resume", type=Path)
+    p.add_argument("--fsdp2", action="store_true", help="shard with FSDP2 instead of DDP (under torchrun)")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds of Python-level waiting after each step")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -46,7 +48,17 @@ def main() -> None:
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=96, bos_token_id=0, eos_token_id=0, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config)
-    trained: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    trained: torch.nn.Module = model
+    if distributed and args.fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif distributed:
+        trained = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=3e-3)
     data = torch.Generator().manual_seed(1 + rank)
     for step in range(args.steps):
@@ -65,8 +77,10 @@ def main() -> None:
         while time.monotonic() < deadline:
             time.sleep(0.01)
         print(f"step {step + 1} loss {out.loss.item():.4f}", flush=True)
+    # Sharded parameters are gathered whole (a collective: every rank takes part).
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
     if rank == 0 and args.out is not None:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+        torch.save(state, args.out)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

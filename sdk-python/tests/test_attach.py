@@ -40,9 +40,9 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), TRAIN, *args]
 
 
-def _plain_twin(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
+def _plain_twin(tmp_path: Path, steps: int, *args: str) -> dict[str, torch.Tensor]:
     out = tmp_path / "unwatched.pt"
-    subprocess.run(_torchrun("--steps", str(steps), "--out", str(out)), env=_env(), check=True, timeout=300, capture_output=True)
+    subprocess.run(_torchrun("--steps", str(steps), "--out", str(out), *args), env=_env(), check=True, timeout=300, capture_output=True)
     return torch.load(out)
 
 
@@ -249,38 +249,47 @@ def test_rankwatch_run_watches_a_plain_torchrun_job(tmp_path: Path, collector: C
     assert len({round(r["value"], 6) for r in losses}) == 2, "each rank reports its own loss"
 
 
-def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Path, collector: Collector) -> None:
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Path, collector: Collector, layout: str) -> None:
+    """Every rank switches at the same step, on and off: under FSDP2 the gradient probe's own
+    all-reduce would otherwise pair with another rank's training collective."""
     steps = 60  # long enough that it is still running well after the detach
+    run = f"sleeper-{layout}"
     cmd = [
-        sys.executable, "-m", "rankwatch", "run", "--dormant", "--collector", collector.url, "--run", "sleeper", "--every", EVERY, "--",
-        *_torchrun("--steps", str(steps), "--step-delay", "0.25", "--out", str(tmp_path / "watched.pt")),
+        sys.executable, "-m", "rankwatch", "run", "--dormant", "--collector", collector.url, "--run", run, "--every", EVERY, "--",
+        *_torchrun("--steps", str(steps), "--step-delay", "0.25", "--out", str(tmp_path / "watched.pt"), *(["--fsdp2"] if layout == "fsdp2" else [])),
     ]  # fmt: skip
-    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Polls several steps apart, so that the ranks hear of each switch at different steps (with
+    # the switch taking effect where each hears of it, this job hung under FSDP2).
+    job = subprocess.Popen(cmd, env=_env(RANKWATCH_SWITCH_POLL_S="1.7"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(3)
-        assert _steps(collector, "sleeper", "loss") == {}, "a dormant job reports nothing"
-        cli = [collector_binary(), "attach", "sleeper", "--url", collector.url]
+        assert _steps(collector, run, "loss") == {}, "a dormant job reports nothing"
+        cli = [collector_binary(), "attach", run, "--url", collector.url]
         switched = subprocess.run(cli, capture_output=True, text=True, timeout=30)
         assert switched.returncode == 0 and "probes on" in switched.stdout, switched.stderr
-        on = _wait_for(lambda: (s := _steps(collector, "sleeper", "loss")) and len(s.get(0, [])) >= 3 and len(s.get(1, [])) >= 3 and s, 60, "metrics after attach")
-        assert on[0][:3] == on[1][:3], f"both ranks report the same steps: {on}"
-        subprocess.run([collector_binary(), "detach", "sleeper", "--url", collector.url], check=True, capture_output=True, timeout=30)
+        on = _wait_for(lambda: (s := _steps(collector, run, "loss")) and len(s.get(0, [])) >= 3 and len(s.get(1, [])) >= 3 and s, 60, "metrics after attach")
+        assert on[0][0] == on[1][0], f"both ranks start at the same step: {on}"
+        subprocess.run([collector_binary(), "detach", run, "--url", collector.url], check=True, capture_output=True, timeout=30)
         detached_at = time.monotonic()
+        time.sleep(6)  # a poll (1.7 s) and the lead (the poll and a second, in steps)
+        settled = _steps(collector, run, "loss")
         time.sleep(2.5)
-        settled = _steps(collector, "sleeper", "loss")
-        time.sleep(2.5)
-        assert _steps(collector, "sleeper", "loss") == settled, "no rows after the detach took effect"
+        assert _steps(collector, run, "loss") == settled, "no rows after the detach took effect"
         assert job.poll() is None, "the job was still running while detached"
-        assert time.monotonic() - detached_at < 10
+        assert time.monotonic() - detached_at < 12
         out, err = job.communicate(timeout=240)
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
     assert job.returncode == 0, err[-3000:]
+    assert settled[0] == settled[1], f"both ranks report the same steps, from the switch on to the switch off: {settled}"
+    assert settled[0] == list(range(settled[0][0], settled[0][-1] + 1))
     last = max(settled[0])
     assert last < steps - 3, f"rows stopped at step {last}, well before the job's end ({steps})"
-    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps))
+    assert set(_steps(collector, run, "grad_norm")) == {0, 1}
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, *(["--fsdp2"] if layout == "fsdp2" else [])))
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
@@ -317,11 +326,12 @@ def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collec
     assert job.returncode == 0, job_err[-3000:]
     _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps))
     by_rank = _wait_for(lambda: (s := _steps(collector, "attached", "loss")) and len(s) == 2 and max(s[0]) == steps and max(s[1]) == steps and s, 30, "the loss up to the last step")
-    for rank, got in by_rank.items():
-        # Ranks are injected one after the other and may start a step apart, but a step number
-        # means the same optimizer step on both: the last is the job's last on each.
-        assert got == list(range(got[0], steps + 1)), (rank, got)
-        assert 8 < got[0] < steps - 3, f"attached mid-run: {got}"
+    # Ranks are injected one after the other, then agree on the step to start at (the optimizer's
+    # own step count numbers the steps alike): both report the same steps, to the job's last.
+    assert by_rank[0] == by_rank[1], by_rank
+    got = by_rank[0]
+    assert got == list(range(got[0], steps + 1)), got
+    assert 8 < got[0] < steps - 3, f"attached mid-run: {got}"
     assert set(_steps(collector, "attached", "grad_norm")) == {0, 1}
 
 

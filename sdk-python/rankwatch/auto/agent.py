@@ -14,6 +14,11 @@ under way and no hook is half-run):
        ▲                                                                    │
        └──────────────────── deactivate (or any failure) ◀─────────────────┘
 
+A request (the collector's switch, `attach`/`detach --pid`) takes effect at a step every rank of
+the job agrees on (`agreement.py`): probes that issue collectives of their own must start and
+stop together. A launched agent that is not dormant starts at the end of the job's first step
+on every rank, which needs no agreement.
+
 While watching, each step's end logs this rank's loss for the step (`rankwatch.losses`) and
 lets the run's probes report; deactivating finishes the run, which removes every hook, and
 restores what was patched. Anything that goes wrong inside the agent deactivates it and is
@@ -37,6 +42,7 @@ import torch
 
 from ..losses import BackwardLoss, TokenLoss
 from ..run import RankwatchWarning, Run, init, live_runs, parse_mode
+from .agreement import Agreement, Switch
 from .find import Found, live_scaler, model_of, steps_done
 
 
@@ -50,6 +56,7 @@ class Settings:
     every: Any = None  # an int or a dict of probe → steps, as `rankwatch.init(every=)`
     dormant: bool = False
     status_dir: str | None = None  # where an injected agent reports what it found
+    injected: bool = False  # by `attach --pid`: its step count starts mid-run
     spool_dir: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -78,6 +85,13 @@ class AutoAgent:
         self.settings = settings
         self.state = DORMANT
         self.steps = 0  # optimizer steps of the followed optimizer seen by this agent
+        # Added to `steps` for the step number every rank shares (None: not known, for an
+        # injected agent whose optimizer keeps no step count): what the ranks agree on.
+        self.shared_base: int | None = None if settings.injected else 0
+        self._switch: Switch | None = None
+        self._wanted: bool | None = None  # a request heard before the switch exists
+        self._last_step_end: float | None = None
+        self._step_seconds: float | None = None
         self.offset = 0  # added to `steps` to give the step number (a framework's, say)
         self.run: Run | None = None
         self.found: Found | None = None
@@ -165,21 +179,55 @@ class AutoAgent:
                 followed = optimizer
             if optimizer is not followed:
                 return  # another optimizer of the same loop (a GAN's second, say)
+            first = self.steps == 0
             self.steps += 1
+            self._time_step()
             if self._poller is None:
                 self._start_poller()
             with self._lock:
                 requested, self._requested = self._requested, None
-            if requested == "deactivate":
-                self._stop("detached")
-            elif requested == "activate" and self.state == DORMANT:
+            if first and requested == "activate" and not self.settings.injected:
+                # Launched watching: every rank starts at the end of the job's first step.
                 self.state = STARTING
+            else:
+                if requested is not None:
+                    self._wanted = requested == "activate"
+                self._follow_switch(optimizer)
             if self.state == STARTING:
                 self._start(optimizer)
             elif self.state == WATCHING:
                 self._log()
         except Exception as e:  # noqa: BLE001 - the job must never see the agent fail
             self._fail(e)
+
+    def _time_step(self) -> None:
+        now = time.monotonic()
+        if self._last_step_end is not None:
+            took = now - self._last_step_end
+            self._step_seconds = took if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * took
+        self._last_step_end = now
+
+    def _follow_switch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Carries out the pending request at the step the ranks agree on."""
+        if self._switch is None:
+            if self._wanted is None:
+                return  # nothing asked yet: no store is touched
+            if self.shared_base is None:
+                done = steps_done(optimizer, None)
+                self.shared_base = None if done is None else done - self.steps
+            lead = self.poll_interval + 1.0  # every rank polls the collector within one interval
+            self._switch = Switch(Agreement.of_job(lead) if self.shared_base is not None else None)
+        switch = self._switch
+        if self._wanted is not None:
+            switch.wanted, self._wanted = self._wanted, None
+        target = switch.end_of_step(self.steps + (self.shared_base or 0), self.state != DORMANT, self._step_seconds)
+        if switch.gave_up is not None:
+            self.error = switch.gave_up
+            self._report("not-watching")  # printed, and the answer an attaching command waits for
+        if target is True and self.state == DORMANT:
+            self.state = STARTING
+        elif target is False:
+            self._stop("detached")
 
     def _start(self, optimizer: torch.optim.Optimizer) -> None:
         """Find the model, start the run, install the probes; they measure from the next step."""
@@ -353,7 +401,7 @@ def remote(config: dict[str, Any]) -> None:
     if action == "attach":
         if current is None:
             settings = {k: v for k, v in config.get("settings", {}).items() if v is not None}
-            current = start(Settings(**settings, status_dir=status_dir))
+            current = start(Settings(**settings, status_dir=status_dir, injected=True))
         else:
             current.settings.status_dir = status_dir
         current.request("activate")
