@@ -24,6 +24,9 @@ pub enum ErrorReason {
     Cardinality,
     MediaType,
     Unauthorized,
+    /// The request is authenticated (or needs no token) but is not allowed: a foreign browser
+    /// origin, an unknown `Host`, or deletion on a collector that has no admin token.
+    Forbidden,
     UnknownRun,
     NotFound,
     InFlight,
@@ -39,7 +42,7 @@ pub enum ErrorReason {
 
 impl ErrorReason {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorReason; 18] = [
+    pub const ALL: [ErrorReason; 19] = [
         ErrorReason::BadRequest,
         ErrorReason::InvalidData,
         ErrorReason::MalformedArrow,
@@ -49,6 +52,7 @@ impl ErrorReason {
         ErrorReason::Cardinality,
         ErrorReason::MediaType,
         ErrorReason::Unauthorized,
+        ErrorReason::Forbidden,
         ErrorReason::UnknownRun,
         ErrorReason::NotFound,
         ErrorReason::InFlight,
@@ -72,6 +76,7 @@ impl ErrorReason {
             ErrorReason::Cardinality => "cardinality",
             ErrorReason::MediaType => "media_type",
             ErrorReason::Unauthorized => "unauthorized",
+            ErrorReason::Forbidden => "forbidden",
             ErrorReason::UnknownRun => "unknown_run",
             ErrorReason::NotFound => "not_found",
             ErrorReason::InFlight => "in_flight",

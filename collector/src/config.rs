@@ -174,8 +174,8 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_READ_TOKEN", hide_env_values = true)]
     pub read_token: Option<String>,
 
-    /// Bearer token required to delete runs and apply retention (unset: the ingest token is
-    /// required instead; with neither, deletion is open like the rest).
+    /// Bearer token required to delete runs and apply retention (unset: refused while any
+    /// other token is set; with no token at all, deletion is open like the rest).
     #[arg(long, env = "RANKWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
 
@@ -192,6 +192,25 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_RETENTION_INTERVAL", default_value = "10m", value_parser = parse_duration)]
     pub retention_interval: Duration,
 
+    /// A host name (without port) browsers may reach this collector by, besides loopback
+    /// names; repeat for several. Requests naming another `Host` are refused while listening
+    /// on loopback (a guard against DNS rebinding).
+    #[arg(
+        long = "allowed-host",
+        env = "RANKWATCH_ALLOWED_HOSTS",
+        value_delimiter = ','
+    )]
+    pub allowed_hosts: Vec<String>,
+
+    /// A web origin (`scheme://host[:port]`) whose pages may change state (post, put, delete)
+    /// besides the collector's own dashboard; repeat for several.
+    #[arg(
+        long = "allowed-origin",
+        env = "RANKWATCH_ALLOWED_ORIGINS",
+        value_delimiter = ','
+    )]
+    pub allowed_origins: Vec<String>,
+
     /// Allow a non-loopback listen address without tokens.
     #[arg(long, env = "RANKWATCH_INSECURE")]
     pub insecure: bool,
@@ -204,9 +223,14 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_MAX_BATCH_ROWS", default_value_t = 1_000_000)]
     pub max_batch_rows: usize,
 
-    /// Most distinct series (metric, layer, site, rank) one run may have.
-    #[arg(long, env = "RANKWATCH_MAX_SERIES_PER_RUN", default_value_t = 200_000)]
+    /// Most distinct series (metric, layer, site, rank) one run may have. The default holds
+    /// 1,024 ranks reporting 1,024 series each.
+    #[arg(long, env = "RANKWATCH_MAX_SERIES_PER_RUN", default_value_t = 1 << 20)]
     pub max_series_per_run: usize,
+
+    /// Most ranks one run may declare (`world_size`); larger is refused with 400.
+    #[arg(long, env = "RANKWATCH_MAX_WORLD_SIZE", default_value_t = 16_384)]
+    pub max_world_size: u32,
 
     /// Hot-buffer size at which a flush to Parquet starts early, in bytes. Ingest answers 429
     /// once the buffer reaches twice this size.
@@ -398,9 +422,13 @@ impl ServeConfig {
         if self.align_timeout.is_zero() {
             return Err(Error::bad("--align-timeout must be positive"));
         }
-        if self.max_body_bytes == 0 || self.max_batch_rows == 0 || self.hot_budget_bytes == 0 {
+        if self.max_body_bytes == 0
+            || self.max_batch_rows == 0
+            || self.hot_budget_bytes == 0
+            || self.max_world_size == 0
+        {
             return Err(Error::bad(
-                "body, batch-row and hot-buffer limits must be positive",
+                "body, batch-row, hot-buffer and world-size limits must be positive",
             ));
         }
         Ok(())

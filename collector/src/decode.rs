@@ -54,6 +54,21 @@ pub fn parse_table(name: &str) -> Result<Table> {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_rows: usize,
+    /// Most ranks a run may declare: the alert engine keeps per-rank state and visits every
+    /// rank of a step, so an absurd world size is an allocation the collector cannot survive.
+    pub max_world_size: u32,
+}
+
+/// Checks a run's metadata: its own invariants, then this collector's limits.
+fn check_info(info: &RunInfo, limits: Limits) -> Result<()> {
+    info.validate()?;
+    if info.world_size > limits.max_world_size {
+        return Err(Error::bad(format!(
+            "world_size {} is above this collector's limit of {} ranks (--max-world-size)",
+            info.world_size, limits.max_world_size
+        )));
+    }
+    Ok(())
 }
 
 /// Most bytes the buffers of one body may decompress to, as a multiple of the body's size.
@@ -207,13 +222,14 @@ pub fn decode_arrow(
     known: &dyn Fn(&RunId) -> Option<RunInfo>,
 ) -> Result<Entry> {
     let batch = concat(table, read_ipc(body, table, limits.max_rows)?, limits)?;
-    entry_from_batch(table, batch, known)
+    entry_from_batch(table, batch, known, limits)
 }
 
 fn entry_from_batch(
     table: Table,
     batch: RecordBatch,
     known: &dyn Fn(&RunId) -> Option<RunInfo>,
+    limits: Limits,
 ) -> Result<Entry> {
     match table {
         Table::Samples => {
@@ -248,7 +264,7 @@ fn entry_from_batch(
                 )));
             }
             let info = rows.remove(0);
-            info.validate()?;
+            check_info(&info, limits)?;
             Ok(Entry {
                 run: info.run.clone(),
                 samples: None,
@@ -466,7 +482,7 @@ pub fn decode_json(
                 layout: i.layout,
                 tags: i.tags,
             };
-            info.validate().map(|_| info)
+            check_info(&info, limits).map(|_| info)
         })
         .transpose()?;
     let known_info = info.clone().or_else(|| known(&run));
@@ -603,6 +619,7 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
     let mut entry: Option<Entry> = None;
     let limits = Limits {
         max_rows: usize::MAX,
+        max_world_size: u32::MAX,
     };
     for _ in 0..parts {
         if payload.remaining() < 5 {
@@ -619,7 +636,7 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
         }
         let batch = concat(table, read_ipc(&payload[..len], table, usize::MAX)?, limits)?;
         payload.advance(len);
-        let part = entry_from_batch(table, batch, &|_| None)?;
+        let part = entry_from_batch(table, batch, &|_| None, limits)?;
         match entry.as_mut() {
             None => entry = Some(part),
             Some(e) => {

@@ -50,6 +50,11 @@ pub enum Error {
     #[error("{0}")]
     Unauthorized(&'static str),
 
+    /// Not allowed whatever the token: a foreign browser origin, an unknown `Host` (DNS
+    /// rebinding), deletion on a collector without an admin token.
+    #[error("{0}")]
+    Forbidden(String),
+
     /// No such route.
     #[error("no such endpoint; see /api/v1/openapi.json")]
     NotFound,
@@ -117,6 +122,7 @@ impl Error {
             Error::Cardinality(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Error::Forbidden(_) => StatusCode::FORBIDDEN,
             Error::UnknownRun(_) | Error::NotFound => StatusCode::NOT_FOUND,
             Error::InFlight(_) => StatusCode::CONFLICT,
             Error::Backpressure { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -140,6 +146,7 @@ impl Error {
             Error::Cardinality(_) => ErrorReason::Cardinality,
             Error::UnsupportedMediaType(_) => ErrorReason::MediaType,
             Error::Unauthorized(_) => ErrorReason::Unauthorized,
+            Error::Forbidden(_) => ErrorReason::Forbidden,
             Error::UnknownRun(_) => ErrorReason::UnknownRun,
             Error::NotFound => ErrorReason::NotFound,
             Error::InFlight(_) => ErrorReason::InFlight,

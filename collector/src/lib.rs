@@ -24,6 +24,7 @@ pub mod clock;
 pub mod commit;
 pub mod config;
 pub mod decode;
+pub mod dirlock;
 pub mod entry;
 pub mod error;
 pub mod export;

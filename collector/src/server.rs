@@ -44,6 +44,9 @@ pub struct Collector {
     wal_thread: Option<std::thread::JoinHandle<()>>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    /// Held for the collector's lifetime, and dropped last (fields drop in order): no second
+    /// collector opens this data directory while anything of this one still writes there.
+    _lock: crate::dirlock::DirLock,
 }
 
 impl Collector {
@@ -58,6 +61,8 @@ impl Collector {
     /// ranks, idle runs, retention ages, the active-run window) reads this one.
     pub async fn open_with_clock(config: &ServeConfig, clock: SharedClock) -> Result<Collector> {
         config.check()?;
+        // Before anything in the directory is read, let alone deleted as a leftover.
+        let lock = crate::dirlock::DirLock::acquire(&config.data_dir)?;
         let store = Arc::new(open_store(config, clock).await?);
         let queries = Queries::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
         queries.rebuild_index().await?;
@@ -111,6 +116,7 @@ impl Collector {
             metrics: ingest_metrics.clone(),
             limits: Limits {
                 max_rows: config.max_batch_rows,
+                max_world_size: config.max_world_size,
             },
             engine: handle.clone(),
         };
@@ -144,6 +150,11 @@ impl Collector {
             },
             config.retention(),
             switches,
+            crate::api::browser::BrowserPolicy {
+                loopback_only: config.listen.ip().is_loopback(),
+                extra_hosts: config.allowed_hosts.clone(),
+                origins: config.allowed_origins.clone(),
+            },
         );
 
         let (stop, stopped) = watch::channel(false);
@@ -177,6 +188,7 @@ impl Collector {
             wal_thread: Some(wal_thread),
             stop,
             tasks,
+            _lock: lock,
         })
     }
 

@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 pub(crate) const COLLECTOR_LAYERS: &[&[&str]] = &[
     // The error type and the metric helpers everything shares.
     &["error", "Labels", "seconds_histogram"],
-    // File helpers and the clock.
-    &["fsutil", "clock"],
+    // File helpers, the data directory's lock and the clock.
+    &["fsutil", "dirlock", "clock"],
     // The data model and the durable primitives under the store.
     &["entry", "wal", "idempotency", "switches"],
     // Parsing bodies into entries; the store (hot buffer + Parquet).

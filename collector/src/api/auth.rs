@@ -60,14 +60,26 @@ pub(super) async fn read(State(state): State<AppState>, request: Request, next: 
     }
 }
 
-/// Requires the admin token; without one, the ingest token (whoever may write may delete).
+/// Requires the admin token. A collector with other tokens but no admin token refuses
+/// deletion outright: the ingest token is on every training node, and whoever can write
+/// metrics must not thereby be able to erase runs. With no token at all, deletion is as open
+/// as the rest (loopback, guarded by [`super::browser`]).
 pub(super) async fn admin(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let expected = state
-        .inner
-        .admin_token
-        .as_deref()
-        .or(state.inner.ingest_token.as_deref());
-    match guard(expected, &state, &request) {
+    let inner = &state.inner;
+    let refusal = match (&inner.admin_token, &inner.ingest_token, &inner.read_token) {
+        (Some(admin), _, _) => guard(Some(admin), &state, &request),
+        (None, None, None) => None,
+        (None, _, _) => {
+            let e = Error::Forbidden(
+                "deleting data needs the admin token, and this collector has none: start it with \
+                 --admin-token (the ingest token every training job holds does not grant it)"
+                    .into(),
+            );
+            inner.requests.reject(&e);
+            Some(e.into_response())
+        }
+    };
+    match refusal {
         Some(refusal) => refusal,
         None => next.run(request).await,
     }

@@ -406,9 +406,11 @@ fn switch_body(run: &RunId, switch: Option<crate::switches::Switch>) -> ProbeSwi
 pub(super) async fn set_probes(
     State(state): State<AppState>,
     Path(run): Path<String>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Json<ProbeSwitch>> {
     let run = RunId::new(run)?;
+    super::browser::require_json(&headers, &body)?;
     let wish: SetProbes = serde_json::from_slice(&body).map_err(|e| {
         crate::error::Error::bad(format!(
             "probe switch: expected {{\"on\": true|false}}: {e}"
@@ -437,8 +439,10 @@ pub(super) async fn delete_run(
 /// Applies a retention policy now: the one in the body, else the collector's own.
 pub(super) async fn retention(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Json<RetentionReport>> {
+    super::browser::require_json(&headers, &body)?;
     let request: RetentionRequest = if body.is_empty() {
         RetentionRequest::default()
     } else {

@@ -2,12 +2,14 @@
 //! without a socket; the server binds it to a listener.
 //!
 //! Routes are in four groups: ingest (guarded by the ingest token), deletion and retention
-//! (the admin token, else the ingest token), reads and `/metrics` (the read token), and the
-//! always-open probes and OpenAPI document. Every error
+//! (the admin token; refused when other tokens are set but no admin token), reads and
+//! `/metrics` (the read token), and the always-open probes and OpenAPI document. Over all of
+//! them, [`browser`] refuses what a web page could make a browser send. Every error
 //! is a JSON body `{"error": "...", "reason": "..."}` with a 4xx or 5xx status (see
 //! [`crate::error`]).
 
 mod auth;
+pub mod browser;
 mod extract;
 mod handlers;
 pub(crate) mod ui;
@@ -40,7 +42,7 @@ pub(crate) struct Shared {
     pub(crate) exporter: Exporter,
     pub(crate) ingest_token: Option<String>,
     pub(crate) read_token: Option<String>,
-    /// Deletion and retention; falls back to the ingest token when unset.
+    /// Deletion and retention; when unset, they are open only if no token is set at all.
     pub(crate) admin_token: Option<String>,
     pub(crate) max_body_bytes: usize,
     pub(crate) ready: AtomicBool,
@@ -50,6 +52,8 @@ pub(crate) struct Shared {
     pub(crate) retention: crate::retention::Policy,
     /// Per-run wishes for dormant agents: probes on or off.
     pub(crate) switches: Arc<crate::switches::ProbeSwitches>,
+    /// The hosts and origins browsers' requests may name.
+    pub(crate) browser: browser::BrowserPolicy,
 }
 
 /// The tokens guarding the API; `None` leaves that group open.
@@ -57,7 +61,7 @@ pub(crate) struct Shared {
 pub struct Tokens {
     pub ingest: Option<String>,
     pub read: Option<String>,
-    /// Deletion and retention; the ingest token guards them when this is unset.
+    /// Deletion and retention; when unset while another token is set, they are refused.
     pub admin: Option<String>,
 }
 
@@ -83,6 +87,7 @@ impl AppState {
         alerting: Alerting,
         retention: crate::retention::Policy,
         switches: Arc<crate::switches::ProbeSwitches>,
+        browser: browser::BrowserPolicy,
     ) -> Self {
         let housekeeper =
             crate::retention::Housekeeper::new(queries.store().clone(), alerting.engine.clone());
@@ -101,6 +106,7 @@ impl AppState {
                 housekeeper,
                 retention,
                 switches,
+                browser,
             }),
         }
     }
@@ -174,5 +180,10 @@ pub fn app(state: AppState) -> Router {
         .merge(read)
         .merge(open)
         .fallback(ui::fallback)
+        // Over everything, the dashboard's pages too: a rebinding page must not read them.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            browser::guard,
+        ))
         .with_state(state)
 }

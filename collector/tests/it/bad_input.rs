@@ -238,6 +238,34 @@ async fn each_kind_of_bad_input_is_refused_with_a_message_naming_it() {
     let r = get(&c, "/api/v1/runs/..%2Fetc/series?metric=loss").await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.error().contains("invalid run id"));
+    // A world size the alert engine would have to allocate per step (this aborted the
+    // collector: 103 GB for u32::MAX ranks), in either body format.
+    let body = json!({"run": "huge", "info": {"world_size": u32::MAX}, "samples": [{"rank": 0, "step": 1, "metric": "loss", "value": 1.0}]});
+    refuse(
+        &c,
+        "application/json",
+        ingest,
+        None,
+        body.to_string().into_bytes(),
+        400,
+        "world_size 4294967295 is above this collector's limit of 16384 ranks (--max-world-size)",
+    )
+    .await;
+    let mut huge = info("huge", 2, 2);
+    huge.world_size = 16_385;
+    refuse(
+        &c,
+        ARROW,
+        "/api/v1/ingest?table=runs",
+        None,
+        ipc(
+            &rankwatch_analytics::schema::runs::to_batch(&[huge]).unwrap(),
+            false,
+        ),
+        400,
+        "limit of 16384 ranks",
+    )
+    .await;
     // Unknown metric names and sites.
     let body = json!({"run": "good", "samples": [{"rank": 0, "step": 1, "metric": "spectral.ratoi", "layer": 0, "value": 1.0}]});
     refuse(
@@ -519,7 +547,7 @@ proptest! {
             b
         };
         let known = |_: &rankwatch_analytics::RunId| None;
-        let limits = rankwatch_collector::decode::Limits { max_rows: 10_000 };
+        let limits = rankwatch_collector::decode::Limits { max_rows: 10_000, max_world_size: 1024 };
         let _ = rankwatch_collector::decode::decode_arrow(&body, rankwatch_collector::decode::Table::Samples, limits, &known);
         let _ = rankwatch_collector::decode::decode_arrow(&body, rankwatch_collector::decode::Table::Sketches, limits, &known);
         let _ = rankwatch_collector::decode::decode_json(&body, limits, 0, &known);

@@ -3,8 +3,10 @@
 
 mod alerting;
 mod bad_input;
+mod browser;
 mod common;
 mod crash;
 mod dashboard;
 mod round_trip;
 mod time;
+mod two_writers;

@@ -175,5 +175,24 @@ async fn retention_by_age_counts_from_each_runs_last_report() {
         .map(|r| r["run"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["recent"], "{runs:#}");
+    // An age shorter than the active window (15 min) does not reach a run still reporting:
+    // "recent" (31 min silent) goes, "live" (reported now) stays.
+    loss(&c, "live", 0, 1).await;
+    let r = post(
+        &c,
+        "/api/v1/retention",
+        "application/json",
+        None,
+        br#"{"max_age":"1ms"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let deleted: Vec<String> = r.json()["deleted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["run"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(deleted, ["recent"]);
     c.shutdown().await.unwrap();
 }
