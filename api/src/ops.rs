@@ -26,10 +26,13 @@ pub enum AckStatus {
     Duplicate,
 }
 
-/// `GET /healthz` and `GET /readyz`: `ok`, `ready` or `not ready`.
+/// `GET /healthz` and `GET /readyz`: `ok`, `ready`, `not ready` or `failing`, with the reason
+/// when not ok.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Health {
     pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// `POST /api/v1/sql` with `application/json` (plain text is the SQL itself).

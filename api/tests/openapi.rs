@@ -332,10 +332,12 @@ fn component_schemas_match_the_contract_types() {
         spec,
         "Health",
         Health {
-            status: "ok".into(),
+            status: "failing".into(),
+            reason: Some("write-ahead log write failed".into()),
         },
         Health {
             status: "ok".into(),
+            reason: None,
         },
     );
 }

@@ -179,8 +179,15 @@ impl IntoResponse for Error {
         };
         let mut response = (status, axum::Json(body)).into_response();
         let headers = response.headers_mut();
-        if let Error::Backpressure { retry_after_s, .. } = self {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+        match self {
+            Error::Backpressure { retry_after_s, .. } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            // Shutting down or a failed log: a client retries (with its idempotency key) soon.
+            Error::Unavailable(_) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(5u64));
+            }
+            _ => {}
         }
         if status == StatusCode::UNAUTHORIZED {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

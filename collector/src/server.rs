@@ -202,6 +202,11 @@ impl Collector {
         &self.state
     }
 
+    /// The write-ahead log (its failure state, its fault injector for tests and drills).
+    pub fn wal(&self) -> &WalHandle {
+        &self.wal
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<Store> {
         &self.store

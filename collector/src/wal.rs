@@ -25,14 +25,30 @@
 //! file is truncated there with a warning. The same damage inside an older segment cannot come
 //! from a crash; it is reported, counted, and the rest of that segment is skipped, because
 //! refusing to start would lose every other acknowledged batch too.
+//!
+//! # When a write or an fsync fails
+//!
+//! A failed group (a full disk, an I/O error) is answered with an error, never applied, and
+//! then *rolled back*: its bytes still buffered are discarded (not written at shutdown, as they
+//! once were), and the segments are cut back to where they stood after the last successful
+//! fsync — segments the group started are deleted, the one it appended to is truncated and
+//! fsynced. After an fsync error the page cache can no longer be trusted to hold what was
+//! written (PostgreSQL's "fsyncgate"), so the log never retries an fsync over the same bytes:
+//! after the rollback the next batch starts a fresh segment. While the rollback has not
+//! succeeded the log is *failed*: appends get `503` with `Retry-After`, `/healthz` and
+//! `/readyz` say so, and the writer retries the rollback every second, so the collector heals
+//! by itself when space returns. Sequence numbers of a failed group are not reused (replay
+//! accepts gaps). If the process ends while the disk still refuses the rollback, bytes of the
+//! failed group that did reach the disk may replay at the next start; that is the one case in
+//! which a batch answered `503` can be stored, and the log says so when it happens.
+//! [`FaultInjector`] makes writes or fsyncs fail on purpose, for tests and drills.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prometheus_client::metrics::gauge::Gauge;
@@ -49,8 +65,74 @@ const HEADER: usize = 16;
 /// Most bytes one group commit writes before its fsync.
 const GROUP_BYTES: usize = 32 << 20;
 
+/// How often a failed log retries its rollback.
+const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Runs after a record is durable, on the writer thread, in sequence order.
 pub type ApplyFn = Box<dyn FnOnce(u64) + Send>;
+
+/// Makes the log's next writes or fsyncs fail as a full disk does (`ENOSPC`), for tests and
+/// failure drills; it does nothing until told to.
+#[derive(Debug, Default)]
+pub struct FaultInjector {
+    writes: AtomicU32,
+    syncs: AtomicU32,
+}
+
+impl FaultInjector {
+    /// The next `n` segment writes fail (0 stops failing them).
+    pub fn fail_writes(&self, n: u32) {
+        self.writes.store(n, Ordering::Release);
+    }
+
+    /// The next `n` fsyncs (and rollback truncations) fail (0 stops failing them).
+    pub fn fail_syncs(&self, n: u32) {
+        self.syncs.store(n, Ordering::Release);
+    }
+
+    fn take(counter: &AtomicU32) -> std::io::Result<()> {
+        let took = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        match took {
+            Ok(_) => Err(std::io::Error::from_raw_os_error(28)), // ENOSPC
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+/// Whether the log is failed, and why; shared by the writer and the handles.
+#[derive(Debug, Default)]
+struct Failure {
+    failed: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl Failure {
+    fn set(&self, reason: Option<String>) {
+        let failed = reason.is_some();
+        *self.reason.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+        self.failed.store(failed, Ordering::Release);
+    }
+
+    fn reason(&self) -> Option<String> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Where the segments stood after the last successful fsync: what a failed group is rolled
+/// back to.
+#[derive(Debug, Clone, Copy)]
+struct Checkpoint {
+    /// Segments that existed (the ones after them were started by the failed group).
+    segments: usize,
+    /// The durable length of the last of them.
+    last_len: u64,
+}
 
 /// What the writer reports about its work, for `/metrics`.
 pub trait WalObserver: Send + Sync {
@@ -260,7 +342,8 @@ fn encode_header(seq: u64, payload: &[u8]) -> [u8; HEADER] {
 #[derive(Clone, Debug)]
 pub struct WalHandle {
     tx: mpsc::Sender<Message>,
-    failed: Arc<AtomicBool>,
+    failure: Arc<Failure>,
+    faults: Arc<FaultInjector>,
 }
 
 impl WalHandle {
@@ -274,7 +357,8 @@ impl WalHandle {
         fs::create_dir_all(&dir)?;
         let segments = list_segments(&dir)?;
         let (tx, rx) = mpsc::channel();
-        let failed = Arc::new(AtomicBool::new(false));
+        let failure = Arc::new(Failure::default());
+        let faults = Arc::new(FaultInjector::default());
         let mut writer = Writer {
             dir,
             segment_bytes,
@@ -289,22 +373,28 @@ impl WalHandle {
                 })
                 .collect(),
             observer,
-            failed: failed.clone(),
+            failure: failure.clone(),
+            faults: faults.clone(),
+            rollback: None,
+            last_attempt: None,
         };
         let thread = std::thread::Builder::new()
             .name("rankwatch-wal".into())
             .spawn(move || writer.run(rx))?;
-        Ok((WalHandle { tx, failed }, thread))
+        Ok((
+            WalHandle {
+                tx,
+                failure,
+                faults,
+            },
+            thread,
+        ))
     }
 
     /// Appends `payload`; resolves once it is fsynced and `apply` has run, with its sequence
     /// number.
     pub async fn append(&self, payload: Bytes, apply: ApplyFn) -> Result<u64> {
-        if self.failed.load(Ordering::Acquire) {
-            return Err(Error::Unavailable(
-                "the write-ahead log failed; see the collector's log".into(),
-            ));
-        }
+        self.accepting()?;
         let (done, wait) = oneshot::channel();
         self.tx
             .send(Message::Append {
@@ -333,7 +423,28 @@ impl WalHandle {
 
     /// Whether the writer has hit an I/O error and refuses new records.
     pub fn is_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
+        self.failure.failed.load(Ordering::Acquire)
+    }
+
+    /// Why the log is failed, while it is.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.reason()
+    }
+
+    /// `Ok` unless the log is failed; then the error a refused batch gets.
+    pub fn accepting(&self) -> Result<()> {
+        match self.failure.reason() {
+            None => Ok(()),
+            Some(reason) => Err(Error::Unavailable(format!(
+                "{reason}; retrying every {} s",
+                RECOVERY_INTERVAL.as_secs()
+            ))),
+        }
+    }
+
+    /// The log's fault injector (see [`FaultInjector`]).
+    pub fn faults(&self) -> &Arc<FaultInjector> {
+        &self.faults
     }
 }
 
@@ -346,7 +457,11 @@ struct Writer {
     /// (first seq, path, size), oldest first; the last one is active when `active` is set.
     segments: Vec<(u64, PathBuf, u64)>,
     observer: Arc<dyn WalObserver>,
-    failed: Arc<AtomicBool>,
+    failure: Arc<Failure>,
+    faults: Arc<FaultInjector>,
+    /// Set while a failed group is not yet rolled back: the log refuses appends.
+    rollback: Option<Checkpoint>,
+    last_attempt: Option<Instant>,
 }
 
 struct Pending {
@@ -359,8 +474,17 @@ impl Writer {
     fn run(&mut self, rx: mpsc::Receiver<Message>) {
         let mut deferred: Option<Message> = None;
         loop {
+            if self.rollback.is_some() {
+                self.try_recover();
+            }
             let first = match deferred.take() {
                 Some(m) => m,
+                // Failed: wake up to retry the rollback even when no request comes.
+                None if self.rollback.is_some() => match rx.recv_timeout(RECOVERY_INTERVAL) {
+                    Ok(m) => m,
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                },
                 None => match rx.recv() {
                     Ok(m) => m,
                     Err(_) => break,
@@ -390,6 +514,9 @@ impl Writer {
                 self.commit(group);
             }
             match deferred.take() {
+                // While failed, segments are left as they are for the rollback; the next
+                // flush asks again.
+                Some(Message::Truncate(_)) if self.rollback.is_some() => {}
                 Some(Message::Truncate(seq)) => self.truncate(seq),
                 Some(Message::Sync(done)) => {
                     let _ = done.send(());
@@ -397,14 +524,37 @@ impl Writer {
                 other => deferred = other,
             }
         }
-        if let Some(active) = self.active.as_mut() {
+        if self.rollback.is_some() {
+            self.last_attempt = None;
+            self.try_recover();
+            if self.rollback.is_some() {
+                tracing::error!(
+                    "write-ahead log still failed at shutdown: bytes of the batches refused since \
+                     may be replayed at the next start"
+                );
+            }
+        } else if let Some(active) = self.active.as_mut() {
             let _ = active.flush().and_then(|_| active.get_ref().sync_data());
         }
     }
 
     fn commit(&mut self, group: Vec<(Bytes, ApplyFn, oneshot::Sender<Result<u64>>)>) {
+        if let Some(reason) = self.failure.reason() {
+            for (_, _, done) in group {
+                let _ = done.send(Err(Error::Unavailable(reason.clone())));
+            }
+            return;
+        }
         let started = Instant::now();
         let records = group.len();
+        let checkpoint = Checkpoint {
+            segments: self.segments.len(),
+            last_len: if self.active.is_some() {
+                self.active_size
+            } else {
+                self.segments.last().map_or(0, |s| s.2)
+            },
+        };
         let mut pending = Vec::with_capacity(records);
         let mut written = Ok(());
         let mut bytes = 0;
@@ -429,15 +579,72 @@ impl Writer {
                 self.report_size();
             }
             Err(e) => {
-                tracing::error!(error = %e, "write-ahead log write failed; refusing new batches");
-                self.failed.store(true, Ordering::Release);
+                let reason = format!("write-ahead log write failed: {e}");
+                tracing::error!(error = %e, "write-ahead log write failed; refusing new batches until it is rolled back");
+                self.failure.set(Some(reason.clone()));
+                // The group's bytes still in the buffer are dropped, never written.
+                if let Some(active) = self.active.take() {
+                    let _ = active.into_parts();
+                }
+                self.active_size = 0;
+                self.rollback = Some(checkpoint);
+                self.last_attempt = Some(Instant::now());
                 for p in pending {
-                    let _ = p.done.send(Err(Error::Unavailable(format!(
-                        "write-ahead log write failed: {e}"
-                    ))));
+                    let _ = p.done.send(Err(Error::Unavailable(reason.clone())));
                 }
             }
         }
+    }
+
+    /// Rolls a failed group back (see the module docs), at most once per interval; clears the
+    /// failure when it succeeds.
+    fn try_recover(&mut self) {
+        let Some(checkpoint) = self.rollback else {
+            return;
+        };
+        if self
+            .last_attempt
+            .is_some_and(|t| t.elapsed() < RECOVERY_INTERVAL)
+        {
+            return;
+        }
+        self.last_attempt = Some(Instant::now());
+        match self.roll_back(checkpoint) {
+            Ok(()) => {
+                self.rollback = None;
+                self.failure.set(None);
+                tracing::warn!(
+                    "write-ahead log rolled back its failed batches and accepts batches again"
+                );
+                self.report_size();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "write-ahead log still failing; retrying");
+            }
+        }
+    }
+
+    fn roll_back(&mut self, checkpoint: Checkpoint) -> Result<()> {
+        while self.segments.len() > checkpoint.segments {
+            let (_, path, _) = &self.segments[self.segments.len() - 1];
+            match fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+            self.segments.pop();
+        }
+        if let Some(last) = self.segments.last_mut()
+            && last.2 != checkpoint.last_len
+        {
+            FaultInjector::take(&self.faults.syncs)?;
+            let file = OpenOptions::new().write(true).open(&last.1)?;
+            file.set_len(checkpoint.last_len)?;
+            file.sync_all()?;
+            last.2 = checkpoint.last_len;
+        }
+        sync_dir(&self.dir)?;
+        Ok(())
     }
 
     fn write(&mut self, seq: u64, payload: &[u8]) -> Result<()> {
@@ -448,6 +655,7 @@ impl Writer {
             .active
             .as_mut()
             .ok_or_else(|| Error::Unavailable("write-ahead log has no active segment".into()))?;
+        FaultInjector::take(&self.faults.writes)?;
         active.write_all(&encode_header(seq, payload))?;
         active.write_all(payload)?;
         let size = (HEADER + payload.len()) as u64;
@@ -460,6 +668,7 @@ impl Writer {
 
     fn sync(&mut self) -> Result<()> {
         if let Some(active) = self.active.as_mut() {
+            FaultInjector::take(&self.faults.syncs)?;
             active.flush()?;
             active.get_ref().sync_data()?;
         }
@@ -616,6 +825,107 @@ mod tests {
         let report = replay(dir.path(), 0).unwrap();
         assert_eq!(report.records.len(), 1);
         assert!(report.torn_bytes > 0);
+    }
+
+    fn append(
+        wal: &WalHandle,
+        payload: &'static [u8],
+        applied: &Arc<Mutex<Vec<u64>>>,
+    ) -> impl std::future::Future<Output = Result<u64>> + use<> {
+        let (wal, applied) = (wal.clone(), applied.clone());
+        async move {
+            wal.append(
+                Bytes::from_static(payload),
+                Box::new(move |s| applied.lock().unwrap().push(s)),
+            )
+            .await
+        }
+    }
+
+    fn payloads(dir: &Path) -> Vec<(u64, Vec<u8>)> {
+        let report = replay(dir, 0).unwrap();
+        report
+            .records
+            .into_iter()
+            .map(|r| (r.seq, r.payload))
+            .collect()
+    }
+
+    #[test]
+    fn a_failed_group_is_refused_rolled_back_healed_and_never_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, thread) =
+            WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet)).unwrap();
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        runtime().block_on(async {
+            assert_eq!(append(&wal, b"alpha", &applied).await.unwrap(), 1);
+            wal.faults().fail_syncs(u32::MAX);
+            let e = append(&wal, b"refused", &applied).await.unwrap_err();
+            assert!(e.to_string().contains("os error 28"), "{e}");
+            assert!(wal.is_failed() && wal.failure().is_some());
+            // Refused at once while failed, without a sequence number.
+            let e = append(&wal, b"also refused", &applied).await.unwrap_err();
+            assert!(e.to_string().contains("retrying every 1 s"), "{e}");
+            wal.faults().fail_syncs(0);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while wal.is_failed() {
+                assert!(Instant::now() < deadline, "the log never healed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(append(&wal, b"delta", &applied).await.unwrap(), 3);
+        });
+        drop(wal);
+        thread.join().unwrap();
+        assert_eq!(
+            *applied.lock().unwrap(),
+            [1, 3],
+            "a refused batch is never applied"
+        );
+        assert_eq!(
+            payloads(dir.path()),
+            [(1, b"alpha".to_vec()), (3, b"delta".to_vec())]
+        );
+    }
+
+    #[test]
+    fn a_failed_group_is_not_written_at_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, thread) =
+            WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet)).unwrap();
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        runtime().block_on(async {
+            append(&wal, b"alpha", &applied).await.unwrap();
+            // Written into the segment's buffer, then the fsync fails.
+            wal.faults().fail_syncs(1);
+            append(&wal, b"refused", &applied).await.unwrap_err();
+        });
+        // Shut down while failed: the group's buffered bytes are dropped, not flushed.
+        drop(wal);
+        thread.join().unwrap();
+        assert_eq!(payloads(dir.path()), [(1, b"alpha".to_vec())]);
+    }
+
+    #[test]
+    fn a_failed_group_that_started_a_segment_takes_it_back() {
+        let dir = tempfile::tempdir().unwrap();
+        // Segments of ~one record: the next append starts a new segment.
+        let (wal, thread) = WalHandle::start(dir.path().into(), 1, 10, Arc::new(Quiet)).unwrap();
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        runtime().block_on(async {
+            append(&wal, b"alpha", &applied).await.unwrap();
+            assert_eq!(list_segments(dir.path()).unwrap().len(), 1);
+            // The rotation's fsync of the old segment passes, the new segment's fails.
+            wal.faults().fail_writes(1);
+            append(&wal, b"refused", &applied).await.unwrap_err();
+        });
+        drop(wal);
+        thread.join().unwrap();
+        assert_eq!(
+            list_segments(dir.path()).unwrap().len(),
+            1,
+            "the new segment is gone"
+        );
+        assert_eq!(payloads(dir.path()), [(1, b"alpha".to_vec())]);
     }
 
     #[test]

@@ -253,7 +253,7 @@ def test_rankwatch_run_watches_a_plain_torchrun_job(tmp_path: Path, collector: C
 def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Path, collector: Collector, layout: str) -> None:
     """Every rank switches at the same step, on and off: under FSDP2 the gradient probe's own
     all-reduce would otherwise pair with another rank's training collective."""
-    steps = 60  # long enough that it is still running well after the detach
+    steps = 120  # long enough that it is still running well after the detach, on a busy machine too
     run = f"sleeper-{layout}"
     cmd = [
         sys.executable, "-m", "rankwatch", "run", "--dormant", "--collector", collector.url, "--run", run, "--every", EVERY, "--",
@@ -268,7 +268,13 @@ def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Pa
         cli = [collector_binary(), "attach", run, "--url", collector.url]
         switched = subprocess.run(cli, capture_output=True, text=True, timeout=30)
         assert switched.returncode == 0 and "probes on" in switched.stdout, switched.stderr
-        on = _wait_for(lambda: (s := _steps(collector, run, "loss")) and len(s.get(0, [])) >= 3 and len(s.get(1, [])) >= 3 and s, 60, "metrics after attach")
+        try:
+            on = _wait_for(lambda: job.poll() is not None or ((s := _steps(collector, run, "loss")) and len(s.get(0, [])) >= 3 and len(s.get(1, [])) >= 3 and s), 90, "metrics after attach")
+            assert job.poll() is None, "the job ended before the probes reported"
+        except BaseException:
+            job.kill()
+            print(job.communicate()[1][-5000:])  # the agents' messages, for the failure report
+            raise
         assert on[0][0] == on[1][0], f"both ranks start at the same step: {on}"
         subprocess.run([collector_binary(), "detach", run, "--url", collector.url], check=True, capture_output=True, timeout=30)
         detached_at = time.monotonic()

@@ -56,6 +56,7 @@ pub(super) async fn ingest(
 ) -> Result<Json<crate::ingest::Ack>> {
     let ingestor = &state.inner.ingestor;
     let result = async {
+        ingestor.committer.wal.accepting()?;
         if !state.is_ready() {
             return Err(Error::Unavailable("the collector is shutting down".into()));
         }
@@ -257,21 +258,37 @@ pub(super) async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-fn health(status: &str) -> Json<Health> {
+fn health(status: &str, reason: Option<String>) -> Json<Health> {
     Json(Health {
         status: status.to_owned(),
+        reason,
     })
 }
 
-pub(super) async fn healthz() -> Json<Health> {
-    health("ok")
+/// Liveness: fails while the write-ahead log does (a supervisor may restart the collector; it
+/// also heals by itself when the disk does, see `wal`).
+pub(super) async fn healthz(State(state): State<AppState>) -> Response {
+    match state.inner.ingestor.committer.wal.failure() {
+        None => health("ok", None).into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            health("failing", Some(reason)),
+        )
+            .into_response(),
+    }
 }
 
 pub(super) async fn readyz(State(state): State<AppState>) -> Response {
+    let failure = state.inner.ingestor.committer.wal.failure();
     if state.is_ready() {
-        health("ready").into_response()
+        health("ready", None).into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, health("not ready")).into_response()
+        let reason = failure.unwrap_or_else(|| "shutting down".into());
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            health("not ready", Some(reason)),
+        )
+            .into_response()
     }
 }
 

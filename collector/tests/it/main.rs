@@ -10,3 +10,4 @@ mod dashboard;
 mod round_trip;
 mod time;
 mod two_writers;
+mod wal_faults;
