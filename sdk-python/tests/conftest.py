@@ -82,7 +82,9 @@ def run_ranks(argv: list[str], world: int, timeout: float, env: dict[str, str] |
 
 def torchrun(argv: list[str], nproc: int, timeout: float, env: dict[str, str] | None = None) -> None:
     """`python -m torch.distributed.run --nproc_per_node N argv...`; a hang past `timeout` fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *argv]
+    # --standalone: torchrun binds a free rendezvous port itself, with no window in which another
+    # process could take a port picked here first.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
     done = subprocess.run(cmd, env={**os.environ, "TORCHELASTIC_RUN_ID": "none", **(env or {})}, timeout=timeout, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SDK_ROOT, Collector, collector_binary, free_port
+from conftest import SDK_ROOT, Collector, collector_binary
 
 pytest.importorskip("transformers")
 
@@ -37,7 +37,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), TRAIN, *args]
+    # --standalone: torchrun binds a free rendezvous port itself (a port picked here could be
+    # taken by another test before torchrun binds it).
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN, *args]
 
 
 def _plain_twin(tmp_path: Path, steps: int, *args: str) -> dict[str, torch.Tensor]:
