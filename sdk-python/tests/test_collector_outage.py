@@ -56,7 +56,9 @@ def test_a_collector_killed_mid_run_loses_nothing_and_duplicates_nothing(collect
         if step == 45:
             outage["spooled"] = run.stats()["spooled_batches"]
             collector.start()
-        time.sleep(0.05)  # a step's worth of "compute", so batches are sealed during the outage
+        # A step's worth of "compute", so batches are sealed during the outage; longer steps
+        # while it lasts, so it spans more than one of the SDK's 2 s health checks.
+        time.sleep(0.15 if 15 <= step < 45 else 0.05)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -521,27 +521,34 @@ fn web() -> Result<()> {
     std::fs::create_dir_all(&staging)?;
     let module = root().join(format!("target/{WASM_TARGET}/web/rankwatch_web.wasm"));
     // wasm-bindgen's output differs from run to run on the same module (the order of its
-    // generated shims), and a changed web/dist recompiles the collector that embeds it: the
-    // glue is made again only when the module changed since the glue in web/dist was made.
-    let glued = root().join("target/web-dist.input.wasm");
+    // generated shims), and a changed web/dist recompiles the collector that embeds it: its
+    // whole output (the glue, the bindgen'd module, `snippets/`) is kept in target/web-glue and
+    // made again only when the module changed. (Keeping only the two glue files lost the
+    // snippets on a second run, and with them the dashboard.)
+    let glue = root().join("target/web-glue");
+    let glued = root().join("target/web-glue.input.wasm");
     let dist = web.join("dist");
-    let glue = ["rankwatch_web.js", "rankwatch_web_bg.wasm"];
     let module_bytes = std::fs::read(&module).context("reading the dashboard's wasm module")?;
     let same_module = std::fs::read(&glued).ok().as_deref() == Some(module_bytes.as_slice())
-        && glue.iter().all(|f| dist.join(f).exists());
-    if same_module {
-        for f in glue {
-            std::fs::copy(dist.join(f), staging.join(f))?;
-        }
-    } else {
+        && glue.join("rankwatch_web.js").exists();
+    if !same_module {
+        let _ = std::fs::remove_dir_all(&glue);
+        let _ = std::fs::remove_file(&glued);
         let mut bindgen = Command::new("wasm-bindgen");
         bindgen
             .current_dir(root())
             .args(["--target", "web", "--no-typescript", "--out-dir"])
-            .arg(&staging)
+            .arg(&glue)
             .arg(&module);
         run("wasm-bindgen", bindgen)?;
+        std::fs::write(&glued, &module_bytes)?;
     }
+    copy_tree(&glue, &staging)?;
+    let missing = missing_snippets(&staging)?;
+    anyhow::ensure!(
+        missing.is_empty(),
+        "the dashboard's glue imports files its build lacks: {missing:?}"
+    );
     for (from, to) in [
         ("static/index.html", "index.html"),
         ("static/style.css", "style.css"),
@@ -560,9 +567,26 @@ fn web() -> Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dist);
     copy_tree(&staging, &dist)?;
-    std::fs::write(&glued, &module_bytes)?;
     println!("==> dashboard built into {}", dist.display());
     Ok(())
+}
+
+/// The `snippets/...` files that the glue (`rankwatch_web.js`) in `dist` imports but `dist`
+/// lacks: a dashboard with any of them missing starts as a blank page.
+fn missing_snippets(dist: &Path) -> Result<Vec<String>> {
+    let js = std::fs::read_to_string(dist.join("rankwatch_web.js"))
+        .context("reading the dashboard's glue")?;
+    let mut missing = Vec::new();
+    for (at, _) in js.match_indices("snippets/") {
+        let path: String = js[at..]
+            .chars()
+            .take_while(|c| !matches!(c, '\'' | '"' | '`'))
+            .collect();
+        if !dist.join(&path).exists() && !missing.contains(&path) {
+            missing.push(path);
+        }
+    }
+    Ok(missing)
 }
 
 fn files_under(dir: &Path) -> Vec<PathBuf> {
@@ -974,4 +998,25 @@ fn bench(extra: &[String]) -> Result<()> {
         bail!("unknown benchmark {which:?}: all, analytics, collector or sdk");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing_snippets;
+
+    #[test]
+    fn a_snippet_the_glue_imports_but_the_build_lacks_is_named() {
+        let dist = tempfile::tempdir().unwrap();
+        let snippet = "snippets/rankwatch-web-0123/js/charts.js";
+        std::fs::write(
+            dist.path().join("rankwatch_web.js"),
+            format!("import {{ draw }} from './{snippet}';\nimport * as x from \"./{snippet}\";\n"),
+        )
+        .unwrap();
+        assert_eq!(missing_snippets(dist.path()).unwrap(), [snippet]);
+        let path = dist.path().join(snippet);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, "export function draw() {}").unwrap();
+        assert!(missing_snippets(dist.path()).unwrap().is_empty());
+    }
 }
