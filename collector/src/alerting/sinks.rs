@@ -267,6 +267,7 @@ impl Sinks {
             match queue.try_send(alert.clone()) {
                 Ok(()) => {}
                 Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                    let url = redact_url(url);
                     tracing::warn!(sink = kind.as_str(), %url, id = %alert.id, "alert sink queue full; alert dropped");
                     self.telemetry.notification(*kind, "dropped");
                 }
@@ -361,6 +362,8 @@ impl Worker {
             SinkKind::Alertmanager => format!("{}/api/v2/alerts", self.url.trim_end_matches('/')),
             _ => self.url.clone(),
         };
+        // A webhook's path is its secret (Slack's `/services/T…/B…/…`): logs show the origin only.
+        let shown = redact_url(&url);
         let mut delay = Duration::from_millis(500);
         for attempt in 1..=self.config.max_attempts.max(1) {
             let outcome = self
@@ -374,13 +377,13 @@ impl Worker {
                     return true;
                 }
                 Ok(response) => format!("answered {}", response.status()),
-                Err(e) => e.to_string(),
+                Err(e) => e.to_string().replace(&url, &shown),
             };
             if attempt == self.config.max_attempts.max(1) {
-                tracing::error!(sink = self.kind.as_str(), %url, %error, attempt, "alert delivery failed; giving up");
+                tracing::error!(sink = self.kind.as_str(), url = %shown, %error, attempt, "alert delivery failed; giving up");
                 break;
             }
-            tracing::warn!(sink = self.kind.as_str(), %url, %error, attempt, "alert delivery failed; retrying");
+            tracing::warn!(sink = self.kind.as_str(), url = %shown, %error, attempt, "alert delivery failed; retrying");
             self.telemetry.notification(self.kind, "retried");
             std::thread::sleep(delay);
             delay = (delay * 2).min(Duration::from_secs(30));
@@ -390,9 +393,46 @@ impl Worker {
     }
 }
 
+/// `url` as logs may show it: scheme, host and port; no credentials, path or query (a Slack or
+/// webhook URL's path is its secret).
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..end];
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let more = if end < rest.len() { "/…" } else { "" };
+    if scheme.is_empty() {
+        format!("{host}{more}")
+    } else {
+        format!("{scheme}://{host}{more}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::rfc3339;
+    use super::{redact_url, rfc3339};
+
+    #[test]
+    fn urls_in_logs_keep_their_origin_only() {
+        assert_eq!(
+            redact_url("https://hooks.slack.com/services/T0001/B0001/XXXXsecretXXXX"),
+            "https://hooks.slack.com/…"
+        );
+        assert_eq!(
+            redact_url("https://user:pa55@hooks.example:8443/in?token=abc#x"),
+            "https://hooks.example:8443/…"
+        );
+        assert_eq!(redact_url("http://127.0.0.1:9093"), "http://127.0.0.1:9093");
+        assert_eq!(
+            redact_url("http://[::1]:9093/api/v2/alerts"),
+            "http://[::1]:9093/…"
+        );
+        for secret in ["XXXXsecretXXXX", "pa55", "abc", "services"] {
+            assert!(!redact_url("https://u:pa55@h/services/XXXXsecretXXXX?t=abc").contains(secret));
+        }
+    }
 
     #[test]
     fn timestamps_are_rfc3339_utc() {

@@ -201,6 +201,11 @@ impl Backend {
 
     /// The committed manifest, or an empty one where none was written yet.
     pub fn load_manifest(&self) -> Result<Manifest> {
+        Ok(self.find_manifest()?.unwrap_or_default())
+    }
+
+    /// The committed manifest; `None` where none was ever written.
+    pub fn find_manifest(&self) -> Result<Option<Manifest>> {
         match self {
             Backend::Local(dir) => Manifest::load(dir),
             Backend::Remote(r) => {
@@ -209,8 +214,10 @@ impl Backend {
                     .handle
                     .block_on(async { r.store.get(&key).await?.bytes().await })
                 {
-                    Ok(bytes) => Manifest::from_json(&bytes, &format!("{}/{key}", r.bucket())),
-                    Err(object_store::Error::NotFound { .. }) => Ok(Manifest::default()),
+                    Ok(bytes) => {
+                        Manifest::from_json(&bytes, &format!("{}/{key}", r.bucket())).map(Some)
+                    }
+                    Err(object_store::Error::NotFound { .. }) => Ok(None),
                     Err(e) => Err(e.into()),
                 }
             }
@@ -231,10 +238,11 @@ impl Backend {
     }
 
     /// Deletes this collector's parts that `manifest` does not list (written before a crash,
-    /// never committed), and anything left in the staging area. Returns how many parts went.
-    pub fn remove_unlisted(&self, manifest: &Manifest) -> Result<usize> {
+    /// never committed), and anything left in the staging area. Returns how many parts went
+    /// (`dry`: would go, deleting nothing).
+    pub fn remove_unlisted(&self, manifest: &Manifest, dry: bool) -> Result<usize> {
         match self {
-            Backend::Local(dir) => manifest.remove_unlisted(dir),
+            Backend::Local(dir) => manifest.remove_unlisted(dir, dry),
             Backend::Remote(r) => {
                 match std::fs::remove_dir_all(&r.staging) {
                     Ok(()) => {}
@@ -263,8 +271,10 @@ impl Backend {
                         .filename()
                         .is_some_and(|name| is_own_part(name, &r.node));
                     if own && !listed.contains(key.as_ref()) {
-                        tracing::info!(object = %key, "removing a part no manifest lists");
-                        r.handle.block_on(r.store.delete(&key))?;
+                        if !dry {
+                            tracing::info!(object = %key, "removing a part no manifest lists");
+                            r.handle.block_on(r.store.delete(&key))?;
+                        }
                         removed += 1;
                     }
                 }
@@ -518,9 +528,10 @@ mod tests {
                 .unwrap();
         }
         let b = backend.clone();
-        let removed = tokio::task::spawn_blocking(move || b.remove_unlisted(&manifest).unwrap())
-            .await
-            .unwrap();
+        let removed =
+            tokio::task::spawn_blocking(move || b.remove_unlisted(&manifest, false).unwrap())
+                .await
+                .unwrap();
         assert_eq!(removed, 1);
         let left = keys(memory.clone()).await;
         assert!(!left.contains(&"ds/prod/table=samples/run=r1/part-n-1-8.parquet".to_owned()));

@@ -83,12 +83,12 @@ impl Default for Manifest {
 }
 
 impl Manifest {
-    /// Loads the manifest of `dir`, or an empty one for a new directory.
-    pub fn load(dir: &Path) -> Result<Manifest> {
+    /// Loads the manifest of `dir`; `None` where none was ever written.
+    pub fn load(dir: &Path) -> Result<Option<Manifest>> {
         let path = dir.join(FILE);
         match fs::read(&path) {
-            Ok(bytes) => Manifest::from_json(&bytes, &path.display().to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest::default()),
+            Ok(bytes) => Manifest::from_json(&bytes, &path.display().to_string()).map(Some),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
@@ -119,8 +119,9 @@ impl Manifest {
     }
 
     /// Deletes Parquet files the manifest does not list (left by a crash between writing a
-    /// file and committing it) and temporary files. Returns how many were removed.
-    pub fn remove_unlisted(&self, dir: &Path) -> Result<usize> {
+    /// file and committing it) and temporary files. Returns how many were removed (`dry`:
+    /// would be, deleting nothing).
+    pub fn remove_unlisted(&self, dir: &Path, dry: bool) -> Result<usize> {
         let listed: std::collections::HashSet<PathBuf> =
             self.files.iter().map(|f| dir.join(f.relative())).collect();
         let mut removed = 0;
@@ -137,8 +138,10 @@ impl Manifest {
                     let ours = name.starts_with("part-")
                         && (name.ends_with(".parquet") || name.ends_with(".tmp"));
                     if ours && !listed.contains(&file) {
-                        tracing::info!(file = %file.display(), "removing a file no manifest lists");
-                        fs::remove_file(&file)?;
+                        if !dry {
+                            tracing::info!(file = %file.display(), "removing a file no manifest lists");
+                            fs::remove_file(&file)?;
+                        }
                         removed += 1;
                     }
                 }

@@ -148,8 +148,27 @@ impl Store {
     ) -> Result<Store> {
         std::fs::create_dir_all(dir)?;
         backend.claim(dir, clock.now_ms())?;
-        let manifest = backend.load_manifest()?;
-        let removed = backend.remove_unlisted(&manifest)?;
+        let manifest = match backend.find_manifest()? {
+            Some(manifest) => manifest,
+            None => {
+                // No manifest at all: every part would look like a crash's leftover. Parts with
+                // no manifest mean a lost or deleted manifest, not a new data set.
+                let parts = backend.remove_unlisted(&Manifest::default(), true)?;
+                if parts > 0 {
+                    return Err(Error::Corrupt {
+                        what: format!("data set under {}", dir.display()),
+                        reason: format!(
+                            "there is no manifest, but {parts} Parquet part(s) of this collector \
+                             are there; refusing to start, which would delete them as leftovers \
+                             of a crash. Restore manifest.json from a backup, or move the \
+                             table=* folders aside to start empty"
+                        ),
+                    });
+                }
+                Manifest::default()
+            }
+        };
+        let removed = backend.remove_unlisted(&manifest, false)?;
         if removed > 0 {
             tracing::info!(
                 removed,
