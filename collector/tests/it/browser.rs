@@ -12,15 +12,6 @@ use rankwatch_collector::Collector;
 
 const HOST: &str = "127.0.0.1:7070";
 
-fn runs_of(reply: &Reply) -> Vec<String> {
-    reply.json()["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["run"].as_str().unwrap().to_owned())
-        .collect()
-}
-
 async fn send(
     c: &Collector,
     method: &str,
@@ -42,18 +33,8 @@ async fn send(
 async fn a_foreign_page_cannot_delete_runs_or_read_through_a_rebound_name() {
     let dir = tempfile::tempdir().unwrap();
     let c = open_store_only(dir.path()).await;
-    for run in ["kept-a", "kept-b"] {
-        let r = post(
-            &c,
-            "/api/v1/ingest",
-            ARROW,
-            None,
-            samples_ipc(&workload(run, 1, 3, 1), false),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-    let before = runs_of(&get(&c, "/api/v1/runs").await);
+    ingest_runs(&c, &["kept-a", "kept-b"], 1, 3).await;
+    let before = run_names(&c).await;
     assert_eq!(before.len(), 2);
     let wipe = r#"{"max_age":"1ms"}"#;
 
@@ -112,11 +93,7 @@ async fn a_foreign_page_cannot_delete_runs_or_read_through_a_rebound_name() {
     let r = call(&c, request.body(Body::empty()).unwrap()).await;
     assert_eq!(r.status, 403, "{}", r.text());
     assert!(r.error().contains("DNS rebinding"), "{}", r.error());
-    assert_eq!(
-        runs_of(&get(&c, "/api/v1/runs").await),
-        before,
-        "nothing was deleted"
-    );
+    assert_eq!(run_names(&c).await, before, "nothing was deleted");
 
     // The dashboard (same origin) and the CLI (no Origin) still work; a fresh run is spared
     // by a 1 ms age: it is inside the active window.
@@ -148,7 +125,7 @@ async fn a_foreign_page_cannot_delete_runs_or_read_through_a_rebound_name() {
     );
     let r = send(&c, "DELETE", "/api/v1/runs/kept-a", &[], "").await;
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(runs_of(&get(&c, "/api/v1/runs").await), ["kept-b"]);
+    assert_eq!(run_names(&c).await, ["kept-b"]);
     c.shutdown().await.unwrap();
 }
 
@@ -193,6 +170,6 @@ async fn with_tokens_but_no_admin_token_deletion_is_refused_even_with_the_ingest
     )
     .await;
     assert_eq!(r.status, 403, "{}", r.text());
-    assert_eq!(runs_of(&get(&c, "/api/v1/runs").await), ["t"]);
+    assert_eq!(run_names(&c).await, ["t"]);
     c.shutdown().await.unwrap();
 }

@@ -225,3 +225,44 @@ pub fn workload(run: &str, ranks: u32, steps: u64, layers: u32) -> Vec<Sample> {
     }
     rows
 }
+
+/// Every file under `dir` with its size, sorted; the lock file is left out (each collector
+/// rewrites it).
+pub fn files_under(dir: &Path) -> Vec<(std::path::PathBuf, u64)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let entry = entry.unwrap();
+            let meta = entry.metadata().unwrap();
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else if entry.file_name() != "LOCK" {
+                out.push((entry.path(), meta.len()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Ingests `workload(run, ranks, steps, 1)` for each run; each batch must be accepted.
+pub async fn ingest_runs(c: &Collector, runs: &[&str], ranks: u32, steps: u64) {
+    for run in runs {
+        let body = samples_ipc(&workload(run, ranks, steps, 1), false);
+        let r = post(c, "/api/v1/ingest", ARROW, None, body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
+
+/// The runs the collector lists, sorted.
+pub async fn run_names(c: &Collector) -> Vec<String> {
+    let mut names: Vec<String> = get(c, "/api/v1/runs").await.json()["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    names
+}

@@ -8,36 +8,17 @@ use crate::common::*;
 use rankwatch_collector::Collector;
 
 fn parts(dir: &Path) -> usize {
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "parquet") {
-                n += 1;
-            }
-        }
-    }
-    n
+    files_under(dir)
+        .iter()
+        .filter(|(p, _)| p.extension().is_some_and(|x| x == "parquet"))
+        .count()
 }
 
 #[tokio::test]
 async fn parts_without_a_manifest_stop_the_collector_and_stay() {
     let dir = tempfile::tempdir().unwrap();
     let c = open_store_only(dir.path()).await;
-    for run in ["a", "b"] {
-        let r = post(
-            &c,
-            "/api/v1/ingest",
-            ARROW,
-            None,
-            samples_ipc(&workload(run, 2, 5, 1), false),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
+    ingest_runs(&c, &["a", "b"], 2, 5).await;
     c.shutdown().await.unwrap();
     let before = parts(dir.path());
     assert!(before >= 2, "flushed at shutdown: {before} parts");

@@ -10,40 +10,13 @@ use std::time::{Duration, Instant};
 use crate::common::*;
 use rankwatch_collector::Collector;
 
-fn files(dir: &Path) -> Vec<(std::path::PathBuf, u64)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d).unwrap() {
-            let entry = entry.unwrap();
-            let meta = entry.metadata().unwrap();
-            if meta.is_dir() {
-                stack.push(entry.path());
-            } else if entry.file_name() != "LOCK" {
-                out.push((entry.path(), meta.len()));
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
 #[tokio::test]
 async fn a_second_collector_on_the_same_directory_is_refused_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let first = open(dir.path()).await;
-    let rows = workload("held", 2, 20, 2);
-    let r = post(
-        &first,
-        "/api/v1/ingest",
-        ARROW,
-        None,
-        samples_ipc(&rows, false),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
+    ingest_runs(&first, &["held"], 2, 20).await;
     first.flush().await.unwrap();
-    let before = files(dir.path());
+    let before = files_under(dir.path());
     assert!(
         before
             .iter()
@@ -61,7 +34,7 @@ async fn a_second_collector_on_the_same_directory_is_refused_and_changes_nothing
         "{refused}"
     );
     assert_eq!(
-        files(dir.path()),
+        files_under(dir.path()),
         before,
         "the refused collector touched nothing"
     );

@@ -7,17 +7,6 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 
-async fn runs(c: &rankwatch_collector::Collector) -> Vec<String> {
-    let mut names: Vec<String> = get(c, "/api/v1/runs").await.json()["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["run"].as_str().unwrap().to_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 async fn send(c: &rankwatch_collector::Collector, run: &str) -> Reply {
     let rows = workload(run, 2, 3, 1);
     post(c, "/api/v1/ingest", ARROW, None, samples_ipc(&rows, false)).await
@@ -69,11 +58,11 @@ async fn a_full_disk_is_a_503_with_retry_after_and_heals_without_storing_a_refus
     }
     assert_eq!(get(&c, "/readyz").await.status, 200);
     assert_eq!(send(&c, "after").await.status, 200);
-    assert_eq!(runs(&c).await, ["after", "before"]);
+    assert_eq!(run_names(&c).await, ["after", "before"]);
 
     // And after a restart (the log replayed, the hot buffer flushed): the same two runs.
     c.shutdown().await.unwrap();
     let c = open_store_only(dir.path()).await;
-    assert_eq!(runs(&c).await, ["after", "before"]);
+    assert_eq!(run_names(&c).await, ["after", "before"]);
     c.shutdown().await.unwrap();
 }
