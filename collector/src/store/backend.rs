@@ -244,10 +244,12 @@ impl Backend {
         match self {
             Backend::Local(dir) => manifest.remove_unlisted(dir, dry),
             Backend::Remote(r) => {
-                match std::fs::remove_dir_all(&r.staging) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(e.into()),
+                if !dry {
+                    match std::fs::remove_dir_all(&r.staging) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(e.into()),
+                    }
                 }
                 let listed: std::collections::HashSet<String> = manifest
                     .files
