@@ -31,6 +31,11 @@ pub enum ErrorReason {
     NotFound,
     InFlight,
     Backpressure,
+    /// Every slot of a bounded resource is taken (requests, in-flight bytes, event streams,
+    /// exports, SQL queries); retry after `Retry-After`.
+    Busy,
+    /// The request (its body) did not arrive in time.
+    Timeout,
     Sql,
     Unavailable,
     /// The dataset's storage (disk or object store) failed.
@@ -42,7 +47,7 @@ pub enum ErrorReason {
 
 impl ErrorReason {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorReason; 19] = [
+    pub const ALL: [ErrorReason; 21] = [
         ErrorReason::BadRequest,
         ErrorReason::InvalidData,
         ErrorReason::MalformedArrow,
@@ -57,6 +62,8 @@ impl ErrorReason {
         ErrorReason::NotFound,
         ErrorReason::InFlight,
         ErrorReason::Backpressure,
+        ErrorReason::Busy,
+        ErrorReason::Timeout,
         ErrorReason::Sql,
         ErrorReason::Unavailable,
         ErrorReason::Storage,
@@ -81,6 +88,8 @@ impl ErrorReason {
             ErrorReason::NotFound => "not_found",
             ErrorReason::InFlight => "in_flight",
             ErrorReason::Backpressure => "backpressure",
+            ErrorReason::Busy => "busy",
+            ErrorReason::Timeout => "timeout",
             ErrorReason::Sql => "sql",
             ErrorReason::Unavailable => "unavailable",
             ErrorReason::Storage => "storage",

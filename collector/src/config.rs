@@ -277,6 +277,53 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_QUERY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub query_timeout: Duration,
 
+    /// Requests handled at once (event streams aside). A request finding none free waits up
+    /// to --queue-wait, then gets 429 `busy` with Retry-After.
+    #[arg(long, env = "RANKWATCH_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    pub max_concurrent_requests: usize,
+
+    /// Ingest bodies being read, decoded and committed at once, in bytes (by their declared
+    /// length); beyond it a batch waits up to --queue-wait, then gets 429. At least
+    /// --max-body-bytes.
+    #[arg(long, env = "RANKWATCH_MAX_INFLIGHT_BYTES", default_value = "256MiB", value_parser = parse_size)]
+    pub max_inflight_bytes: usize,
+
+    /// How long a request waits for a free request slot or room for its body before 429.
+    #[arg(long, env = "RANKWATCH_QUEUE_WAIT", default_value = "2s", value_parser = parse_duration)]
+    pub queue_wait: Duration,
+
+    /// Open /api/v1/events streams; more get 429.
+    #[arg(long, env = "RANKWATCH_MAX_EVENT_STREAMS", default_value_t = 256)]
+    pub max_event_streams: usize,
+
+    /// Exports running at once (each holds a thread while it writes); more get 429.
+    #[arg(long, env = "RANKWATCH_MAX_CONCURRENT_EXPORTS", default_value_t = 4)]
+    pub max_concurrent_exports: usize,
+
+    /// /api/v1/sql queries running at once; more get 429.
+    #[arg(long, env = "RANKWATCH_MAX_CONCURRENT_SQL", default_value_t = 4)]
+    pub max_concurrent_sql: usize,
+
+    /// Memory all queries together may hold (DataFusion's memory pool). A sort or join
+    /// beyond it spills to disk; what cannot spill fails naming this limit.
+    #[arg(long, env = "RANKWATCH_QUERY_MEMORY", default_value = "1GiB", value_parser = parse_size)]
+    pub query_memory: usize,
+
+    /// Connections open at once; beyond it the collector stops accepting until one closes
+    /// (kept below the process's open-file limit, which the log and Parquet files need too).
+    #[arg(long, env = "RANKWATCH_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+
+    /// Time a client has to send a request's head, and how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, env = "RANKWATCH_HEADER_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub header_timeout: Duration,
+
+    /// Time a client has to send a request's body in full (408 `timeout` after it), and
+    /// longest an export waits for its client to take more data.
+    #[arg(long, env = "RANKWATCH_BODY_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub body_timeout: Duration,
+
     /// Store only: no step aligner, no all-ranks statistics, no alerts (a storage shard whose
     /// runs are analysed by another collector, or a read-only replay).
     #[arg(long, env = "RANKWATCH_NO_ALERT_ENGINE")]
@@ -431,7 +478,43 @@ impl ServeConfig {
                 "body, batch-row, hot-buffer and world-size limits must be positive",
             ));
         }
+        for (flag, n) in [
+            ("--max-concurrent-requests", self.max_concurrent_requests),
+            ("--max-event-streams", self.max_event_streams),
+            ("--max-concurrent-exports", self.max_concurrent_exports),
+            ("--max-concurrent-sql", self.max_concurrent_sql),
+            ("--max-connections", self.max_connections),
+            ("--query-memory", self.query_memory),
+        ] {
+            if n == 0 {
+                return Err(Error::bad(format!("{flag} must be positive")));
+            }
+        }
+        if self.max_inflight_bytes < self.max_body_bytes {
+            return Err(Error::bad(format!(
+                "--max-inflight-bytes ({}) is below --max-body-bytes ({}): a largest batch could never be admitted",
+                self.max_inflight_bytes, self.max_body_bytes
+            )));
+        }
+        if self.header_timeout.is_zero() || self.body_timeout.is_zero() {
+            return Err(Error::bad(
+                "--header-timeout and --body-timeout must be positive",
+            ));
+        }
         Ok(())
+    }
+
+    /// The API's admission limits these flags describe.
+    pub fn admission(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            max_requests: self.max_concurrent_requests,
+            queue_wait: self.queue_wait,
+            max_inflight_bytes: self.max_inflight_bytes,
+            max_event_streams: self.max_event_streams,
+            max_exports: self.max_concurrent_exports,
+            max_sql: self.max_concurrent_sql,
+            body_timeout: self.body_timeout,
+        }
     }
 
     /// The retention policy these flags describe.
@@ -442,6 +525,24 @@ impl ServeConfig {
             protect: self.active_window,
         }
     }
+}
+
+/// What the API takes on at once (see `api::admission`).
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionLimits {
+    pub max_requests: usize,
+    pub queue_wait: Duration,
+    pub max_inflight_bytes: usize,
+    pub max_event_streams: usize,
+    pub max_exports: usize,
+    pub max_sql: usize,
+    pub body_timeout: Duration,
+}
+
+/// [`parse_bytes`] for an in-memory size.
+pub fn parse_size(text: &str) -> std::result::Result<usize, String> {
+    let n = parse_bytes(text)?;
+    usize::try_from(n).map_err(|_| format!("size {text:?} is too large for this machine"))
 }
 
 /// Parses `500ms`, `10s`, `5m`, `1h`, `30d`.

@@ -73,6 +73,15 @@ pub enum Error {
     )]
     Backpressure { bytes: usize, retry_after_s: u64 },
 
+    /// Every slot of a bounded resource is taken (requests, in-flight bytes, event streams,
+    /// exports, SQL queries); the message names the flag that sets it.
+    #[error("busy: {0}; retry shortly")]
+    Busy(String),
+
+    /// The client did not send its request in time.
+    #[error("timeout: {0}")]
+    Timeout(String),
+
     /// A read-only SQL endpoint asked to write, or a query that failed to plan or run.
     #[error("sql: {0}")]
     Sql(String),
@@ -125,7 +134,8 @@ impl Error {
             Error::Forbidden(_) => StatusCode::FORBIDDEN,
             Error::UnknownRun(_) | Error::NotFound => StatusCode::NOT_FOUND,
             Error::InFlight(_) => StatusCode::CONFLICT,
-            Error::Backpressure { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Backpressure { .. } | Error::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
+            Error::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             Error::Unavailable(_) | Error::Storage(_) => StatusCode::SERVICE_UNAVAILABLE,
             Error::Remote(_) => StatusCode::BAD_GATEWAY,
             Error::Io(_) | Error::Parquet(_) | Error::Query(_) | Error::Corrupt { .. } => {
@@ -151,6 +161,8 @@ impl Error {
             Error::NotFound => ErrorReason::NotFound,
             Error::InFlight(_) => ErrorReason::InFlight,
             Error::Backpressure { .. } => ErrorReason::Backpressure,
+            Error::Busy(_) => ErrorReason::Busy,
+            Error::Timeout(_) => ErrorReason::Timeout,
             Error::Sql(_) => ErrorReason::Sql,
             Error::Unavailable(_) => ErrorReason::Unavailable,
             Error::Storage(_) => ErrorReason::Storage,
@@ -182,6 +194,13 @@ impl IntoResponse for Error {
         match self {
             Error::Backpressure { retry_after_s, .. } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            Error::Busy(_) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(1u64));
+            }
+            // The rest of the body may still be on its way: this connection cannot be reused.
+            Error::Timeout(_) => {
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             // Shutting down or a failed log: a client retries (with its idempotency key) soon.
             Error::Unavailable(_) => {

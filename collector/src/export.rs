@@ -179,15 +179,22 @@ impl<W: Write> BatchSink for arrow_csv::Writer<W> {
 pub struct ChannelWriter {
     buffer: Vec<u8>,
     tx: mpsc::Sender<io::Result<Bytes>>,
+    /// Longest wait for the client to take a chunk: a client that stops reading would
+    /// otherwise hold the export's thread (and its slot) for ever.
+    stall: std::time::Duration,
+    runtime: tokio::runtime::Handle,
 }
 
 const CHUNK: usize = 256 * 1024;
 
 impl ChannelWriter {
-    pub fn new(tx: mpsc::Sender<io::Result<Bytes>>) -> Self {
+    /// A writer into `tx`; call on a blocking thread of the runtime (it waits on the channel).
+    pub fn new(tx: mpsc::Sender<io::Result<Bytes>>, stall: std::time::Duration) -> Self {
         ChannelWriter {
             buffer: Vec::with_capacity(CHUNK),
             tx,
+            stall,
+            runtime: tokio::runtime::Handle::current(),
         }
     }
 
@@ -199,9 +206,21 @@ impl ChannelWriter {
             &mut self.buffer,
             Vec::with_capacity(CHUNK),
         ));
-        self.tx
-            .blocking_send(Ok(chunk))
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the client went away"))
+        let sent = self
+            .runtime
+            .block_on(self.tx.send_timeout(Ok(chunk), self.stall));
+        sent.map_err(|e| match e {
+            mpsc::error::SendTimeoutError::Timeout(_) => io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the client took no data for {:?} (--body-timeout)",
+                    self.stall
+                ),
+            ),
+            mpsc::error::SendTimeoutError::Closed(_) => {
+                io::Error::new(io::ErrorKind::BrokenPipe, "the client went away")
+            }
+        })
     }
 }
 
@@ -216,5 +235,44 @@ impl Write for ChannelWriter {
 
     fn flush(&mut self) -> io::Result<()> {
         self.send()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_stops_reading_ends_the_export_after_the_stall_timeout() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let writer = tokio::task::spawn_blocking(move || {
+            let mut w = ChannelWriter::new(tx, Duration::from_millis(100));
+            // Two chunks fit (one in the channel, one taken below); the third waits in vain.
+            for _ in 0..3 {
+                w.write_all(&vec![7u8; CHUNK])?;
+            }
+            w.flush()
+        });
+        let first = rx.recv().await.expect("a first chunk").unwrap();
+        assert_eq!(first.len(), CHUNK);
+        let err = writer.await.unwrap().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(err.to_string().contains("--body-timeout"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_went_away_ends_the_export_at_once() {
+        let (tx, rx) = mpsc::channel(1);
+        drop(rx);
+        let err = tokio::task::spawn_blocking(move || {
+            let mut w = ChannelWriter::new(tx, Duration::from_secs(3600));
+            w.write_all(&vec![7u8; CHUNK])
+        })
+        .await
+        .unwrap()
+        .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
     }
 }

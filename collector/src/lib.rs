@@ -12,7 +12,8 @@
 //! Alertmanager and the training process. Each component counts its own work; [`telemetry`]
 //! gathers the counters and bounded per-run aggregates for Prometheus. Time is read through
 //! one [`clock`]. [`server`] builds the components in dependency order and ties start-up
-//! (recovery first), background work and graceful shutdown together.
+//! (recovery first), background work and graceful shutdown together; [`http`] serves the API
+//! with bounded time and connections, and `api`'s admission bounds what runs at once.
 //!
 //! The modules are layered: each imports only from lower layers, so there is no import cycle
 //! (`cargo xtask check` enforces it; the table is in `xtask/src/layers.rs`).
@@ -29,6 +30,7 @@ pub mod entry;
 pub mod error;
 pub mod export;
 pub mod fsutil;
+pub mod http;
 pub mod idempotency;
 pub mod ingest;
 pub mod query;

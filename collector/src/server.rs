@@ -64,7 +64,12 @@ impl Collector {
         // Before anything in the directory is read, let alone deleted as a leftover.
         let lock = crate::dirlock::DirLock::acquire(&config.data_dir)?;
         let store = Arc::new(open_store(config, clock).await?);
-        let queries = Queries::new(store.clone(), config.query_timeout, config.sql_max_rows)?;
+        let queries = Queries::new(
+            store.clone(),
+            config.query_timeout,
+            config.sql_max_rows,
+            config.query_memory,
+        )?;
         queries.rebuild_index().await?;
 
         let base_rules = match &config.rules {
@@ -155,6 +160,7 @@ impl Collector {
                 extra_hosts: config.allowed_hosts.clone(),
                 origins: config.allowed_origins.clone(),
             },
+            config.admission(),
         );
 
         let (stop, stopped) = watch::channel(false);
@@ -420,6 +426,17 @@ pub async fn serve(
 ) -> Result<()> {
     let collector = Collector::open(&config).await?;
     let listener = TcpListener::bind(config.listen).await?;
+    serve_on(collector, listener, &config, shutdown).await
+}
+
+/// Serves an open collector on a bound listener until `shutdown` resolves, then shuts it
+/// down (tests run the whole server in-process this way, on port 0).
+pub async fn serve_on(
+    collector: Collector,
+    listener: TcpListener,
+    config: &ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let address: SocketAddr = listener.local_addr()?;
     tracing::info!(%address, data_dir = %config.data_dir.display(), "rankwatch collector listening");
     println!("rankwatch listening on http://{address}");
@@ -429,15 +446,15 @@ pub async fn serve(
         );
     }
     let state = collector.state().clone();
-    let router = collector.app();
-    let served = axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            state.set_ready(false);
-            tracing::info!("shutting down: finishing requests, flushing to Parquet");
-        })
-        .await;
-    let closed = collector.shutdown().await;
-    served?;
-    closed
+    let limits = crate::http::HttpLimits {
+        max_connections: config.max_connections,
+        header_timeout: config.header_timeout,
+    };
+    crate::http::serve(listener, collector.app(), limits, async move {
+        shutdown.await;
+        state.set_ready(false);
+        tracing::info!("shutting down: finishing requests, flushing to Parquet");
+    })
+    .await;
+    collector.shutdown().await
 }

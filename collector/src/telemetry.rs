@@ -39,6 +39,8 @@ use crate::wal::WalMetrics;
 pub struct RequestMetrics {
     pub rejects: Family<Labels, Counter>,
     pub sse_clients: Gauge,
+    /// Slots of the API's bounded resources in use.
+    pub admission: AdmissionGauges,
 }
 
 impl RequestMetrics {
@@ -60,7 +62,37 @@ impl RequestMetrics {
             "Connected /api/v1/events subscribers",
             self.sse_clients.clone(),
         );
+        let a = &self.admission;
+        r.register(
+            "inflight_requests",
+            "Requests being handled (event streams aside)",
+            a.requests.clone(),
+        );
+        r.register(
+            "inflight_body_bytes",
+            "Declared bytes of the ingest bodies being read, decoded and committed",
+            a.body_bytes.clone(),
+        );
+        r.register(
+            "running_exports",
+            "Exports being written",
+            a.exports.clone(),
+        );
+        r.register(
+            "running_sql_queries",
+            "/api/v1/sql queries running",
+            a.sql.clone(),
+        );
     }
+}
+
+/// Slots of the API's bounded resources in use (the event streams are `sse_clients`).
+#[derive(Debug, Default, Clone)]
+pub struct AdmissionGauges {
+    pub requests: Gauge,
+    pub body_bytes: Gauge,
+    pub exports: Gauge,
+    pub sql: Gauge,
 }
 
 /// Every component's counters, for the exporter to gather.

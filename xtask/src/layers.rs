@@ -34,8 +34,8 @@ pub(crate) const COLLECTOR_LAYERS: &[&[&str]] = &[
     &["ingest", "retention", "export"],
     // Gathering every component's counters; the command line.
     &["telemetry", "config"],
-    // HTTP: the server's API and the CLI's client.
-    &["api", "client"],
+    // HTTP: the server's API, its connection loop, and the CLI's client.
+    &["api", "http", "client"],
     // Start-up and shutdown: builds everything below in order.
     &["server"],
 ];

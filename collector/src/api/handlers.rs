@@ -35,18 +35,36 @@ pub(super) struct IngestQuery {
     table: Option<String>,
 }
 
-async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes> {
-    let declared = headers
+/// The body's declared length, if any.
+fn declared_length(headers: &HeaderMap) -> Option<usize> {
+    headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
+/// Reads a whole body of at most `limit` bytes, within the collector's body timeout.
+async fn read_body(
+    state: &AppState,
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+) -> Result<Bytes> {
+    if declared_length(headers).is_some_and(|n| n > limit) {
         return Err(Error::BodyTooLarge { limit });
     }
-    axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| Error::BodyTooLarge { limit })
+    let timeout = state.inner.admission.limits().body_timeout;
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(_)) => Err(Error::BodyTooLarge { limit }),
+        Err(_) => Err(Error::Timeout(format!(
+            "the request body did not arrive within {timeout:?} (--body-timeout)"
+        ))),
+    }
 }
+
+/// Bodies of the small JSON endpoints (rules, probe switches, retention).
+const SMALL_BODY_LIMIT: usize = 2 << 20;
 
 pub(super) async fn ingest(
     State(state): State<AppState>,
@@ -66,7 +84,20 @@ pub(super) async fn ingest(
                 .and_then(|v| v.to_str().ok()),
         )?;
         let table = parse_table(q.table.as_deref().unwrap_or("samples"))?;
-        let body = read_body(body, &headers, state.inner.max_body_bytes).await?;
+        let limit = state.inner.max_body_bytes;
+        if declared_length(&headers).is_some_and(|n| n > limit) {
+            return Err(Error::BodyTooLarge { limit });
+        }
+        // Before a byte is read: a collector over its memory budget says so at once, and
+        // bodies are admitted only while there is room for them (a body of unknown length
+        // is counted at the limit).
+        ingestor.committer.store.check_budget()?;
+        let room = state.inner.admission.body_bytes(
+            declared_length(&headers).unwrap_or(limit),
+            &state.inner.requests.admission.body_bytes,
+        );
+        let room = room.await?;
+        let body = read_body(&state, body, &headers, limit).await?;
         let key = match headers.get("idempotency-key") {
             Some(v) => Some(
                 v.to_str()
@@ -75,10 +106,11 @@ pub(super) async fn ingest(
             ),
             None => None,
         };
-        Ok((body, format, table, key))
+        Ok((body, format, table, key, room))
     }
     .await;
-    let (body, format, table, key) = match result {
+    // `_room` is held until the batch is committed: the body and its decoded rows live until then.
+    let (body, format, table, key, _room) = match result {
         Ok(parts) => parts,
         Err(e) => {
             state.inner.requests.reject(&e);
@@ -170,10 +202,14 @@ pub(super) async fn events(
     Query(q): Query<EventsQuery>,
 ) -> Result<Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>>> {
     let run = q.run.map(RunId::new).transpose()?.map(|r| r.to_string());
+    let slot = state
+        .inner
+        .admission
+        .event_stream(&state.inner.requests.sse_clients)?;
     let receiver = state.inner.queries.store().subscribe();
-    let gauge = ClientGauge::new(state.inner.requests.sse_clients.clone());
+    let mut closing = state.inner.closing.subscribe();
     let stream = BroadcastStream::new(receiver).filter_map(move |item| {
-        let _alive = &gauge;
+        let _alive = &slot;
         let event = match item {
             Ok(event) => {
                 let matches = match (&run, event.run()) {
@@ -192,23 +228,11 @@ pub(super) async fn events(
                 .data(serde_json::to_string(&e).unwrap_or_default()))
         }))
     });
+    // Ends when the collector shuts down, so that shutdown does not wait on open dashboards.
+    let stream = stream.take_until(async move {
+        let _ = closing.wait_for(|closing| *closing).await;
+    });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
-}
-
-/// Counts connected event subscribers for as long as the stream lives.
-struct ClientGauge(prometheus_client::metrics::gauge::Gauge);
-
-impl ClientGauge {
-    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
-        gauge.inc();
-        ClientGauge(gauge)
-    }
-}
-
-impl Drop for ClientGauge {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
 }
 
 pub(super) async fn sql(
@@ -216,7 +240,11 @@ pub(super) async fn sql(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<SqlAnswer>> {
-    let bytes = read_body(body, &headers, 1 << 20).await?;
+    let _slot = state
+        .inner
+        .admission
+        .sql(&state.inner.requests.admission.sql)?;
+    let bytes = read_body(&state, body, &headers, 1 << 20).await?;
     let is_json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -339,9 +367,10 @@ pub(super) async fn set_rules(
     State(state): State<AppState>,
     Path(run): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<Json<RulesAnswer>> {
     let run = RunId::new(run)?;
+    let body = read_body(&state, body, &headers, SMALL_BODY_LIMIT).await?;
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok());
@@ -424,9 +453,10 @@ pub(super) async fn set_probes(
     State(state): State<AppState>,
     Path(run): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<Json<ProbeSwitch>> {
     let run = RunId::new(run)?;
+    let body = read_body(&state, body, &headers, SMALL_BODY_LIMIT).await?;
     super::browser::require_json(&headers, &body)?;
     let wish: SetProbes = serde_json::from_slice(&body).map_err(|e| {
         crate::error::Error::bad(format!(
@@ -457,8 +487,9 @@ pub(super) async fn delete_run(
 pub(super) async fn retention(
     State(state): State<AppState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<Json<RetentionReport>> {
+    let body = read_body(&state, body, &headers, SMALL_BODY_LIMIT).await?;
     super::browser::require_json(&headers, &body)?;
     let request: RetentionRequest = if body.is_empty() {
         RetentionRequest::default()
@@ -521,6 +552,11 @@ pub(super) async fn export(
             )));
         }
     };
+    let slot = state
+        .inner
+        .admission
+        .export(&state.inner.requests.admission.exports)?;
+    let stall = state.inner.admission.limits().body_timeout;
     let store = state.inner.queries.store().clone();
     let snapshot = crate::export::Snapshot::open(
         run.clone(),
@@ -532,7 +568,9 @@ pub(super) async fn export(
     let errors = tx.clone();
     let name = format!("{}.{}.{}", run, table.as_str(), format.extension());
     tokio::task::spawn_blocking(move || {
-        let written = snapshot.write(format, crate::export::ChannelWriter::new(tx));
+        // The slot is the thread's: it frees when the export ends, however it ends.
+        let _slot = slot;
+        let written = snapshot.write(format, crate::export::ChannelWriter::new(tx, stall));
         if let Err(e) = written {
             tracing::warn!(error = %e, "export cut short");
             // Ends the body with an error: the client sees a failed transfer, not a short file.

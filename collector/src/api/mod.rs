@@ -8,6 +8,7 @@
 //! is a JSON body `{"error": "...", "reason": "..."}` with a 4xx or 5xx status (see
 //! [`crate::error`]).
 
+mod admission;
 mod auth;
 pub mod browser;
 mod extract;
@@ -20,6 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
+
+pub use admission::AdmissionLimits;
 
 use crate::ingest::Ingestor;
 use crate::query::Queries;
@@ -54,6 +57,10 @@ pub(crate) struct Shared {
     pub(crate) switches: Arc<crate::switches::ProbeSwitches>,
     /// The hosts and origins browsers' requests may name.
     pub(crate) browser: browser::BrowserPolicy,
+    /// What the API takes on at once.
+    pub(crate) admission: admission::Admission,
+    /// Set when the collector starts shutting down: open event streams end.
+    pub(crate) closing: tokio::sync::watch::Sender<bool>,
 }
 
 /// The tokens guarding the API; `None` leaves that group open.
@@ -88,6 +95,7 @@ impl AppState {
         retention: crate::retention::Policy,
         switches: Arc<crate::switches::ProbeSwitches>,
         browser: browser::BrowserPolicy,
+        admission: AdmissionLimits,
     ) -> Self {
         let housekeeper =
             crate::retention::Housekeeper::new(queries.store().clone(), alerting.engine.clone());
@@ -107,6 +115,8 @@ impl AppState {
                 retention,
                 switches,
                 browser,
+                admission: admission::Admission::new(admission),
+                closing: tokio::sync::watch::Sender::new(false),
             }),
         }
     }
@@ -115,6 +125,9 @@ impl AppState {
     /// refuses new batches.
     pub fn set_ready(&self, ready: bool) {
         self.inner.ready.store(ready, Ordering::Release);
+        if !ready {
+            self.inner.closing.send_replace(true);
+        }
     }
 
     pub(crate) fn is_ready(&self) -> bool {
@@ -142,6 +155,10 @@ pub fn app(state: AppState) -> Router {
         )
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
+            admission::admit,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
             auth::ingest,
         ));
     let admin = Router::new()
@@ -150,6 +167,10 @@ pub fn app(state: AppState) -> Router {
             axum::routing::delete(handlers::delete_run),
         )
         .route("/api/v1/retention", post(handlers::retention))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            admission::admit,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::admin,
@@ -163,8 +184,14 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/runs/{run}/workers", get(handlers::workers))
         .route("/api/v1/alerts", get(handlers::alerts))
         .route("/api/v1/rules", get(handlers::rules))
-        .route("/api/v1/events", get(handlers::events))
         .route("/api/v1/sql", post(handlers::sql))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            admission::admit,
+        ))
+        // Not admitted: event streams live long and have their own cap, and a scrape of a
+        // busy collector must still answer.
+        .route("/api/v1/events", get(handlers::events))
         .route("/metrics", get(handlers::metrics))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),

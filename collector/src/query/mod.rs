@@ -33,6 +33,8 @@ pub struct Queries {
     ctx: SessionContext,
     timeout: Duration,
     sql_max_rows: usize,
+    /// DataFusion's memory pool, shared by every query (for messages).
+    memory: usize,
 }
 
 impl std::fmt::Debug for Queries {
@@ -56,9 +58,26 @@ fn session(runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>) -> Sess
 }
 
 impl Queries {
-    /// Queries over `store`.
-    pub fn new(store: Arc<Store>, timeout: Duration, sql_max_rows: usize) -> Result<Self> {
-        let runtime = Arc::new(RuntimeEnvBuilder::new().build()?);
+    /// Queries over `store`, all of them together within `memory` bytes: what can spill (sorts,
+    /// aggregations) spills to `spill/` in the data directory, emptied here; what cannot fails
+    /// naming the limit.
+    pub fn new(
+        store: Arc<Store>,
+        timeout: Duration,
+        sql_max_rows: usize,
+        memory: usize,
+    ) -> Result<Self> {
+        let spill = store.dir().join("spill");
+        if spill.exists() {
+            std::fs::remove_dir_all(&spill)?;
+        }
+        std::fs::create_dir_all(&spill)?;
+        let runtime = Arc::new(
+            RuntimeEnvBuilder::new()
+                .with_memory_limit(memory, 1.0)
+                .with_temp_file_path(spill)
+                .build()?,
+        );
         // Parts in object storage are read by URL (`s3://bucket/...`) through the same client
         // the store writes with.
         if let Some((url, object_store)) = store.backend().object_store() {
@@ -69,7 +88,21 @@ impl Queries {
             store,
             timeout,
             sql_max_rows,
+            memory,
         })
+    }
+
+    /// A failed SQL query in words: over the memory pool is the collector's limit, not the
+    /// query's mistake, and says so.
+    fn sql_error(&self, e: datafusion::error::DataFusionError) -> Error {
+        match e.find_root() {
+            datafusion::error::DataFusionError::ResourcesExhausted(why) => Error::Sql(format!(
+                "the query needs more memory than the collector's query memory ({} bytes, \
+                 --query-memory) allows; filter on run and step or aggregate more: {why}",
+                self.memory
+            )),
+            _ => Error::Sql(e.to_string()),
+        }
     }
 
     /// The store queried.
@@ -258,13 +291,13 @@ impl Queries {
             let frame = ctx
                 .sql_with_options(sql, options)
                 .await
-                .map_err(|e| Error::Sql(e.to_string()))?;
+                .map_err(|e| self.sql_error(e))?;
             let batches = frame
                 .limit(0, Some(self.sql_max_rows + 1))
-                .map_err(|e| Error::Sql(e.to_string()))?
+                .map_err(|e| self.sql_error(e))?
                 .collect()
                 .await
-                .map_err(|e| Error::Sql(e.to_string()))?;
+                .map_err(|e| self.sql_error(e))?;
             let rows: usize = batches.iter().map(RecordBatch::num_rows).sum();
             let truncated = rows > self.sql_max_rows;
             let batches = if truncated {

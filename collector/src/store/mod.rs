@@ -280,6 +280,24 @@ impl Store {
             .map(|i| i.world_size)
     }
 
+    /// Refuses with 429 (and starts a flush) while the hot buffer is at twice its budget:
+    /// ingest asks before it reads a body, and again when it commits.
+    pub fn check_budget(&self) -> Result<()> {
+        let hot = self.lock().hot_bytes;
+        self.budget_left(hot)
+    }
+
+    fn budget_left(&self, hot_bytes: usize) -> Result<()> {
+        if hot_bytes >= self.limits.hot_budget_bytes.saturating_mul(2) {
+            self.flush_wanted.notify_one();
+            return Err(Error::Backpressure {
+                bytes: hot_bytes,
+                retry_after_s: 1,
+            });
+        }
+        Ok(())
+    }
+
     /// Admission control before a batch is logged: memory budget, cardinality, idempotency.
     pub fn begin(&self, key: Option<&Key>, entry: &Entry) -> Result<Admission> {
         let mut state = self.lock();
@@ -296,16 +314,8 @@ impl Store {
             }
             Err(error)
         };
-        if state.hot_bytes >= self.limits.hot_budget_bytes.saturating_mul(2) {
-            self.flush_wanted.notify_one();
-            let bytes = state.hot_bytes;
-            return refuse(
-                &mut state,
-                Error::Backpressure {
-                    bytes,
-                    retry_after_s: 1,
-                },
-            );
+        if let Err(e) = self.budget_left(state.hot_bytes) {
+            return refuse(&mut state, e);
         }
         if let Some(samples) = &entry.samples {
             let summary = state.runs.get(&entry.run);

@@ -7,6 +7,7 @@ mod browser;
 mod common;
 mod crash;
 mod dashboard;
+mod hostile;
 mod recovery;
 mod round_trip;
 mod time;

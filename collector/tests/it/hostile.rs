@@ -1,0 +1,349 @@
+//! Clients that are slow, greedy or many: the whole server (the real connection loop and
+//! router, in-process on port 0) keeps answering everyone else, and each bound says which
+//! flag sets it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rankwatch_collector::ServeConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::common::{self, ARROW, samples_ipc, workload};
+
+/// A collector serving on a loopback port until `stop`.
+struct Server {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    done: JoinHandle<rankwatch_collector::Result<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(adjust: impl FnOnce(&mut ServeConfig)) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = common::config(dir.path());
+        config.no_alert_engine = true;
+        adjust(&mut config);
+        let collector = rankwatch_collector::Collector::open(&config).await.unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel();
+        let done = tokio::spawn(async move {
+            rankwatch_collector::server::serve_on(collector, listener, &config, async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        Server {
+            addr,
+            stop: Some(stop),
+            done,
+            _dir: dir,
+        }
+    }
+
+    /// Shuts the server down and waits for it (bounded: a hang fails the test).
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(60), self.done)
+            .await
+            .expect("the server shuts down")
+            .unwrap()
+            .expect("shutdown is clean");
+    }
+
+    async fn connect(&self) -> TcpStream {
+        TcpStream::connect(self.addr).await.unwrap()
+    }
+
+    /// One request on a fresh connection; the whole answer (the server closes after it).
+    async fn request(&self, head: &str, body: &[u8]) -> Answer {
+        let mut stream = self.connect().await;
+        let head = format!(
+            "{head}\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(body).await.unwrap();
+        read_answer(&mut stream).await
+    }
+}
+
+/// An HTTP answer: status, head and body (the body as sent, chunked or not).
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+async fn read_answer(stream: &mut TcpStream) -> Answer {
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut raw))
+        .await
+        .expect("the server answers and closes")
+        .unwrap();
+    parse_answer(&raw)
+}
+
+fn parse_answer(raw: &[u8]) -> Answer {
+    let text = String::from_utf8_lossy(raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}"));
+    Answer {
+        status,
+        head: head.to_ascii_lowercase(),
+        body: body.to_owned(),
+    }
+}
+
+/// Sends a request head announcing `length` body bytes and `sent` of them, then stalls.
+async fn stalled_post(server: &Server, path: &str, content_type: &str, length: usize) -> TcpStream {
+    let mut stream = server.connect().await;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n\
+         Content-Length: {length}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&[b'x'; 10]).await.unwrap();
+    stream
+}
+
+async fn metric(server: &Server, name: &str) -> f64 {
+    let answer = server.request("GET /metrics HTTP/1.1", b"").await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    answer
+        .body
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_sent_byte_by_byte_is_cut_off_while_others_are_served() {
+    let server = Server::start(|c| c.header_timeout = Duration::from_secs(1)).await;
+    let mut slow = server.connect().await;
+    slow.write_all(b"GET /api/v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .await
+        .unwrap();
+    // Meanwhile the collector answers others.
+    let answer = server.request("GET /healthz HTTP/1.1", b"").await;
+    assert_eq!(answer.status, 200);
+    // A header line a little at a time never completes the head; the server closes.
+    let closed = async {
+        let mut buf = [0u8; 256];
+        loop {
+            if slow.write_all(b"X-Slow: a\r\n").await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            match tokio::time::timeout(Duration::from_millis(1), slow.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return,
+                _ => {}
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), closed)
+        .await
+        .expect("the slow connection is closed after the header timeout");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_body_holds_no_slot_past_the_body_timeout_and_others_are_refused_meanwhile() {
+    let server = Server::start(|c| {
+        c.body_timeout = Duration::from_secs(1);
+        c.max_concurrent_requests = 1;
+        c.queue_wait = Duration::from_millis(100);
+    })
+    .await;
+    let mut stalled = stalled_post(&server, "/api/v1/ingest", ARROW, 1000).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The one request slot is taken: a query is refused at once, naming the flag...
+    let busy = server
+        .request(
+            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
+            b"SELECT 1",
+        )
+        .await;
+    assert_eq!(busy.status, 429, "{busy:?}");
+    assert!(busy.head.contains("retry-after: 1"), "{busy:?}");
+    assert!(busy.body.contains("--max-concurrent-requests"), "{busy:?}");
+    assert!(busy.body.contains("\"busy\""), "{busy:?}");
+    // ...while health and the scrape, which take no slot, still answer.
+    assert_eq!(
+        server.request("GET /healthz HTTP/1.1", b"").await.status,
+        200
+    );
+    assert_eq!(metric(&server, "rankwatch_inflight_requests").await, 1.0);
+    // The stalled body gets 408 naming the timeout, and the connection is closed.
+    let answer = read_answer(&mut stalled).await;
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert!(answer.body.contains("--body-timeout"), "{answer:?}");
+    assert!(answer.head.contains("connection: close"), "{answer:?}");
+    // The slot is free again.
+    let ok = server
+        .request(
+            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
+            b"SELECT 1",
+        )
+        .await;
+    assert_eq!(ok.status, 200, "{ok:?}");
+    assert_eq!(metric(&server, "rankwatch_inflight_requests").await, 0.0);
+    assert_eq!(
+        metric(&server, "rankwatch_ingest_rejects_total{reason=\"busy\"}").await,
+        1.0
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_bodies_in_flight_are_bounded_by_their_declared_size() {
+    let server = Server::start(|c| {
+        c.max_body_bytes = 60_000;
+        c.max_inflight_bytes = 100_000;
+        c.queue_wait = Duration::from_millis(100);
+        c.body_timeout = Duration::from_secs(5);
+    })
+    .await;
+    let _held = stalled_post(&server, "/api/v1/ingest", ARROW, 60_000).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        metric(&server, "rankwatch_inflight_body_bytes").await,
+        60_000.0
+    );
+    // 50,000 more would pass the budget: refused before a byte of it is read.
+    let refused = stalled_post(&server, "/api/v1/ingest", ARROW, 50_000).await;
+    let answer = {
+        let mut refused = refused;
+        read_answer(&mut refused).await
+    };
+    assert_eq!(answer.status, 429, "{answer:?}");
+    assert!(answer.body.contains("--max-inflight-bytes"), "{answer:?}");
+    // A real batch that fits is stored.
+    let body = samples_ipc(&workload("fits", 2, 5, 1), false);
+    assert!(
+        body.len() < 40_000,
+        "the test batch is {} bytes",
+        body.len()
+    );
+    let stored = server
+        .request(
+            &format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}"),
+            &body,
+        )
+        .await;
+    assert_eq!(stored.status, 200, "{stored:?}");
+    assert!(stored.body.contains("\"stored\""), "{stored:?}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_streams_are_capped_and_end_cleanly_at_shutdown() {
+    let server = Server::start(|c| c.max_event_streams = 2).await;
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let mut s = server.connect().await;
+        s.write_all(b"GET /api/v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = vec![0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut head))
+            .await
+            .expect("the stream opens")
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&head[..n])
+        );
+        streams.push(s);
+    }
+    let third = server.request("GET /api/v1/events HTTP/1.1", b"").await;
+    assert_eq!(third.status, 429, "{third:?}");
+    assert!(third.body.contains("--max-event-streams"), "{third:?}");
+    assert_eq!(metric(&server, "rankwatch_sse_clients").await, 2.0);
+
+    server.stop().await;
+    // Each stream was ended by the server (the chunked body's last chunk), not cut.
+    for mut s in streams {
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest))
+            .await
+            .expect("the stream is closed")
+            .unwrap();
+        assert!(
+            rest.ends_with(b"0\r\n\r\n"),
+            "{:?}",
+            String::from_utf8_lossy(&rest)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_wait_for_one_to_close() {
+    let server = Server::start(|c| c.max_connections = 4).await;
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(server.connect().await);
+    }
+    // Let the loop accept the four.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A fifth is queued by the kernel, not served...
+    let mut fifth = server.connect().await;
+    fifth
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), fifth.read(&mut buf))
+            .await
+            .is_err(),
+        "a fifth connection was served while four were open"
+    );
+    // ...until one of the four closes.
+    drop(idle.pop());
+    let answer = read_answer(&mut fifth).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    drop(idle);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_over_the_memory_pool_fails_naming_the_limit_and_the_collector_goes_on() {
+    let server = Server::start(|c| c.query_memory = 256 << 10).await;
+    let body = samples_ipc(&workload("big", 8, 400, 8), false);
+    let stored = server
+        .request(
+            &format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}"),
+            &body,
+        )
+        .await;
+    assert_eq!(stored.status, 200, "{stored:?}");
+    // Every value into one string: an aggregate that cannot spill.
+    let sql = b"SELECT string_agg(CAST(value AS VARCHAR) || metric, ',') FROM samples";
+    let answer = server
+        .request("POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain", sql)
+        .await;
+    assert_eq!(answer.status, 400, "{answer:?}");
+    assert!(answer.body.contains("--query-memory"), "{answer:?}");
+    let small = server
+        .request(
+            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
+            b"SELECT count(*) AS n FROM samples",
+        )
+        .await;
+    assert_eq!(small.status, 200, "{small:?}");
+    assert!(small.body.contains("28800"), "{small:?}");
+    server.stop().await;
+}
