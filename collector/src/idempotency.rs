@@ -5,12 +5,19 @@
 //! range for an agent that never loses a batch — instead of one string per batch.
 //!
 //! Keys are durable together with their rows: each key travels inside its write-ahead-log
-//! record, so replay restores it; and when a flush moves rows into Parquet, the key set as of
-//! that flush is written to `keys-<flushed seq>.json` *before* the manifest that commits the
-//! flush. On start the snapshot whose number equals the manifest's `flushed_seq` is loaded,
-//! then replay adds the keys of every later record.
+//! record, so replay restores it; and when a flush moves rows into Parquet, the keys of every
+//! run that gained one since the last flush are written to `keys/<run>.json` *before* the
+//! manifest that commits the flush. A run's file may so run ahead of the manifest (a crash
+//! between the two): it then also names keys of records after the manifest's `flushed_seq`,
+//! which replay applies anyway — a superset, never a key whose rows could be missing.
+//!
+//! Only changed runs are written, so a flush costs what changed, not every key ever seen (the
+//! first design rewrote one snapshot of all keys, cloned under the store's lock, every flush).
+//! A deleted run's keys go with it, in memory and on disk, so the set is bounded by the runs
+//! kept. A data directory of that first design (`keys-<seq>.json`) is read once and rewritten
+//! per run at the next flush.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -61,7 +68,7 @@ impl Key {
     }
 
     fn session_id(&self) -> SessionId {
-        (self.run.to_string(), self.rank, self.session.clone())
+        (self.rank, self.session.clone())
     }
 }
 
@@ -75,7 +82,8 @@ impl std::fmt::Display for Key {
     }
 }
 
-type SessionId = (String, u32, String);
+/// A session of one run: (rank, session).
+type SessionId = (u32, String);
 
 /// Sorted, disjoint, inclusive ranges of applied sequence numbers.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,18 +127,39 @@ pub enum Check {
     InFlight,
 }
 
+/// The applied keys of one run.
+type RunKeys = HashMap<SessionId, Ranges>;
+
 /// Every applied key, plus those being written.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 pub struct KeySet {
-    applied: HashMap<SessionId, Ranges>,
+    applied: HashMap<RunId, RunKeys>,
     pending: HashSet<Key>,
+    /// Runs that gained a key since their file was last written.
+    dirty: BTreeSet<RunId>,
 }
 
+/// The keys of the runs changed since the last flush, as of that flush: written by it.
+#[derive(Debug, Default)]
+pub struct KeyChanges {
+    runs: Vec<(RunId, RunKeys)>,
+}
+
+/// One run's key file.
 #[derive(Serialize, Deserialize)]
-struct Snapshot {
-    through_seq: u64,
+struct RunFile {
+    run: String,
+    sessions: Vec<(u32, String, Ranges)>,
+}
+
+/// The first design's single snapshot of every run's keys.
+#[derive(Deserialize)]
+struct LegacySnapshot {
     sessions: Vec<(String, u32, String, Ranges)>,
 }
+
+/// The folder of the per-run key files, in the data directory.
+pub const DIR: &str = "keys";
 
 impl KeySet {
     /// Classifies `key` and, when new, marks it in flight.
@@ -147,7 +176,8 @@ impl KeySet {
     /// Whether `key` is durable.
     pub fn is_applied(&self, key: &Key) -> bool {
         self.applied
-            .get(&key.session_id())
+            .get(&key.run)
+            .and_then(|run| run.get(&key.session_id()))
             .is_some_and(|r| r.contains(key.seq))
     }
 
@@ -155,9 +185,14 @@ impl KeySet {
     pub fn commit(&mut self, key: &Key) {
         self.pending.remove(key);
         self.applied
+            .entry(key.run.clone())
+            .or_default()
             .entry(key.session_id())
             .or_default()
             .insert(key.seq);
+        if !self.dirty.contains(&key.run) {
+            self.dirty.insert(key.run.clone());
+        }
     }
 
     /// Forgets an in-flight `key` whose write failed, so a retry can try again.
@@ -165,64 +200,153 @@ impl KeySet {
         self.pending.remove(key);
     }
 
-    fn path(dir: &Path, through_seq: u64) -> PathBuf {
-        dir.join(format!("keys-{through_seq:020}.json"))
+    /// Forgets every key of a deleted run (its file is removed by [`remove_run_file`]).
+    pub fn forget_run(&mut self, run: &RunId) {
+        self.applied.remove(run);
+        self.dirty.remove(run);
     }
 
-    /// Writes the applied keys as the snapshot for `through_seq` (durably).
-    pub fn save(&self, dir: &Path, through_seq: u64) -> Result<()> {
-        let snapshot = Snapshot {
-            through_seq,
-            sessions: self
-                .applied
-                .iter()
-                .map(|((run, rank, session), r)| (run.clone(), *rank, session.clone(), r.clone()))
+    /// Sessions known, over all runs (a gauge: what the set holds).
+    pub fn sessions(&self) -> usize {
+        self.applied.values().map(HashMap::len).sum()
+    }
+
+    /// The changed runs' keys as of now, for the flush that writes them; they count as
+    /// written from here on (see [`KeySet::unwritten`] for a flush that fails).
+    pub fn take_changes(&mut self) -> KeyChanges {
+        let dirty = std::mem::take(&mut self.dirty);
+        KeyChanges {
+            runs: dirty
+                .into_iter()
+                .filter_map(|run| {
+                    let keys = self.applied.get(&run)?.clone();
+                    Some((run, keys))
+                })
                 .collect(),
-        };
-        let bytes = serde_json::to_vec(&snapshot)?;
-        write_atomic(&Self::path(dir, through_seq), &bytes)
+        }
     }
 
-    /// Loads the snapshot for `through_seq` (none is fine when nothing was flushed yet) and
-    /// deletes every other snapshot.
-    pub fn load(dir: &Path, through_seq: u64) -> Result<KeySet> {
-        let path = Self::path(dir, through_seq);
-        let mut set = KeySet::default();
-        match fs::read(&path) {
-            Ok(bytes) => {
-                let snapshot: Snapshot =
-                    serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
-                        what: path.display().to_string(),
-                        reason: e.to_string(),
-                    })?;
-                for (run, rank, session, ranges) in snapshot.sessions {
-                    set.applied.insert((run, rank, session), ranges);
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && through_seq == 0 => {}
-            Err(e) => {
-                return Err(Error::Corrupt {
-                    what: path.display().to_string(),
-                    reason: format!("the key snapshot of the last flush is unreadable: {e}"),
-                });
+    /// A flush that took `changes` failed: their runs are written by the next one.
+    pub fn unwritten(&mut self, changes: &KeyChanges) {
+        for (run, _) in &changes.runs {
+            if self.applied.contains_key(run) {
+                self.dirty.insert(run.clone());
             }
         }
-        Self::prune(dir, through_seq)?;
-        Ok(set)
     }
 
-    /// Deletes snapshots other than the one for `keep_seq`.
-    pub fn prune(dir: &Path, keep_seq: u64) -> Result<()> {
-        let keep = Self::path(dir, keep_seq);
-        for entry in fs::read_dir(dir)? {
-            let path = entry?.path();
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if name.starts_with("keys-") && path != keep {
-                fs::remove_file(&path)?;
+    /// Loads the keys of a data directory whose manifest says `flushed_seq`: the per-run files,
+    /// or a snapshot of the first design (its runs then count as changed, so the next flush
+    /// writes them per run). A directory with flushed data and no keys at all is refused:
+    /// retried batches would be stored twice.
+    pub fn load(dir: &Path, flushed_seq: u64) -> Result<KeySet> {
+        let mut set = KeySet::default();
+        let runs_dir = dir.join(DIR);
+        let legacy = legacy_path(dir, flushed_seq);
+        if runs_dir.is_dir() {
+            for entry in fs::read_dir(&runs_dir)? {
+                let path = entry?.path();
+                if path.extension().and_then(|e| e.to_str()) != Some("json") {
+                    continue;
+                }
+                let (run, keys) = read_run_file(&path)?;
+                set.applied.insert(run, keys);
             }
+        } else if legacy.exists() {
+            let bytes = fs::read(&legacy)?;
+            let snapshot: LegacySnapshot =
+                serde_json::from_slice(&bytes).map_err(|e| corrupt(&legacy, e.to_string()))?;
+            for (run, rank, session, ranges) in snapshot.sessions {
+                let run = RunId::new(run).map_err(|e| corrupt(&legacy, e.to_string()))?;
+                set.applied
+                    .entry(run.clone())
+                    .or_default()
+                    .insert((rank, session), ranges);
+                set.dirty.insert(run);
+            }
+        } else if flushed_seq > 0 {
+            return Err(corrupt(
+                &runs_dir,
+                "the idempotency keys of the flushed data are missing".into(),
+            ));
+        }
+        fs::create_dir_all(&runs_dir)?;
+        Ok(set)
+    }
+}
+
+impl KeyChanges {
+    /// Writes each changed run's file (durably), before the manifest of the flush.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        for (run, keys) in &self.runs {
+            let file = RunFile {
+                run: run.to_string(),
+                sessions: keys
+                    .iter()
+                    .map(|((rank, session), r)| (*rank, session.clone(), r.clone()))
+                    .collect(),
+            };
+            write_atomic(&run_path(dir, run), &serde_json::to_vec(&file)?)?;
         }
         Ok(())
     }
+}
+
+/// Removes a deleted run's key file (none is fine).
+pub fn remove_run_file(dir: &Path, run: &RunId) -> Result<()> {
+    match fs::remove_file(run_path(dir, run)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Deletes the first design's snapshots, once a flush has written every run's file.
+pub fn remove_legacy(dir: &Path) -> Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("keys-") && name.ends_with(".json") {
+            fs::remove_file(&path)?;
+        }
+    }
+    Ok(())
+}
+
+fn run_path(dir: &Path, run: &RunId) -> PathBuf {
+    dir.join(DIR).join(format!("{run}.json"))
+}
+
+fn legacy_path(dir: &Path, through_seq: u64) -> PathBuf {
+    dir.join(format!("keys-{through_seq:020}.json"))
+}
+
+fn corrupt(path: &Path, reason: String) -> Error {
+    Error::Corrupt {
+        what: path.display().to_string(),
+        reason,
+    }
+}
+
+fn read_run_file(path: &Path) -> Result<(RunId, RunKeys)> {
+    let bytes = fs::read(path)?;
+    let file: RunFile = serde_json::from_slice(&bytes).map_err(|e| corrupt(path, e.to_string()))?;
+    let run = RunId::new(file.run).map_err(|e| corrupt(path, e.to_string()))?;
+    if path.file_stem().and_then(|s| s.to_str()) != Some(run.as_str()) {
+        return Err(corrupt(
+            path,
+            format!(
+                "holds the keys of run {:?}, not of the run it is named after",
+                run.as_str()
+            ),
+        ));
+    }
+    let keys = file
+        .sessions
+        .into_iter()
+        .map(|(rank, session, ranges)| ((rank, session), ranges))
+        .collect();
+    Ok((run, keys))
 }
 
 #[cfg(test)]
@@ -262,20 +386,92 @@ mod tests {
         assert_eq!(set.begin(&key(1)), Check::Applied);
     }
 
+    fn other(run: &str, seq: u64) -> Key {
+        Key::parse(&format!("{run}/0/s/{seq}")).unwrap()
+    }
+
     #[test]
-    fn snapshots_round_trip_and_only_the_committed_one_survives() {
+    fn only_changed_runs_are_written_and_the_files_load_back() {
         let dir = tempfile::tempdir().unwrap();
-        let mut set = KeySet::default();
+        let mut set = KeySet::load(dir.path(), 0).unwrap();
         for s in [1, 2, 3, 10, 12] {
             set.commit(&key(s));
         }
-        set.save(dir.path(), 40).unwrap();
+        set.commit(&other("run-2", 5));
+        let changes = set.take_changes();
+        assert_eq!(changes.runs.len(), 2);
+        changes.save(dir.path()).unwrap();
+        // Only run-1 changes next: only its file is written.
         set.commit(&key(11));
-        set.save(dir.path(), 41).unwrap();
-        let loaded = KeySet::load(dir.path(), 40).unwrap();
-        assert!(loaded.is_applied(&key(10)) && !loaded.is_applied(&key(11)));
-        assert!(!KeySet::path(dir.path(), 41).exists());
-        assert!(KeySet::load(dir.path(), 99).is_err());
+        let changes = set.take_changes();
+        assert_eq!(changes.runs.len(), 1);
+        assert_eq!(changes.runs[0].0.as_str(), "run-1");
+        changes.save(dir.path()).unwrap();
+        assert!(set.take_changes().runs.is_empty(), "nothing changed since");
+
+        let loaded = KeySet::load(dir.path(), 7).unwrap();
+        assert!(loaded.is_applied(&key(10)) && loaded.is_applied(&key(11)));
+        assert!(!loaded.is_applied(&key(4)));
+        assert!(loaded.is_applied(&other("run-2", 5)));
+        assert_eq!(loaded.sessions(), 2);
+    }
+
+    #[test]
+    fn a_failed_flush_leaves_its_runs_to_the_next() {
+        let mut set = KeySet::default();
+        set.commit(&key(1));
+        let changes = set.take_changes();
+        set.unwritten(&changes);
+        assert_eq!(set.take_changes().runs.len(), 1);
+    }
+
+    #[test]
+    fn a_deleted_run_is_forgotten_in_memory_and_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut set = KeySet::load(dir.path(), 0).unwrap();
+        set.commit(&key(1));
+        set.commit(&other("run-2", 1));
+        set.take_changes().save(dir.path()).unwrap();
+        let run = RunId::new("run-1").unwrap();
+        set.forget_run(&run);
+        remove_run_file(dir.path(), &run).unwrap();
+        remove_run_file(dir.path(), &run).unwrap();
+        assert!(!set.is_applied(&key(1)));
+        assert_eq!(set.sessions(), 1);
+        let loaded = KeySet::load(dir.path(), 3).unwrap();
+        assert!(!loaded.is_applied(&key(1)) && loaded.is_applied(&other("run-2", 1)));
+    }
+
+    #[test]
+    fn a_first_design_snapshot_is_read_and_rewritten_per_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let legacy = r#"{"through_seq":40,"sessions":[["run-1",3,"abc",[[1,3],[10,10]]]]}"#;
+        std::fs::write(legacy_path(dir.path(), 40), legacy).unwrap();
+        let mut set = KeySet::load(dir.path(), 40).unwrap();
+        assert!(set.is_applied(&key(2)) && set.is_applied(&key(10)) && !set.is_applied(&key(4)));
+        set.take_changes().save(dir.path()).unwrap();
+        remove_legacy(dir.path()).unwrap();
+        assert!(!legacy_path(dir.path(), 40).exists());
+        let again = KeySet::load(dir.path(), 41).unwrap();
+        assert!(again.is_applied(&key(3)));
+    }
+
+    #[test]
+    fn missing_or_damaged_keys_of_flushed_data_stop_the_start_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = KeySet::load(dir.path(), 9).unwrap_err().to_string();
+        assert!(err.contains("missing"), "{err}");
+        std::fs::create_dir_all(dir.path().join(DIR)).unwrap();
+        std::fs::write(dir.path().join(DIR).join("run-1.json"), b"{not json").unwrap();
+        let err = KeySet::load(dir.path(), 9).unwrap_err().to_string();
+        assert!(err.contains("run-1.json"), "{err}");
+        std::fs::write(
+            dir.path().join(DIR).join("run-1.json"),
+            br#"{"run":"run-2","sessions":[]}"#,
+        )
+        .unwrap();
+        let err = KeySet::load(dir.path(), 9).unwrap_err().to_string();
+        assert!(err.contains("not of the run it is named after"), "{err}");
     }
 
     proptest! {

@@ -22,6 +22,7 @@ pub struct StoreMetrics {
     pub parquet_files: Gauge,
     pub parquet_bytes: Gauge,
     pub hot_bytes: Gauge,
+    pub idempotency_sessions: Gauge,
 }
 
 impl Default for StoreMetrics {
@@ -38,6 +39,7 @@ impl Default for StoreMetrics {
             parquet_files: Gauge::default(),
             parquet_bytes: Gauge::default(),
             hot_bytes: Gauge::default(),
+            idempotency_sessions: Gauge::default(),
         }
     }
 }
@@ -99,6 +101,11 @@ impl StoreMetrics {
             "hot_buffer_bytes",
             "Bytes of Arrow data in the hot buffer",
             self.hot_bytes.clone(),
+        );
+        r.register(
+            "idempotency_sessions",
+            "Agent sessions whose applied idempotency keys are kept (bounded by the runs kept)",
+            self.idempotency_sessions.clone(),
         );
     }
 }

@@ -191,6 +191,7 @@ impl Store {
         } else {
             KeySet::load(dir, manifest.flushed_seq)?
         };
+        std::fs::create_dir_all(dir.join(crate::idempotency::DIR))?;
         let state = State {
             applied_seq: manifest.flushed_seq,
             manifest,
@@ -540,11 +541,12 @@ impl Store {
                     (run, of_run)
                 })
                 .collect();
-            // The key snapshot must describe exactly the records up to `through`.
-            (through, parts, infos, alerts, state.keys.clone())
+            // The keys of the runs changed up to `through` (a file may run ahead of the
+            // manifest, never behind it: see `idempotency`).
+            (through, parts, infos, alerts, state.keys.take_changes())
         };
         let written = keys
-            .save(&self.dir, through)
+            .save(&self.dir)
             .and_then(|_| self.write_flush(&parts, &infos, &alerts))
             .and_then(|(new_files, replaced)| {
                 let mut manifest = self.lock().manifest.clone();
@@ -569,7 +571,9 @@ impl Store {
                     .graveyard
                     .extend(replaced.into_iter().map(|p| (now, p)));
                 drop(state);
-                let _ = KeySet::prune(&self.dir, through);
+                if let Err(e) = crate::idempotency::remove_legacy(&self.dir) {
+                    tracing::warn!(error = %e, "could not remove an old key snapshot");
+                }
                 self.metrics.flushes.inc();
                 self.metrics.flushed_rows.inc_by(rows);
                 self.metrics
@@ -590,6 +594,7 @@ impl Store {
                     batches.append(&mut slot.batches);
                     slot.batches = batches;
                 }
+                state.keys.unwritten(&keys);
                 state.runs_dirty.extend(infos.into_iter().map(|i| i.run));
                 state
                     .alerts_dirty
@@ -832,6 +837,7 @@ impl Store {
             }
         }
         state.runs.remove(run);
+        state.keys.forget_run(run);
         state.runs_dirty.retain(|r| r != run);
         state.alerts_dirty.retain(|r| r != run);
         let ids: Vec<String> = state
@@ -855,6 +861,11 @@ impl Store {
             run: run.to_string(),
         });
         drop(guard);
+        // A retry of the deleted run's batches would start it anew in any case (see
+        // docs/operations.md); its keys only took room.
+        if let Err(e) = crate::idempotency::remove_run_file(&self.dir, run) {
+            tracing::warn!(%run, error = %e, "could not remove the deleted run's key file");
+        }
         self.report_sizes();
         tracing::info!(%run, files = deleted.files, bytes = deleted.bytes, rows = deleted.rows, "run deleted");
         Ok(deleted)
@@ -905,6 +916,9 @@ impl Store {
             .parquet_bytes
             .set(state.manifest.files.iter().map(|f| f.bytes as i64).sum());
         self.metrics.hot_bytes.set(state.hot_bytes as i64);
+        self.metrics
+            .idempotency_sessions
+            .set(state.keys.sessions() as i64);
     }
 
     /// Loads run metadata and alerts from their files.

@@ -44,3 +44,81 @@ async fn parts_without_a_manifest_stop_the_collector_and_stay() {
         .await
         .unwrap();
 }
+
+/// Keys of `run` for sessions `0..n`, one batch each; each must be stored (or, again, a
+/// duplicate).
+async fn keyed(c: &Collector, run: &str, sessions: u32, expect: &str) {
+    for s in 0..sessions {
+        let body = samples_ipc(&workload(run, 1, 2, 1), false);
+        let key = format!("{run}/0/s{s}/1");
+        let r = post(c, "/api/v1/ingest", ARROW, Some(&key), body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["status"], expect, "{key}");
+    }
+}
+
+#[tokio::test]
+async fn idempotency_keys_are_kept_per_run_across_restarts_and_go_with_a_deleted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    let c = open_store_only(dir.path()).await;
+    keyed(&c, "kept", 3, "stored").await;
+    keyed(&c, "doomed", 2, "stored").await;
+    c.flush().await.unwrap();
+    assert!(keys.join("kept.json").exists() && keys.join("doomed.json").exists());
+    let r = get(&c, "/metrics").await;
+    assert!(r.text().contains("rankwatch_idempotency_sessions 5"), "{}", r.text());
+
+    // Deleting a run removes its keys, from memory and disk.
+    let deleted = call(
+        &c,
+        axum::http::Request::delete("/api/v1/runs/doomed")
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(deleted.status, 200, "{}", deleted.text());
+    assert!(!keys.join("doomed.json").exists());
+    c.flush().await.unwrap();
+    let r = get(&c, "/metrics").await;
+    assert!(r.text().contains("rankwatch_idempotency_sessions 3"), "{}", r.text());
+    c.shutdown().await.unwrap();
+
+    // After a restart the kept run's retries are still recognised.
+    let c = open_store_only(dir.path()).await;
+    keyed(&c, "kept", 3, "duplicate").await;
+    c.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_data_directory_of_the_single_key_snapshot_design_is_upgraded() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open_store_only(dir.path()).await;
+    keyed(&c, "old", 2, "stored").await;
+    c.shutdown().await.unwrap();
+    // Rewrite the keys as the first design kept them: one snapshot named by the flushed seq.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("manifest.json")).unwrap())
+            .unwrap();
+    let seq = manifest["flushed_seq"].as_u64().unwrap();
+    std::fs::remove_dir_all(dir.path().join("keys")).unwrap();
+    let legacy = dir.path().join(format!("keys-{seq:020}.json"));
+    std::fs::write(
+        &legacy,
+        format!(
+            r#"{{"through_seq":{seq},"sessions":[["old",0,"s0",[[1,1]]],["old",0,"s1",[[1,1]]]]}}"#
+        ),
+    )
+    .unwrap();
+
+    let c = open_store_only(dir.path()).await;
+    keyed(&c, "old", 2, "duplicate").await;
+    keyed(&c, "new", 1, "stored").await;
+    c.flush().await.unwrap();
+    assert!(!legacy.exists(), "the old snapshot is gone once the runs are written");
+    assert!(dir.path().join("keys/old.json").exists());
+    c.shutdown().await.unwrap();
+    let c = open_store_only(dir.path()).await;
+    keyed(&c, "old", 2, "duplicate").await;
+    c.shutdown().await.unwrap();
+}
