@@ -257,19 +257,76 @@ impl Drop for Agent {
     }
 }
 
+/// The folder, inside a spool directory, where batches the collector refused are kept.
+pub const REFUSED_DIR: &str = "refused";
+
 /// Delivers a spool directory left by an offline run (or a crashed process) to `collector`,
-/// oldest first, each batch with its original idempotency key. Stops at the first batch that
-/// cannot be delivered now, so it can simply be run again; returns the rows delivered.
+/// oldest first, each batch with its original idempotency key, then the batches the collector
+/// once refused (`DIR/refused`, e.g. over a series limit since raised). A batch refused again
+/// is kept there, never deleted. Stops at the first batch that cannot be delivered now, so it
+/// can simply be run again; returns the rows delivered.
 pub fn sync_spool(
     dir: &Path,
     collector: &str,
     token: Option<&str>,
     timeout: Duration,
 ) -> Result<SyncReport> {
-    let mut spool = spool::Spool::open(dir, u64::MAX, 8 << 20)?;
     let transport = transport::Transport::new(collector, token, Duration::from_secs(2));
     let mut report = SyncReport::default();
-    while let Some(batch) = spool.head() {
+    let mut spool = spool::Spool::open(dir, u64::MAX, 8 << 20)?;
+    let refused_dir = dir.join(REFUSED_DIR);
+    let mut refused = refused_dir
+        .is_dir()
+        .then(|| spool::Spool::open(&refused_dir, u64::MAX, 8 << 20))
+        .transpose()?;
+    if !drain(
+        &mut spool,
+        &transport,
+        timeout,
+        &refused_dir,
+        &mut refused,
+        &mut report,
+        None,
+    )? {
+        return Ok(report);
+    }
+    report.corrupt = spool.corrupt();
+    if let Some(mut kept) = refused.take() {
+        // One pass over what was kept before this call: a batch refused again goes to the
+        // back of the same folder and is not tried twice.
+        let pass = kept.records();
+        drain(
+            &mut kept,
+            &transport,
+            timeout,
+            &refused_dir,
+            &mut None,
+            &mut report,
+            Some(pass),
+        )?;
+        kept.sync();
+        report.corrupt += kept.corrupt();
+    }
+    Ok(report)
+}
+
+/// Sends `spool`'s batches (at most `limit`); refused ones go to the spool in `refused_dir`
+/// (opened on first need). Returns `false` when the collector could not take one now.
+fn drain(
+    spool: &mut spool::Spool,
+    transport: &transport::Transport,
+    timeout: Duration,
+    refused_dir: &Path,
+    refused: &mut Option<spool::Spool>,
+    report: &mut SyncReport,
+    limit: Option<u64>,
+) -> Result<bool> {
+    let mut sent = 0u64;
+    while limit.is_none_or(|n| sent < n) {
+        let Some(batch) = spool.head() else {
+            break;
+        };
+        sent += 1;
         match transport.post(batch, timeout) {
             transport::Outcome::Delivered { duplicate } => {
                 report.batches += 1;
@@ -278,19 +335,37 @@ pub fn sync_spool(
                 spool.pop();
             }
             transport::Outcome::Refused { reason, .. } => {
-                report.refused_rows += batch.rows;
+                let batch = batch.clone();
                 report.errors.push(reason);
-                spool.pop();
+                // Kept in the same folder when that is the one being sent (appended behind
+                // this pass), else in `refused/` beside it.
+                let kept = if limit.is_some() {
+                    spool.pop();
+                    spool.append(&batch)?
+                } else {
+                    if refused.is_none() {
+                        *refused = Some(spool::Spool::open(refused_dir, u64::MAX, 8 << 20)?);
+                    }
+                    let target = refused.as_mut().expect("opened above");
+                    let kept = target.append(&batch)?;
+                    target.sync();
+                    spool.pop();
+                    kept
+                };
+                if kept {
+                    report.set_aside_rows += batch.rows;
+                } else {
+                    report.refused_rows += batch.rows;
+                }
             }
             transport::Outcome::Retry { reason, .. } => {
                 report.remaining = spool.records();
                 report.errors.push(reason);
-                return Ok(report);
+                return Ok(false);
             }
         }
     }
-    report.corrupt = spool.corrupt();
-    Ok(report)
+    Ok(true)
 }
 
 /// What [`sync_spool`] did.
@@ -299,7 +374,10 @@ pub struct SyncReport {
     pub batches: u64,
     pub rows: u64,
     pub duplicates: u64,
+    /// Rows the collector refused for good and that could not be kept.
     pub refused_rows: u64,
+    /// Rows the collector refused, kept in `DIR/refused` for a later sync.
+    pub set_aside_rows: u64,
     pub corrupt: u64,
     /// Batches left because the collector could not take them now.
     pub remaining: u64,

@@ -14,6 +14,7 @@
 //! undelivered goes to the spool (or, without one, is counted as dropped).
 
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
@@ -173,6 +174,8 @@ pub(crate) struct Sender {
     last_step: u64,
     reported_dropped: u64,
     dropped_metric: Metric,
+    /// Batches the collector refused, kept beside the spool (opened at the first refusal).
+    refused: Option<Spool>,
 }
 
 impl Sender {
@@ -215,6 +218,7 @@ impl Sender {
             last_step: 0,
             reported_dropped: 0,
             dropped_metric: vocab::Metric::Dropped.into(),
+            refused: None,
         }
     }
 
@@ -438,10 +442,24 @@ impl Sender {
                     }
                 }
                 Outcome::Refused { reason, .. } => {
-                    stats.refused_rows.fetch_add(rows, Relaxed);
                     stats.connected.store(true, Relaxed);
                     stats.ever_connected.store(true, Relaxed);
-                    stats.error(reason);
+                    let kept = self.backlog.head().is_some_and(|batch| {
+                        set_aside(&mut self.refused, &self.config, batch, stats)
+                    });
+                    if kept {
+                        stats.set_aside_rows.fetch_add(rows, Relaxed);
+                        let dir = self.config.spool_dir.as_deref().unwrap_or(Path::new("."));
+                        stats.error(format!(
+                            "{reason}; its {rows} rows are kept in {}: fix the cause (a limit \
+                             of the collector, or its version), then `rankwatch sync {}`",
+                            dir.join(crate::REFUSED_DIR).display(),
+                            dir.display()
+                        ));
+                    } else {
+                        stats.refused_rows.fetch_add(rows, Relaxed);
+                        stats.error(reason);
+                    }
                     self.backlog.pop(stats);
                 }
             }
@@ -480,4 +498,47 @@ pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Keeps a batch the collector refused in the spool's `refused/` folder, so that nothing is
+/// lost to a limit that can be raised (`422`, the series limit) or a collector that can be
+/// upgraded: `rankwatch sync` sends it again. `false` without a spool directory, or when that
+/// folder is full or failing (the rows are then counted as refused).
+pub(crate) fn set_aside(
+    refused: &mut Option<Spool>,
+    config: &AgentConfig,
+    batch: &Batch,
+    stats: &Stats,
+) -> bool {
+    let Some(dir) = config.spool_dir.as_deref() else {
+        return false;
+    };
+    if refused.is_none() {
+        match Spool::open(
+            &dir.join(crate::REFUSED_DIR),
+            config.spool_max_bytes,
+            config.segment_bytes,
+        ) {
+            Ok(spool) => *refused = Some(spool),
+            Err(e) => {
+                stats.error(format!("cannot keep a refused batch: {e}"));
+                return false;
+            }
+        }
+    }
+    let Some(spool) = refused.as_mut() else {
+        return false;
+    };
+    match spool.append(batch) {
+        Ok(true) => {
+            // Refusals are rare: each kept batch is made durable at once.
+            spool.sync();
+            true
+        }
+        Ok(false) => false,
+        Err(e) => {
+            stats.error(format!("cannot keep a refused batch: {e}"));
+            false
+        }
+    }
 }

@@ -11,6 +11,7 @@ pub(crate) struct Stats {
     pub(crate) dropped_queue_full: AtomicU64,
     pub(crate) dropped_spool_full: AtomicU64,
     pub(crate) refused_rows: AtomicU64,
+    pub(crate) set_aside_rows: AtomicU64,
     pub(crate) sent_rows: AtomicU64,
     pub(crate) sent_batches: AtomicU64,
     pub(crate) duplicates: AtomicU64,
@@ -47,6 +48,7 @@ impl Stats {
             dropped_queue_full: self.dropped_queue_full.load(Relaxed),
             dropped_spool_full: self.dropped_spool_full.load(Relaxed),
             refused_rows: self.refused_rows.load(Relaxed),
+            set_aside_rows: self.set_aside_rows.load(Relaxed),
             backlog_batches: self.backlog_batches.load(Relaxed),
             spooled_batches: self.spooled_batches.load(Relaxed),
             spool_bytes: self.spool_bytes.load(Relaxed),
@@ -82,8 +84,12 @@ pub struct StatsSnapshot {
     pub dropped_queue_full: u64,
     /// Rows dropped because the backlog (memory and spool) was full.
     pub dropped_spool_full: u64,
-    /// Rows in batches the collector refused for good (4xx); see `last_error`.
+    /// Rows in batches the collector refused (4xx) and that could not be kept (no spool
+    /// directory, or its `refused/` folder full); see `last_error`.
     pub refused_rows: u64,
+    /// Rows in batches the collector refused, kept in the spool's `refused/` folder for
+    /// `rankwatch sync` once the cause is fixed (not lost, so not in `dropped_rows`).
+    pub set_aside_rows: u64,
     /// Batches waiting for delivery, in memory or on disk.
     pub backlog_batches: u64,
     /// Batches waiting in the disk spool.

@@ -435,3 +435,59 @@ fn invalid_points_are_refused_whole_with_the_reason() {
     assert!(Metric::new("spectral.ratoi").is_err());
     assert!(Metric::new("user/lr").is_ok());
 }
+
+#[test]
+fn a_refused_batch_is_kept_beside_the_spool_and_synced_once_the_collector_takes_it() {
+    let (peer, url) = Peer::start();
+    let refusal = || {
+        (
+            422u16,
+            vec![],
+            r#"{"error":"too many series","reason":"cardinality"}"#.to_owned(),
+        )
+    };
+    peer.script.lock().unwrap().push_back(refusal());
+    let spool = tempfile::tempdir().unwrap();
+    let mut c = config(&url);
+    c.spool_dir = Some(spool.path().to_owned());
+    let agent = Agent::start(c).unwrap();
+    agent.log(1, loss(1.0)).unwrap();
+    agent.flush(Duration::from_secs(5));
+    let stats = agent.stats();
+    assert_eq!(
+        (stats.set_aside_rows, stats.refused_rows, stats.dropped_rows),
+        (1, 0, 0),
+        "kept, so not lost"
+    );
+    let message = stats.last_error.unwrap();
+    assert!(
+        message.contains("too many series")
+            && message.contains("refused")
+            && message.contains("rankwatch sync"),
+        "{message}"
+    );
+    agent.shutdown(Duration::from_secs(3));
+    let refused_key = peer.seen.lock().unwrap()[0].key.clone();
+
+    // Still refused: kept, not deleted, and not tried twice in one sync.
+    peer.script.lock().unwrap().push_back(refusal());
+    let report =
+        rankwatch_agent::sync_spool(spool.path(), &url, None, Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        (report.set_aside_rows, report.refused_rows, report.rows),
+        (1, 0, 0)
+    );
+    // The limit was raised: the next sync delivers it, under its own key.
+    let report =
+        rankwatch_agent::sync_spool(spool.path(), &url, None, Duration::from_secs(5)).unwrap();
+    assert_eq!((report.rows, report.set_aside_rows), (1, 0));
+    let seen = peer.seen.lock().unwrap().clone();
+    let last = seen.last().unwrap();
+    assert_eq!(
+        (last.key.as_str(), last.answered),
+        (refused_key.as_str(), 200)
+    );
+    let again =
+        rankwatch_agent::sync_spool(spool.path(), &url, None, Duration::from_secs(5)).unwrap();
+    assert_eq!(again.rows, 0, "delivered once");
+}

@@ -27,6 +27,7 @@ class AgentStats(TypedDict):
     dropped_queue_full: int
     dropped_spool_full: int
     refused_rows: int
+    set_aside_rows: int
     backlog_batches: int
     spooled_batches: int
     spool_bytes: int
@@ -49,6 +50,7 @@ class SyncReport(TypedDict):
     rows: int
     duplicates: int
     refused_rows: int
+    set_aside_rows: int
     corrupt: int
     remaining: int
     errors: list[str]

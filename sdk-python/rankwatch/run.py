@@ -619,6 +619,8 @@ class Run:
             self._warn("unreachable", f"rankwatch: collector {self.collector} is not taking rows ({stats['last_error']}){where}. Training continues.")
         if stats["dropped_rows"] > 0:
             self._warn("dropped", f"rankwatch: {stats['dropped_rows']} values dropped so far ({stats['last_error']}); the count is reported to the collector as 'dropped'")
+        if stats["set_aside_rows"] > 0:
+            self._warn("set-aside", f"rankwatch: the collector refused {stats['set_aside_rows']} values so far; they are kept ({stats['last_error']}). Training continues.")
 
     def _warn(self, key: str, message: str) -> None:
         if key in self._warned:
@@ -705,6 +707,8 @@ class Run:
             self._warn("never-connected", f"rankwatch: the run finished without reaching the collector at {self.collector}{why}.{where}")
         elif self.mode == "online" and stats["backlog_batches"]:
             self._warn("undelivered", f"rankwatch: {stats['backlog_batches']} batches were not delivered before finish(); they are spooled in {self.spool_dir}")
+        if stats["set_aside_rows"]:
+            self._warn("set-aside", f"rankwatch: the collector refused {stats['set_aside_rows']} values; they are kept ({stats['last_error']})")
         return stats
 
     def unwatch(self) -> None:
@@ -968,10 +972,10 @@ def sync(spool_dir: str | os.PathLike[str], collector: str | None = None, *, tok
     collector = collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
     root = Path(spool_dir)
     dirs = sorted(p for p in root.glob("rank-*") if p.is_dir()) or [root]
-    total: SyncReport = {"batches": 0, "rows": 0, "duplicates": 0, "refused_rows": 0, "corrupt": 0, "remaining": 0, "errors": []}
+    total: SyncReport = {"batches": 0, "rows": 0, "duplicates": 0, "refused_rows": 0, "set_aside_rows": 0, "corrupt": 0, "remaining": 0, "errors": []}
     for d in dirs:
         report = _native.sync(str(d), collector, token or os.environ.get("RANKWATCH_INGEST_TOKEN"))
-        for key in ("batches", "rows", "duplicates", "refused_rows", "corrupt", "remaining"):
+        for key in ("batches", "rows", "duplicates", "refused_rows", "set_aside_rows", "corrupt", "remaining"):
             total[key] += report[key]
         total["errors"] += report["errors"]
     return total

@@ -117,6 +117,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, Py
     d.set_item("dropped_queue_full", s.dropped_queue_full)?;
     d.set_item("dropped_spool_full", s.dropped_spool_full)?;
     d.set_item("refused_rows", s.refused_rows)?;
+    d.set_item("set_aside_rows", s.set_aside_rows)?;
     d.set_item("backlog_batches", s.backlog_batches)?;
     d.set_item("spooled_batches", s.spooled_batches)?;
     d.set_item("spool_bytes", s.spool_bytes)?;
@@ -457,6 +458,7 @@ fn sync<'py>(
     d.set_item("rows", report.rows)?;
     d.set_item("duplicates", report.duplicates)?;
     d.set_item("refused_rows", report.refused_rows)?;
+    d.set_item("set_aside_rows", report.set_aside_rows)?;
     d.set_item("corrupt", report.corrupt)?;
     d.set_item("remaining", report.remaining)?;
     d.set_item("errors", report.errors)?;

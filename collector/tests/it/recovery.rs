@@ -67,7 +67,11 @@ async fn idempotency_keys_are_kept_per_run_across_restarts_and_go_with_a_deleted
     c.flush().await.unwrap();
     assert!(keys.join("kept.json").exists() && keys.join("doomed.json").exists());
     let r = get(&c, "/metrics").await;
-    assert!(r.text().contains("rankwatch_idempotency_sessions 5"), "{}", r.text());
+    assert!(
+        r.text().contains("rankwatch_idempotency_sessions 5"),
+        "{}",
+        r.text()
+    );
 
     // Deleting a run removes its keys, from memory and disk.
     let deleted = call(
@@ -81,7 +85,11 @@ async fn idempotency_keys_are_kept_per_run_across_restarts_and_go_with_a_deleted
     assert!(!keys.join("doomed.json").exists());
     c.flush().await.unwrap();
     let r = get(&c, "/metrics").await;
-    assert!(r.text().contains("rankwatch_idempotency_sessions 3"), "{}", r.text());
+    assert!(
+        r.text().contains("rankwatch_idempotency_sessions 3"),
+        "{}",
+        r.text()
+    );
     c.shutdown().await.unwrap();
 
     // After a restart the kept run's retries are still recognised.
@@ -98,8 +106,7 @@ async fn a_data_directory_of_the_single_key_snapshot_design_is_upgraded() {
     c.shutdown().await.unwrap();
     // Rewrite the keys as the first design kept them: one snapshot named by the flushed seq.
     let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("manifest.json")).unwrap())
-            .unwrap();
+        serde_json::from_slice(&std::fs::read(dir.path().join("manifest.json")).unwrap()).unwrap();
     let seq = manifest["flushed_seq"].as_u64().unwrap();
     std::fs::remove_dir_all(dir.path().join("keys")).unwrap();
     let legacy = dir.path().join(format!("keys-{seq:020}.json"));
@@ -115,7 +122,10 @@ async fn a_data_directory_of_the_single_key_snapshot_design_is_upgraded() {
     keyed(&c, "old", 2, "duplicate").await;
     keyed(&c, "new", 1, "stored").await;
     c.flush().await.unwrap();
-    assert!(!legacy.exists(), "the old snapshot is gone once the runs are written");
+    assert!(
+        !legacy.exists(),
+        "the old snapshot is gone once the runs are written"
+    );
     assert!(dir.path().join("keys/old.json").exists());
     c.shutdown().await.unwrap();
     let c = open_store_only(dir.path()).await;
