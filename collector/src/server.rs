@@ -300,14 +300,20 @@ fn recover_log(config: &ServeConfig, store: &Store, metrics: Arc<WalMetrics>) ->
                 }
             }
             Err(e) => {
-                tracing::error!(seq = record.seq, error = %e, "unreadable write-ahead-log entry skipped");
+                let kept =
+                    wal::set_aside_entry(&wal_dir, record.seq, &record.payload, &e.to_string())?;
+                metrics.set_aside.inc();
+                tracing::error!(seq = record.seq, error = %e, kept = %kept.display(), "a write-ahead-log entry that does not decode was set aside");
             }
         }
     }
-    if records > 0 || report.torn_bytes > 0 {
+    metrics.set_aside.inc_by(report.damaged_ranges as u64);
+    if records > 0 || report.torn_bytes > 0 || report.damaged_ranges > 0 {
         tracing::info!(
             replayed = records,
             torn_bytes = report.torn_bytes,
+            damaged_ranges = report.damaged_ranges,
+            damaged_bytes = report.damaged_bytes,
             "recovered from the write-ahead log"
         );
     }

@@ -132,3 +132,45 @@ async fn a_data_directory_of_the_single_key_snapshot_design_is_upgraded() {
     keyed(&c, "old", 2, "duplicate").await;
     c.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_entry_that_does_not_decode_is_set_aside_and_the_rest_replays() {
+    use rankwatch_collector::wal::{self, WalHandle, WalMetrics};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join(wal::DIR);
+    // A log written by something this collector cannot decode (a newer version, a bug),
+    // between two good batches written by the collector itself.
+    let c = open_store_only(dir.path()).await;
+    ingest_runs(&c, &["before"], 1, 3).await;
+    drop(c); // no shutdown: nothing is flushed, the batch stays in the log
+    let (handle, thread) =
+        WalHandle::start(log.clone(), 100, 1 << 20, Arc::new(WalMetrics::default())).unwrap();
+    handle
+        .append(bytes::Bytes::from_static(b"not an entry"), Box::new(|_| {}))
+        .await
+        .unwrap();
+    drop(handle);
+    thread.join().unwrap();
+
+    let c = open_store_only(dir.path()).await;
+    assert_eq!(run_names(&c).await, ["before"], "the good batch replayed");
+    let kept: Vec<String> = std::fs::read_dir(log.join(wal::DAMAGED_DIR))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(kept.iter().any(|n| n.ends_with(".entry")), "{kept:?}");
+    let entry = kept.iter().find(|n| n.ends_with(".entry")).unwrap();
+    assert_eq!(
+        std::fs::read(log.join(wal::DAMAGED_DIR).join(entry)).unwrap(),
+        b"not an entry"
+    );
+    assert!(kept.iter().any(|n| n.ends_with(".reason.txt")), "{kept:?}");
+    let metrics = get(&c, "/metrics").await.text();
+    assert!(
+        metrics.contains("rankwatch_wal_set_aside_total 1"),
+        "{metrics}"
+    );
+    c.shutdown().await.unwrap();
+}
