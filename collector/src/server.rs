@@ -348,8 +348,10 @@ fn start_alert_engine(
                 .clone()
                 .unwrap_or_else(|| format!("http://{}", config.listen)),
             clock: committer.store.clock().clone(),
+            state_dir: Some(config.data_dir.join("alert-delivery")),
         },
         sink_metrics,
+        &committer.store.alerts(None),
     );
     AlertEngine::start(
         committer,

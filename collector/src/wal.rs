@@ -924,7 +924,11 @@ mod tests {
         let kept = damaged_files(dir.path());
         assert_eq!(kept.len(), 1, "{kept:?}");
         let damaged = fs::read(&path).unwrap()[beta_at..beta_at + HEADER + 4].to_vec();
-        assert_eq!(fs::read(&kept[0]).unwrap(), damaged, "the damaged bytes, as they were");
+        assert_eq!(
+            fs::read(&kept[0]).unwrap(),
+            damaged,
+            "the damaged bytes, as they were"
+        );
         assert_eq!(report.next_seq, 6);
     }
 

@@ -188,6 +188,7 @@ impl AlertEngine {
         metrics: Arc<EngineMetrics>,
     ) -> AlertEngine {
         let (tx, rx) = mpsc::channel(256);
+        let started_ms = writer.store.now_ms();
         let restored = writer
             .store
             .alerts(None)
@@ -207,6 +208,8 @@ impl AlertEngine {
             derived_through: HashMap::new(),
             restored,
             continued: HashMap::new(),
+            outgoing: Vec::new(),
+            started_ms,
         };
         AlertEngine {
             handle: EngineHandle { tx },
@@ -245,6 +248,10 @@ struct Engine {
     restored: HashMap<AlertKey, Alert>,
     /// Restored alerts a detector raised again: detector id → the restored alert it continues.
     continued: HashMap<String, Alert>,
+    /// Alert states raised by the current step of the loop: journaled, then told (`release`).
+    outgoing: Vec<Alert>,
+    /// When this engine started (the collector's clock).
+    started_ms: i64,
 }
 
 impl Engine {
@@ -303,6 +310,7 @@ impl Engine {
                         self.replaying = false;
                         self.stopping = true;
                         self.tick_all(true).await;
+                        self.release().await;
                         if let Some(sinks) = self.sinks.take() {
                             let _ = tokio::task::spawn_blocking(move || sinks.shutdown()).await;
                         }
@@ -312,6 +320,32 @@ impl Engine {
                     None => return,
                 },
                 _ = ticker.tick(), if !self.replaying => self.tick_all(false).await,
+            }
+            self.release().await;
+        }
+    }
+
+    /// Makes the alert states raised since the last call durable (the store's journal, one
+    /// fsync for all of them), and only then hands them to the receivers: a receiver never
+    /// hears of a state a crash could take back, and after a restart the receivers' own record
+    /// of what they were told (see `sinks`) keeps them from hearing it twice.
+    async fn release(&mut self) {
+        if self.outgoing.is_empty() {
+            return;
+        }
+        let alerts = std::mem::take(&mut self.outgoing);
+        let store = self.writer.store.clone();
+        let journaled = alerts.clone();
+        let durable = tokio::task::spawn_blocking(move || store.journal_alerts(&journaled)).await;
+        if !matches!(durable, Ok(Ok(()))) {
+            // Told anyway: a receiver that misses an alert is worse than one that might hear
+            // it again after a crash.
+            tracing::error!(?durable, "alert states could not be journaled");
+            self.metrics.errors.inc();
+        }
+        if let Some(sinks) = &self.sinks {
+            for alert in &alerts {
+                sinks.send(alert);
             }
         }
     }
@@ -387,8 +421,38 @@ impl Engine {
             });
             self.tick_run(&run, all || idle).await;
             if idle {
-                self.runs.remove(&run);
+                // Its open alerts end with it: nothing will ever clear them (before, a run
+                // that stopped with an alert firing left it firing for ever).
+                if let Some(watch) = self.runs.remove(&run) {
+                    for mut alert in watch.open_alerts() {
+                        alert.state = AlertState::Resolved;
+                        alert.resolved_at_ms = Some(now);
+                        alert.updated_at_ms = now;
+                        alert.explanation = format!(
+                            "{} (resolved: the run stopped reporting)",
+                            alert.explanation
+                        );
+                        self.raise(alert);
+                    }
+                }
                 self.resolve_restored(&run, "the run went quiet after the collector restarted");
+            }
+        }
+        // Alerts restored for runs that have not reported since the restart: resolved once
+        // the collector has run as long as a watched run may stay quiet (before, they stayed
+        // firing for ever). A run that did report is watched, and resolves its own.
+        if now - self.started_ms > self.config.idle_evict.as_millis() as i64 {
+            let quiet: std::collections::BTreeSet<RunId> = self
+                .restored
+                .values()
+                .filter(|a| !self.runs.contains_key(&a.run))
+                .map(|a| a.run.clone())
+                .collect();
+            for run in quiet {
+                self.resolve_restored(
+                    &run,
+                    "the run has not reported since before the collector restarted",
+                );
             }
         }
     }
@@ -487,8 +551,9 @@ impl Engine {
         self.deliver(alert);
     }
 
-    /// Counts, logs, hands to the sinks and stores one alert state.
-    fn deliver(&self, alert: Alert) {
+    /// Counts, logs and stores one alert state; [`Engine::release`] journals it and tells the
+    /// receivers.
+    fn deliver(&mut self, alert: Alert) {
         self.metrics
             .alert_transitions
             .get_or_create(&vec![
@@ -498,10 +563,8 @@ impl Engine {
             ])
             .inc();
         tracing::info!(run = %alert.run, rule = %alert.rule, state = %alert.state, severity = %alert.severity, "{}", alert.explanation);
-        if let Some(sinks) = &self.sinks {
-            sinks.send(&alert);
-        }
-        self.writer.store.upsert_alert(alert);
+        self.writer.store.upsert_alert(alert.clone());
+        self.outgoing.push(alert);
     }
 
     fn resolve_restored(&mut self, run: &RunId, why: &str) {

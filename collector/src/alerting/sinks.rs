@@ -2,18 +2,29 @@
 //! Prometheus Alertmanager. (The UI's server-sent events and the training process's feed read
 //! the store directly.)
 //!
-//! Each configured endpoint has its own thread and bounded queue, so a slow or dead receiver
-//! delays only itself and never ingest: the alert engine hands an alert over with a `try_send`,
-//! and an alert that finds the queue full is dropped and counted. A failed POST is retried with
-//! exponential backoff (0.5 s doubling to 30 s) up to `max_attempts`; what still fails is
-//! counted and logged. Webhooks and Slack hear about an alert when it fires, when it escalates
-//! while firing, and when a fired alert resolves (pending alerts stay inside the collector).
-//! Alertmanager expects to be told again while an alert fires, so its thread keeps the firing
-//! set and re-posts it every `resend_interval`; a resolution is posted with `endsAt`.
+//! Each configured endpoint has its own thread and queue, so a slow or dead receiver delays
+//! only itself and never ingest. The queue *coalesces*: it holds each alert at most once, at
+//! its latest state, so it is bounded by the number of alerts and never drops one — the first
+//! design's 1,024-slot channel dropped resolutions once 1,024 per-rank alerts fired at once. A
+//! failed POST is retried with exponential backoff (0.5 s doubling to 30 s) up to
+//! `max_attempts`; what still fails is counted and logged. Webhooks and Slack hear about an
+//! alert when it fires, when it escalates while firing, and when a fired alert resolves
+//! (pending alerts stay inside the collector; an alert that fires and resolves before its
+//! receiver was told of it is not announced at all). Alertmanager expects to be told again
+//! while an alert fires, so its thread keeps the firing set and re-posts it every
+//! `resend_interval`; a resolution is posted with `endsAt`.
+//!
+//! **Across restarts.** What each receiver was told (its firing set) is kept on disk,
+//! `DIR/alert-delivery/<kind>-<hash of the URL>.json`, rewritten after each delivery. At
+//! start each receiver is reconciled with the store's alerts — which the engine journals
+//! before it tells anyone (`store::alert_log`): an alert firing that the receiver never heard
+//! of is announced, one it heard firing that has since resolved (or whose run was deleted) gets
+//! its resolution, and one it already heard is not repeated when the log's replay raises it
+//! again. So a `kill -9` neither loses a resolution nor re-posts to Slack.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -59,6 +70,8 @@ pub struct SinkConfig {
     pub external_url: String,
     /// The collector's clock (resolution times, Alertmanager's `endsAt`).
     pub clock: SharedClock,
+    /// Where each receiver's record of what it was told is kept; `None` keeps it in memory.
+    pub state_dir: Option<PathBuf>,
 }
 
 /// The generic webhook body: version, the alert as the API returns it, and a one-line text.
@@ -200,25 +213,90 @@ impl SinkMetrics {
         r.register(
             "alert_notifications",
             "Alert deliveries to webhooks, Slack and Alertmanager, by sink and outcome \
-             (delivered, retried, failed, dropped)",
+             (delivered, retried, failed)",
             self.notifications.clone(),
         );
+    }
+}
+
+/// One receiver's queue: each alert at most once, at its latest state, oldest first.
+#[derive(Debug, Default)]
+struct Queue {
+    state: Mutex<Queued>,
+    ready: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Queued {
+    order: VecDeque<String>,
+    latest: HashMap<String, Alert>,
+    closed: bool,
+}
+
+enum Next {
+    Alert(Box<Alert>),
+    Timeout,
+    Closed,
+}
+
+impl Queue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queued> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `alert`, replacing a state of it still waiting.
+    fn push(&self, alert: Alert) {
+        let mut q = self.lock();
+        let id = alert.id.clone();
+        if q.latest.insert(id.clone(), alert).is_none() {
+            q.order.push_back(id);
+        }
+        self.ready.notify_one();
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_all();
+    }
+
+    /// The oldest waiting alert; what is queued is delivered before `Closed` is reported.
+    fn next(&self, wait: Duration) -> Next {
+        let deadline = Instant::now() + wait;
+        let mut q = self.lock();
+        loop {
+            if let Some(id) = q.order.pop_front() {
+                if let Some(alert) = q.latest.remove(&id) {
+                    return Next::Alert(Box::new(alert));
+                }
+                continue;
+            }
+            if q.closed {
+                return Next::Closed;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Next::Timeout;
+            }
+            q = self
+                .ready
+                .wait_timeout(q, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 }
 
 /// The running sinks.
 #[derive(Debug)]
 pub struct Sinks {
-    queues: Vec<(SinkKind, String, SyncSender<Alert>)>,
+    queues: Vec<Arc<Queue>>,
     threads: Vec<JoinHandle<()>>,
-    telemetry: Arc<SinkMetrics>,
 }
 
-const QUEUE: usize = 1024;
-
 impl Sinks {
-    /// Starts one thread per configured receiver.
-    pub fn start(config: &SinkConfig, telemetry: Arc<SinkMetrics>) -> Sinks {
+    /// Starts one thread per configured receiver, each reconciled with `alerts` (the store's
+    /// alerts now) against what it was told before the collector last stopped.
+    pub fn start(config: &SinkConfig, telemetry: Arc<SinkMetrics>, alerts: &[Alert]) -> Sinks {
         let mut queues = Vec::new();
         let mut threads = Vec::new();
         let targets = [
@@ -228,7 +306,15 @@ impl Sinks {
         ];
         for (kind, urls) in targets {
             for url in urls {
-                let (tx, rx) = sync_channel(QUEUE);
+                let record = config
+                    .state_dir
+                    .as_deref()
+                    .map(|dir| dir.join(format!("{}-{:016x}.json", kind.as_str(), fnv1a(url))));
+                let told = record.as_deref().map(load_told).unwrap_or_default();
+                let queue = Arc::new(Queue::default());
+                for alert in reconcile(&told, alerts, config.clock.now_ms()) {
+                    queue.push(alert);
+                }
                 let worker = Worker {
                     kind,
                     url: url.clone(),
@@ -239,14 +325,16 @@ impl Sinks {
                         .http_status_as_error(false)
                         .build()
                         .into(),
+                    record,
                 };
+                let rx = queue.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("rankwatch-{}", kind.as_str()))
-                    .spawn(move || worker.run(rx));
+                    .spawn(move || worker.run(&rx, told));
                 match spawned {
                     Ok(handle) => {
                         threads.push(handle);
-                        queues.push((kind, url.clone(), tx));
+                        queues.push(queue);
                     }
                     Err(e) => {
                         tracing::error!(sink = kind.as_str(), error = %e, "could not start an alert sink")
@@ -254,34 +342,107 @@ impl Sinks {
                 }
             }
         }
-        Sinks {
-            queues,
-            threads,
-            telemetry,
-        }
+        Sinks { queues, threads }
     }
 
     /// Hands an alert to every sink without waiting.
     pub fn send(&self, alert: &Alert) {
-        for (kind, url, queue) in &self.queues {
-            match queue.try_send(alert.clone()) {
-                Ok(()) => {}
-                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                    let url = redact_url(url);
-                    tracing::warn!(sink = kind.as_str(), %url, id = %alert.id, "alert sink queue full; alert dropped");
-                    self.telemetry.notification(*kind, "dropped");
-                }
-            }
+        for queue in &self.queues {
+            queue.push(alert.clone());
         }
     }
 
     /// Closes the queues and waits for the threads to deliver what they hold (each gives up
     /// after its attempts).
     pub fn shutdown(mut self) {
-        self.queues.clear();
+        for queue in self.queues.drain(..) {
+            queue.close();
+        }
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+    }
+}
+
+/// What a receiver must hear after a restart: alerts firing it was not told of, and the end of
+/// those it was told fire that are resolved now or gone (their run deleted).
+fn reconcile(told: &BTreeMap<String, Alert>, alerts: &[Alert], now_ms: i64) -> Vec<Alert> {
+    let mut out = Vec::new();
+    let mut current: BTreeMap<&str, &Alert> = BTreeMap::new();
+    for alert in alerts {
+        current.insert(alert.id.as_str(), alert);
+        let heard = told.contains_key(&alert.id);
+        match alert.state {
+            AlertState::Firing => out.push(alert.clone()),
+            AlertState::Resolved if heard => out.push(alert.clone()),
+            _ => {}
+        }
+    }
+    for (id, was) in told {
+        if !current.contains_key(id.as_str()) {
+            let mut gone = was.clone();
+            gone.state = AlertState::Resolved;
+            gone.resolved_at_ms = Some(now_ms);
+            gone.updated_at_ms = now_ms;
+            gone.explanation = format!(
+                "{} (the alert no longer exists: its run was deleted)",
+                was.explanation
+            );
+            out.push(gone);
+        }
+    }
+    out
+}
+
+/// FNV-1a of the URL: names the receiver's record without writing its secret path to disk.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A receiver's record of what it was told; empty (with a warning) when missing or damaged.
+fn load_told(path: &Path) -> BTreeMap<String, Alert> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return BTreeMap::new();
+    };
+    match serde_json::from_slice::<Vec<Told>>(&bytes) {
+        Ok(list) => list
+            .into_iter()
+            .map(|t| (t.alert.id.clone(), t.into_alert()))
+            .collect(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "an alert receiver's record is unreadable; it may hear open alerts again");
+            BTreeMap::new()
+        }
+    }
+}
+
+/// An alert as a receiver's record keeps it (JSON has no NaN: the floats travel as bits).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Told {
+    alert: Alert,
+    value_bits: u64,
+    threshold_bits: u64,
+}
+
+impl Told {
+    fn new(alert: &Alert) -> Told {
+        let mut copy = alert.clone();
+        copy.value = 0.0;
+        copy.threshold = 0.0;
+        Told {
+            value_bits: alert.value.to_bits(),
+            threshold_bits: alert.threshold.to_bits(),
+            alert: copy,
+        }
+    }
+
+    fn into_alert(self) -> Alert {
+        let mut alert = self.alert;
+        alert.value = f64::from_bits(self.value_bits);
+        alert.threshold = f64::from_bits(self.threshold_bits);
+        alert
     }
 }
 
@@ -291,18 +452,23 @@ struct Worker {
     config: SinkConfig,
     telemetry: Arc<SinkMetrics>,
     agent: ureq::Agent,
+    /// Where what this receiver was told is kept.
+    record: Option<PathBuf>,
 }
 
 impl Worker {
-    fn run(self, rx: Receiver<Alert>) {
-        // What each receiver was last told, per alert id (Alertmanager: the firing set).
-        let mut told: BTreeMap<String, Alert> = BTreeMap::new();
+    fn run(self, rx: &Queue, mut told: BTreeMap<String, Alert>) {
+        // What the receiver was last told, per alert id (Alertmanager: the firing set).
         let mut next_resend = Instant::now() + self.config.resend_interval;
         loop {
             let wait = next_resend.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(wait) {
-                Ok(alert) => self.deliver(alert, &mut told),
-                Err(RecvTimeoutError::Timeout) => {
+            match rx.next(wait) {
+                Next::Alert(alert) => {
+                    if self.deliver(*alert, &mut told) {
+                        self.save(&told);
+                    }
+                }
+                Next::Timeout => {
                     if self.kind == SinkKind::Alertmanager && !told.is_empty() {
                         let now = self.config.clock.now_ms();
                         let body: Vec<Value> = told
@@ -313,45 +479,73 @@ impl Worker {
                     }
                     next_resend = Instant::now() + self.config.resend_interval;
                 }
-                Err(RecvTimeoutError::Disconnected) => return,
+                Next::Closed => return,
             }
         }
     }
 
-    fn deliver(&self, alert: Alert, told: &mut BTreeMap<String, Alert>) {
+    /// Rewrites the record of what the receiver was told.
+    fn save(&self, told: &BTreeMap<String, Alert>) {
+        let Some(path) = &self.record else {
+            return;
+        };
+        let list: Vec<Told> = told.values().map(Told::new).collect();
+        let written = serde_json::to_vec(&list)
+            .map_err(crate::error::Error::from)
+            .and_then(|bytes| {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                crate::fsutil::write_atomic(path, &bytes)
+            });
+        if let Err(e) = written {
+            tracing::warn!(sink = self.kind.as_str(), error = %e, "could not keep the record of delivered alerts");
+        }
+    }
+
+    /// Delivers one alert state if the receiver should hear it; true when what it was told
+    /// changed.
+    fn deliver(&self, alert: Alert, told: &mut BTreeMap<String, Alert>) -> bool {
         match self.kind {
             SinkKind::Alertmanager => {
                 let firing = alert.state == AlertState::Firing;
                 let resolved = alert.state == AlertState::Resolved && told.contains_key(&alert.id);
+                // Alertmanager deduplicates by labels itself: every firing state is posted.
                 if !(firing || resolved) {
-                    return;
+                    return false;
                 }
                 let body = alertmanager_alert(
                     &alert,
                     &self.config.external_url,
                     self.config.clock.now_ms(),
                 );
-                self.post(&json!([body]));
+                if !self.post(&json!([body])) {
+                    return false;
+                }
                 if firing {
                     told.insert(alert.id.clone(), alert);
                 } else {
                     told.remove(&alert.id);
                 }
+                true
             }
             SinkKind::Webhook | SinkKind::Slack => {
                 if !worth_telling(&alert, told.get(&alert.id)) {
-                    return;
+                    return false;
                 }
                 let body = match self.kind {
                     SinkKind::Slack => slack_payload(&alert, &self.config.external_url),
                     _ => webhook_payload(&alert),
                 };
-                self.post(&body);
+                if !self.post(&body) {
+                    return false;
+                }
                 if alert.state == AlertState::Resolved {
                     told.remove(&alert.id);
                 } else {
                     told.insert(alert.id.clone(), alert);
                 }
+                true
             }
         }
     }
@@ -412,7 +606,105 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{redact_url, rfc3339};
+    use super::*;
+    use rankwatch_analytics::{Rule, RunId, Severity};
+
+    fn alert(id: &str, state: AlertState) -> Alert {
+        Alert {
+            id: id.into(),
+            run: RunId::new("r").unwrap(),
+            rule: Rule::Nonfinite,
+            severity: Severity::Critical,
+            state,
+            layer: None,
+            site: None,
+            rank: Some(1),
+            outlier_ranks: vec![],
+            value: f64::NAN,
+            threshold: 0.0,
+            first_step: 1,
+            last_step: 1,
+            started_at_ms: 1,
+            updated_at_ms: 1,
+            fired_at_ms: Some(1),
+            resolved_at_ms: None,
+            explanation: "x".into(),
+        }
+    }
+
+    #[test]
+    fn the_queue_keeps_every_alert_once_at_its_latest_state_and_drops_none() {
+        let queue = Queue::default();
+        // More alerts at once than the first design's 1,024-slot channel held.
+        for i in 0..3000 {
+            queue.push(alert(&format!("a{i}"), AlertState::Firing));
+        }
+        queue.push(alert("a5", AlertState::Resolved));
+        queue.close();
+        let mut seen = Vec::new();
+        while let Next::Alert(a) = queue.next(Duration::from_millis(1)) {
+            seen.push((a.id.clone(), a.state));
+        }
+        assert_eq!(seen.len(), 3000, "nothing dropped, nothing twice");
+        assert_eq!(seen[0].0, "a0", "oldest first");
+        assert_eq!(
+            seen[5],
+            ("a5".to_owned(), AlertState::Resolved),
+            "latest state, first place"
+        );
+    }
+
+    #[test]
+    fn a_restarted_receiver_hears_what_it_missed_and_nothing_twice() {
+        let told: BTreeMap<String, Alert> = [
+            ("told-firing", AlertState::Firing),
+            ("told-then-resolved", AlertState::Firing),
+            ("told-then-deleted", AlertState::Firing),
+        ]
+        .into_iter()
+        .map(|(id, s)| (id.to_owned(), alert(id, s)))
+        .collect();
+        let now = vec![
+            alert("told-firing", AlertState::Firing),
+            alert("told-then-resolved", AlertState::Resolved),
+            alert("new-firing", AlertState::Firing),
+            alert("never-told-resolved", AlertState::Resolved),
+            alert("pending", AlertState::Pending),
+        ];
+        let mut out: Vec<(String, AlertState)> = reconcile(&told, &now, 99)
+            .into_iter()
+            .map(|a| (a.id, a.state))
+            .collect();
+        out.sort();
+        assert_eq!(
+            out,
+            [
+                ("new-firing".to_owned(), AlertState::Firing),
+                ("told-firing".to_owned(), AlertState::Firing),
+                ("told-then-deleted".to_owned(), AlertState::Resolved),
+                ("told-then-resolved".to_owned(), AlertState::Resolved),
+            ]
+        );
+        // `told-firing` is queued, but a receiver told it already is not told again.
+        assert!(!worth_telling(&now[0], told.get("told-firing")));
+        assert!(worth_telling(&now[2], None));
+    }
+
+    #[test]
+    fn the_record_of_what_was_told_round_trips_with_its_nan() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("webhook-0.json");
+        let list = vec![Told::new(&alert("a", AlertState::Firing))];
+        std::fs::write(&path, serde_json::to_vec(&list).unwrap()).unwrap();
+        let told = load_told(&path);
+        assert!(told["a"].value.is_nan());
+        std::fs::write(&path, b"{damaged").unwrap();
+        assert!(
+            load_told(&path).is_empty(),
+            "damaged: heard again rather than refused"
+        );
+        assert_ne!(fnv1a("https://a/x"), fnv1a("https://a/y"));
+    }
 
     #[test]
     fn urls_in_logs_keep_their_origin_only() {

@@ -23,6 +23,7 @@
 //! the log records after its `flushed_seq`, and possibly unlisted files, which start-up
 //! deletes.
 
+pub mod alert_log;
 pub mod backend;
 pub mod files;
 pub mod index;
@@ -111,6 +112,8 @@ pub struct Store {
     /// Serialises flushes and compactions (each commits a manifest).
     maintenance: tokio::sync::Mutex<()>,
     epoch: i64,
+    /// Alert changes since the last flush, durable (see `alert_log`).
+    alert_log: alert_log::AlertLog,
 }
 
 /// What [`Store::delete_run`] removed: the contract's type.
@@ -199,7 +202,9 @@ impl Store {
             ..Default::default()
         };
         let (events, _) = broadcast::channel(1024);
+        let (alert_log, journaled) = alert_log::AlertLog::open(dir)?;
         let store = Store {
+            alert_log,
             dir: dir.to_owned(),
             backend,
             state: Mutex::new(state),
@@ -212,8 +217,34 @@ impl Store {
             clock,
         };
         store.load_runs_and_alerts()?;
+        store.apply_journal(journaled);
         store.report_sizes();
         Ok(store)
+    }
+
+    /// Lays the journal's alert changes over the alerts read from Parquet; the runs they touch
+    /// are written to Parquet by the next flush, after which the journal files go.
+    fn apply_journal(&self, journaled: alert_log::Recovered) {
+        let mut state = self.lock();
+        for run in &journaled.deleted {
+            state.alerts.retain(|_, a| &a.run != run);
+        }
+        for (id, alert) in journaled.alerts {
+            let newer = state
+                .alerts
+                .get(&id)
+                .is_none_or(|old| old.updated_at_ms <= alert.updated_at_ms);
+            if newer {
+                state.alerts_dirty.push(alert.run.clone());
+                state.alerts.insert(id, alert);
+            }
+        }
+    }
+
+    /// Makes alert changes (already upserted) durable: the alert engine calls this before it
+    /// tells any receiver.
+    pub fn journal_alerts(&self, alerts: &[Alert]) -> Result<()> {
+        self.alert_log.append(alerts)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -512,7 +543,7 @@ impl Store {
 
     fn flush_blocking(&self) -> Result<Option<u64>> {
         let started = Instant::now();
-        let (through, parts, infos, alerts, keys) = {
+        let (through, parts, infos, alerts, keys, journal) = {
             let mut state = self.lock();
             let nothing_new = state.applied_seq == state.manifest.flushed_seq
                 && state.runs_dirty.is_empty()
@@ -541,9 +572,18 @@ impl Store {
                     (run, of_run)
                 })
                 .collect();
+            // The journal files up to here hold changes this snapshot has (see `alert_log`).
+            let journal = self.alert_log.rotate();
             // The keys of the runs changed up to `through` (a file may run ahead of the
             // manifest, never behind it: see `idempotency`).
-            (through, parts, infos, alerts, state.keys.take_changes())
+            (
+                through,
+                parts,
+                infos,
+                alerts,
+                state.keys.take_changes(),
+                journal,
+            )
         };
         let written = keys
             .save(&self.dir)
@@ -571,6 +611,16 @@ impl Store {
                     .graveyard
                     .extend(replaced.into_iter().map(|p| (now, p)));
                 drop(state);
+                match journal {
+                    Ok(covered) => {
+                        if let Err(e) = self.alert_log.remove_through(covered) {
+                            tracing::warn!(error = %e, "could not remove flushed alert-journal files");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not start a new alert-journal file")
+                    }
+                }
                 if let Err(e) = crate::idempotency::remove_legacy(&self.dir) {
                     tracing::warn!(error = %e, "could not remove an old key snapshot");
                 }
@@ -861,6 +911,10 @@ impl Store {
             run: run.to_string(),
         });
         drop(guard);
+        // Older journal lines of the run must not bring its alerts back at the next start.
+        if let Err(e) = self.alert_log.run_deleted(run) {
+            tracing::warn!(%run, error = %e, "could not journal the run's deletion");
+        }
         // A retry of the deleted run's batches would start it anew in any case (see
         // docs/operations.md); its keys only took room.
         if let Err(e) = crate::idempotency::remove_run_file(&self.dir, run) {

@@ -18,7 +18,10 @@ use serde_json::{Value, json};
 const WORLD: u32 = 4;
 
 /// Every rank's step scalars as the SDK reports them.
-fn step_rows(run: &str, obs: &rankwatch_analytics::detect::StepObservation) -> Vec<Sample> {
+pub(crate) fn step_rows(
+    run: &str,
+    obs: &rankwatch_analytics::detect::StepObservation,
+) -> Vec<Sample> {
     let mut rows = Vec::new();
     for r in &obs.ranks {
         let mut push = |metric: &str, value: Option<f64>| {
@@ -156,7 +159,7 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
         (Some(120), Some(120))
     );
     let restored = wait_alert(&c, run, |a| a["id"] == id).await;
-    assert_eq!(restored["state"], "firing");
+    assert_eq!(restored["state"], "firing", "{restored:#}");
     // The fault goes on after the restart: the restored alert stays firing (the new detector's
     // baseline, learned from faulty steps, cannot clear it) and is not duplicated.
     for step in 120..170u64 {

@@ -1,6 +1,7 @@
 //! The collector's integration tests, one binary (one link of DataFusion) for all: the
 //! in-process API driven through `oneshot` and the real binary on a random port.
 
+mod alert_delivery;
 mod alerting;
 mod bad_input;
 mod browser;

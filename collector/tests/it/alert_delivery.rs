@@ -1,0 +1,312 @@
+//! Alert delivery across `kill -9`: the real binary, a webhook receiver that can be made to
+//! fail, and a collector that never flushes (so alert states live only in the journal). A
+//! receiver hears each alert firing once and its resolution once, whatever the crashes; a
+//! resolution it missed reaches it after the restart; an alert whose run never reports again
+//! does not stay firing.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rankwatch_analytics::simulate::{DataParallelSim, Fault};
+use serde_json::Value;
+
+use crate::alerting::step_rows;
+use crate::common::*;
+
+const WORLD: u32 = 4;
+
+/// A webhook receiver: the JSON bodies it accepted; while `down`, it answers 503.
+struct Receiver {
+    url: String,
+    got: Arc<Mutex<Vec<Value>>>,
+    down: Arc<AtomicBool>,
+}
+
+impl Receiver {
+    fn start() -> Receiver {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let down = Arc::new(AtomicBool::new(false));
+        let (seen, refusing) = (got.clone(), down.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                if reader.read_line(&mut line).is_err() {
+                    continue;
+                }
+                let mut length = 0;
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0; length];
+                if reader.read_exact(&mut body).is_err() {
+                    continue;
+                }
+                let status = if refusing.load(Ordering::SeqCst) {
+                    "503 Service Unavailable"
+                } else {
+                    seen.lock()
+                        .unwrap()
+                        .push(serde_json::from_slice(&body).unwrap());
+                    "200 OK"
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+            }
+        });
+        Receiver { url, got, down }
+    }
+
+    /// (status, alert id) of every accepted delivery.
+    fn heard(&self) -> Vec<(String, String)> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|b| {
+                (
+                    b["status"].as_str().unwrap_or("").to_owned(),
+                    b["alert"]["id"].as_str().unwrap_or("").to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    fn wait_for(&self, what: &str, done: impl Fn(&[(String, String)]) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done(&self.heard()) {
+            assert!(
+                Instant::now() < deadline,
+                "{what}; heard {:?}",
+                self.heard()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Binary {
+    /// SIGKILL (also when a test fails, so that no collector outlives it).
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The collector binary; never flushes on its own, so alerts live in the journal only.
+struct Binary {
+    child: Child,
+    base: String,
+}
+
+impl Binary {
+    fn start(dir: &std::path::Path, hook: &str, extra: &[&str]) -> Binary {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_rankwatch"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--flush-interval", "1h"])
+            .args(["--webhook-url", hook, "--alert-max-attempts", "1"])
+            .args(extra)
+            .arg("--data-dir")
+            .arg(dir)
+            .env("RANKWATCH_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("rankwatch binary starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let base = line.trim().rsplit(' ').next().unwrap().to_owned();
+        assert!(base.starts_with("http://127.0.0.1:"), "{line}");
+        Binary { child, base }
+    }
+
+    fn kill9(self) {
+        drop(self);
+    }
+
+    fn post(&self, path: &str, key: Option<&str>, body: Vec<u8>) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut request = agent
+            .post(format!("{}{path}", self.base))
+            .header("content-type", ARROW);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let mut response = request.send(&body[..]).unwrap();
+        let status = response.status().as_u16();
+        let text = response.body_mut().read_to_string().unwrap_or_default();
+        assert_eq!(status, 200, "{text}");
+    }
+
+    fn alerts(&self, run: &str) -> Vec<Value> {
+        let text = ureq::get(format!("{}/api/v1/alerts?run={run}", self.base))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap();
+        serde_json::from_str::<Value>(&text).unwrap()["alerts"]
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    fn wait_alert(&self, run: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(a) = self.alerts(run).into_iter().find(|a| pred(a)) {
+                return a;
+            }
+            assert!(Instant::now() < deadline, "{what}: {:#?}", self.alerts(run));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Steps `steps` of a 4-rank run; rank 1's loss is NaN at `nan_at`.
+    fn steps(
+        &self,
+        run: &str,
+        sim: &mut DataParallelSim,
+        steps: std::ops::Range<u64>,
+        nan_at: u64,
+    ) {
+        for step in steps {
+            let mut obs = sim.step(step, Fault::None);
+            if step == nan_at {
+                obs.ranks[1].loss = Some(f64::NAN);
+            }
+            let key = format!("{run}/0/t/{step}");
+            self.post(
+                "/api/v1/ingest",
+                Some(&key),
+                samples_ipc(&step_rows(run, &obs), false),
+            );
+        }
+    }
+}
+
+fn is_nan_alert(a: &Value) -> bool {
+    a["rule"] == "nonfinite" && a["rank"] == 1
+}
+
+#[test]
+fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_the_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = Receiver::start();
+    let run = "deliver";
+    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    collector.post(
+        "/api/v1/ingest?table=runs",
+        None,
+        runs_ipc(&info(run, WORLD, 2)),
+    );
+    let mut sim = DataParallelSim::new(WORLD, 64, 3);
+    collector.steps(run, &mut sim, 0..12, 7);
+    let fired = collector.wait_alert(run, "the NaN fires", |a| {
+        is_nan_alert(a) && a["state"] == "firing"
+    });
+    let id = fired["id"].as_str().unwrap().to_owned();
+    hook.wait_for("the firing is delivered", |h| {
+        h.contains(&("firing".into(), id.clone()))
+    });
+
+    // kill -9 before any flush: the log replays, the detector raises the alert again.
+    collector.kill9();
+    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    let restored = collector.wait_alert(run, "the alert is restored", |a| a["id"] == id.as_str());
+    assert_eq!(restored["state"], "firing");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        hook.heard(),
+        [("firing".to_owned(), id.clone())],
+        "not told twice"
+    );
+
+    // The resolution happens while the receiver is down (one attempt, failed), then the
+    // collector dies before anything is flushed.
+    hook.down.store(true, Ordering::SeqCst);
+    collector.steps(run, &mut sim, 12..40, u64::MAX);
+    collector.wait_alert(run, "the alert resolves", |a| {
+        a["id"] == id.as_str() && a["state"] == "resolved"
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    collector.kill9();
+
+    // Back up: the resolution is still known (the journal), and the receiver gets it now.
+    hook.down.store(false, Ordering::SeqCst);
+    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    let after = collector.wait_alert(run, "the resolution survives kill -9", |a| {
+        a["id"] == id.as_str()
+    });
+    assert_eq!(after["state"], "resolved", "{after:#}");
+    hook.wait_for("the missed resolution is delivered", |h| {
+        h.contains(&("resolved".into(), id.clone()))
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        hook.heard(),
+        [
+            ("firing".to_owned(), id.clone()),
+            ("resolved".to_owned(), id)
+        ],
+        "each state once"
+    );
+    collector.kill9();
+}
+
+#[test]
+fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let hook = Receiver::start();
+    let run = "abandoned";
+    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    collector.post(
+        "/api/v1/ingest?table=runs",
+        None,
+        runs_ipc(&info(run, WORLD, 2)),
+    );
+    let mut sim = DataParallelSim::new(WORLD, 64, 3);
+    collector.steps(run, &mut sim, 0..12, 7);
+    let fired = collector.wait_alert(run, "the NaN fires", |a| {
+        is_nan_alert(a) && a["state"] == "firing"
+    });
+    let id = fired["id"].as_str().unwrap().to_owned();
+    hook.wait_for("the firing is delivered", |h| !h.is_empty());
+    collector.kill9();
+
+    // The run never reports again; after --idle-evict the alert is resolved and said so.
+    let collector = Binary::start(dir.path(), &hook.url, &["--idle-evict", "2s"]);
+    let resolved = collector.wait_alert(run, "the abandoned alert resolves", |a| {
+        a["id"] == id.as_str() && a["state"] == "resolved"
+    });
+    assert!(
+        resolved["explanation"]
+            .as_str()
+            .unwrap()
+            .contains("the run stopped reporting"),
+        "{resolved:#}"
+    );
+    hook.wait_for("the resolution is delivered", |h| {
+        h.contains(&("resolved".into(), id.clone()))
+    });
+    collector.kill9();
+}
