@@ -162,6 +162,11 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_NODE_ID")]
     pub node_id: Option<String>,
 
+    /// Take this --node-id over from the collector that holds it in object storage (whose data
+    /// directory is gone for good); that collector, if it still runs, stops writing.
+    #[arg(long, env = "RANKWATCH_TAKE_OVER_NODE")]
+    pub take_over_node: bool,
+
     /// Address to listen on. A non-loopback address needs both tokens, or --insecure.
     #[arg(long, env = "RANKWATCH_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,

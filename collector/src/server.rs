@@ -267,9 +267,15 @@ async fn open_store(config: &ServeConfig, clock: SharedClock) -> Result<Store> {
     tracing::info!(storage = %backend.describe(), "opening the store");
     // Opening reads the manifest and the run tables, over the network with object storage.
     let dir = config.data_dir.clone();
-    tokio::task::spawn_blocking(move || Store::open(&dir, backend, limits, clock))
-        .await
-        .map_err(|e| crate::error::Error::Unavailable(format!("opening the store: {e}")))?
+    let take_over = config.take_over_node;
+    tokio::task::spawn_blocking(move || {
+        // The node id first (with object storage): nothing is read or cleaned up under a
+        // node id another collector holds.
+        backend.claim(&dir, clock.now_ms(), take_over)?;
+        Store::open(&dir, backend, limits, clock)
+    })
+    .await
+    .map_err(|e| crate::error::Error::Unavailable(format!("opening the store: {e}")))?
 }
 
 /// The write-ahead log after recovery.

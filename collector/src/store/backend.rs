@@ -58,8 +58,44 @@ pub struct Remote {
     /// The prefix inside the bucket, without slashes at either end (may be empty).
     prefix: String,
     node: String,
+    /// This data directory's identity (`DIR/instance-id`): what the node's claim names.
+    instance: String,
     staging: PathBuf,
     handle: Handle,
+}
+
+/// The claim object's body: which collector holds a node id.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Claim {
+    node: String,
+    instance: String,
+    data_dir: String,
+    #[serde(default)]
+    host: String,
+    started_ms: i64,
+}
+
+/// The identity of a data directory, made on its first start and kept in it.
+fn instance_id(data_dir: &Path) -> Result<String> {
+    use std::hash::{BuildHasher, Hasher};
+    let path = data_dir.join("instance-id");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let id = text.trim();
+        if !id.is_empty() {
+            return Ok(id.to_owned());
+        }
+    }
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    let id = format!("{:016x}", h.finish());
+    std::fs::create_dir_all(data_dir)?;
+    crate::fsutil::write_atomic(&path, id.as_bytes())?;
+    Ok(id)
 }
 
 impl Backend {
@@ -89,6 +125,7 @@ impl Backend {
             bucket_url,
             prefix,
             node: node.to_owned(),
+            instance: instance_id(data_dir)?,
             staging: data_dir.join("staging"),
             handle: Handle::current(),
         })))
@@ -175,27 +212,57 @@ impl Backend {
         }
     }
 
-    /// Proves at start that the object store takes writes (a missing bucket or read-only
-    /// credentials fail here, not at the first flush), leaving `_rankwatch/node-<node>.json`:
-    /// which data directory this node id belongs to, and since when.
-    pub fn claim(&self, data_dir: &Path, now_ms: i64) -> Result<()> {
+    /// Claims this node id in the object store, proving at start that it takes writes (a
+    /// missing bucket or read-only credentials fail here, not at the first flush). The claim,
+    /// `_rankwatch/node-<node>.json`, names this data directory's identity: a second collector
+    /// with the same node id and another data directory (the default node id is the host
+    /// name) is refused, since the two would overwrite each other's manifest and delete each
+    /// other's parts. `take_over` hands the node id to this data directory (the old one's disk
+    /// is gone); the old collector, if it still runs, stops at its next manifest write.
+    pub fn claim(&self, data_dir: &Path, now_ms: i64, take_over: bool) -> Result<()> {
         let Backend::Remote(r) = self else {
             return Ok(());
         };
-        let key = r.object_path(&Path::new("_rankwatch").join(format!("node-{}.json", r.node)))?;
-        let body = serde_json::to_vec_pretty(&serde_json::json!({
-            "node": r.node,
-            "data_dir": data_dir.display().to_string(),
-            "started_ms": now_ms,
-        }))?;
+        let unreachable = |e: Error| {
+            Error::Unavailable(format!(
+                "cannot write to {}: {e}; check that the bucket exists and the credentials may write to it",
+                self.describe()
+            ))
+        };
+        if let Some(held) = r.current_claim().map_err(unreachable)?
+            && held.instance != r.instance
+            && !take_over
+        {
+            return Err(Error::Unavailable(format!(
+                "node id {:?} in {} is held by another collector (data directory {} on {}, \
+                 since {} ms after the epoch): two collectors with one node id overwrite each \
+                 other's manifest and delete each other's parts. Give this one its own \
+                 --node-id, or, if that collector is gone for good, start this one once with \
+                 --take-over-node",
+                r.node,
+                self.describe(),
+                held.data_dir,
+                if held.host.is_empty() {
+                    "?"
+                } else {
+                    &held.host
+                },
+                held.started_ms
+            )));
+        }
+        let claim = Claim {
+            node: r.node.clone(),
+            instance: r.instance.clone(),
+            data_dir: data_dir.display().to_string(),
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_default(),
+            started_ms: now_ms,
+        };
+        let body = serde_json::to_vec_pretty(&claim)?;
         r.handle
-            .block_on(r.store.put(&key, PutPayload::from(body)))
-            .map_err(|e| {
-                Error::Unavailable(format!(
-                    "cannot write to {}: {e}; check that the bucket exists and the credentials may write to it",
-                    self.describe()
-                ))
-            })?;
+            .block_on(r.store.put(&r.claim_key()?, PutPayload::from(body)))
+            .map_err(|e| unreachable(e.into()))?;
         Ok(())
     }
 
@@ -229,6 +296,17 @@ impl Backend {
         match self {
             Backend::Local(dir) => manifest.save(dir),
             Backend::Remote(r) => {
+                // Fencing: a collector that took this node id over owns the manifest now.
+                if let Some(held) = r.current_claim()?
+                    && held.instance != r.instance
+                {
+                    return Err(Error::Unavailable(format!(
+                        "node id {:?} was taken over by another collector (data directory {}): \
+                         this one no longer writes its manifest; its batches stay in its \
+                         write-ahead log",
+                        r.node, held.data_dir
+                    )));
+                }
                 let key = r.manifest_key()?;
                 let body = PutPayload::from(manifest.to_json()?);
                 r.handle.block_on(r.store.put(&key, body))?;
@@ -309,6 +387,23 @@ impl Remote {
     fn object_path(&self, relative: &Path) -> Result<ObjectPath> {
         let key = self.key(relative);
         ObjectPath::parse(&key).map_err(|e| Error::bad(format!("object key {key:?}: {e}")))
+    }
+
+    fn claim_key(&self) -> Result<ObjectPath> {
+        self.object_path(&Path::new("_rankwatch").join(format!("node-{}.json", self.node)))
+    }
+
+    /// Who holds this node id now; `None` before any claim (an unreadable claim is nobody's).
+    fn current_claim(&self) -> Result<Option<Claim>> {
+        let key = self.claim_key()?;
+        match self
+            .handle
+            .block_on(async { self.store.get(&key).await?.bytes().await })
+        {
+            Ok(bytes) => Ok(serde_json::from_slice(&bytes).ok()),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 
     fn manifest_key(&self) -> Result<ObjectPath> {
@@ -451,6 +546,71 @@ mod tests {
     /// Everything the store asks of a backend, against an in-memory object store: parts and
     /// manifest round-trip under the prefix with the node's names, locations are URLs
     /// DataFusion can resolve, and start-up clean-up removes exactly this node's unlisted parts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_id_is_held_by_one_data_directory_and_a_take_over_fences_the_old_holder() {
+        let memory: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let (first_dir, second_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (m, d1, d2) = (
+            memory.clone(),
+            first_dir.path().to_owned(),
+            second_dir.path().to_owned(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let first = Backend::remote(m.clone(), "s3://bkt/ds", "host-1", &d1).unwrap();
+            first.claim(&d1, 1, false).unwrap();
+            first
+                .save_manifest(&Manifest {
+                    flushed_seq: 1,
+                    ..Manifest::default()
+                })
+                .unwrap();
+            // The same data directory again (a restart) keeps its claim.
+            let restarted = Backend::remote(m.clone(), "s3://bkt/ds", "host-1", &d1).unwrap();
+            restarted.claim(&d1, 2, false).unwrap();
+
+            // Another data directory with the same node id (the host-name default) is refused.
+            let second = Backend::remote(m.clone(), "s3://bkt/ds", "host-1", &d2).unwrap();
+            let err = second.claim(&d2, 3, false).unwrap_err().to_string();
+            assert!(
+                err.contains("held by another collector") && err.contains("--node-id"),
+                "{err}"
+            );
+            assert!(
+                err.contains(&d1.display().to_string()),
+                "names the holder: {err}"
+            );
+            assert_eq!(
+                first.load_manifest().unwrap().flushed_seq,
+                1,
+                "nothing changed"
+            );
+
+            // Taken over: the new holder writes, the old one is fenced off.
+            second.claim(&d2, 4, true).unwrap();
+            second
+                .save_manifest(&Manifest {
+                    flushed_seq: 7,
+                    ..Manifest::default()
+                })
+                .unwrap();
+            let err = first
+                .save_manifest(&Manifest {
+                    flushed_seq: 2,
+                    ..Manifest::default()
+                })
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("taken over"), "{err}");
+            assert_eq!(
+                second.load_manifest().unwrap().flushed_seq,
+                7,
+                "not overwritten"
+            );
+        })
+        .await
+        .unwrap();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_remote_prefix_round_trips_parts_and_manifests() {
         let memory: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());

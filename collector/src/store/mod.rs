@@ -150,7 +150,6 @@ impl Store {
         clock: SharedClock,
     ) -> Result<Store> {
         std::fs::create_dir_all(dir)?;
-        backend.claim(dir, clock.now_ms())?;
         let manifest = match backend.find_manifest()? {
             Some(manifest) => manifest,
             None => {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -155,9 +156,9 @@ def test_two_shards_write_one_hive_dataset_that_duckdb_reads_across_runs(s3: S3,
     finally:
         again.stop()
 
-    # Shard b's disk is lost: a replacement with the same node id and an empty data directory
-    # serves its run from the bucket.
-    replacement = shard(tmp_path, "shard-b", data="shard-b-new")
+    # Shard b's disk is lost: a replacement with the same node id and an empty data directory,
+    # told to take the node id over, serves its run from the bucket.
+    replacement = shard(tmp_path, "shard-b", "--take-over-node", data="shard-b-new")
     try:
         n, total = expected("gamma", runs["shard-b"]["gamma"])
         got = sql(replacement, "SELECT run, count(*) AS n, sum(value) AS total FROM samples GROUP BY run")
@@ -235,3 +236,46 @@ def test_a_bucket_that_does_not_exist_is_refused_at_start(s3: S3, tmp_path: Path
         capture_output=True, text=True, timeout=60,
     )
     assert bad.returncode != 0 and "node id" in bad.stderr, bad.stderr
+
+
+def test_a_second_collector_with_the_same_node_id_is_refused_and_a_take_over_fences_the_first(s3: S3, tmp_path: Path) -> None:
+    # Two hosts' collectors left at the default node id (the host name) would share one.
+    first = shard(tmp_path, "same", "--flush-interval", "1s")
+    try:
+        assert first.post_json(samples("alpha", range(0, 20))).status_code == 200
+        manifest_key = f"{PREFIX}/_rankwatch/manifest-same.json"
+        deadline = time.monotonic() + 60
+        while manifest_key[len(PREFIX) + 1 :] not in s3.keys():
+            assert time.monotonic() < deadline, "the first flush never reached the bucket"
+            time.sleep(0.5)
+        before = s3.client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read()
+
+        refused = subprocess.run(
+            [os.environ["RANKWATCH_BIN"], "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "other"),
+             "--storage", STORAGE, "--node-id", "same", "--no-alert-engine"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert refused.returncode != 0
+        assert "held by another collector" in refused.stderr and "--node-id" in refused.stderr, refused.stderr
+        assert str(tmp_path / "same") in refused.stderr, "names the holder's data directory"
+        assert s3.client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read() == before, "nothing written"
+
+        # Taken over: the new holder writes; the first one's next flush is fenced off.
+        second = shard(tmp_path, "same", "--take-over-node", "--flush-interval", "1s", data="other")
+        try:
+            assert second.post_json(samples("beta", range(0, 20))).status_code == 200
+            assert first.post_json(samples("alpha", range(20, 40))).status_code == 200
+            time.sleep(4)
+            manifest = json.loads(s3.client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read())
+            assert {f["run"] for f in manifest["files"]} >= {"beta"}, manifest
+            assert all(f["run"] != "alpha" or f["max_step"] < 20 for f in manifest["files"] if f["table"] == "samples"), manifest
+            metrics = requests.get(f"{first.url}/metrics", timeout=10).text
+            assert "rankwatch_flush_errors_total 0" not in metrics, "the fenced collector's flushes fail"
+        finally:
+            second.stop()
+    finally:
+        if first.proc.poll() is None:
+            first.proc.send_signal(signal.SIGTERM)
+            # Its final flush is refused too: it exits non-zero, its batches kept in its log.
+            assert first.proc.wait(timeout=60) != 0
+    assert "taken over by another collector" in first.log.read_text(), first.log.read_text()[-2000:]
