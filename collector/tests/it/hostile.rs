@@ -347,3 +347,119 @@ async fn a_query_over_the_memory_pool_fails_naming_the_limit_and_the_collector_g
     assert!(small.body.contains("28800"), "{small:?}");
     server.stop().await;
 }
+
+/// The soft limit on open files of this process (from /proc).
+fn open_file_limit() -> usize {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|n| n.parse().ok())
+        })
+        .unwrap_or(1024)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_goes_on_beside_two_thousand_idle_sockets_and_hundreds_of_stalled_clients() {
+    // Both ends of every socket live in this process: keep well inside its open-file limit.
+    let idle_count = 2000.min(open_file_limit() / 3);
+    let server = Server::start(|c| {
+        c.header_timeout = Duration::from_secs(60);
+        c.body_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let seed = samples_ipc(&workload("big", 8, 200, 8), false);
+    let r = server
+        .request(
+            &format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}"),
+            &seed,
+        )
+        .await;
+    assert_eq!(r.status, 200, "{r:?}");
+
+    let mut held = Vec::new();
+    // Idle: connected, nothing sent.
+    for _ in 0..idle_count {
+        held.push(server.connect().await);
+    }
+    // Slowloris: half a request head each.
+    for _ in 0..200 {
+        let mut s = server.connect().await;
+        s.write_all(b"GET /api/v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            .await
+            .unwrap();
+        held.push(s);
+    }
+    // Answers never read.
+    for _ in 0..200 {
+        let mut s = server.connect().await;
+        s.write_all(
+            b"GET /api/v1/runs/big/heatmap?metric=spectral.ratio&points=1000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        held.push(s);
+    }
+    // Stalled bodies: announced, never sent.
+    for _ in 0..100 {
+        held.push(stalled_post(&server, "/api/v1/ingest", ARROW, 50_000).await);
+    }
+
+    // Meanwhile a writer sends 200 batches, each acknowledged.
+    let mut latencies = Vec::new();
+    for i in 0..200u64 {
+        let rows: Vec<_> = (0..20)
+            .map(|j| {
+                common::sample(
+                    "honest",
+                    Some(0),
+                    i * 20 + j,
+                    "loss",
+                    None,
+                    None,
+                    (i * 20 + j) as f64,
+                )
+            })
+            .collect();
+        let body = samples_ipc(&rows, false);
+        let started = std::time::Instant::now();
+        let answer = server
+            .request(
+                &format!(
+                    "POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}\r\nIdempotency-Key: honest/0/s/{i}"
+                ),
+                &body,
+            )
+            .await;
+        latencies.push(started.elapsed());
+        assert_eq!(answer.status, 200, "batch {i}: {answer:?}");
+    }
+    latencies.sort();
+    let p = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    println!(
+        "ingest beside {} idle, 200 slowloris, 200 unread answers, 100 stalled bodies: p50 {:?}, p99 {:?}, max {:?}",
+        idle_count,
+        p(0.5),
+        p(0.99),
+        latencies.last().unwrap()
+    );
+    // Nothing acknowledged is missing.
+    let count = server
+        .request(
+            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
+            b"SELECT count(*) AS n, sum(value) AS s FROM samples WHERE run = 'honest'",
+        )
+        .await;
+    assert_eq!(count.status, 200, "{count:?}");
+    assert!(count.body.contains("\"n\":4000"), "{count:?}");
+    assert!(
+        count
+            .body
+            .contains(&format!("\"s\":{}", (0..4000u64).sum::<u64>())),
+        "{count:?}"
+    );
+    drop(held);
+    server.stop().await;
+}
