@@ -348,6 +348,11 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_IDLE_EVICT", default_value = "1h", value_parser = parse_duration)]
     pub idle_evict: Duration,
 
+    /// Most alerts one run may have open (pending or firing) at once; further ones are counted
+    /// (`rankwatch_alerts_suppressed_total`), not raised, until some resolve.
+    #[arg(long, env = "RANKWATCH_MAX_OPEN_ALERTS_PER_RUN", default_value_t = 256)]
+    pub max_open_alerts_per_run: usize,
+
     /// Generic JSON webhook receiving alerts as they fire and resolve (repeatable; the
     /// variable takes a comma-separated list).
     #[arg(

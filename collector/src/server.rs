@@ -366,6 +366,7 @@ fn start_alert_engine(
         EngineConfig {
             align_timeout: config.align_timeout,
             idle_evict: config.idle_evict,
+            max_open_alerts_per_run: config.max_open_alerts_per_run,
         },
         metrics,
     )

@@ -58,6 +58,8 @@ pub struct EngineConfig {
     pub align_timeout: Duration,
     /// Runs silent for this long are dropped from memory (their open steps closed first).
     pub idle_evict: Duration,
+    /// Most alerts one run may have open (pending or firing); more are counted, not raised.
+    pub max_open_alerts_per_run: usize,
 }
 
 /// What the engine counts.
@@ -70,6 +72,8 @@ pub struct EngineMetrics {
     pub aligner_late_rows: Counter,
     pub derived_samples: Counter,
     pub errors: Counter,
+    /// Alerts not raised because their run had the most open alerts allowed, by rule.
+    pub suppressed: Family<Labels, Counter>,
 }
 
 impl EngineMetrics {
@@ -99,6 +103,11 @@ impl EngineMetrics {
             "derived_samples",
             "All-ranks samples the aligner computed and stored",
             self.derived_samples.clone(),
+        );
+        r.register(
+            "alerts_suppressed",
+            "Alerts not raised because their run already had --max-open-alerts-per-run open, by rule",
+            self.suppressed.clone(),
         );
         r.register(
             "alert_engine_errors",
@@ -196,6 +205,14 @@ impl AlertEngine {
             .filter(|a| a.state != AlertState::Resolved)
             .map(|a| (a.key(), a))
             .collect();
+        let mut open: HashMap<RunId, std::collections::HashSet<String>> = HashMap::new();
+        for alert in writer.store.alerts(None) {
+            if alert.state != AlertState::Resolved {
+                open.entry(alert.run.clone())
+                    .or_default()
+                    .insert(alert.id.clone());
+            }
+        }
         let task = Engine {
             writer,
             metrics,
@@ -210,6 +227,7 @@ impl AlertEngine {
             continued: HashMap::new(),
             outgoing: Vec::new(),
             started_ms,
+            open,
         };
         AlertEngine {
             handle: EngineHandle { tx },
@@ -252,6 +270,8 @@ struct Engine {
     outgoing: Vec<Alert>,
     /// When this engine started (the collector's clock).
     started_ms: i64,
+    /// Open (pending or firing) alert ids per run, for the per-run cap.
+    open: HashMap<RunId, std::collections::HashSet<String>>,
 }
 
 impl Engine {
@@ -287,6 +307,7 @@ impl Engine {
                     }
                     Some(Msg::Forget(run, done)) => {
                         self.runs.remove(&run);
+                        self.open.remove(&run);
                         self.derived_through.remove(&run);
                         self.restored.retain(|key, _| key.run != run);
                         self.continued.retain(|_, alert| alert.run != run);
@@ -552,8 +573,26 @@ impl Engine {
     }
 
     /// Counts, logs and stores one alert state; [`Engine::release`] journals it and tells the
-    /// receivers.
+    /// receivers. A run at its cap of open alerts raises no new one: a fault seen by every one
+    /// of 1,024 ranks would otherwise be 1,024 alerts, each a page to someone.
     fn deliver(&mut self, alert: Alert) {
+        let open = self.open.entry(alert.run.clone()).or_default();
+        if alert.state == AlertState::Resolved {
+            if !open.remove(&alert.id) {
+                // The end of an alert that was never raised (suppressed by the cap).
+                return;
+            }
+        } else if !open.contains(&alert.id) {
+            if open.len() >= self.config.max_open_alerts_per_run {
+                self.metrics
+                    .suppressed
+                    .get_or_create(&vec![("rule", alert.rule.as_str())])
+                    .inc();
+                tracing::warn!(run = %alert.run, rule = %alert.rule, cap = self.config.max_open_alerts_per_run, "alert not raised: its run has the most open alerts allowed (--max-open-alerts-per-run)");
+                return;
+            }
+            open.insert(alert.id.clone());
+        }
         self.metrics
             .alert_transitions
             .get_or_create(&vec![

@@ -415,3 +415,45 @@ fn a_bad_rules_file_stops_the_collector_with_its_line() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_raises_at_most_its_cap_of_open_alerts_and_counts_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.max_open_alerts_per_run = 2;
+    let c = Collector::open(&config).await.unwrap();
+    let run = "everyone-nan";
+    announce(&c, run).await;
+    let mut sim = DataParallelSim::new(WORLD, 64, 3);
+    for step in 0..12u64 {
+        let mut obs = sim.step(step, Fault::None);
+        if step == 7 {
+            // Every rank at once: one fault, four per-rank alerts.
+            for r in &mut obs.ranks {
+                r.loss = Some(f64::NAN);
+            }
+        }
+        ingest(&c, run, step, &step_rows(run, &obs)).await;
+    }
+    wait_alert(&c, run, |a| {
+        a["rule"] == "nonfinite" && a["state"] == "firing"
+    })
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = get(&c, "/metrics").await.text();
+        if metrics.contains("rankwatch_alerts_suppressed_total{rule=\"nonfinite\"} 2") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{metrics}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let open = get(&c, &format!("/api/v1/alerts?run={run}")).await.json()["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["rule"] == "nonfinite")
+        .count();
+    assert_eq!(open, 2, "the cap");
+    c.shutdown().await.unwrap();
+}
