@@ -22,7 +22,7 @@
 //! runtime's handle, never from inside an async task.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use arrow_array::RecordBatch;
 use bytes::Bytes;
@@ -30,7 +30,7 @@ use futures_util::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::buffered::BufWriter;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion};
 use tokio::io::AsyncWriteExt;
 use tokio::runtime::Handle;
 use url::Url;
@@ -60,6 +60,10 @@ pub struct Remote {
     node: String,
     /// This data directory's identity (`DIR/instance-id`): what the node's claim names.
     instance: String,
+    /// The manifest's ETag as this collector last read or wrote it: its next write is
+    /// conditional on it (`If-Match`), so a write by anyone else in between fails it. `None`
+    /// before any manifest exists (the first write is `If-None-Match: *`).
+    manifest_tag: Mutex<Option<String>>,
     staging: PathBuf,
     handle: Handle,
 }
@@ -126,6 +130,7 @@ impl Backend {
             prefix,
             node: node.to_owned(),
             instance: instance_id(data_dir)?,
+            manifest_tag: Mutex::new(None),
             staging: data_dir.join("staging"),
             handle: Handle::current(),
         })))
@@ -277,11 +282,14 @@ impl Backend {
             Backend::Local(dir) => Manifest::load(dir),
             Backend::Remote(r) => {
                 let key = r.manifest_key()?;
-                match r
-                    .handle
-                    .block_on(async { r.store.get(&key).await?.bytes().await })
-                {
-                    Ok(bytes) => {
+                let read = r.handle.block_on(async {
+                    let got = r.store.get(&key).await?;
+                    let tag = got.meta.e_tag.clone();
+                    Ok::<_, object_store::Error>((tag, got.bytes().await?))
+                });
+                match read {
+                    Ok((tag, bytes)) => {
+                        *r.tag() = tag;
                         Manifest::from_json(&bytes, &format!("{}/{key}", r.bucket())).map(Some)
                     }
                     Err(object_store::Error::NotFound { .. }) => Ok(None),
@@ -309,7 +317,36 @@ impl Backend {
                 }
                 let key = r.manifest_key()?;
                 let body = PutPayload::from(manifest.to_json()?);
-                r.handle.block_on(r.store.put(&key, body))?;
+                let mode = match r.tag().clone() {
+                    Some(tag) => PutMode::Update(UpdateVersion {
+                        e_tag: Some(tag),
+                        version: None,
+                    }),
+                    None => PutMode::Create,
+                };
+                let written =
+                    r.handle
+                        .block_on(r.store.put_opts(&key, body.clone(), PutOptions::from(mode)));
+                let result = match written {
+                    Ok(result) => result,
+                    Err(
+                        object_store::Error::Precondition { .. }
+                        | object_store::Error::AlreadyExists { .. },
+                    ) => {
+                        return Err(Error::Unavailable(format!(
+                            "the manifest of node id {:?} was written by another collector since \
+                             this one read it: this one no longer writes it; its batches stay in \
+                             its write-ahead log",
+                            r.node
+                        )));
+                    }
+                    // A store without conditional writes: the claim check above is the fence.
+                    Err(object_store::Error::NotImplemented { .. }) => {
+                        r.handle.block_on(r.store.put(&key, body))?
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                *r.tag() = result.e_tag;
                 Ok(())
             }
         }
@@ -387,6 +424,10 @@ impl Remote {
     fn object_path(&self, relative: &Path) -> Result<ObjectPath> {
         let key = self.key(relative);
         ObjectPath::parse(&key).map_err(|e| Error::bad(format!("object key {key:?}: {e}")))
+    }
+
+    fn tag(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.manifest_tag.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn claim_key(&self) -> Result<ObjectPath> {
@@ -587,6 +628,8 @@ mod tests {
 
             // Taken over: the new holder writes, the old one is fenced off.
             second.claim(&d2, 4, true).unwrap();
+            // As at start: the manifest is read (and its version noted) before any write.
+            assert_eq!(second.load_manifest().unwrap().flushed_seq, 1);
             second
                 .save_manifest(&Manifest {
                     flushed_seq: 7,
@@ -604,6 +647,27 @@ mod tests {
             assert_eq!(
                 second.load_manifest().unwrap().flushed_seq,
                 7,
+                "not overwritten"
+            );
+
+            // The race the claim check cannot see (both pass it): every manifest write is
+            // conditional on the version its writer last saw.
+            let twin = Backend::remote(m.clone(), "s3://bkt/ds", "host-1", &d2).unwrap();
+            assert_eq!(twin.load_manifest().unwrap().flushed_seq, 7);
+            let eight = Manifest {
+                flushed_seq: 8,
+                ..Manifest::default()
+            };
+            second.save_manifest(&eight).unwrap();
+            let nine = Manifest {
+                flushed_seq: 9,
+                ..Manifest::default()
+            };
+            let err = twin.save_manifest(&nine).unwrap_err().to_string();
+            assert!(err.contains("written by another collector"), "{err}");
+            assert_eq!(
+                second.load_manifest().unwrap().flushed_seq,
+                8,
                 "not overwritten"
             );
         })
