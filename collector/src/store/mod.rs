@@ -348,6 +348,23 @@ impl Store {
         if let Err(e) = self.budget_left(state.hot_bytes) {
             return refuse(&mut state, e);
         }
+        if !state.runs.contains_key(&entry.run)
+            && let Some(twin) = state
+                .runs
+                .keys()
+                .find(|r| r.as_str().eq_ignore_ascii_case(entry.run.as_str()))
+        {
+            // On a case-insensitive file system (macOS, Windows) or a data set copied to one,
+            // `run=Run1/` and `run=run1/` are one folder: the two runs' parts would mix.
+            let error = Error::bad(format!(
+                "run id {:?} differs from the existing run {:?} only in letter case; run ids \
+                 must differ in more than case (their folders collide on case-insensitive \
+                 file systems)",
+                entry.run.as_str(),
+                twin.as_str()
+            ));
+            return refuse(&mut state, error);
+        }
         if let Some(samples) = &entry.samples {
             let summary = state.runs.get(&entry.run);
             let have = summary.map_or(0, |s| s.series.len());

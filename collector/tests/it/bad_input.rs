@@ -619,3 +619,24 @@ async fn a_probe_switch_takes_only_on_or_off_and_survives_a_restart() {
         (json!(false), json!(2))
     );
 }
+
+#[tokio::test]
+async fn a_run_id_differing_from_an_existing_one_only_in_case_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open_store_only(dir.path()).await;
+    ingest_runs(&c, &["Run-1"], 1, 2).await;
+    let body = samples_ipc(&workload("run-1", 1, 2, 1), false);
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.error().contains("\"run-1\"")
+            && r.error().contains("\"Run-1\"")
+            && r.error().contains("case"),
+        "{}",
+        r.error()
+    );
+    // The same run again, and an unrelated one, are fine.
+    ingest_runs(&c, &["Run-1", "run-2"], 1, 2).await;
+    assert_eq!(run_names(&c).await, ["Run-1", "run-2"]);
+    c.shutdown().await.unwrap();
+}
