@@ -19,17 +19,20 @@ use crate::common::*;
 
 const WORLD: u32 = 4;
 
-/// A webhook receiver: the JSON bodies it accepted; while `down`, it answers 503.
+/// A webhook and Slack receiver (`/hook`, `/slack`): the JSON bodies it accepted, by path;
+/// while `down`, it answers 503.
 struct Receiver {
     url: String,
-    got: Arc<Mutex<Vec<Value>>>,
+    slack: String,
+    got: Arc<Mutex<Vec<(String, Value)>>>,
     down: Arc<AtomicBool>,
 }
 
 impl Receiver {
     fn start() -> Receiver {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (url, slack) = (format!("{base}/hook"), format!("{base}/slack"));
         let got = Arc::new(Mutex::new(Vec::new()));
         let down = Arc::new(AtomicBool::new(false));
         let (seen, refusing) = (got.clone(), down.clone());
@@ -41,6 +44,7 @@ impl Receiver {
                 if reader.read_line(&mut line).is_err() {
                     continue;
                 }
+                let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
                 let mut length = 0;
                 loop {
                     let mut header = String::new();
@@ -60,7 +64,7 @@ impl Receiver {
                 } else {
                     seen.lock()
                         .unwrap()
-                        .push(serde_json::from_slice(&body).unwrap());
+                        .push((path, serde_json::from_slice(&body).unwrap()));
                     "200 OK"
                 };
                 let _ = write!(
@@ -69,20 +73,41 @@ impl Receiver {
                 );
             }
         });
-        Receiver { url, got, down }
+        Receiver {
+            url,
+            slack,
+            got,
+            down,
+        }
     }
 
-    /// (status, alert id) of every accepted delivery.
+    /// (status, alert id) of every accepted webhook delivery.
     fn heard(&self) -> Vec<(String, String)> {
         self.got
             .lock()
             .unwrap()
             .iter()
-            .map(|b| {
+            .filter(|(path, _)| path == "/hook")
+            .map(|(_, b)| {
                 (
                     b["status"].as_str().unwrap_or("").to_owned(),
                     b["alert"]["id"].as_str().unwrap_or("").to_owned(),
                 )
+            })
+            .collect()
+    }
+
+    /// The state word (`firing`, `resolved`) of every accepted Slack message, in order.
+    fn slack_heard(&self) -> Vec<String> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(path, _)| path == "/slack")
+            .map(|(_, b)| {
+                let text = b["text"].as_str().unwrap_or("");
+                let state = text.split('[').nth(1).and_then(|t| t.split(']').next());
+                state.unwrap_or("").to_owned()
             })
             .collect()
     }
@@ -115,10 +140,16 @@ struct Binary {
 }
 
 impl Binary {
-    fn start(dir: &std::path::Path, hook: &str, extra: &[&str]) -> Binary {
+    fn start(dir: &std::path::Path, hook: &Receiver, extra: &[&str]) -> Binary {
         let mut child = Command::new(env!("CARGO_BIN_EXE_rankwatch"))
             .args(["serve", "--listen", "127.0.0.1:0", "--flush-interval", "1h"])
-            .args(["--webhook-url", hook, "--alert-max-attempts", "1"])
+            .args([
+                "--webhook-url",
+                &hook.url,
+                "--slack-webhook-url",
+                &hook.slack,
+            ])
+            .args(["--alert-max-attempts", "1"])
             .args(extra)
             .arg("--data-dir")
             .arg(dir)
@@ -213,7 +244,7 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
     let dir = tempfile::tempdir().unwrap();
     let hook = Receiver::start();
     let run = "deliver";
-    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    let collector = Binary::start(dir.path(), &hook, &[]);
     collector.post(
         "/api/v1/ingest?table=runs",
         None,
@@ -231,7 +262,7 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
 
     // kill -9 before any flush: the log replays, the detector raises the alert again.
     collector.kill9();
-    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    let collector = Binary::start(dir.path(), &hook, &[]);
     let restored = collector.wait_alert(run, "the alert is restored", |a| a["id"] == id.as_str());
     assert_eq!(restored["state"], "firing");
     std::thread::sleep(Duration::from_secs(2));
@@ -253,7 +284,7 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
 
     // Back up: the resolution is still known (the journal), and the receiver gets it now.
     hook.down.store(false, Ordering::SeqCst);
-    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    let collector = Binary::start(dir.path(), &hook, &[]);
     let after = collector.wait_alert(run, "the resolution survives kill -9", |a| {
         a["id"] == id.as_str()
     });
@@ -273,12 +304,110 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
     collector.kill9();
 }
 
+/// A real Alertmanager (Debian's `prometheus-alertmanager`, which `cargo xtask test`
+/// installs) on a free port; `None` where it is not installed.
+struct Alertmanager {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Alertmanager {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Alertmanager {
+    fn start() -> Option<Alertmanager> {
+        let binary = [
+            "/usr/bin/prometheus-alertmanager",
+            "/usr/local/bin/alertmanager",
+        ]
+        .into_iter()
+        .find(|b| std::path::Path::new(b).exists())?;
+        let dir = tempfile::tempdir().unwrap();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.path().join("alertmanager.yml");
+        std::fs::write(
+            &config,
+            "route:\n  receiver: devnull\nreceivers:\n  - name: devnull\n",
+        )
+        .unwrap();
+        let child = Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--cluster.listen-address=")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let url = format!("http://127.0.0.1:{port}");
+        let am = Alertmanager {
+            child,
+            url,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while ureq::get(format!("{}/-/ready", am.url)).call().is_err() {
+            assert!(Instant::now() < deadline, "alertmanager did not start");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Some(am)
+    }
+
+    /// The `state` of each alert Alertmanager holds for `run` (`active`, or `unprocessed`
+    /// just after a post; a resolved one drops out of the default listing).
+    fn states(&self, run: &str) -> Vec<String> {
+        let text = ureq::get(format!("{}/api/v2/alerts", self.url))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap();
+        serde_json::from_str::<Vec<Value>>(&text)
+            .unwrap()
+            .iter()
+            .filter(|a| a["labels"]["run"] == run)
+            .map(|a| a["status"]["state"].as_str().unwrap_or("").to_owned())
+            .collect()
+    }
+
+    fn wait_for(&self, run: &str, what: &str, done: impl Fn(&[String]) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done(&self.states(run)) {
+            assert!(Instant::now() < deadline, "{what}: {:?}", self.states(run));
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 #[test]
 fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let hook = Receiver::start();
+    let am = Alertmanager::start();
+    if am.is_none() {
+        eprintln!(
+            "prometheus-alertmanager is not installed: only the webhook and Slack are checked"
+        );
+    }
+    let mut extra = vec!["--alertmanager-resend", "1s"];
+    let am_url = am.as_ref().map(|a| a.url.clone()).unwrap_or_default();
+    if am.is_some() {
+        extra.extend(["--alertmanager-url", am_url.as_str()]);
+    }
     let run = "abandoned";
-    let collector = Binary::start(dir.path(), &hook.url, &[]);
+    let collector = Binary::start(dir.path(), &hook, &extra);
     collector.post(
         "/api/v1/ingest?table=runs",
         None,
@@ -291,10 +420,17 @@ fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
     });
     let id = fired["id"].as_str().unwrap().to_owned();
     hook.wait_for("the firing is delivered", |h| !h.is_empty());
+    if let Some(am) = &am {
+        am.wait_for(run, "Alertmanager holds the firing alert", |s| {
+            s.iter().any(|x| x == "active")
+        });
+    }
     collector.kill9();
 
-    // The run never reports again; after --idle-evict the alert is resolved and said so.
-    let collector = Binary::start(dir.path(), &hook.url, &["--idle-evict", "2s"]);
+    // The run never reports again; after --idle-evict the alert is resolved and said so, to
+    // every receiver (Alertmanager would otherwise keep it until its own resolve_timeout).
+    extra.extend(["--idle-evict", "2s"]);
+    let collector = Binary::start(dir.path(), &hook, &extra);
     let resolved = collector.wait_alert(run, "the abandoned alert resolves", |a| {
         a["id"] == id.as_str() && a["state"] == "resolved"
     });
@@ -308,5 +444,19 @@ fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
     hook.wait_for("the resolution is delivered", |h| {
         h.contains(&("resolved".into(), id.clone()))
     });
+    assert_eq!(
+        hook.heard(),
+        [
+            ("firing".to_owned(), id.clone()),
+            ("resolved".to_owned(), id)
+        ],
+        "each state once"
+    );
+    assert_eq!(hook.slack_heard(), ["firing", "resolved"]);
+    if let Some(am) = &am {
+        am.wait_for(run, "Alertmanager has the resolution", |s| {
+            s.iter().all(|x| x != "active")
+        });
+    }
     collector.kill9();
 }
