@@ -262,6 +262,11 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_COMPACT_MAX_ROWS", default_value_t = 4_000_000)]
     pub compact_max_rows: u64,
 
+    /// How long a run's idempotency keys are kept after it last sent a new batch: a batch
+    /// retried later than this (a spool synced after a month) is stored again.
+    #[arg(long, env = "RANKWATCH_IDEMPOTENCY_WINDOW", default_value = "30d", value_parser = parse_duration)]
+    pub idempotency_window: Duration,
+
     /// Size at which the write-ahead log starts a new segment, in bytes.
     #[arg(long, env = "RANKWATCH_WAL_SEGMENT_BYTES", default_value_t = 64 << 20)]
     pub wal_segment_bytes: u64,

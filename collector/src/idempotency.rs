@@ -137,12 +137,15 @@ pub struct KeySet {
     pending: HashSet<Key>,
     /// Runs that gained a key since their file was last written.
     dirty: BTreeSet<RunId>,
+    /// When each run last gained a key (ms since the epoch): keys unused for longer than the
+    /// idempotency window are dropped.
+    last_ms: HashMap<RunId, i64>,
 }
 
 /// The keys of the runs changed since the last flush, as of that flush: written by it.
 #[derive(Debug, Default)]
 pub struct KeyChanges {
-    runs: Vec<(RunId, RunKeys)>,
+    runs: Vec<(RunId, RunKeys, i64)>,
 }
 
 /// One run's key file.
@@ -150,6 +153,9 @@ pub struct KeyChanges {
 struct RunFile {
     run: String,
     sessions: Vec<(u32, String, Ranges)>,
+    /// When the run last gained a key; absent in files written before it was kept.
+    #[serde(default)]
+    last_ms: i64,
 }
 
 /// The first design's single snapshot of every run's keys.
@@ -181,9 +187,11 @@ impl KeySet {
             .is_some_and(|r| r.contains(key.seq))
     }
 
-    /// Records `key` as applied (its batch is durable).
-    pub fn commit(&mut self, key: &Key) {
+    /// Records `key` as applied (its batch is durable) at `now_ms`.
+    pub fn commit(&mut self, key: &Key, now_ms: i64) {
         self.pending.remove(key);
+        let last = self.last_ms.entry(key.run.clone()).or_insert(now_ms);
+        *last = (*last).max(now_ms);
         self.applied
             .entry(key.run.clone())
             .or_default()
@@ -204,6 +212,23 @@ impl KeySet {
     pub fn forget_run(&mut self, run: &RunId) {
         self.applied.remove(run);
         self.dirty.remove(run);
+        self.last_ms.remove(run);
+    }
+
+    /// Forgets the keys of runs that gained none since `cutoff_ms` and returns those runs
+    /// (their files are removed by [`remove_run_file`]): a batch retried after that long is
+    /// stored again, the price of a key set that does not grow for ever.
+    pub fn expire(&mut self, cutoff_ms: i64) -> Vec<RunId> {
+        let old: Vec<RunId> = self
+            .last_ms
+            .iter()
+            .filter(|(_, last)| **last < cutoff_ms)
+            .map(|(run, _)| run.clone())
+            .collect();
+        for run in &old {
+            self.forget_run(run);
+        }
+        old
     }
 
     /// Sessions known, over all runs (a gauge: what the set holds).
@@ -220,7 +245,8 @@ impl KeySet {
                 .into_iter()
                 .filter_map(|run| {
                     let keys = self.applied.get(&run)?.clone();
-                    Some((run, keys))
+                    let last = self.last_ms.get(&run).copied().unwrap_or(0);
+                    Some((run, keys, last))
                 })
                 .collect(),
         }
@@ -228,7 +254,7 @@ impl KeySet {
 
     /// A flush that took `changes` failed: their runs are written by the next one.
     pub fn unwritten(&mut self, changes: &KeyChanges) {
-        for (run, _) in &changes.runs {
+        for (run, _, _) in &changes.runs {
             if self.applied.contains_key(run) {
                 self.dirty.insert(run.clone());
             }
@@ -239,7 +265,7 @@ impl KeySet {
     /// or a snapshot of the first design (its runs then count as changed, so the next flush
     /// writes them per run). A directory with flushed data and no keys at all is refused:
     /// retried batches would be stored twice.
-    pub fn load(dir: &Path, flushed_seq: u64) -> Result<KeySet> {
+    pub fn load(dir: &Path, flushed_seq: u64, now_ms: i64) -> Result<KeySet> {
         let mut set = KeySet::default();
         let runs_dir = dir.join(DIR);
         let legacy = legacy_path(dir, flushed_seq);
@@ -249,7 +275,10 @@ impl KeySet {
                 if path.extension().and_then(|e| e.to_str()) != Some("json") {
                     continue;
                 }
-                let (run, keys) = read_run_file(&path)?;
+                let (run, keys, last) = read_run_file(&path)?;
+                // Unknown (an older file): counted from now.
+                set.last_ms
+                    .insert(run.clone(), if last > 0 { last } else { now_ms });
                 set.applied.insert(run, keys);
             }
         } else if legacy.exists() {
@@ -262,6 +291,7 @@ impl KeySet {
                     .entry(run.clone())
                     .or_default()
                     .insert((rank, session), ranges);
+                set.last_ms.insert(run.clone(), now_ms);
                 set.dirty.insert(run);
             }
         } else if flushed_seq > 0 {
@@ -278,13 +308,14 @@ impl KeySet {
 impl KeyChanges {
     /// Writes each changed run's file (durably), before the manifest of the flush.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        for (run, keys) in &self.runs {
+        for (run, keys, last_ms) in &self.runs {
             let file = RunFile {
                 run: run.to_string(),
                 sessions: keys
                     .iter()
                     .map(|((rank, session), r)| (*rank, session.clone(), r.clone()))
                     .collect(),
+                last_ms: *last_ms,
             };
             write_atomic(&run_path(dir, run), &serde_json::to_vec(&file)?)?;
         }
@@ -328,7 +359,7 @@ fn corrupt(path: &Path, reason: String) -> Error {
     }
 }
 
-fn read_run_file(path: &Path) -> Result<(RunId, RunKeys)> {
+fn read_run_file(path: &Path) -> Result<(RunId, RunKeys, i64)> {
     let bytes = fs::read(path)?;
     let file: RunFile = serde_json::from_slice(&bytes).map_err(|e| corrupt(path, e.to_string()))?;
     let run = RunId::new(file.run).map_err(|e| corrupt(path, e.to_string()))?;
@@ -346,7 +377,7 @@ fn read_run_file(path: &Path) -> Result<(RunId, RunKeys)> {
         .into_iter()
         .map(|(rank, session, ranges)| ((rank, session), ranges))
         .collect();
-    Ok((run, keys))
+    Ok((run, keys, file.last_ms))
 }
 
 #[cfg(test)]
@@ -382,7 +413,7 @@ mod tests {
         assert_eq!(set.begin(&key(1)), Check::InFlight);
         set.abort(&key(1));
         assert_eq!(set.begin(&key(1)), Check::New);
-        set.commit(&key(1));
+        set.commit(&key(1), 100);
         assert_eq!(set.begin(&key(1)), Check::Applied);
     }
 
@@ -393,23 +424,23 @@ mod tests {
     #[test]
     fn only_changed_runs_are_written_and_the_files_load_back() {
         let dir = tempfile::tempdir().unwrap();
-        let mut set = KeySet::load(dir.path(), 0).unwrap();
+        let mut set = KeySet::load(dir.path(), 0, 100).unwrap();
         for s in [1, 2, 3, 10, 12] {
-            set.commit(&key(s));
+            set.commit(&key(s), 100);
         }
-        set.commit(&other("run-2", 5));
+        set.commit(&other("run-2", 5), 100);
         let changes = set.take_changes();
         assert_eq!(changes.runs.len(), 2);
         changes.save(dir.path()).unwrap();
         // Only run-1 changes next: only its file is written.
-        set.commit(&key(11));
+        set.commit(&key(11), 100);
         let changes = set.take_changes();
         assert_eq!(changes.runs.len(), 1);
         assert_eq!(changes.runs[0].0.as_str(), "run-1");
         changes.save(dir.path()).unwrap();
         assert!(set.take_changes().runs.is_empty(), "nothing changed since");
 
-        let loaded = KeySet::load(dir.path(), 7).unwrap();
+        let loaded = KeySet::load(dir.path(), 7, 100).unwrap();
         assert!(loaded.is_applied(&key(10)) && loaded.is_applied(&key(11)));
         assert!(!loaded.is_applied(&key(4)));
         assert!(loaded.is_applied(&other("run-2", 5)));
@@ -417,9 +448,31 @@ mod tests {
     }
 
     #[test]
+    fn keys_unused_for_longer_than_the_window_expire_and_new_ones_do_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut set = KeySet::load(dir.path(), 0, 100).unwrap();
+        set.commit(&key(1), 1_000);
+        set.commit(&other("run-2", 1), 5_000);
+        set.take_changes().save(dir.path()).unwrap();
+        // The times survive a restart.
+        let mut set = KeySet::load(dir.path(), 3, 9_000).unwrap();
+        let gone = set.expire(2_000);
+        assert_eq!(
+            gone.iter().map(RunId::as_str).collect::<Vec<_>>(),
+            ["run-1"]
+        );
+        assert!(!set.is_applied(&key(1)) && set.is_applied(&other("run-2", 1)));
+        // A file written before the times were kept counts from its loading.
+        let legacy = r#"{"run":"run-3","sessions":[[0,"s",[[1,1]]]]}"#;
+        std::fs::write(dir.path().join(DIR).join("run-3.json"), legacy).unwrap();
+        let mut set = KeySet::load(dir.path(), 3, 9_000).unwrap();
+        assert!(set.expire(8_000).iter().all(|r| r.as_str() != "run-3"));
+    }
+
+    #[test]
     fn a_failed_flush_leaves_its_runs_to_the_next() {
         let mut set = KeySet::default();
-        set.commit(&key(1));
+        set.commit(&key(1), 100);
         let changes = set.take_changes();
         set.unwritten(&changes);
         assert_eq!(set.take_changes().runs.len(), 1);
@@ -428,9 +481,9 @@ mod tests {
     #[test]
     fn a_deleted_run_is_forgotten_in_memory_and_on_disk() {
         let dir = tempfile::tempdir().unwrap();
-        let mut set = KeySet::load(dir.path(), 0).unwrap();
-        set.commit(&key(1));
-        set.commit(&other("run-2", 1));
+        let mut set = KeySet::load(dir.path(), 0, 100).unwrap();
+        set.commit(&key(1), 100);
+        set.commit(&other("run-2", 1), 100);
         set.take_changes().save(dir.path()).unwrap();
         let run = RunId::new("run-1").unwrap();
         set.forget_run(&run);
@@ -438,7 +491,7 @@ mod tests {
         remove_run_file(dir.path(), &run).unwrap();
         assert!(!set.is_applied(&key(1)));
         assert_eq!(set.sessions(), 1);
-        let loaded = KeySet::load(dir.path(), 3).unwrap();
+        let loaded = KeySet::load(dir.path(), 3, 100).unwrap();
         assert!(!loaded.is_applied(&key(1)) && loaded.is_applied(&other("run-2", 1)));
     }
 
@@ -447,30 +500,30 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let legacy = r#"{"through_seq":40,"sessions":[["run-1",3,"abc",[[1,3],[10,10]]]]}"#;
         std::fs::write(legacy_path(dir.path(), 40), legacy).unwrap();
-        let mut set = KeySet::load(dir.path(), 40).unwrap();
+        let mut set = KeySet::load(dir.path(), 40, 100).unwrap();
         assert!(set.is_applied(&key(2)) && set.is_applied(&key(10)) && !set.is_applied(&key(4)));
         set.take_changes().save(dir.path()).unwrap();
         remove_legacy(dir.path()).unwrap();
         assert!(!legacy_path(dir.path(), 40).exists());
-        let again = KeySet::load(dir.path(), 41).unwrap();
+        let again = KeySet::load(dir.path(), 41, 100).unwrap();
         assert!(again.is_applied(&key(3)));
     }
 
     #[test]
     fn missing_or_damaged_keys_of_flushed_data_stop_the_start_naming_the_file() {
         let dir = tempfile::tempdir().unwrap();
-        let err = KeySet::load(dir.path(), 9).unwrap_err().to_string();
+        let err = KeySet::load(dir.path(), 9, 100).unwrap_err().to_string();
         assert!(err.contains("missing"), "{err}");
         std::fs::create_dir_all(dir.path().join(DIR)).unwrap();
         std::fs::write(dir.path().join(DIR).join("run-1.json"), b"{not json").unwrap();
-        let err = KeySet::load(dir.path(), 9).unwrap_err().to_string();
+        let err = KeySet::load(dir.path(), 9, 100).unwrap_err().to_string();
         assert!(err.contains("run-1.json"), "{err}");
         std::fs::write(
             dir.path().join(DIR).join("run-1.json"),
             br#"{"run":"run-2","sessions":[]}"#,
         )
         .unwrap();
-        let err = KeySet::load(dir.path(), 9).unwrap_err().to_string();
+        let err = KeySet::load(dir.path(), 9, 100).unwrap_err().to_string();
         assert!(err.contains("not of the run it is named after"), "{err}");
     }
 

@@ -259,6 +259,7 @@ async fn open_store(config: &ServeConfig, clock: SharedClock) -> Result<Store> {
         compact_small_rows: config.compact_small_rows,
         compact_max_rows: config.compact_max_rows,
         file_grace: config.query_timeout + Duration::from_secs(5),
+        key_window: config.idempotency_window,
     };
     let backend = match config.remote_storage() {
         Some(url) => Backend::s3(url, &config.node_id(), &config.data_dir)?,

@@ -60,6 +60,8 @@ pub struct StoreLimits {
     pub compact_small_rows: u64,
     pub compact_max_rows: u64,
     pub file_grace: Duration,
+    /// How long a run's idempotency keys are kept after its last new key.
+    pub key_window: Duration,
 }
 
 /// Rows of one table of one run, as a reader sees them.
@@ -191,7 +193,7 @@ impl Store {
             );
             KeySet::default()
         } else {
-            KeySet::load(dir, manifest.flushed_seq)?
+            KeySet::load(dir, manifest.flushed_seq, clock.now_ms())?
         };
         std::fs::create_dir_all(dir.join(crate::idempotency::DIR))?;
         let state = State {
@@ -408,7 +410,7 @@ impl Store {
             let state = &mut *state;
             state.applied_seq = state.applied_seq.max(seq);
             if let Some(key) = key {
-                state.keys.commit(key);
+                state.keys.commit(key, self.clock.now_ms());
             }
             // A record of a run deleted after it was logged (only seen in replay).
             if state
@@ -559,6 +561,15 @@ impl Store {
 
     fn flush_blocking(&self) -> Result<Option<u64>> {
         let started = Instant::now();
+        // Keys of runs that gained none within the window: dropped from memory and disk (no
+        // manifest is involved; a retry after that long is stored again, as documented).
+        let cutoff = self.clock.now_ms() - self.limits.key_window.as_millis() as i64;
+        let expired = self.lock().keys.expire(cutoff);
+        for run in &expired {
+            if let Err(e) = crate::idempotency::remove_run_file(&self.dir, run) {
+                tracing::warn!(%run, error = %e, "could not remove an expired key file");
+            }
+        }
         let (through, parts, infos, alerts, keys, journal) = {
             let mut state = self.lock();
             let nothing_new = state.applied_seq == state.manifest.flushed_seq

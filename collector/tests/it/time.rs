@@ -196,3 +196,40 @@ async fn retention_by_age_counts_from_each_runs_last_report() {
     assert_eq!(deleted, ["recent"]);
     c.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn idempotency_keys_of_a_run_quiet_for_the_window_expire() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::at(T0);
+    let c = open_at(dir.path(), &clock).await;
+    let send = |run: &'static str, key: &'static str| {
+        let body = samples_ipc(&workload(run, 1, 2, 1), false);
+        post(&c, "/api/v1/ingest", ARROW, Some(key), body)
+    };
+    assert_eq!(send("old", "old/0/s/1").await.json()["status"], "stored");
+    assert_eq!(send("busy", "busy/0/s/1").await.json()["status"], "stored");
+    c.flush().await.unwrap();
+    assert!(dir.path().join("keys/old.json").exists());
+
+    // 29 days on, "busy" sends again; a retry of "old" is still recognised.
+    clock.advance(Duration::from_secs(29 * 86_400));
+    assert_eq!(send("busy", "busy/0/s/2").await.json()["status"], "stored");
+    assert_eq!(send("old", "old/0/s/1").await.json()["status"], "duplicate");
+    c.flush().await.unwrap();
+
+    // Past the 30-day window for "old" only: its keys go, "busy"'s stay.
+    clock.advance(Duration::from_secs(2 * 86_400));
+    c.flush().await.unwrap();
+    assert!(!dir.path().join("keys/old.json").exists());
+    assert!(dir.path().join("keys/busy.json").exists());
+    assert_eq!(
+        send("busy", "busy/0/s/2").await.json()["status"],
+        "duplicate"
+    );
+    assert_eq!(
+        send("old", "old/0/s/1").await.json()["status"],
+        "stored",
+        "a retry after the window is stored again (the documented price)"
+    );
+    c.shutdown().await.unwrap();
+}
