@@ -36,7 +36,6 @@ pub mod spool;
 mod stats;
 mod transport;
 
-use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
@@ -384,15 +383,7 @@ pub struct SyncReport {
     pub errors: Vec<String>,
 }
 
-/// 16 hex digits, random per process start (std's per-process random hasher keys, mixed with
-/// the time and pid so two agents in one process differ too).
+/// A new session id: 16 random hex digits per agent.
 fn new_session() -> String {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    format!("{:016x}", h.finish())
+    rankwatch_analytics::random_hex_id()
 }

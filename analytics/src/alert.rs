@@ -110,6 +110,17 @@ impl Alert {
         )
     }
 
+    /// Ends the alert at `now_ms`; `why`, when given, is appended to its explanation (an end
+    /// no detector decided: the run went quiet, was deleted).
+    pub fn resolve(&mut self, now_ms: i64, why: Option<&str>) {
+        self.state = AlertState::Resolved;
+        self.resolved_at_ms = Some(now_ms);
+        self.updated_at_ms = now_ms;
+        if let Some(why) = why {
+            self.explanation = format!("{} (resolved: {why})", self.explanation);
+        }
+    }
+
     /// Whether the alert ever reached `firing` (pending alerts that cleared did not).
     pub fn has_fired(&self) -> bool {
         self.fired_at_ms.is_some()

@@ -22,5 +22,5 @@ pub mod vocab;
 pub use alert::{Alert, AlertState, Rule, Severity};
 pub use error::{Error, Result};
 pub use record::{AttentionShape, LayerLayout, ModelLayout, RunInfo, Sample, SketchRecord};
-pub use validate::{MetricName, RunId};
+pub use validate::{MetricName, RunId, random_hex_id};
 pub use vocab::{Metric, Scope, Site};

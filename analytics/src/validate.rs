@@ -160,6 +160,21 @@ impl From<Metric> for MetricName {
 
 validated_string!(MetricName);
 
+/// 16 hex digits, different for every call: an agent session, a data directory's identity.
+/// Std's randomly keyed hasher (seeded once per process), mixed with the time and the process
+/// id, so two calls in one process differ too; not for secrets.
+pub fn random_hex_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    format!("{:016x}", h.finish())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

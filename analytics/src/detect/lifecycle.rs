@@ -157,9 +157,7 @@ impl AlertTracker {
                     return None;
                 }
                 let mut alert = self.open.take()?;
-                alert.state = AlertState::Resolved;
-                alert.resolved_at_ms = Some(time_ms);
-                alert.updated_at_ms = time_ms;
+                alert.resolve(time_ms, None);
                 self.clears = 0;
                 Some(alert)
             }

@@ -316,11 +316,8 @@ impl Engine {
                         if let Some(sinks) = &self.sinks {
                             let now = self.writer.store.now_ms();
                             for mut alert in self.writer.store.alerts(Some(&run)) {
-                                if alert.state == rankwatch_analytics::AlertState::Firing {
-                                    alert.state = rankwatch_analytics::AlertState::Resolved;
-                                    alert.resolved_at_ms = Some(now);
-                                    alert.updated_at_ms = now;
-                                    alert.explanation = format!("{} (the run was deleted)", alert.explanation);
+                                if alert.state == AlertState::Firing {
+                                    alert.resolve(now, Some("the run was deleted"));
                                     sinks.send(&alert);
                                 }
                             }
@@ -446,13 +443,7 @@ impl Engine {
                 // that stopped with an alert firing left it firing for ever).
                 if let Some(watch) = self.runs.remove(&run) {
                     for mut alert in watch.open_alerts() {
-                        alert.state = AlertState::Resolved;
-                        alert.resolved_at_ms = Some(now);
-                        alert.updated_at_ms = now;
-                        alert.explanation = format!(
-                            "{} (resolved: the run stopped reporting)",
-                            alert.explanation
-                        );
+                        alert.resolve(now, Some("the run stopped reporting"));
                         self.raise(alert);
                     }
                 }
@@ -615,11 +606,7 @@ impl Engine {
             .collect();
         for key in keys {
             if let Some(mut alert) = self.restored.remove(&key) {
-                let now = self.writer.store.now_ms();
-                alert.state = AlertState::Resolved;
-                alert.resolved_at_ms = Some(now);
-                alert.updated_at_ms = now;
-                alert.explanation = format!("{} (resolved: {why})", alert.explanation);
+                alert.resolve(self.writer.store.now_ms(), Some(why));
                 // Not through `raise`: that would look it up among the restored again.
                 self.deliver(alert);
             }

@@ -36,6 +36,7 @@ use serde_json::{Value, json};
 
 use crate::Labels;
 use crate::clock::SharedClock;
+use crate::store::alert_log::StoredAlert;
 
 /// The kinds of receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -381,12 +382,9 @@ fn reconcile(told: &BTreeMap<String, Alert>, alerts: &[Alert], now_ms: i64) -> V
     for (id, was) in told {
         if !current.contains_key(id.as_str()) {
             let mut gone = was.clone();
-            gone.state = AlertState::Resolved;
-            gone.resolved_at_ms = Some(now_ms);
-            gone.updated_at_ms = now_ms;
-            gone.explanation = format!(
-                "{} (the alert no longer exists: its run was deleted)",
-                was.explanation
+            gone.resolve(
+                now_ms,
+                Some("the alert no longer exists: its run was deleted"),
             );
             out.push(gone);
         }
@@ -406,43 +404,16 @@ fn load_told(path: &Path) -> BTreeMap<String, Alert> {
     let Ok(bytes) = std::fs::read(path) else {
         return BTreeMap::new();
     };
-    match serde_json::from_slice::<Vec<Told>>(&bytes) {
+    match serde_json::from_slice::<Vec<StoredAlert>>(&bytes) {
         Ok(list) => list
             .into_iter()
-            .map(|t| (t.alert.id.clone(), t.into_alert()))
+            .map(StoredAlert::into_alert)
+            .map(|a| (a.id.clone(), a))
             .collect(),
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "an alert receiver's record is unreadable; it may hear open alerts again");
             BTreeMap::new()
         }
-    }
-}
-
-/// An alert as a receiver's record keeps it (JSON has no NaN: the floats travel as bits).
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Told {
-    alert: Alert,
-    value_bits: u64,
-    threshold_bits: u64,
-}
-
-impl Told {
-    fn new(alert: &Alert) -> Told {
-        let mut copy = alert.clone();
-        copy.value = 0.0;
-        copy.threshold = 0.0;
-        Told {
-            value_bits: alert.value.to_bits(),
-            threshold_bits: alert.threshold.to_bits(),
-            alert: copy,
-        }
-    }
-
-    fn into_alert(self) -> Alert {
-        let mut alert = self.alert;
-        alert.value = f64::from_bits(self.value_bits);
-        alert.threshold = f64::from_bits(self.threshold_bits);
-        alert
     }
 }
 
@@ -489,7 +460,7 @@ impl Worker {
         let Some(path) = &self.record else {
             return;
         };
-        let list: Vec<Told> = told.values().map(Told::new).collect();
+        let list: Vec<StoredAlert> = told.values().map(StoredAlert::new).collect();
         let written = serde_json::to_vec(&list)
             .map_err(crate::error::Error::from)
             .and_then(|bytes| {
@@ -607,29 +578,9 @@ pub fn redact_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rankwatch_analytics::{Rule, RunId, Severity};
 
     fn alert(id: &str, state: AlertState) -> Alert {
-        Alert {
-            id: id.into(),
-            run: RunId::new("r").unwrap(),
-            rule: Rule::Nonfinite,
-            severity: Severity::Critical,
-            state,
-            layer: None,
-            site: None,
-            rank: Some(1),
-            outlier_ranks: vec![],
-            value: f64::NAN,
-            threshold: 0.0,
-            first_step: 1,
-            last_step: 1,
-            started_at_ms: 1,
-            updated_at_ms: 1,
-            fired_at_ms: Some(1),
-            resolved_at_ms: None,
-            explanation: "x".into(),
-        }
+        crate::store::alert_log::test_alert(id, "r", state, 1)
     }
 
     #[test]
@@ -694,7 +645,7 @@ mod tests {
     fn the_record_of_what_was_told_round_trips_with_its_nan() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("webhook-0.json");
-        let list = vec![Told::new(&alert("a", AlertState::Firing))];
+        let list = vec![StoredAlert::new(&alert("a", AlertState::Firing))];
         std::fs::write(&path, serde_json::to_vec(&list).unwrap()).unwrap();
         let told = load_told(&path);
         assert!(told["a"].value.is_nan());

@@ -33,32 +33,33 @@ pub const DIR: &str = "alert-journal";
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Line {
-    Alert(Box<Stored>),
+    Alert(Box<StoredAlert>),
     RunDeleted(String),
 }
 
-/// An alert as journaled: JSON has no NaN or infinity (a `nonfinite` alert's value is NaN), so
+/// An alert as the collector keeps it in its own JSON files (this journal, the alert
+/// receivers' records): JSON has no NaN or infinity (a `nonfinite` alert's value is NaN), so
 /// the two floats travel as their bits.
 #[derive(Debug, Serialize, Deserialize)]
-struct Stored {
+pub struct StoredAlert {
     alert: Alert,
     value_bits: u64,
     threshold_bits: u64,
 }
 
-impl Stored {
-    fn new(alert: &Alert) -> Stored {
+impl StoredAlert {
+    pub fn new(alert: &Alert) -> StoredAlert {
         let mut copy = alert.clone();
         copy.value = 0.0;
         copy.threshold = 0.0;
-        Stored {
+        StoredAlert {
             value_bits: alert.value.to_bits(),
             threshold_bits: alert.threshold.to_bits(),
             alert: copy,
         }
     }
 
-    fn into_alert(self) -> Alert {
+    pub fn into_alert(self) -> Alert {
         let mut alert = self.alert;
         alert.value = f64::from_bits(self.value_bits);
         alert.threshold = f64::from_bits(self.threshold_bits);
@@ -166,7 +167,7 @@ impl AlertLog {
     pub fn append(&self, alerts: &[Alert]) -> Result<()> {
         let lines: Vec<Line> = alerts
             .iter()
-            .map(|a| Line::Alert(Box::new(Stored::new(a))))
+            .map(|a| Line::Alert(Box::new(StoredAlert::new(a))))
             .collect();
         self.write(&lines)
     }
@@ -233,50 +234,58 @@ fn parse(raw: &[u8]) -> Option<Line> {
     serde_json::from_str(json).ok()
 }
 
+/// A per-rank `nonfinite` alert with NaN and infinite floats, for tests of what stores alerts.
+#[cfg(test)]
+pub(crate) fn test_alert(
+    id: &str,
+    run: &str,
+    state: rankwatch_analytics::AlertState,
+    updated: i64,
+) -> Alert {
+    use rankwatch_analytics::{Rule, Severity};
+    Alert {
+        id: id.into(),
+        run: RunId::new(run).unwrap(),
+        rule: Rule::Nonfinite,
+        severity: Severity::Critical,
+        state,
+        layer: None,
+        site: None,
+        rank: Some(1),
+        outlier_ranks: vec![],
+        first_step: 1,
+        last_step: 2,
+        value: f64::NAN,
+        threshold: f64::INFINITY,
+        explanation: "x".into(),
+        started_at_ms: 1,
+        fired_at_ms: Some(1),
+        resolved_at_ms: None,
+        updated_at_ms: updated,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rankwatch_analytics::{AlertState, Rule, Severity};
-
-    fn alert(id: &str, run: &str, state: AlertState, updated: i64) -> Alert {
-        Alert {
-            id: id.into(),
-            run: RunId::new(run).unwrap(),
-            rule: Rule::Nonfinite,
-            severity: Severity::Critical,
-            state,
-            layer: None,
-            site: None,
-            rank: Some(1),
-            outlier_ranks: vec![],
-            first_step: 1,
-            last_step: 2,
-            value: f64::NAN,
-            threshold: f64::INFINITY,
-            explanation: "x".into(),
-            started_at_ms: 1,
-            fired_at_ms: Some(1),
-            resolved_at_ms: None,
-            updated_at_ms: updated,
-        }
-    }
+    use rankwatch_analytics::AlertState;
 
     #[test]
     fn changes_come_back_latest_first_and_a_deleted_run_stays_deleted() {
         let dir = tempfile::tempdir().unwrap();
         let (log, recovered) = AlertLog::open(dir.path()).unwrap();
         assert!(recovered.alerts.is_empty());
-        log.append(&[alert("a", "r1", AlertState::Firing, 10)])
+        log.append(&[test_alert("a", "r1", AlertState::Firing, 10)])
             .unwrap();
         log.append(&[
-            alert("a", "r1", AlertState::Resolved, 20),
-            alert("b", "r2", AlertState::Firing, 15),
-            alert("c", "gone", AlertState::Firing, 15),
+            test_alert("a", "r1", AlertState::Resolved, 20),
+            test_alert("b", "r2", AlertState::Firing, 15),
+            test_alert("c", "gone", AlertState::Firing, 15),
         ])
         .unwrap();
         log.run_deleted(&RunId::new("gone").unwrap()).unwrap();
         // An older state written later (out of order) does not win.
-        log.append(&[alert("b", "r2", AlertState::Pending, 5)])
+        log.append(&[test_alert("b", "r2", AlertState::Pending, 5)])
             .unwrap();
         drop(log);
         let (_, recovered) = AlertLog::open(dir.path()).unwrap();
@@ -291,10 +300,10 @@ mod tests {
     fn a_torn_line_is_skipped_and_counted_and_rotation_drops_covered_files() {
         let dir = tempfile::tempdir().unwrap();
         let (log, _) = AlertLog::open(dir.path()).unwrap();
-        log.append(&[alert("a", "r1", AlertState::Firing, 10)])
+        log.append(&[test_alert("a", "r1", AlertState::Firing, 10)])
             .unwrap();
         let covered = log.rotate().unwrap();
-        log.append(&[alert("b", "r1", AlertState::Firing, 11)])
+        log.append(&[test_alert("b", "r1", AlertState::Firing, 11)])
             .unwrap();
         // A crash mid-line in the newest file.
         let newest = path(&dir.path().join(DIR), covered + 1);

@@ -81,7 +81,6 @@ struct Claim {
 
 /// The identity of a data directory, made on its first start and kept in it.
 fn instance_id(data_dir: &Path) -> Result<String> {
-    use std::hash::{BuildHasher, Hasher};
     let path = data_dir.join("instance-id");
     if let Ok(text) = std::fs::read_to_string(&path) {
         let id = text.trim();
@@ -89,14 +88,7 @@ fn instance_id(data_dir: &Path) -> Result<String> {
             return Ok(id.to_owned());
         }
     }
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    let id = format!("{:016x}", h.finish());
+    let id = rankwatch_analytics::random_hex_id();
     std::fs::create_dir_all(data_dir)?;
     crate::fsutil::write_atomic(&path, id.as_bytes())?;
     Ok(id)

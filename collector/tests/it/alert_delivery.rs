@@ -4,7 +4,6 @@
 //! resolution it missed reaches it after the restart; an alert whose run never reports again
 //! does not stay firing.
 
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,65 +18,22 @@ use crate::common::*;
 
 const WORLD: u32 = 4;
 
-/// A webhook and Slack receiver (`/hook`, `/slack`): the JSON bodies it accepted, by path;
-/// while `down`, it answers 503.
-struct Receiver {
+/// The webhook (`/hook`) and Slack (`/slack`) receivers, one stub.
+struct Hooks {
     url: String,
     slack: String,
     got: Arc<Mutex<Vec<(String, Value)>>>,
     down: Arc<AtomicBool>,
 }
 
-impl Receiver {
-    fn start() -> Receiver {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        let (url, slack) = (format!("{base}/hook"), format!("{base}/slack"));
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let down = Arc::new(AtomicBool::new(false));
-        let (seen, refusing) = (got.clone(), down.clone());
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut line = String::new();
-                if reader.read_line(&mut line).is_err() {
-                    continue;
-                }
-                let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
-                let mut length = 0;
-                loop {
-                    let mut header = String::new();
-                    if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
-                        break;
-                    }
-                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
-                        length = v.trim().parse().unwrap_or(0);
-                    }
-                }
-                let mut body = vec![0; length];
-                if reader.read_exact(&mut body).is_err() {
-                    continue;
-                }
-                let status = if refusing.load(Ordering::SeqCst) {
-                    "503 Service Unavailable"
-                } else {
-                    seen.lock()
-                        .unwrap()
-                        .push((path, serde_json::from_slice(&body).unwrap()));
-                    "200 OK"
-                };
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                );
-            }
-        });
-        Receiver {
-            url,
-            slack,
-            got,
-            down,
+impl Hooks {
+    fn start() -> Hooks {
+        let stub = Receiver::start(0);
+        Hooks {
+            url: format!("{}/hook", stub.base),
+            slack: format!("{}/slack", stub.base),
+            got: stub.got,
+            down: stub.down,
         }
     }
 
@@ -140,30 +96,16 @@ struct Binary {
 }
 
 impl Binary {
-    fn start(dir: &std::path::Path, hook: &Receiver, extra: &[&str]) -> Binary {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_rankwatch"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--flush-interval", "1h"])
-            .args([
-                "--webhook-url",
-                &hook.url,
-                "--slack-webhook-url",
-                &hook.slack,
-            ])
-            .args(["--alert-max-attempts", "1"])
-            .args(extra)
-            .arg("--data-dir")
-            .arg(dir)
-            .env("RANKWATCH_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("rankwatch binary starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = line.trim().rsplit(' ').next().unwrap().to_owned();
-        assert!(base.starts_with("http://127.0.0.1:"), "{line}");
+    fn start(dir: &std::path::Path, hook: &Hooks, extra: &[&str]) -> Binary {
+        let mut args = vec!["--flush-interval", "1h", "--alert-max-attempts", "1"];
+        args.extend([
+            "--webhook-url",
+            &hook.url,
+            "--slack-webhook-url",
+            &hook.slack,
+        ]);
+        args.extend(extra);
+        let (child, base) = spawn_rankwatch(dir, &args);
         Binary { child, base }
     }
 
@@ -235,6 +177,27 @@ impl Binary {
     }
 }
 
+impl Binary {
+    /// Announces a 4-rank `run`, sends steps 0..12 with a NaN on rank 1 at step 7, and waits
+    /// until its alert fires and the webhook heard it; returns the alert's id.
+    fn fire_nan(&self, run: &str, sim: &mut DataParallelSim, hook: &Hooks) -> String {
+        self.post(
+            "/api/v1/ingest?table=runs",
+            None,
+            runs_ipc(&info(run, WORLD, 2)),
+        );
+        self.steps(run, sim, 0..12, 7);
+        let fired = self.wait_alert(run, "the NaN fires", |a| {
+            is_nan_alert(a) && a["state"] == "firing"
+        });
+        let id = fired["id"].as_str().unwrap().to_owned();
+        hook.wait_for("the firing is delivered", |h| {
+            h.contains(&("firing".into(), id.clone()))
+        });
+        id
+    }
+}
+
 fn is_nan_alert(a: &Value) -> bool {
     a["rule"] == "nonfinite" && a["rank"] == 1
 }
@@ -242,23 +205,11 @@ fn is_nan_alert(a: &Value) -> bool {
 #[test]
 fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_the_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let hook = Receiver::start();
+    let hook = Hooks::start();
     let run = "deliver";
     let collector = Binary::start(dir.path(), &hook, &[]);
-    collector.post(
-        "/api/v1/ingest?table=runs",
-        None,
-        runs_ipc(&info(run, WORLD, 2)),
-    );
     let mut sim = DataParallelSim::new(WORLD, 64, 3);
-    collector.steps(run, &mut sim, 0..12, 7);
-    let fired = collector.wait_alert(run, "the NaN fires", |a| {
-        is_nan_alert(a) && a["state"] == "firing"
-    });
-    let id = fired["id"].as_str().unwrap().to_owned();
-    hook.wait_for("the firing is delivered", |h| {
-        h.contains(&("firing".into(), id.clone()))
-    });
+    let id = collector.fire_nan(run, &mut sim, &hook);
 
     // kill -9 before any flush: the log replays, the detector raises the alert again.
     collector.kill9();
@@ -394,7 +345,7 @@ impl Alertmanager {
 #[test]
 fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let hook = Receiver::start();
+    let hook = Hooks::start();
     let am = Alertmanager::start();
     if am.is_none() {
         eprintln!(
@@ -408,18 +359,8 @@ fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
     }
     let run = "abandoned";
     let collector = Binary::start(dir.path(), &hook, &extra);
-    collector.post(
-        "/api/v1/ingest?table=runs",
-        None,
-        runs_ipc(&info(run, WORLD, 2)),
-    );
     let mut sim = DataParallelSim::new(WORLD, 64, 3);
-    collector.steps(run, &mut sim, 0..12, 7);
-    let fired = collector.wait_alert(run, "the NaN fires", |a| {
-        is_nan_alert(a) && a["state"] == "firing"
-    });
-    let id = fired["id"].as_str().unwrap().to_owned();
-    hook.wait_for("the firing is delivered", |h| !h.is_empty());
+    let id = collector.fire_nan(run, &mut sim, &hook);
     if let Some(am) = &am {
         am.wait_for(run, "Alertmanager holds the firing alert", |s| {
             s.iter().any(|x| x == "active")

@@ -3,9 +3,6 @@
 //! restart, per-run rule overrides, and delivery to a webhook, Slack and the training
 //! process's feed.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::common::*;
@@ -271,63 +268,11 @@ async fn rule_overrides_are_checked_applied_and_kept() {
     c.shutdown().await.unwrap();
 }
 
-/// A minimal HTTP receiver: records (path, body) of every POST and answers 200 — after
-/// answering 503 to the first `fail_first` requests, to exercise the retries.
-/// What a receiver got: (path, JSON body) per accepted POST.
-type Received = Arc<Mutex<Vec<(String, Value)>>>;
-
-fn receiver(fail_first: usize) -> (String, Received) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let got = Arc::new(Mutex::new(Vec::new()));
-    let seen = got.clone();
-    std::thread::spawn(move || {
-        let mut served = 0;
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut line = String::new();
-            if reader.read_line(&mut line).is_err() {
-                continue;
-            }
-            let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
-            let mut length = 0;
-            loop {
-                let mut header = String::new();
-                reader.read_line(&mut header).unwrap();
-                if header.trim().is_empty() {
-                    break;
-                }
-                if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
-                    length = v.trim().parse().unwrap();
-                }
-            }
-            let mut body = vec![0; length];
-            reader.read_exact(&mut body).unwrap();
-            served += 1;
-            let status = if served <= fail_first {
-                "503 Service Unavailable"
-            } else {
-                "200 OK"
-            };
-            if served > fail_first {
-                seen.lock()
-                    .unwrap()
-                    .push((path, serde_json::from_slice(&body).unwrap()));
-            }
-            let _ = write!(
-                stream,
-                "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-            );
-        }
-    });
-    (url, got)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nan_reaches_the_webhook_slack_and_the_training_process() {
     let dir = tempfile::tempdir().unwrap();
-    let (url, got) = receiver(1);
+    let receiver = Receiver::start(1);
+    let (url, got) = (receiver.base.clone(), receiver.got.clone());
     let mut config = config(dir.path());
     config.webhook_urls = vec![format!("{url}/hook")];
     config.slack_webhook_urls = vec![format!("{url}/slack")];

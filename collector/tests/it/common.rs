@@ -266,3 +266,90 @@ pub async fn run_names(c: &Collector) -> Vec<String> {
     names.sort();
     names
 }
+
+/// The real `rankwatch serve` binary on a free loopback port, with `args`, on `dir`; returns
+/// the child and the base URL it printed.
+pub fn spawn_rankwatch(dir: &Path, args: &[&str]) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rankwatch"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir)
+        .env("RANKWATCH_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("rankwatch binary starts");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line.trim().rsplit(' ').next().unwrap().to_owned();
+    assert!(base.starts_with("http://127.0.0.1:"), "{line}");
+    (child, base)
+}
+
+/// An HTTP receiver stub for alert deliveries: records (path, JSON body) of every POST it
+/// accepts; answers 503 to the first `fail_first` requests, and while `down` is set.
+pub struct Receiver {
+    /// `http://127.0.0.1:PORT`: post to any path under it.
+    pub base: String,
+    pub got: std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+    pub down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Receiver {
+    pub fn start(fail_first: usize) -> Receiver {
+        use std::io::{BufRead, Read, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let receiver = Receiver {
+            base,
+            got: Default::default(),
+            down: Default::default(),
+        };
+        let (seen, refusing) = (receiver.got.clone(), receiver.down.clone());
+        std::thread::spawn(move || {
+            let mut served = 0;
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                if reader.read_line(&mut line).is_err() {
+                    continue;
+                }
+                let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+                let mut length = 0;
+                loop {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let mut body = vec![0; length];
+                if reader.read_exact(&mut body).is_err() {
+                    continue;
+                }
+                served += 1;
+                let status = if served <= fail_first || refusing.load(Ordering::SeqCst) {
+                    "503 Service Unavailable"
+                } else {
+                    seen.lock()
+                        .unwrap()
+                        .push((path, serde_json::from_slice(&body).unwrap()));
+                    "200 OK"
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+            }
+        });
+        receiver
+    }
+}

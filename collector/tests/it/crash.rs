@@ -5,8 +5,7 @@
 //! Runs the real `rankwatch` binary with short flush and compaction intervals, so kills land
 //! in the middle of group commits, flushes and compactions too.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,30 +20,10 @@ const ROWS: u64 = 50;
 const RUN: &str = "crash";
 
 fn spawn(dir: &std::path::Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rankwatch"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--flush-interval",
-            "150ms",
-            "--compact-interval",
-            "400ms",
-        ])
-        .arg("--data-dir")
-        .arg(dir)
-        .env("RANKWATCH_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("rankwatch binary starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line.trim().rsplit(' ').next().unwrap().to_owned();
-    assert!(address.starts_with("http://127.0.0.1:"), "{line}");
-    (child, address)
+    spawn_rankwatch(
+        dir,
+        &["--flush-interval", "150ms", "--compact-interval", "400ms"],
+    )
 }
 
 fn agent() -> ureq::Agent {

@@ -59,6 +59,22 @@ impl Server {
         TcpStream::connect(self.addr).await.unwrap()
     }
 
+    /// `POST /api/v1/sql` with the query as plain text.
+    async fn sql(&self, query: &[u8]) -> Answer {
+        self.request(
+            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
+            query,
+        )
+        .await
+    }
+
+    /// `POST /api/v1/ingest` of an Arrow body, with an idempotency key if given.
+    async fn ingest(&self, body: &[u8], key: Option<&str>) -> Answer {
+        let key = key.map_or(String::new(), |k| format!("\r\nIdempotency-Key: {k}"));
+        let head = format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}{key}");
+        self.request(&head, body).await
+    }
+
     /// One request on a fresh connection; the whole answer (the server closes after it).
     async fn request(&self, head: &str, body: &[u8]) -> Answer {
         let mut stream = self.connect().await;
@@ -169,12 +185,7 @@ async fn a_stalled_body_holds_no_slot_past_the_body_timeout_and_others_are_refus
     let mut stalled = stalled_post(&server, "/api/v1/ingest", ARROW, 1000).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     // The one request slot is taken: a query is refused at once, naming the flag...
-    let busy = server
-        .request(
-            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
-            b"SELECT 1",
-        )
-        .await;
+    let busy = server.sql(b"SELECT 1").await;
     assert_eq!(busy.status, 429, "{busy:?}");
     assert!(busy.head.contains("retry-after: 1"), "{busy:?}");
     assert!(busy.body.contains("--max-concurrent-requests"), "{busy:?}");
@@ -191,12 +202,7 @@ async fn a_stalled_body_holds_no_slot_past_the_body_timeout_and_others_are_refus
     assert!(answer.body.contains("--body-timeout"), "{answer:?}");
     assert!(answer.head.contains("connection: close"), "{answer:?}");
     // The slot is free again.
-    let ok = server
-        .request(
-            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
-            b"SELECT 1",
-        )
-        .await;
+    let ok = server.sql(b"SELECT 1").await;
     assert_eq!(ok.status, 200, "{ok:?}");
     assert_eq!(metric(&server, "rankwatch_inflight_requests").await, 0.0);
     assert_eq!(
@@ -236,12 +242,7 @@ async fn ingest_bodies_in_flight_are_bounded_by_their_declared_size() {
         "the test batch is {} bytes",
         body.len()
     );
-    let stored = server
-        .request(
-            &format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}"),
-            &body,
-        )
-        .await;
+    let stored = server.ingest(&body, None).await;
     assert_eq!(stored.status, 200, "{stored:?}");
     assert!(stored.body.contains("\"stored\""), "{stored:?}");
     server.stop().await;
@@ -323,26 +324,14 @@ async fn connections_over_the_cap_wait_for_one_to_close() {
 async fn a_query_over_the_memory_pool_fails_naming_the_limit_and_the_collector_goes_on() {
     let server = Server::start(|c| c.query_memory = 256 << 10).await;
     let body = samples_ipc(&workload("big", 8, 400, 8), false);
-    let stored = server
-        .request(
-            &format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}"),
-            &body,
-        )
-        .await;
+    let stored = server.ingest(&body, None).await;
     assert_eq!(stored.status, 200, "{stored:?}");
     // Every value into one string: an aggregate that cannot spill.
     let sql = b"SELECT string_agg(CAST(value AS VARCHAR) || metric, ',') FROM samples";
-    let answer = server
-        .request("POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain", sql)
-        .await;
+    let answer = server.sql(sql).await;
     assert_eq!(answer.status, 400, "{answer:?}");
     assert!(answer.body.contains("--query-memory"), "{answer:?}");
-    let small = server
-        .request(
-            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
-            b"SELECT count(*) AS n FROM samples",
-        )
-        .await;
+    let small = server.sql(b"SELECT count(*) AS n FROM samples").await;
     assert_eq!(small.status, 200, "{small:?}");
     assert!(small.body.contains("28800"), "{small:?}");
     server.stop().await;
@@ -371,12 +360,7 @@ async fn ingest_goes_on_beside_two_thousand_idle_sockets_and_hundreds_of_stalled
     })
     .await;
     let seed = samples_ipc(&workload("big", 8, 200, 8), false);
-    let r = server
-        .request(
-            &format!("POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}"),
-            &seed,
-        )
-        .await;
+    let r = server.ingest(&seed, None).await;
     assert_eq!(r.status, 200, "{r:?}");
 
     let mut held = Vec::new();
@@ -425,14 +409,7 @@ async fn ingest_goes_on_beside_two_thousand_idle_sockets_and_hundreds_of_stalled
             .collect();
         let body = samples_ipc(&rows, false);
         let started = std::time::Instant::now();
-        let answer = server
-            .request(
-                &format!(
-                    "POST /api/v1/ingest HTTP/1.1\r\nContent-Type: {ARROW}\r\nIdempotency-Key: honest/0/s/{i}"
-                ),
-                &body,
-            )
-            .await;
+        let answer = server.ingest(&body, Some(&format!("honest/0/s/{i}"))).await;
         latencies.push(started.elapsed());
         assert_eq!(answer.status, 200, "batch {i}: {answer:?}");
     }
@@ -447,10 +424,7 @@ async fn ingest_goes_on_beside_two_thousand_idle_sockets_and_hundreds_of_stalled
     );
     // Nothing acknowledged is missing.
     let count = server
-        .request(
-            "POST /api/v1/sql HTTP/1.1\r\nContent-Type: text/plain",
-            b"SELECT count(*) AS n, sum(value) AS s FROM samples WHERE run = 'honest'",
-        )
+        .sql(b"SELECT count(*) AS n, sum(value) AS s FROM samples WHERE run = 'honest'")
         .await;
     assert_eq!(count.status, 200, "{count:?}");
     assert!(count.body.contains("\"n\":4000"), "{count:?}");
