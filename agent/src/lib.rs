@@ -274,58 +274,43 @@ pub fn sync_spool(
     let mut report = SyncReport::default();
     let mut spool = spool::Spool::open(dir, u64::MAX, 8 << 20)?;
     let refused_dir = dir.join(REFUSED_DIR);
-    let mut refused = refused_dir
-        .is_dir()
-        .then(|| spool::Spool::open(&refused_dir, u64::MAX, 8 << 20))
-        .transpose()?;
+    let mut aside = spool::Aside::new(refused_dir.clone(), u64::MAX, 8 << 20);
     if !drain(
         &mut spool,
         &transport,
         timeout,
-        &refused_dir,
-        &mut refused,
         &mut report,
-        None,
+        Some(&mut aside),
     )? {
         return Ok(report);
     }
     report.corrupt = spool.corrupt();
-    if let Some(mut kept) = refused.take() {
-        // One pass over what was kept before this call: a batch refused again goes to the
-        // back of the same folder and is not tried twice.
-        let pass = kept.records();
-        drain(
-            &mut kept,
-            &transport,
-            timeout,
-            &refused_dir,
-            &mut None,
-            &mut report,
-            Some(pass),
-        )?;
+    if refused_dir.is_dir() {
+        // One pass over what was kept before: a batch refused again goes to the back of the
+        // same folder and is not tried twice.
+        let kept = aside.spool()?;
+        drain(kept, &transport, timeout, &mut report, None)?;
         kept.sync();
         report.corrupt += kept.corrupt();
     }
     Ok(report)
 }
 
-/// Sends `spool`'s batches (at most `limit`); refused ones go to the spool in `refused_dir`
-/// (opened on first need). Returns `false` when the collector could not take one now.
+/// Sends `spool`'s batches; refused ones are kept in `aside`, or, without one (`spool` is the
+/// refused folder itself), appended back to `spool` behind this pass, which then stops at the
+/// records it started with. Returns `false` when the collector could not take one now.
 fn drain(
     spool: &mut spool::Spool,
     transport: &transport::Transport,
     timeout: Duration,
-    refused_dir: &Path,
-    refused: &mut Option<spool::Spool>,
     report: &mut SyncReport,
-    limit: Option<u64>,
+    mut aside: Option<&mut spool::Aside>,
 ) -> Result<bool> {
-    let mut sent = 0u64;
-    while limit.is_none_or(|n| sent < n) {
+    let pass = spool.records();
+    for _ in 0..pass {
         let Some(batch) = spool.head() else {
             break;
         };
-        sent += 1;
         match transport.post(batch, timeout) {
             transport::Outcome::Delivered { duplicate } => {
                 report.batches += 1;
@@ -336,20 +321,10 @@ fn drain(
             transport::Outcome::Refused { reason, .. } => {
                 let batch = batch.clone();
                 report.errors.push(reason);
-                // Kept in the same folder when that is the one being sent (appended behind
-                // this pass), else in `refused/` beside it.
-                let kept = if limit.is_some() {
-                    spool.pop();
-                    spool.append(&batch)?
-                } else {
-                    if refused.is_none() {
-                        *refused = Some(spool::Spool::open(refused_dir, u64::MAX, 8 << 20)?);
-                    }
-                    let target = refused.as_mut().expect("opened above");
-                    let kept = target.append(&batch)?;
-                    target.sync();
-                    spool.pop();
-                    kept
+                spool.pop();
+                let kept = match aside.as_deref_mut() {
+                    Some(aside) => aside.keep(&batch)?,
+                    None => spool.append(&batch)?,
                 };
                 if kept {
                     report.set_aside_rows += batch.rows;

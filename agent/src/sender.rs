@@ -26,7 +26,7 @@ use crate::backoff::Backoff;
 use crate::config::{AgentConfig, Mode};
 use crate::encode::{self, Row, Table};
 use crate::record::{Metric, Point, Record};
-use crate::spool::{Batch, Spool};
+use crate::spool::{Aside, Batch, Spool};
 use crate::stats::Stats;
 use crate::transport::{Outcome, Transport};
 
@@ -174,8 +174,10 @@ pub(crate) struct Sender {
     last_step: u64,
     reported_dropped: u64,
     dropped_metric: Metric,
-    /// Batches the collector refused, kept beside the spool (opened at the first refusal).
-    refused: Option<Spool>,
+    /// Where batches the collector refused are kept (`refused/` beside the spool): nothing is
+    /// lost to a limit that can be raised (`422`, the series limit) or a collector that can be
+    /// upgraded; `rankwatch sync` sends them again. `None` without a spool directory.
+    refused: Option<Aside>,
 }
 
 impl Sender {
@@ -200,6 +202,13 @@ impl Sender {
             spool,
         };
         backlog.publish(&shared.stats);
+        let refused = config.spool_dir.as_ref().map(|dir| {
+            Aside::new(
+                dir.join(crate::REFUSED_DIR),
+                config.spool_max_bytes,
+                config.segment_bytes,
+            )
+        });
         Sender {
             backoff: Backoff::new(config.backoff_base, config.backoff_cap),
             config,
@@ -218,7 +227,7 @@ impl Sender {
             last_step: 0,
             reported_dropped: 0,
             dropped_metric: vocab::Metric::Dropped.into(),
-            refused: None,
+            refused,
         }
     }
 
@@ -444,9 +453,15 @@ impl Sender {
                 Outcome::Refused { reason, .. } => {
                     stats.connected.store(true, Relaxed);
                     stats.ever_connected.store(true, Relaxed);
-                    let kept = self.backlog.head().is_some_and(|batch| {
-                        set_aside(&mut self.refused, &self.config, batch, stats)
-                    });
+                    // Kept unless there is no spool, or its `refused/` is full or failing
+                    // (then counted as refused).
+                    let kept = match (self.backlog.head(), self.refused.as_mut()) {
+                        (Some(batch), Some(aside)) => aside.keep(batch).unwrap_or_else(|e| {
+                            stats.error(format!("cannot keep a refused batch: {e}"));
+                            false
+                        }),
+                        _ => false,
+                    };
                     if kept {
                         stats.set_aside_rows.fetch_add(rows, Relaxed);
                         let dir = self.config.spool_dir.as_deref().unwrap_or(Path::new("."));
@@ -498,47 +513,4 @@ pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// Keeps a batch the collector refused in the spool's `refused/` folder, so that nothing is
-/// lost to a limit that can be raised (`422`, the series limit) or a collector that can be
-/// upgraded: `rankwatch sync` sends it again. `false` without a spool directory, or when that
-/// folder is full or failing (the rows are then counted as refused).
-pub(crate) fn set_aside(
-    refused: &mut Option<Spool>,
-    config: &AgentConfig,
-    batch: &Batch,
-    stats: &Stats,
-) -> bool {
-    let Some(dir) = config.spool_dir.as_deref() else {
-        return false;
-    };
-    if refused.is_none() {
-        match Spool::open(
-            &dir.join(crate::REFUSED_DIR),
-            config.spool_max_bytes,
-            config.segment_bytes,
-        ) {
-            Ok(spool) => *refused = Some(spool),
-            Err(e) => {
-                stats.error(format!("cannot keep a refused batch: {e}"));
-                return false;
-            }
-        }
-    }
-    let Some(spool) = refused.as_mut() else {
-        return false;
-    };
-    match spool.append(batch) {
-        Ok(true) => {
-            // Refusals are rare: each kept batch is made durable at once.
-            spool.sync();
-            true
-        }
-        Ok(false) => false,
-        Err(e) => {
-            stats.error(format!("cannot keep a refused batch: {e}"));
-            false
-        }
-    }
 }

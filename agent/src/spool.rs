@@ -337,6 +337,45 @@ fn count_records(path: &Path, limit: u64) -> u64 {
     count
 }
 
+/// A spool opened on first use, where each appended batch is made durable at once: the
+/// `refused/` folder beside a spool, where batches the collector refused are kept (refusals
+/// are rare, so a sync per batch costs nothing; an agent that is never refused never creates
+/// the folder).
+#[derive(Debug)]
+pub(crate) struct Aside {
+    dir: PathBuf,
+    max_bytes: u64,
+    segment_bytes: u64,
+    spool: Option<Spool>,
+}
+
+impl Aside {
+    pub(crate) fn new(dir: PathBuf, max_bytes: u64, segment_bytes: u64) -> Aside {
+        Aside {
+            dir,
+            max_bytes,
+            segment_bytes,
+            spool: None,
+        }
+    }
+
+    /// The spool, opened (and created) now if it was not yet.
+    pub(crate) fn spool(&mut self) -> Result<&mut Spool> {
+        if self.spool.is_none() {
+            self.spool = Some(Spool::open(&self.dir, self.max_bytes, self.segment_bytes)?);
+        }
+        Ok(self.spool.as_mut().expect("opened above"))
+    }
+
+    /// Appends `batch` durably; `Ok(false)` when the folder is full.
+    pub(crate) fn keep(&mut self, batch: &Batch) -> Result<bool> {
+        let spool = self.spool()?;
+        let kept = spool.append(batch)?;
+        spool.sync();
+        Ok(kept)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

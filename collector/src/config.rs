@@ -416,13 +416,10 @@ impl ServeConfig {
 
     /// The node id: `--node-id`, else the host name.
     pub fn node_id(&self) -> String {
-        self.node_id.clone().unwrap_or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_owned())
-                .ok()
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| "collector".to_owned())
-        })
+        self.node_id
+            .clone()
+            .or_else(crate::fsutil::host_name)
+            .unwrap_or_else(|| "collector".to_owned())
     }
 
     /// Whether the Parquet side lives in object storage.

@@ -49,3 +49,11 @@ pub fn sync_parent(path: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// This machine's host name (Linux), if it has one.
+pub fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+}

@@ -15,7 +15,7 @@
 //! first design rewrote one snapshot of all keys, cloned under the store's lock, every flush).
 //! A deleted run's keys go with it, in memory and on disk, so the set is bounded by the runs
 //! kept. A data directory of that first design (`keys-<seq>.json`) is read once and rewritten
-//! per run at the next flush.
+//! per run at start.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs;
@@ -262,8 +262,7 @@ impl KeySet {
     }
 
     /// Loads the keys of a data directory whose manifest says `flushed_seq`: the per-run files,
-    /// or a snapshot of the first design (its runs then count as changed, so the next flush
-    /// writes them per run). A directory with flushed data and no keys at all is refused:
+    /// or a snapshot of the first design (rewritten per run here, then removed). A directory with flushed data and no keys at all is refused:
     /// retried batches would be stored twice.
     pub fn load(dir: &Path, flushed_seq: u64, now_ms: i64) -> Result<KeySet> {
         let mut set = KeySet::default();
@@ -294,6 +293,11 @@ impl KeySet {
                 set.last_ms.insert(run.clone(), now_ms);
                 set.dirty.insert(run);
             }
+            // Rewritten per run at once (a file may run ahead of the manifest, see the module
+            // docs); then the old snapshots go.
+            fs::create_dir_all(&runs_dir)?;
+            set.take_changes().save(dir)?;
+            remove_legacy(dir)?;
         } else if flushed_seq > 0 {
             return Err(corrupt(
                 &runs_dir,
@@ -332,8 +336,8 @@ pub fn remove_run_file(dir: &Path, run: &RunId) -> Result<()> {
     }
 }
 
-/// Deletes the first design's snapshots, once a flush has written every run's file.
-pub fn remove_legacy(dir: &Path) -> Result<()> {
+/// Deletes the first design's snapshots, once every run's file is written.
+fn remove_legacy(dir: &Path) -> Result<()> {
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
@@ -500,10 +504,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let legacy = r#"{"through_seq":40,"sessions":[["run-1",3,"abc",[[1,3],[10,10]]]]}"#;
         std::fs::write(legacy_path(dir.path(), 40), legacy).unwrap();
-        let mut set = KeySet::load(dir.path(), 40, 100).unwrap();
+        let set = KeySet::load(dir.path(), 40, 100).unwrap();
         assert!(set.is_applied(&key(2)) && set.is_applied(&key(10)) && !set.is_applied(&key(4)));
-        set.take_changes().save(dir.path()).unwrap();
-        remove_legacy(dir.path()).unwrap();
         assert!(!legacy_path(dir.path(), 40).exists());
         let again = KeySet::load(dir.path(), 41, 100).unwrap();
         assert!(again.is_applied(&key(3)));

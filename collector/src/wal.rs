@@ -82,27 +82,42 @@ pub type ApplyFn = Box<dyn FnOnce(u64) + Send>;
 pub struct FaultInjector {
     writes: AtomicU32,
     syncs: AtomicU32,
-    /// Each segment's length at its last successful fsync (and its creation, once its directory
-    /// entry was synced): what a power cut now would leave of it.
-    durable: Mutex<std::collections::BTreeMap<PathBuf, u64>>,
+    /// Once [`FaultInjector::track_durability`] was called: each segment's length at its last
+    /// successful fsync (and its creation, once its directory entry was synced), which is what
+    /// a power cut now would leave of it. Off by default: the writer then records nothing.
+    durable: Mutex<Option<std::collections::BTreeMap<PathBuf, u64>>>,
 }
 
 impl FaultInjector {
+    /// Starts recording what a power cut would leave of each segment (for tests: the record
+    /// is kept for every segment ever written, deleted ones included).
+    pub fn track_durability(&self) {
+        self.durable
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(Default::default);
+    }
+
     /// What a power cut at this instant would leave: each segment's length as of its last
-    /// fsync. Bytes after it are only in the page cache. (Tests cut copies of the segments to
-    /// these lengths and replay them.)
+    /// fsync since tracking began. Bytes after it are only in the page cache. (Tests cut copies
+    /// of the segments to these lengths and replay them.)
     pub fn durable_lengths(&self) -> std::collections::BTreeMap<PathBuf, u64> {
         self.durable
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+            .unwrap_or_default()
     }
 
     fn synced(&self, path: &Path, len: u64) {
-        self.durable
+        if let Some(durable) = self
+            .durable
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(path.to_owned(), len);
+            .as_mut()
+        {
+            durable.insert(path.to_owned(), len);
+        }
     }
 
     /// The next `n` segment writes fail (0 stops failing them).
@@ -1053,6 +1068,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let (wal, thread) =
                 WalHandle::start(dir.path().into(), 1, 2048, Arc::new(Quiet)).unwrap();
+            wal.faults().track_durability();
             let acked: Arc<Mutex<BTreeMap<u64, Vec<u8>>>> = Arc::default();
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

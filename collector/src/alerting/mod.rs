@@ -198,19 +198,15 @@ impl AlertEngine {
     ) -> AlertEngine {
         let (tx, rx) = mpsc::channel(256);
         let started_ms = writer.store.now_ms();
-        let restored = writer
-            .store
-            .alerts(None)
-            .into_iter()
-            .filter(|a| a.state != AlertState::Resolved)
-            .map(|a| (a.key(), a))
-            .collect();
+        // Alerts open when the collector last stopped: restored, and counted against the cap.
+        let mut restored = HashMap::new();
         let mut open: HashMap<RunId, std::collections::HashSet<String>> = HashMap::new();
         for alert in writer.store.alerts(None) {
             if alert.state != AlertState::Resolved {
                 open.entry(alert.run.clone())
                     .or_default()
                     .insert(alert.id.clone());
+                restored.insert(alert.key(), alert);
             }
         }
         let task = Engine {

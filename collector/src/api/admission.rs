@@ -20,6 +20,7 @@
 //! work ends, however it ends.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::middleware::Next;
@@ -30,16 +31,67 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::AppState;
 pub use crate::config::AdmissionLimits;
 use crate::error::{Error, Result};
+use crate::telemetry::AdmissionGauges;
 
-/// The semaphores, and gauges of what holds them.
+/// One bounded resource: its permits, the gauge of those in use, and the flag that sizes it.
+#[derive(Debug)]
+struct Pool {
+    permits: Arc<Semaphore>,
+    gauge: Gauge,
+    /// What a refusal says is taken, e.g. "256 requests are being handled
+    /// (--max-concurrent-requests)".
+    full: String,
+}
+
+impl Pool {
+    fn new(size: usize, gauge: &Gauge, full: String) -> Pool {
+        // tokio's semaphore holds at most usize::MAX >> 3 permits.
+        Pool {
+            permits: Arc::new(Semaphore::new(size.min(Semaphore::MAX_PERMITS))),
+            gauge: gauge.clone(),
+            full,
+        }
+    }
+
+    fn slot(&self, permit: OwnedSemaphorePermit, amount: usize) -> Slot {
+        let amount = i64::try_from(amount).unwrap_or(i64::MAX);
+        self.gauge.inc_by(amount);
+        Slot {
+            _permit: permit,
+            gauge: self.gauge.clone(),
+            amount,
+        }
+    }
+
+    /// `amount` permits, waiting up to `wait` for them.
+    async fn wait(&self, amount: usize, wait: Duration) -> Result<Slot> {
+        let permits = u32::try_from(amount).unwrap_or(u32::MAX);
+        let acquire = self.permits.clone().acquire_many_owned(permits);
+        match tokio::time::timeout(wait, acquire).await {
+            Ok(Ok(permit)) => Ok(self.slot(permit, amount)),
+            // Closed: never happens (nothing closes these), but a refusal is the safe answer.
+            Ok(Err(_)) | Err(_) => Err(Error::Busy(format!("{}; waited {wait:?}", self.full))),
+        }
+    }
+
+    /// One permit, now or never.
+    fn try_take(&self) -> Result<Slot> {
+        match self.permits.clone().try_acquire_owned() {
+            Ok(permit) => Ok(self.slot(permit, 1)),
+            Err(_) => Err(Error::Busy(self.full.clone())),
+        }
+    }
+}
+
+/// The API's bounded resources.
 #[derive(Debug)]
 pub(crate) struct Admission {
     limits: AdmissionLimits,
-    requests: Arc<Semaphore>,
-    bytes: Arc<Semaphore>,
-    streams: Arc<Semaphore>,
-    exports: Arc<Semaphore>,
-    sql: Arc<Semaphore>,
+    requests: Pool,
+    bytes: Pool,
+    streams: Pool,
+    exports: Pool,
+    sql: Pool,
 }
 
 /// A held slot; its gauge goes back down when it is dropped.
@@ -57,16 +109,52 @@ impl Drop for Slot {
 }
 
 impl Admission {
-    pub(crate) fn new(limits: AdmissionLimits) -> Self {
-        // tokio's semaphore holds at most usize::MAX >> 3 permits.
-        let bytes = limits.max_inflight_bytes.min(Semaphore::MAX_PERMITS);
+    /// The pools of `limits`, counting their slots in use on `gauges` (and event streams on
+    /// `streams`).
+    pub(crate) fn new(limits: AdmissionLimits, gauges: &AdmissionGauges, streams: &Gauge) -> Self {
+        let l = limits;
         Admission {
             limits,
-            requests: Arc::new(Semaphore::new(limits.max_requests)),
-            bytes: Arc::new(Semaphore::new(bytes)),
-            streams: Arc::new(Semaphore::new(limits.max_event_streams)),
-            exports: Arc::new(Semaphore::new(limits.max_exports)),
-            sql: Arc::new(Semaphore::new(limits.max_sql)),
+            requests: Pool::new(
+                l.max_requests,
+                &gauges.requests,
+                format!(
+                    "{} requests are being handled (--max-concurrent-requests)",
+                    l.max_requests
+                ),
+            ),
+            bytes: Pool::new(
+                l.max_inflight_bytes,
+                &gauges.body_bytes,
+                format!(
+                    "ingest bodies of {} bytes in all are being processed (--max-inflight-bytes)",
+                    l.max_inflight_bytes
+                ),
+            ),
+            streams: Pool::new(
+                l.max_event_streams,
+                streams,
+                format!(
+                    "{} event streams are open (--max-event-streams)",
+                    l.max_event_streams
+                ),
+            ),
+            exports: Pool::new(
+                l.max_exports,
+                &gauges.exports,
+                format!(
+                    "{} exports are running (--max-concurrent-exports)",
+                    l.max_exports
+                ),
+            ),
+            sql: Pool::new(
+                l.max_sql,
+                &gauges.sql,
+                format!(
+                    "{} SQL queries are running (--max-concurrent-sql)",
+                    l.max_sql
+                ),
+            ),
         }
     }
 
@@ -75,97 +163,29 @@ impl Admission {
     }
 
     /// A handler slot, waiting up to `queue_wait` for one.
-    pub(crate) async fn request(&self, gauge: &Gauge) -> Result<Slot> {
-        self.wait(&self.requests, 1, gauge, || {
-            format!(
-                "{} requests are being handled (--max-concurrent-requests)",
-                self.limits.max_requests
-            )
-        })
-        .await
+    pub(crate) async fn request(&self) -> Result<Slot> {
+        self.requests.wait(1, self.limits.queue_wait).await
     }
 
     /// Room for an ingest body of `bytes`, waiting up to `queue_wait` for it.
-    pub(crate) async fn body_bytes(&self, bytes: usize, gauge: &Gauge) -> Result<Slot> {
+    pub(crate) async fn body_bytes(&self, bytes: usize) -> Result<Slot> {
         let wanted = bytes.clamp(1, self.limits.max_inflight_bytes);
-        self.wait(&self.bytes, wanted, gauge, || {
-            format!(
-                "ingest bodies of {} bytes in all are being processed (--max-inflight-bytes)",
-                self.limits.max_inflight_bytes
-            )
-        })
-        .await
+        self.bytes.wait(wanted, self.limits.queue_wait).await
     }
 
     /// An event-stream slot, now or never.
-    pub(crate) fn event_stream(&self, gauge: &Gauge) -> Result<Slot> {
-        try_take(&self.streams, gauge, || {
-            format!(
-                "{} event streams are open (--max-event-streams)",
-                self.limits.max_event_streams
-            )
-        })
+    pub(crate) fn event_stream(&self) -> Result<Slot> {
+        self.streams.try_take()
     }
 
     /// An export slot, now or never.
-    pub(crate) fn export(&self, gauge: &Gauge) -> Result<Slot> {
-        try_take(&self.exports, gauge, || {
-            format!(
-                "{} exports are running (--max-concurrent-exports)",
-                self.limits.max_exports
-            )
-        })
+    pub(crate) fn export(&self) -> Result<Slot> {
+        self.exports.try_take()
     }
 
     /// A SQL slot, now or never.
-    pub(crate) fn sql(&self, gauge: &Gauge) -> Result<Slot> {
-        try_take(&self.sql, gauge, || {
-            format!(
-                "{} SQL queries are running (--max-concurrent-sql)",
-                self.limits.max_sql
-            )
-        })
-    }
-
-    async fn wait(
-        &self,
-        semaphore: &Arc<Semaphore>,
-        amount: usize,
-        gauge: &Gauge,
-        what: impl FnOnce() -> String,
-    ) -> Result<Slot> {
-        let permits = u32::try_from(amount).unwrap_or(u32::MAX);
-        let acquire = semaphore.clone().acquire_many_owned(permits);
-        match tokio::time::timeout(self.limits.queue_wait, acquire).await {
-            Ok(Ok(permit)) => Ok(slot(permit, gauge, amount)),
-            // Closed: never happens (nothing closes these), but a refusal is the safe answer.
-            Ok(Err(_)) | Err(_) => Err(Error::Busy(format!(
-                "{}; waited {:?}",
-                what(),
-                self.limits.queue_wait
-            ))),
-        }
-    }
-}
-
-fn try_take(
-    semaphore: &Arc<Semaphore>,
-    gauge: &Gauge,
-    what: impl FnOnce() -> String,
-) -> Result<Slot> {
-    match semaphore.clone().try_acquire_owned() {
-        Ok(permit) => Ok(slot(permit, gauge, 1)),
-        Err(_) => Err(Error::Busy(what())),
-    }
-}
-
-fn slot(permit: OwnedSemaphorePermit, gauge: &Gauge, amount: usize) -> Slot {
-    let amount = i64::try_from(amount).unwrap_or(i64::MAX);
-    gauge.inc_by(amount);
-    Slot {
-        _permit: permit,
-        gauge: gauge.clone(),
-        amount,
+    pub(crate) fn sql(&self) -> Result<Slot> {
+        self.sql.try_take()
     }
 }
 
@@ -173,11 +193,7 @@ fn slot(permit: OwnedSemaphorePermit, gauge: &Gauge, amount: usize) -> Slot {
 /// when the handler has answered; a streamed body (an export) is bounded by its own slot.
 pub(super) async fn admit(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let shared = &state.inner;
-    match shared
-        .admission
-        .request(&shared.requests.admission.requests)
-        .await
-    {
+    match shared.admission.request().await {
         Ok(slot) => {
             let response = next.run(request).await;
             drop(slot);
@@ -208,26 +224,34 @@ mod tests {
         }
     }
 
+    /// The pools of `limits()`, all counted on one gauge.
+    fn admission() -> (Admission, Gauge) {
+        let gauge = Gauge::default();
+        let gauges = AdmissionGauges {
+            requests: gauge.clone(),
+            body_bytes: gauge.clone(),
+            exports: gauge.clone(),
+            sql: gauge.clone(),
+        };
+        (Admission::new(limits(), &gauges, &gauge), gauge)
+    }
+
     #[tokio::test]
     async fn a_request_over_the_limit_waits_then_is_refused_naming_the_flag() {
-        let admission = Admission::new(limits());
-        let gauge = Gauge::default();
-        let a = admission.request(&gauge).await.unwrap();
-        let _b = admission.request(&gauge).await.unwrap();
+        let (admission, gauge) = admission();
+        let a = admission.request().await.unwrap();
+        let _b = admission.request().await.unwrap();
         assert_eq!(gauge.get(), 2);
-        let err = admission.request(&gauge).await.unwrap_err();
+        let err = admission.request().await.unwrap_err();
         assert!(
             err.to_string().contains("--max-concurrent-requests"),
             "{err}"
         );
         assert_eq!(err.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
         // A slot freed while a request waits is taken by it.
-        let waiting = tokio::spawn({
-            let gauge = gauge.clone();
-            async move {
-                let admission = admission;
-                admission.request(&gauge).await.map(|_| ())
-            }
+        let waiting = tokio::spawn(async move {
+            let admission = admission;
+            admission.request().await.map(|_| ())
         });
         tokio::time::sleep(Duration::from_millis(10)).await;
         drop(a);
@@ -237,40 +261,38 @@ mod tests {
 
     #[tokio::test]
     async fn body_bytes_are_counted_by_size_and_a_huge_claim_is_capped_at_the_budget() {
-        let admission = Admission::new(limits());
-        let gauge = Gauge::default();
-        let a = admission.body_bytes(800, &gauge).await.unwrap();
+        let (admission, gauge) = admission();
+        let a = admission.body_bytes(800).await.unwrap();
         assert_eq!(gauge.get(), 800);
-        let err = admission.body_bytes(300, &gauge).await.unwrap_err();
+        let err = admission.body_bytes(300).await.unwrap_err();
         assert!(err.to_string().contains("--max-inflight-bytes"), "{err}");
-        let _b = admission.body_bytes(200, &gauge).await.unwrap();
+        let _b = admission.body_bytes(200).await.unwrap();
         drop(a);
         assert_eq!(gauge.get(), 200);
         // A claim over the whole budget waits for all of it, rather than for ever.
-        let c = admission.body_bytes(0, &gauge).await;
+        let c = admission.body_bytes(0).await;
         assert!(c.is_ok(), "an empty body still takes one byte of room");
         drop(c);
         drop(_b);
-        let _all = admission.body_bytes(1 << 40, &gauge).await.unwrap();
+        let _all = admission.body_bytes(1 << 40).await.unwrap();
         assert_eq!(gauge.get(), 1000);
     }
 
     #[test]
     fn streams_exports_and_sql_are_refused_at_once_when_taken() {
-        let admission = Admission::new(limits());
-        let gauge = Gauge::default();
-        let s = admission.event_stream(&gauge).unwrap();
-        assert!(admission.event_stream(&gauge).is_err());
-        let e = admission.export(&gauge).unwrap();
-        let err = admission.export(&gauge).unwrap_err();
+        let (admission, gauge) = admission();
+        let s = admission.event_stream().unwrap();
+        assert!(admission.event_stream().is_err());
+        let e = admission.export().unwrap();
+        let err = admission.export().unwrap_err();
         assert!(
             err.to_string().contains("--max-concurrent-exports"),
             "{err}"
         );
-        let q = admission.sql(&gauge).unwrap();
-        assert!(admission.sql(&gauge).is_err());
+        let q = admission.sql().unwrap();
+        assert!(admission.sql().is_err());
         drop((s, e, q));
         assert_eq!(gauge.get(), 0);
-        assert!(admission.event_stream(&gauge).is_ok());
+        assert!(admission.event_stream().is_ok());
     }
 }

@@ -85,18 +85,19 @@ pub(super) async fn ingest(
         )?;
         let table = parse_table(q.table.as_deref().unwrap_or("samples"))?;
         let limit = state.inner.max_body_bytes;
-        if declared_length(&headers).is_some_and(|n| n > limit) {
+        let declared = declared_length(&headers);
+        if declared.is_some_and(|n| n > limit) {
             return Err(Error::BodyTooLarge { limit });
         }
         // Before a byte is read: a collector over its memory budget says so at once, and
         // bodies are admitted only while there is room for them (a body of unknown length
         // is counted at the limit).
         ingestor.committer.store.check_budget()?;
-        let room = state.inner.admission.body_bytes(
-            declared_length(&headers).unwrap_or(limit),
-            &state.inner.requests.admission.body_bytes,
-        );
-        let room = room.await?;
+        let room = state
+            .inner
+            .admission
+            .body_bytes(declared.unwrap_or(limit))
+            .await?;
         let body = read_body(&state, body, &headers, limit).await?;
         let key = match headers.get("idempotency-key") {
             Some(v) => Some(
@@ -202,10 +203,7 @@ pub(super) async fn events(
     Query(q): Query<EventsQuery>,
 ) -> Result<Sse<impl Stream<Item = std::result::Result<SseEvent, Infallible>>>> {
     let run = q.run.map(RunId::new).transpose()?.map(|r| r.to_string());
-    let slot = state
-        .inner
-        .admission
-        .event_stream(&state.inner.requests.sse_clients)?;
+    let slot = state.inner.admission.event_stream()?;
     let receiver = state.inner.queries.store().subscribe();
     let mut closing = state.inner.closing.subscribe();
     let stream = BroadcastStream::new(receiver).filter_map(move |item| {
@@ -240,10 +238,7 @@ pub(super) async fn sql(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<SqlAnswer>> {
-    let _slot = state
-        .inner
-        .admission
-        .sql(&state.inner.requests.admission.sql)?;
+    let _slot = state.inner.admission.sql()?;
     let bytes = read_body(&state, body, &headers, 1 << 20).await?;
     let is_json = headers
         .get(header::CONTENT_TYPE)
@@ -552,10 +547,7 @@ pub(super) async fn export(
             )));
         }
     };
-    let slot = state
-        .inner
-        .admission
-        .export(&state.inner.requests.admission.exports)?;
+    let slot = state.inner.admission.export()?;
     let stall = state.inner.admission.limits().body_timeout;
     let store = state.inner.queries.store().clone();
     let snapshot = crate::export::Snapshot::open(

@@ -16,7 +16,6 @@ mod handlers;
 pub(crate) mod ui;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -48,7 +47,6 @@ pub(crate) struct Shared {
     /// Deletion and retention; when unset, they are open only if no token is set at all.
     pub(crate) admin_token: Option<String>,
     pub(crate) max_body_bytes: usize,
-    pub(crate) ready: AtomicBool,
     pub(crate) alerting: Alerting,
     pub(crate) housekeeper: crate::retention::Housekeeper,
     /// The collector's configured retention policy (`POST /api/v1/retention` without a body).
@@ -59,7 +57,8 @@ pub(crate) struct Shared {
     pub(crate) browser: browser::BrowserPolicy,
     /// What the API takes on at once.
     pub(crate) admission: admission::Admission,
-    /// Set when the collector starts shutting down: open event streams end.
+    /// Set when the collector starts shutting down: `/readyz` answers 503, ingest refuses new
+    /// batches and open event streams end.
     pub(crate) closing: tokio::sync::watch::Sender<bool>,
 }
 
@@ -99,6 +98,8 @@ impl AppState {
     ) -> Self {
         let housekeeper =
             crate::retention::Housekeeper::new(queries.store().clone(), alerting.engine.clone());
+        let admission =
+            admission::Admission::new(admission, &requests.admission, &requests.sse_clients);
         AppState {
             inner: Arc::new(Shared {
                 ingestor,
@@ -109,13 +110,12 @@ impl AppState {
                 read_token: tokens.read,
                 admin_token: tokens.admin,
                 max_body_bytes,
-                ready: AtomicBool::new(true),
                 alerting,
                 housekeeper,
                 retention,
                 switches,
                 browser,
-                admission: admission::Admission::new(admission),
+                admission,
                 closing: tokio::sync::watch::Sender::new(false),
             }),
         }
@@ -124,14 +124,11 @@ impl AppState {
     /// Marks the collector as not ready (shutting down): `/readyz` answers 503 and ingest
     /// refuses new batches.
     pub fn set_ready(&self, ready: bool) {
-        self.inner.ready.store(ready, Ordering::Release);
-        if !ready {
-            self.inner.closing.send_replace(true);
-        }
+        self.inner.closing.send_replace(!ready);
     }
 
     pub(crate) fn is_ready(&self) -> bool {
-        self.inner.ready.load(Ordering::Acquire) && !self.inner.ingestor.committer.wal.is_failed()
+        !*self.inner.closing.borrow() && !self.inner.ingestor.committer.wal.is_failed()
     }
 }
 

@@ -10,10 +10,11 @@
 //! Files are `alerts-<n>.log`, one line per entry: `<crc32 hex> <json>`. An entry is an alert's
 //! new state or a run's deletion (so a deleted run's alerts are not brought back by older
 //! lines). A line that is torn or fails its CRC is skipped and counted. A flush *rotates*
-//! while it takes its snapshot of the alerts (later changes go to the next file) and deletes
-//! the files up to the rotated one once its manifest is committed: what they held is in
-//! Parquet then. The store upserts an alert in memory before it is journaled, so a change is
-//! always either in the flush's snapshot or in a file the flush keeps.
+//! just before it takes its snapshot of the alerts (later changes go to the next file) and
+//! deletes the files up to the rotated one once its manifest is committed: what they held is
+//! in Parquet then. The store upserts an alert in memory before it is journaled, so whatever
+//! reached a file before the rotation is in the snapshot taken after it; whatever comes later
+//! is in a file the flush keeps. A journal with nothing new is not rotated.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -89,6 +90,8 @@ pub struct AlertLog {
 struct Active {
     number: u64,
     file: File,
+    /// Whether anything was appended to this file (an empty one needs no rotation).
+    written: bool,
 }
 
 fn path(dir: &Path, number: u64) -> PathBuf {
@@ -153,7 +156,11 @@ impl AlertLog {
         Ok((
             AlertLog {
                 dir,
-                active: Mutex::new(Active { number, file }),
+                active: Mutex::new(Active {
+                    number,
+                    file,
+                    written: false,
+                }),
             },
             recovered,
         ))
@@ -186,22 +193,28 @@ impl AlertLog {
             bytes.push(b'\n');
         }
         let mut active = self.lock();
+        active.written = true;
         active.file.write_all(&bytes)?;
         active.file.sync_data()?;
         Ok(())
     }
 
-    /// Starts a new file for later changes; returns the number of the last one a snapshot
-    /// taken now covers. Call while the alerts are being snapshotted.
-    pub fn rotate(&self) -> Result<u64> {
+    /// Starts a new file for later changes and returns the number of the last one that a
+    /// snapshot of the alerts taken after this call covers; `None` when nothing was journaled
+    /// since the last rotation (no new file, nothing to delete).
+    pub fn rotate(&self) -> Result<Option<u64>> {
         let mut active = self.lock();
+        if !active.written {
+            return Ok(None);
+        }
         let covered = active.number;
         let file = open_new(&self.dir, covered + 1)?;
         *active = Active {
             number: covered + 1,
             file,
+            written: false,
         };
-        Ok(covered)
+        Ok(Some(covered))
     }
 
     /// Deletes the files a committed flush covers.
@@ -302,7 +315,7 @@ mod tests {
         let (log, _) = AlertLog::open(dir.path()).unwrap();
         log.append(&[test_alert("a", "r1", AlertState::Firing, 10)])
             .unwrap();
-        let covered = log.rotate().unwrap();
+        let covered = log.rotate().unwrap().expect("something was journaled");
         log.append(&[test_alert("b", "r1", AlertState::Firing, 11)])
             .unwrap();
         // A crash mid-line in the newest file.

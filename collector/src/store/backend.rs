@@ -251,9 +251,7 @@ impl Backend {
             node: r.node.clone(),
             instance: r.instance.clone(),
             data_dir: data_dir.display().to_string(),
-            host: std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_owned())
-                .unwrap_or_default(),
+            host: crate::fsutil::host_name().unwrap_or_default(),
             started_ms: now_ms,
         };
         let body = serde_json::to_vec_pretty(&claim)?;
@@ -296,17 +294,9 @@ impl Backend {
         match self {
             Backend::Local(dir) => manifest.save(dir),
             Backend::Remote(r) => {
-                // Fencing: a collector that took this node id over owns the manifest now.
-                if let Some(held) = r.current_claim()?
-                    && held.instance != r.instance
-                {
-                    return Err(Error::Unavailable(format!(
-                        "node id {:?} was taken over by another collector (data directory {}): \
-                         this one no longer writes its manifest; its batches stay in its \
-                         write-ahead log",
-                        r.node, held.data_dir
-                    )));
-                }
+                // Fencing: the write is conditional on the version this collector last saw;
+                // only when it fails (or the store has no conditional writes) is the claim
+                // read, to say why — no extra round trip on every flush.
                 let key = r.manifest_key()?;
                 let body = PutPayload::from(manifest.to_json()?);
                 let mode = match r.tag().clone() {
@@ -325,6 +315,7 @@ impl Backend {
                         object_store::Error::Precondition { .. }
                         | object_store::Error::AlreadyExists { .. },
                     ) => {
+                        r.check_still_held()?;
                         return Err(Error::Unavailable(format!(
                             "the manifest of node id {:?} was written by another collector since \
                              this one read it: this one no longer writes it; its batches stay in \
@@ -332,8 +323,8 @@ impl Backend {
                             r.node
                         )));
                     }
-                    // A store without conditional writes: the claim check above is the fence.
                     Err(object_store::Error::NotImplemented { .. }) => {
+                        r.check_still_held()?;
                         r.handle.block_on(r.store.put(&key, body))?
                     }
                     Err(e) => return Err(e.into()),
@@ -420,6 +411,19 @@ impl Remote {
 
     fn tag(&self) -> std::sync::MutexGuard<'_, Option<String>> {
         self.manifest_tag.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `Ok` while this data directory still holds the node id; else the error that says who
+    /// took it over.
+    fn check_still_held(&self) -> Result<()> {
+        match self.current_claim()? {
+            Some(held) if held.instance != self.instance => Err(Error::Unavailable(format!(
+                "node id {:?} was taken over by another collector (data directory {}): this \
+                 one no longer writes its manifest; its batches stay in its write-ahead log",
+                self.node, held.data_dir
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn claim_key(&self) -> Result<ObjectPath> {

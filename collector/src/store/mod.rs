@@ -570,14 +570,21 @@ impl Store {
                 tracing::warn!(%run, error = %e, "could not remove an expired key file");
             }
         }
-        let (through, parts, infos, alerts, keys, journal) = {
-            let mut state = self.lock();
+        {
+            let state = self.lock();
             let nothing_new = state.applied_seq == state.manifest.flushed_seq
                 && state.runs_dirty.is_empty()
-                && state.alerts_dirty.is_empty();
-            if nothing_new && state.hot.is_empty() {
+                && state.alerts_dirty.is_empty()
+                && state.hot.is_empty();
+            if nothing_new {
                 return Ok(None);
             }
+        }
+        // Before the snapshot, outside the lock: the journal files up to here hold changes the
+        // snapshot below has (see `alert_log`).
+        let journal = self.alert_log.rotate();
+        let (through, parts, infos, alerts, keys) = {
+            let mut state = self.lock();
             let through = state.applied_seq;
             let hot = std::mem::take(&mut state.hot);
             state.hot_bytes = 0;
@@ -599,18 +606,9 @@ impl Store {
                     (run, of_run)
                 })
                 .collect();
-            // The journal files up to here hold changes this snapshot has (see `alert_log`).
-            let journal = self.alert_log.rotate();
             // The keys of the runs changed up to `through` (a file may run ahead of the
             // manifest, never behind it: see `idempotency`).
-            (
-                through,
-                parts,
-                infos,
-                alerts,
-                state.keys.take_changes(),
-                journal,
-            )
+            (through, parts, infos, alerts, state.keys.take_changes())
         };
         let written = keys
             .save(&self.dir)
@@ -639,17 +637,15 @@ impl Store {
                     .extend(replaced.into_iter().map(|p| (now, p)));
                 drop(state);
                 match journal {
-                    Ok(covered) => {
+                    Ok(Some(covered)) => {
                         if let Err(e) = self.alert_log.remove_through(covered) {
                             tracing::warn!(error = %e, "could not remove flushed alert-journal files");
                         }
                     }
+                    Ok(None) => {}
                     Err(e) => {
                         tracing::warn!(error = %e, "could not start a new alert-journal file")
                     }
-                }
-                if let Err(e) = crate::idempotency::remove_legacy(&self.dir) {
-                    tracing::warn!(error = %e, "could not remove an old key snapshot");
                 }
                 self.metrics.flushes.inc();
                 self.metrics.flushed_rows.inc_by(rows);

@@ -93,6 +93,7 @@ impl Drop for Binary {
 struct Binary {
     child: Child,
     base: String,
+    dir: std::path::PathBuf,
 }
 
 impl Binary {
@@ -106,7 +107,37 @@ impl Binary {
         ]);
         args.extend(extra);
         let (child, base) = spawn_rankwatch(dir, &args);
-        Binary { child, base }
+        Binary {
+            child,
+            base,
+            dir: dir.to_owned(),
+        }
+    }
+
+    /// Waits until both receivers' records (`DIR/alert-delivery/`) name alert `id`: delivery
+    /// is at least once, and a kill between a receiver's acceptance and the record's write
+    /// would tell it again; the tests kill after that point.
+    fn wait_recorded(&self, id: &str) {
+        let records = self.dir.join("alert-delivery");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let naming = std::fs::read_dir(&records)
+                .map(|entries| {
+                    entries
+                        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+                        .filter(|text| text.contains(id))
+                        .count()
+                })
+                .unwrap_or(0);
+            if naming >= 2 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the deliveries of {id} were never recorded"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn kill9(self) {
@@ -194,6 +225,7 @@ impl Binary {
         hook.wait_for("the firing is delivered", |h| {
             h.contains(&("firing".into(), id.clone()))
         });
+        self.wait_recorded(&id);
         id
     }
 }
