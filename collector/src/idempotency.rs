@@ -127,8 +127,13 @@ pub enum Check {
     InFlight,
 }
 
-/// The applied keys of one run.
-type RunKeys = HashMap<SessionId, Ranges>;
+/// The applied keys of one run, and when it last gained one (ms since the epoch): keys unused
+/// for longer than the idempotency window are dropped.
+#[derive(Debug, Clone, Default)]
+struct RunKeys {
+    sessions: HashMap<SessionId, Ranges>,
+    last_ms: i64,
+}
 
 /// Every applied key, plus those being written.
 #[derive(Debug, Default)]
@@ -137,15 +142,12 @@ pub struct KeySet {
     pending: HashSet<Key>,
     /// Runs that gained a key since their file was last written.
     dirty: BTreeSet<RunId>,
-    /// When each run last gained a key (ms since the epoch): keys unused for longer than the
-    /// idempotency window are dropped.
-    last_ms: HashMap<RunId, i64>,
 }
 
 /// The keys of the runs changed since the last flush, as of that flush: written by it.
 #[derive(Debug, Default)]
 pub struct KeyChanges {
-    runs: Vec<(RunId, RunKeys, i64)>,
+    runs: Vec<(RunId, RunKeys)>,
 }
 
 /// One run's key file.
@@ -183,18 +185,16 @@ impl KeySet {
     pub fn is_applied(&self, key: &Key) -> bool {
         self.applied
             .get(&key.run)
-            .and_then(|run| run.get(&key.session_id()))
+            .and_then(|run| run.sessions.get(&key.session_id()))
             .is_some_and(|r| r.contains(key.seq))
     }
 
     /// Records `key` as applied (its batch is durable) at `now_ms`.
     pub fn commit(&mut self, key: &Key, now_ms: i64) {
         self.pending.remove(key);
-        let last = self.last_ms.entry(key.run.clone()).or_insert(now_ms);
-        *last = (*last).max(now_ms);
-        self.applied
-            .entry(key.run.clone())
-            .or_default()
+        let run = self.applied.entry(key.run.clone()).or_default();
+        run.last_ms = run.last_ms.max(now_ms);
+        run.sessions
             .entry(key.session_id())
             .or_default()
             .insert(key.seq);
@@ -212,7 +212,6 @@ impl KeySet {
     pub fn forget_run(&mut self, run: &RunId) {
         self.applied.remove(run);
         self.dirty.remove(run);
-        self.last_ms.remove(run);
     }
 
     /// Forgets the keys of runs that gained none since `cutoff_ms` and returns those runs
@@ -220,9 +219,9 @@ impl KeySet {
     /// stored again, the price of a key set that does not grow for ever.
     pub fn expire(&mut self, cutoff_ms: i64) -> Vec<RunId> {
         let old: Vec<RunId> = self
-            .last_ms
+            .applied
             .iter()
-            .filter(|(_, last)| **last < cutoff_ms)
+            .filter(|(_, keys)| keys.last_ms < cutoff_ms)
             .map(|(run, _)| run.clone())
             .collect();
         for run in &old {
@@ -233,7 +232,7 @@ impl KeySet {
 
     /// Sessions known, over all runs (a gauge: what the set holds).
     pub fn sessions(&self) -> usize {
-        self.applied.values().map(HashMap::len).sum()
+        self.applied.values().map(|run| run.sessions.len()).sum()
     }
 
     /// The changed runs' keys as of now, for the flush that writes them; they count as
@@ -245,8 +244,7 @@ impl KeySet {
                 .into_iter()
                 .filter_map(|run| {
                     let keys = self.applied.get(&run)?.clone();
-                    let last = self.last_ms.get(&run).copied().unwrap_or(0);
-                    Some((run, keys, last))
+                    Some((run, keys))
                 })
                 .collect(),
         }
@@ -254,7 +252,7 @@ impl KeySet {
 
     /// A flush that took `changes` failed: their runs are written by the next one.
     pub fn unwritten(&mut self, changes: &KeyChanges) {
-        for (run, _, _) in &changes.runs {
+        for (run, _) in &changes.runs {
             if self.applied.contains_key(run) {
                 self.dirty.insert(run.clone());
             }
@@ -274,10 +272,11 @@ impl KeySet {
                 if path.extension().and_then(|e| e.to_str()) != Some("json") {
                     continue;
                 }
-                let (run, keys, last) = read_run_file(&path)?;
-                // Unknown (an older file): counted from now.
-                set.last_ms
-                    .insert(run.clone(), if last > 0 { last } else { now_ms });
+                let (run, mut keys) = read_run_file(&path)?;
+                if keys.last_ms == 0 {
+                    // Unknown (an older file): counted from now.
+                    keys.last_ms = now_ms;
+                }
                 set.applied.insert(run, keys);
             }
         } else if legacy.exists() {
@@ -286,11 +285,9 @@ impl KeySet {
                 serde_json::from_slice(&bytes).map_err(|e| corrupt(&legacy, e.to_string()))?;
             for (run, rank, session, ranges) in snapshot.sessions {
                 let run = RunId::new(run).map_err(|e| corrupt(&legacy, e.to_string()))?;
-                set.applied
-                    .entry(run.clone())
-                    .or_default()
-                    .insert((rank, session), ranges);
-                set.last_ms.insert(run.clone(), now_ms);
+                let keys = set.applied.entry(run.clone()).or_default();
+                keys.sessions.insert((rank, session), ranges);
+                keys.last_ms = now_ms;
                 set.dirty.insert(run);
             }
             // Rewritten per run at once (a file may run ahead of the manifest, see the module
@@ -312,14 +309,15 @@ impl KeySet {
 impl KeyChanges {
     /// Writes each changed run's file (durably), before the manifest of the flush.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        for (run, keys, last_ms) in &self.runs {
+        for (run, keys) in &self.runs {
             let file = RunFile {
                 run: run.to_string(),
                 sessions: keys
+                    .sessions
                     .iter()
                     .map(|((rank, session), r)| (*rank, session.clone(), r.clone()))
                     .collect(),
-                last_ms: *last_ms,
+                last_ms: keys.last_ms,
             };
             write_atomic(&run_path(dir, run), &serde_json::to_vec(&file)?)?;
         }
@@ -363,7 +361,7 @@ fn corrupt(path: &Path, reason: String) -> Error {
     }
 }
 
-fn read_run_file(path: &Path) -> Result<(RunId, RunKeys, i64)> {
+fn read_run_file(path: &Path) -> Result<(RunId, RunKeys)> {
     let bytes = fs::read(path)?;
     let file: RunFile = serde_json::from_slice(&bytes).map_err(|e| corrupt(path, e.to_string()))?;
     let run = RunId::new(file.run).map_err(|e| corrupt(path, e.to_string()))?;
@@ -376,12 +374,15 @@ fn read_run_file(path: &Path) -> Result<(RunId, RunKeys, i64)> {
             ),
         ));
     }
-    let keys = file
-        .sessions
-        .into_iter()
-        .map(|(rank, session, ranges)| ((rank, session), ranges))
-        .collect();
-    Ok((run, keys, file.last_ms))
+    let keys = RunKeys {
+        sessions: file
+            .sessions
+            .into_iter()
+            .map(|(rank, session, ranges)| ((rank, session), ranges))
+            .collect(),
+        last_ms: file.last_ms,
+    };
+    Ok((run, keys))
 }
 
 #[cfg(test)]
