@@ -68,9 +68,11 @@ impl Hooks {
             .collect()
     }
 
+    /// Waits until the webhook heard what `done` wants, and Slack (its own thread) as many
+    /// messages.
     fn wait_for(&self, what: &str, done: impl Fn(&[(String, String)]) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !done(&self.heard()) {
+        while !done(&self.heard()) || self.slack_heard().len() < self.heard().len() {
             assert!(
                 Instant::now() < deadline,
                 "{what}; heard {:?}",
@@ -123,8 +125,11 @@ impl Binary {
         loop {
             let naming = std::fs::read_dir(&records)
                 .map(|entries| {
+                    // Written records only: a `.tmp` not yet renamed is not one.
                     entries
-                        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+                        .filter_map(|p| std::fs::read_to_string(p).ok())
                         .filter(|text| text.contains(id))
                         .count()
                 })
