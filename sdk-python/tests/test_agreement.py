@@ -125,3 +125,22 @@ def test_no_process_group_means_switching_alone_at_once() -> None:
     switch.wanted = True
     assert switch.end_of_step(7, False, None) is True
     assert switch.wanted is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(world=st.integers(2, 8), first=st.integers(1, 50), late=st.sets(st.integers(0, 7)), seed=st.integers(0, 2**32 - 1))
+def test_a_request_without_a_lead_of_its_own_switches_a_few_steps_on(world: int, first: int, late: set[int], seed: int) -> None:
+    """`attach --pid`'s request: every rank reads the go file at its own step end, within a step
+    of the others, so the minimum lead holds however long the collector poll's lead is."""
+    rng = random.Random(seed)
+    heard = {rank: first + (1 if rank in late else 0) for rank in range(world)}
+    job = Job(world)
+    for step in range(1, 100):
+        order = list(range(world))
+        rng.shuffle(order)
+        for rank in order:
+            if heard[rank] == step:
+                job.switches[rank].lead_seconds = 0.0
+        job.step(step, order, {r: True for r, at in heard.items() if at == step})
+    assert job.on == [True] * world
+    assert all(c == [(min(heard.values()) + MIN_LEAD_STEPS, True)] for c in job.changes), job.changes

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -228,6 +229,83 @@ def test_an_agent_that_fails_removes_itself_and_training_goes_on(tmp_path: Path,
     assert all(torch.equal(watched[k], unwatched[k]) for k in watched)
 
 
+def _two_rank_agreement(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The agent as rank 0 of 2, agreeing through an in-memory store that the test plays rank 1
+    in (no process group: this process is one of two only as far as the agreement knows)."""
+    import torch.distributed as dist
+
+    from rankwatch.auto.agreement import PREFIX, Agreement
+
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    monkeypatch.setattr(Agreement, "of_job", classmethod(lambda cls, lead: cls(store, 0, 2, lead)))
+    return store
+
+
+def _tiny_training(agent_steps: Any) -> None:
+    from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
+
+    torch.manual_seed(0)
+    model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, 13):
+        x = torch.randint(0, 16, (2, 8))
+        model(x, torch.roll(x, -1, 1))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        agent_steps(step)
+
+
+def test_a_dormant_agent_that_hears_the_switch_in_its_first_step_still_waits_for_the_other_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poller starts in the first step and may hear the switch before that step's end reads
+    the request: that is a switch to agree on, not a job launched watching (one rank started
+    alone at step 1 while the other waited for an agreement that never came)."""
+    from rankwatch.auto import agent as auto
+
+    store = _two_rank_agreement(monkeypatch)
+    agent = auto.AutoAgent(auto.Settings(run="dormant", mode="offline", dormant=True, spool_dir=str(tmp_path)))
+    agent.request("activate")  # heard before the first step's end
+    agent.install()
+    states: list[str] = []
+    try:
+        _tiny_training(lambda step: states.append(agent.state))
+    finally:
+        agent.uninstall()
+    assert states == ["dormant"] * 12, "rank 1 never acknowledged: rank 0 must not start alone"
+    assert store.check(["1.1/at"]) and store.get("1.1/at").decode() == "4:1", "it proposed step 1 + the minimum lead"
+
+
+def test_an_injected_request_waits_for_the_go_file_then_takes_the_minimum_lead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`attach --pid`: the first rank injected goes on training while gdb reaches the others; its
+    request waits for the go file (written once all are injected) and then proposes the minimum
+    lead, not the collector poll's (seconds, so many steps: a short job could end first)."""
+    from rankwatch.auto import agent as auto
+    from rankwatch.auto.agreement import MIN_LEAD_STEPS
+
+    store = _two_rank_agreement(monkeypatch)
+    go = tmp_path / "go"
+    agent = auto.AutoAgent(auto.Settings(run="injected", mode="offline", injected=True, spool_dir=str(tmp_path)))
+    agent.poll_interval = 100.0  # a poll lead of 101 s: hundreds of steps
+    agent.request_once(go, "activate")
+    agent.install()
+    proposals: dict[int, str | None] = {}
+
+    def each_step(step: int) -> None:
+        proposals[step] = store.get("1.1/at").decode() if store.check(["1.1/at"]) else None
+        if step == 5:
+            go.write_text("")
+        if step == 5 + MIN_LEAD_STEPS - 1:
+            store.set("1.1/ack/1", "1")  # rank 1 read it too, and acknowledges in time
+
+    try:
+        _tiny_training(each_step)
+        assert all(proposals[s] is None for s in range(1, 6)), f"nothing proposed before the go file: {proposals}"
+        at = store.get("1.1/at").decode()
+        assert agent.state == "watching" and agent.run is not None, (agent.state, agent.error, at)
+    finally:
+        agent.uninstall()
+    assert at.startswith(f"{6 + MIN_LEAD_STEPS}:"), at
+
+
 # -- end to end with a collector ---------------------------------------------------------------
 
 
@@ -313,16 +391,21 @@ def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collec
     )
     try:
         _wait_for(paused.exists, 120, "the job to reach step 8")
-        attach = subprocess.Popen(
-            [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", "attached", "--collector", collector.url, "--every", EVERY, "--timeout", "120"],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(1.0)
+        progress = tmp_path / "attach.err"
+        with progress.open("w") as progress_file:
+            attach = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", "attached", "--collector", collector.url, "--every", EVERY, "--timeout", "120"],
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=progress_file,
+                text=True,
+            )
+        # The job goes on once both ranks are injected (it says so as each is): gdb takes seconds
+        # a process on a busy machine, and a job resumed earlier could be near its end by then.
+        _wait_for(lambda: attach.poll() is not None or progress.read_text().count(": injected (via gdb)") == 2, 120, "both ranks injected")
         resume.write_text("go")
-        out, err = attach.communicate(timeout=180)
+        out = attach.communicate(timeout=180)[0]
+        err = progress.read_text()
         assert attach.returncode == 0, out + err
         lines = [line for line in out.splitlines() if line.startswith("pid ")]
         assert len(lines) == 2 and all("watching DistributedDataParallel(GPT2LMHeadModel)" in line and "(via gdb)" in line for line in lines), out

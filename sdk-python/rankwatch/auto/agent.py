@@ -90,6 +90,7 @@ class AutoAgent:
         self.shared_base: int | None = None if settings.injected else 0
         self._switch: Switch | None = None
         self._wanted: bool | None = None  # a request heard before the switch exists
+        self._wanted_lead: float | None = None  # its lead (None: the collector poll's)
         self._last_step_end: float | None = None
         self._step_seconds: float | None = None
         self.offset = 0  # added to `steps` to give the step number (a framework's, say)
@@ -98,7 +99,12 @@ class AutoAgent:
         self.error: str | None = None
         self._optimizer: Any = None  # weakref to the followed optimizer
         self._hook: Any = None
-        self._requested: str | None = None if settings.dormant else "activate"
+        # Launched watching, a request from the start; injected, the payload makes the request.
+        self._requested: str | None = None if settings.dormant or settings.injected else "activate"
+        self._requested_lead: float | None = None
+        # `attach/detach --pid`: the request waits for the go file, written once every rank is
+        # injected, so that every rank reads it within a step of the others.
+        self._gated: tuple[Path, str] | None = None
         self._token_loss = TokenLoss()
         self._backward_loss = BackwardLoss()
         self._patched: list[tuple[Any, str, Any]] = []
@@ -123,11 +129,20 @@ class AutoAgent:
             self._hook = None
 
     def request(self, action: str) -> None:
-        """`activate` or `deactivate` at the end of the next optimizer step (any thread)."""
+        """`activate` or `deactivate` at the end of the next optimizer step (any thread), at a
+        step the ranks agree on with the collector poll's lead."""
         if action not in ("activate", "deactivate"):
             raise ValueError(f"unknown action {action!r}")
         with self._lock:
-            self._requested = action
+            self._requested, self._requested_lead, self._gated = action, None, None
+
+    def request_once(self, go: Path, action: str) -> None:
+        """`action` from the end of the first optimizer step at which the file `go` exists, with
+        no lead beyond the minimum: every rank checks for it at each of its step ends."""
+        if action not in ("activate", "deactivate"):
+            raise ValueError(f"unknown action {action!r}")
+        with self._lock:
+            self._gated = (go, action)
 
     # -- the collector's switch ---------------------------------------------------------------
 
@@ -185,13 +200,18 @@ class AutoAgent:
             if self._poller is None:
                 self._start_poller()
             with self._lock:
+                if self._gated is not None and self._gated[0].exists():
+                    (_, self._requested), self._requested_lead, self._gated = self._gated, 0.0, None
                 requested, self._requested = self._requested, None
-            if first and requested == "activate" and not self.settings.injected:
-                # Launched watching: every rank starts at the end of the job's first step.
+                lead, self._requested_lead = self._requested_lead, None
+            if first and requested == "activate" and not self.settings.injected and not self.settings.dormant:
+                # Launched watching: every rank starts at the end of the job's first step. (A
+                # dormant job's switch, heard by the poller this first step started, is agreed
+                # on like any other: the other ranks may not have heard it yet.)
                 self.state = STARTING
             else:
                 if requested is not None:
-                    self._wanted = requested == "activate"
+                    self._wanted, self._wanted_lead = requested == "activate", lead
                 self._follow_switch(optimizer)
             if self.state == STARTING:
                 self._start(optimizer)
@@ -219,7 +239,7 @@ class AutoAgent:
             self._switch = Switch(Agreement.of_job(lead) if self.shared_base is not None else None)
         switch = self._switch
         if self._wanted is not None:
-            switch.wanted, self._wanted = self._wanted, None
+            switch.wanted, switch.lead_seconds, self._wanted = self._wanted, self._wanted_lead, None
         target = switch.end_of_step(self.steps + (self.shared_base or 0), self.state != DORMANT, self._step_seconds)
         if switch.gave_up is not None:
             self.error = switch.gave_up
@@ -404,7 +424,7 @@ def remote(config: dict[str, Any]) -> None:
             current = start(Settings(**settings, status_dir=status_dir, injected=True))
         else:
             current.settings.status_dir = status_dir
-        current.request("activate")
+        current.request_once(Path(status_dir) / "go", "activate")
         current._report("injected")
     elif action == "detach":
         if current is None or current.state == DORMANT:
@@ -412,7 +432,7 @@ def remote(config: dict[str, Any]) -> None:
             AutoAgent._write_status(status_dir, {**info, "event": "not-watching", "error": "rankwatch is not watching this process"})
             return
         current.settings.status_dir = status_dir
-        current.request("deactivate")
+        current.request_once(Path(status_dir) / "go", "deactivate")
         current._report("injected")
     else:
         raise ValueError(f"unknown action {action!r}")

@@ -16,8 +16,10 @@ attempt k:
 
 1. A rank with a pending request at the end of its step s proposes step A = s + lead with the
    target state, by a compare-and-set on `n.k/at`: the first proposal wins, the others read it.
-   The lead covers the time the other ranks need to hear of the request (the collector poll
-   interval and a second), converted to steps with this rank's step time.
+   The lead covers the time the other ranks need to hear of the request, converted to steps
+   with this rank's step time: the collector poll interval and a second for the collector's
+   switch; nothing beyond the minimum for `attach --pid`, whose request every rank reads at
+   its own step end once the last rank is injected (a go file), so within a step of the others.
 2. At the end of step A - 1, a rank that knows the proposal and wants the same state writes its
    acknowledgement `n.k/ack/<rank>`.
 3. At the end of step A, every rank that knows the proposal checks, without waiting, whether all
@@ -87,14 +89,17 @@ class Agreement:
         """Switches made so far by every rank: what a newly injected agent starts from."""
         return int(self.store.get("done")) if self.store.check(["done"]) else 0
 
-    def propose(self, switch: int, attempt: int, step: int, on: bool, step_seconds: float | None) -> Proposal:
+    def propose(self, switch: int, attempt: int, step: int, on: bool, step_seconds: float | None, lead_seconds: float | None = None) -> Proposal:
         """This rank's proposal for `switch`, or the one made first; skips the attempts already
-        decided without this rank (their step is past)."""
+        decided without this rank (their step is past). `lead_seconds` overrides the
+        agreement's own lead for this request."""
+        seconds = self.lead_seconds if lead_seconds is None else lead_seconds
         while True:
-            lead = MIN_LEAD_STEPS
+            # Doubling per attempt, from one lead again after a request given up on.
+            growth = 2 ** ((attempt - 1) % MAX_ATTEMPTS)
+            lead = MIN_LEAD_STEPS * growth
             if step_seconds:
-                # Doubling per attempt, from one lead again after a request given up on.
-                lead = max(lead, math.ceil(self.lead_seconds * 2 ** ((attempt - 1) % MAX_ATTEMPTS) / step_seconds))
+                lead = max(lead, math.ceil(seconds * growth / step_seconds))
             mine = f"{step + lead}:{int(on)}"
             got = self.store.compare_set(f"{switch}.{attempt}/at", "", mine).decode()
             at, target = got.split(":")
@@ -131,6 +136,7 @@ class Switch:
         self.agreement = agreement
         self.switches = agreement.switches_done() if agreement is not None else 0
         self.wanted: bool | None = None  # the pending request: on (True), off (False), none
+        self.lead_seconds: float | None = None  # the pending request's own lead (None: the agreement's)
         self.attempt = 1
         self.proposal: Proposal | None = None
         self.acknowledged = False
@@ -154,7 +160,7 @@ class Switch:
             if wanted is None or wanted == current:
                 return None
             self.switches = max(self.switches, agreement.switches_done())
-            self.proposal = agreement.propose(self.switches + 1, self.attempt, step, wanted, step_seconds)
+            self.proposal = agreement.propose(self.switches + 1, self.attempt, step, wanted, step_seconds, self.lead_seconds)
             self.acknowledged = False
         proposal = self.proposal
         if step == proposal.at - 1 and proposal.on == wanted and proposal.on != current:

@@ -17,9 +17,12 @@ it is a rank. Each gets a small payload file run in its main thread at a safe po
   breakpoint; a rank blocked in C never reaches one, and a breakpoint left behind by a gdb that
   had to be killed would crash the job.)
 
-The payload starts the same agent `rankwatch run` installs (`rankwatch.auto.agent`), which
-takes over at the end of the next optimizer step, and every rank reports what it found in a
-status directory that this command reads back. A rank stuck in a collective or in native code
+The payload starts the same agent `rankwatch run` installs (`rankwatch.auto.agent`), and every
+rank reports what it found in a status directory that this command reads back. Its request
+waits for a `go` file that this command writes there once the last rank is injected (gdb may
+take seconds per process on a busy node, while the ranks injected first go on training); from
+then on every rank reads it at its next step end, within a step of the others, and the ranks
+switch together at a step a few steps on (`agreement.py`). A rank stuck in a collective or in native code
 runs no Python, so its payload waits: after `--timeout` this says so instead of hanging.
 Permissions: attaching needs ptrace rights on the target (same user, and either
 `kernel.yama.ptrace_scope` = 0 or CAP_SYS_PTRACE); Python >= 3.14 honours
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,9 +235,10 @@ def _inject(pid: int, payload: Path) -> str:
     return "gdb"
 
 
-def attach(pid: int, config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+def attach(pid: int, config: dict[str, Any], timeout: float, progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Injects `config` (action, settings) into every rank at or below `pid`; returns what each
-    reported (or a dict with `error`), waiting up to `timeout` seconds for the wanted event."""
+    reported (or a dict with `error`), waiting up to `timeout` seconds for the wanted event.
+    `progress` hears a line per rank as its injection ends (gdb can take seconds each)."""
     ranks = training_ranks(pid)
     status = Path(tempfile.mkdtemp(prefix="rankwatch-attach-"))
     config = {**config, "status_dir": str(status)}
@@ -244,8 +249,12 @@ def attach(pid: int, config: dict[str, Any], timeout: float) -> list[dict[str, A
     for rank_pid in ranks:
         try:
             methods[rank_pid] = _inject(rank_pid, payload)
+            progress(f"pid {rank_pid}: injected (via {methods[rank_pid]})")
         except AttachError as e:
             results[rank_pid] = {"pid": rank_pid, "event": "failed", "error": str(e)}
+    # Every rank is injected (or failed): the requests may go (each rank has read it by its next
+    # step end, so the ranks hear of it within a step of one another).
+    (status / "go").write_text("")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p not in results for p in ranks):
         for p in ranks:
@@ -285,7 +294,7 @@ def main(args: Any, action: str) -> int:
     if action == "attach" and not settings["run"]:
         settings["run"] = f"attach-{args.pid}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        results = attach(args.pid, {"action": action, "settings": settings}, args.timeout)
+        results = attach(args.pid, {"action": action, "settings": settings}, args.timeout, lambda line: print(line, file=sys.stderr, flush=True))
     except AttachError as e:
         print(f"rankwatch {action}: {e}", file=sys.stderr)
         return 1
