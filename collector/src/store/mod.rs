@@ -169,7 +169,13 @@ impl Store {
                         ),
                     });
                 }
-                Manifest::default()
+                // A new data set: its empty manifest is committed before any part can be
+                // written, so that a crash in the first flush (parts written, manifest not yet)
+                // leaves unlisted parts beside a manifest, which the next start deletes as
+                // leftovers (their rows are still in the log), instead of parts without one.
+                let empty = Manifest::default();
+                backend.save_manifest(&empty)?;
+                empty
             }
         };
         let removed = backend.remove_unlisted(&manifest, false)?;
