@@ -12,11 +12,9 @@ pub enum Error {
     #[error("invalid metric name {name:?}: {reason}")]
     InvalidMetricName { name: String, reason: String },
 
-    /// A site string that is not part of the vocabulary.
-    #[error(
-        "unknown site {0:?}; expected one of q, k, v, o, up, gate, down, embed, residual, attn_out, mlp_out, final_norm"
-    )]
-    UnknownSite(String),
+    /// A name outside one of the contract's vocabularies (a site, a sketch kind, a rule...).
+    #[error(transparent)]
+    UnknownName(#[from] rankwatch_api::UnknownName),
 
     /// A sample whose metric, rank, layer and site do not fit together.
     #[error("invalid sample for metric {metric}: {reason}")]
@@ -54,9 +52,3 @@ pub enum Error {
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-impl From<rankwatch_api::UnknownName> for Error {
-    fn from(e: rankwatch_api::UnknownName) -> Self {
-        Error::Config(e.to_string())
-    }
-}

@@ -146,41 +146,8 @@ pub struct SketchRecord {
     pub vector: Vec<f32>,
 }
 
-/// Shape of a block's attention, needed for σ_OV under grouped-query attention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AttentionShape {
-    pub n_heads: u32,
-    pub n_kv_heads: u32,
-    pub head_dim: u32,
-}
-
-/// What one transformer block holds.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LayerLayout {
-    pub index: u32,
-    /// The weight matrices found for this block.
-    pub sites: Vec<Site>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attention: Option<AttentionShape>,
-    /// Number of MLP experts for mixture-of-experts blocks.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub experts: Option<u32>,
-}
-
-/// The model's layout as the SDK discovered it.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct ModelLayout {
-    /// Model family as named by layer discovery (`llama`, `gpt2`, `gpt_neox`, `generic`, ...).
-    pub family: String,
-    pub layers: Vec<LayerLayout>,
-}
-
-impl ModelLayout {
-    /// Number of blocks.
-    pub fn layer_count(&self) -> u32 {
-        u32::try_from(self.layers.len()).unwrap_or(u32::MAX)
-    }
-}
+/// The layout types travel in a run's info: the contract's, validated by [`RunInfo::validate`].
+pub use rankwatch_api::{AttentionShape, LayerLayout, ModelLayout};
 
 /// A run's metadata: one row of the `runs` table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -11,12 +11,14 @@
 //! types (the field names and which are required), so the document cannot drift either.
 //!
 //! Vocabulary that is part of the contract lives here too ([`Rule`], [`Severity`],
-//! [`AlertState`], [`ErrorReason`]); the analytics crate re-exports it rather than keeping a
-//! second copy.
+//! [`AlertState`], [`ErrorReason`], [`Site`], [`SketchKind`], the [`ModelLayout`] a run's info
+//! carries); the analytics crate re-exports it rather than keeping a second copy.
 
 mod alerts;
 mod error;
 mod events;
+mod ingest;
+mod layout;
 mod num;
 mod ops;
 mod runs;
@@ -27,6 +29,8 @@ mod workers;
 pub use alerts::{Alert, AlertFeed, Alerts};
 pub use error::{ErrorBody, ErrorReason};
 pub use events::Event;
+pub use ingest::{IngestBody, IngestInfo, IngestSample, IngestSketch};
+pub use layout::{AttentionShape, LayerLayout, ModelLayout, Site, SketchKind};
 pub use num::{Num, non_finite};
 pub use ops::{
     Ack, AckStatus, ByteSize, Deleted, Doomed, Health, Override, ProbeSwitch, RetentionReason,

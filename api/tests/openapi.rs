@@ -132,6 +132,73 @@ fn component_schemas_match_the_contract_types() {
         seq,
     };
     same_fields(spec, "Ack", ack(Some(1)), ack(None));
+    // The JSON ingest body and the layout its info carries.
+    let attention = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+    };
+    same_fields(spec, "AttentionShape", attention, attention);
+    let layer = |full: bool| LayerLayout {
+        index: 0,
+        sites: vec![Site::Q],
+        attention: full.then_some(attention),
+        experts: full.then_some(8),
+    };
+    same_fields(spec, "LayerLayout", layer(true), layer(false));
+    let layout = ModelLayout {
+        family: "gpt2".into(),
+        layers: vec![layer(false)],
+    };
+    same_fields(spec, "ModelLayout", &layout, &layout);
+    same_enum(spec, "/components/schemas/Site/enum", Site::NAMES);
+    let info = |full: bool| IngestInfo {
+        world_size: 2,
+        started_at_ms: full.then_some(1),
+        layout: if full {
+            layout.clone()
+        } else {
+            ModelLayout::default()
+        },
+        tags: if full {
+            [("k".to_owned(), "v".to_owned())].into()
+        } else {
+            Default::default()
+        },
+    };
+    same_fields(spec, "IngestInfo", info(true), info(false));
+    let sample = |full: bool| IngestSample {
+        rank: full.then_some(0),
+        step: 1,
+        time_ms: full.then_some(1),
+        metric: "loss".into(),
+        layer: full.then_some(0),
+        site: full.then(|| "q".to_owned()),
+        value: Num(1.0),
+    };
+    same_fields(spec, "IngestSample", sample(true), sample(false));
+    let sketch = |full: bool| IngestSketch {
+        rank: 0,
+        step: 1,
+        time_ms: full.then_some(1),
+        kind: SketchKind::Rademacher,
+        seed: 7,
+        norm: Num(1.0),
+        vector: vec![0.5],
+    };
+    same_fields(spec, "IngestSketch", sketch(true), sketch(false));
+    same_enum(
+        spec,
+        "/components/schemas/IngestSketch/properties/kind/enum",
+        SketchKind::NAMES,
+    );
+    let body = |full: bool| IngestBody {
+        run: "r".into(),
+        info: full.then(|| info(false)),
+        samples: if full { vec![sample(false)] } else { vec![] },
+        sketches: if full { vec![sketch(false)] } else { vec![] },
+    };
+    same_fields(spec, "IngestBody", body(true), body(false));
     same_enum(
         spec,
         "/components/schemas/Ack/properties/status/enum",

@@ -219,6 +219,73 @@ proptest! {
         round_trip(&Event::RunDeleted { run });
         round_trip(&Event::Lagged { missed: n });
     }
+
+    #[test]
+    fn ingest_bodies_round_trip(run in text(), n in any::<u64>(), ms in option::of(any::<i64>()),
+                                rank in option::of(any::<u32>()), value in num(), norm in num(),
+                                site in 0..Site::ALL.len(), sparse in any::<bool>(), flag in any::<bool>(),
+                                vector in vec(any::<f32>().prop_filter("finite", |v| v.is_finite()), 0..4)) {
+        let layout = ModelLayout {
+            family: if flag { "llama".into() } else { String::new() },
+            layers: vec![LayerLayout {
+                index: 0,
+                sites: vec![Site::ALL[site]],
+                attention: flag.then_some(AttentionShape { n_heads: 8, n_kv_heads: 2, head_dim: 64 }),
+                experts: rank,
+            }],
+        };
+        round_trip(&IngestBody {
+            run: run.clone(),
+            info: flag.then(|| IngestInfo {
+                world_size: 4,
+                started_at_ms: ms,
+                layout: if sparse { ModelLayout::default() } else { layout.clone() },
+                tags: [(run.clone(), "v".to_owned())].into(),
+            }),
+            samples: vec![IngestSample {
+                rank,
+                step: n,
+                time_ms: ms,
+                metric: "loss".into(),
+                layer: rank,
+                site: flag.then(|| Site::ALL[site].to_string()),
+                value,
+            }],
+            sketches: if sparse { vec![] } else { vec![IngestSketch {
+                rank: 0,
+                step: n,
+                time_ms: ms,
+                kind: if flag { SketchKind::Rademacher } else { SketchKind::CountSketch },
+                seed: 3,
+                norm,
+                vector,
+            }] },
+        });
+    }
+}
+
+#[test]
+fn an_ingest_body_refuses_unknown_fields_and_names_what_it_reads() {
+    let misspelt = r#"{"run":"r","samples":[{"step":1,"metirc":"loss","value":1}]}"#;
+    let e = serde_json::from_str::<IngestBody>(misspelt)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown field `metirc`"), "{e}");
+    let body: IngestBody = serde_json::from_str(
+        r#"{"run":"r","samples":[{"step":1,"metric":"loss","value":"-inf"}],"sketches":[{"rank":0,"step":1,"kind":"countsketch","seed":1,"norm":"NaN","vector":[1.5]}]}"#,
+    )
+    .unwrap();
+    assert_eq!(body.samples[0].value.get(), f64::NEG_INFINITY);
+    assert!(body.sketches[0].norm.get().is_nan());
+    assert_eq!(body.sketches[0].kind, SketchKind::CountSketch);
+    let e = serde_json::from_str::<IngestBody>(r#"{"run":"r","sketches":[{"rank":0,"step":1,"kind":"dense","seed":1,"norm":1,"vector":[]}]}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown variant `dense`"), "{e}");
+    assert_eq!(
+        "elbow".parse::<Site>().unwrap_err().to_string(),
+        "unknown site \"elbow\"; expected one of q, k, v, o, up, gate, down, embed, residual, attn_out, mlp_out, final_norm"
+    );
 }
 
 #[test]

@@ -22,7 +22,7 @@ use arrow_ipc::writer::StreamWriter;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rankwatch_analytics::schema::{runs, samples, sketches};
 use rankwatch_analytics::{MetricName, RunId, RunInfo, Sample, Site, SketchRecord};
-use serde::Deserialize;
+use rankwatch_api::IngestBody;
 
 use crate::error::{Error, Result};
 
@@ -322,7 +322,10 @@ fn check_samples(run: &RunId, batch: &RecordBatch, info: Option<&RunInfo>) -> Re
                 time_ms: 0,
                 metric: MetricName::new(key.0).map_err(at)?,
                 layer: row_layer,
-                site: row_site.map(str::parse::<Site>).transpose().map_err(at)?,
+                site: row_site
+                    .map(str::parse::<Site>)
+                    .transpose()
+                    .map_err(|e| at(e.into()))?,
                 value: 0.0,
             };
             sample.validate(None).map_err(at)?;
@@ -374,83 +377,6 @@ fn check_sketches(rows: &[SketchRecord], info: Option<&RunInfo>) -> Result<()> {
     Ok(())
 }
 
-/// The JSON body form (see `docs/api.md`).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonBody {
-    run: String,
-    #[serde(default)]
-    info: Option<JsonInfo>,
-    #[serde(default)]
-    samples: Vec<JsonSample>,
-    #[serde(default)]
-    sketches: Vec<JsonSketch>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonInfo {
-    world_size: u32,
-    #[serde(default)]
-    started_at_ms: Option<i64>,
-    #[serde(default)]
-    layout: rankwatch_analytics::ModelLayout,
-    #[serde(default)]
-    tags: std::collections::BTreeMap<String, String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonSample {
-    #[serde(default)]
-    rank: Option<u32>,
-    step: u64,
-    #[serde(default)]
-    time_ms: Option<i64>,
-    metric: String,
-    #[serde(default)]
-    layer: Option<u32>,
-    #[serde(default)]
-    site: Option<String>,
-    value: JsonValue,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonSketch {
-    rank: u32,
-    step: u64,
-    #[serde(default)]
-    time_ms: Option<i64>,
-    kind: rankwatch_analytics::math::sketch::SketchKind,
-    seed: u32,
-    norm: JsonValue,
-    vector: Vec<f32>,
-}
-
-/// A number, or one of the strings `"NaN"`, `"Infinity"`, `"-Infinity"` (JSON has no
-/// literal for them).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum JsonValue {
-    Number(f64),
-    Text(String),
-}
-
-impl JsonValue {
-    fn value(&self, what: &str) -> Result<f64> {
-        match self {
-            JsonValue::Number(v) => Ok(*v),
-            // The contract's one spelling of non-finite floats.
-            JsonValue::Text(t) => rankwatch_api::non_finite(t).ok_or_else(|| {
-                Error::bad(format!(
-                    "{what}: {t:?} is not a number (use a number, \"NaN\", \"Infinity\" or \"-Infinity\")"
-                ))
-            }),
-        }
-    }
-}
-
 /// Decodes a JSON body into a checked [`Entry`]; missing times become `now_ms`.
 pub fn decode_json(
     body: &[u8],
@@ -458,7 +384,19 @@ pub fn decode_json(
     now_ms: i64,
     known: &dyn Fn(&RunId) -> Option<RunInfo>,
 ) -> Result<Entry> {
-    let doc: JsonBody = serde_json::from_slice(body)?;
+    // The contract's type; an error names the field where it lies (`samples[3].value: ...`).
+    let doc: IngestBody = serde_path_to_error::deserialize(
+        &mut serde_json::Deserializer::from_slice(body),
+    )
+    .map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            Error::Json(inner)
+        } else {
+            Error::Json(serde::de::Error::custom(format!("{path}: {inner}")))
+        }
+    })?;
     let run = RunId::new(doc.run)?;
     let rows = doc.samples.len() + doc.sketches.len();
     if rows > limits.max_rows {
@@ -508,8 +446,13 @@ pub fn decode_json(
                     time_ms: s.time_ms.unwrap_or(now_ms),
                     metric: MetricName::new(s.metric).map_err(at)?,
                     layer: s.layer,
-                    site: s.site.as_deref().map(str::parse).transpose().map_err(at)?,
-                    value: s.value.value(&format!("samples[{i}].value"))?,
+                    site: s
+                        .site
+                        .as_deref()
+                        .map(str::parse::<Site>)
+                        .transpose()
+                        .map_err(|e| at(e.into()))?,
+                    value: s.value.get(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -523,20 +466,17 @@ pub fn decode_json(
         let rows = doc
             .sketches
             .into_iter()
-            .enumerate()
-            .map(|(i, s)| {
-                Ok(SketchRecord {
-                    run: run.clone(),
-                    rank: s.rank,
-                    step: s.step,
-                    time_ms: s.time_ms.unwrap_or(now_ms),
-                    kind: s.kind,
-                    seed: s.seed,
-                    norm: s.norm.value(&format!("sketches[{i}].norm"))?,
-                    vector: s.vector,
-                })
+            .map(|s| SketchRecord {
+                run: run.clone(),
+                rank: s.rank,
+                step: s.step,
+                time_ms: s.time_ms.unwrap_or(now_ms),
+                kind: s.kind,
+                seed: s.seed,
+                norm: s.norm.get(),
+                vector: s.vector,
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Vec<_>>();
         check_sketches(&rows, known_info.as_ref())?;
         Some(sketches::to_batch(&rows)?)
     };

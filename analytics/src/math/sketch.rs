@@ -24,9 +24,6 @@
 //! CountSketch costs O(d) per gradient and is the SDK's default; the dense Rademacher
 //! projection costs O(dk) and exists for small models and as a reference.
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -80,42 +77,8 @@ pub fn gaussian_vector(seed: u32, n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// Which projection a sketch uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SketchKind {
-    Rademacher,
-    CountSketch,
-}
-
-impl SketchKind {
-    /// The wire and storage name.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            SketchKind::Rademacher => "rademacher",
-            SketchKind::CountSketch => "countsketch",
-        }
-    }
-}
-
-impl fmt::Display for SketchKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for SketchKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "rademacher" => Ok(SketchKind::Rademacher),
-            "countsketch" => Ok(SketchKind::CountSketch),
-            other => Err(Error::Config(format!(
-                "unknown sketch kind {other:?}; expected rademacher or countsketch"
-            ))),
-        }
-    }
-}
+/// Which projection a sketch uses: the contract's vocabulary.
+pub use rankwatch_api::SketchKind;
 
 /// A sketch definition: kind, shared seed and output dimension k. Built only through
 /// [`Sketch::new`] (deserialisation too), so k is always valid.

@@ -132,7 +132,7 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<Alert>> {
                 site: opt_str(s("site"), i)
                     .map(Site::from_str)
                     .transpose()
-                    .map_err(&at)?,
+                    .map_err(|e| at(e.into()))?,
                 rank: opt(c.u32s("rank"), i),
                 outlier_ranks: ranks.values().to_vec(),
                 value: c.f64s("value").value(i),

@@ -96,7 +96,10 @@ pub fn from_batch(batch: &RecordBatch) -> Result<Vec<SketchRecord>> {
                 rank: rank.value(i),
                 step: step.value(i),
                 time_ms: time.value(i),
-                kind: kind.value(i).parse().map_err(c.at(i))?,
+                kind: kind
+                    .value(i)
+                    .parse()
+                    .map_err(|e: rankwatch_api::UnknownName| c.at(i)(e.into()))?,
                 seed: seed.value(i),
                 norm: norm.value(i),
                 vector: values.values().to_vec(),

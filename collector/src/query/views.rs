@@ -88,7 +88,9 @@ fn metric_in_range(metric: &MetricName, from: u64, to: u64, rank: Option<u32>) -
 }
 
 fn site(s: Option<&str>) -> Result<Option<Site>> {
-    Ok(s.map(str::parse::<Site>).transpose()?)
+    Ok(s.map(str::parse::<Site>)
+        .transpose()
+        .map_err(rankwatch_analytics::Error::from)?)
 }
 
 impl Queries {

@@ -150,7 +150,7 @@ async fn each_kind_of_bad_input_is_refused_with_a_message_naming_it() {
         None,
         br#"{"run":"x","samples":[{"step":1,"metric":"loss","value":"lots"}]}"#.to_vec(),
         400,
-        "\"lots\" is not a number",
+        "samples[0].value: invalid value: string \"lots\", expected a number or one of \"NaN\"",
     )
     .await;
     refuse(
