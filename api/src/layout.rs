@@ -2,12 +2,9 @@
 //! words an ingest body uses ([`Site`], [`SketchKind`]) and the `layout` of its run info. The
 //! analytics crate validates with these very types and re-exports them.
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
-use crate::UnknownName;
+use crate::vocab::text_form;
 
 /// The point in the model a value refers to: a weight matrix (spectral metrics) or a hook point
 /// (activation maxima). `gate` names both the gate projection and its activations; the metric
@@ -91,25 +88,7 @@ impl Site {
     }
 }
 
-impl fmt::Display for Site {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Site {
-    type Err = UnknownName;
-    fn from_str(s: &str) -> Result<Self, UnknownName> {
-        Site::ALL
-            .into_iter()
-            .find(|site| site.as_str() == s)
-            .ok_or_else(|| UnknownName {
-                kind: "site",
-                given: s.to_owned(),
-                expected: Site::NAMES,
-            })
-    }
-}
+text_form!(Site, "site");
 
 /// Which random projection a gradient sketch uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -120,38 +99,18 @@ pub enum SketchKind {
 }
 
 impl SketchKind {
+    /// Every kind, in the order of [`SketchKind::NAMES`].
+    pub const ALL: [SketchKind; 2] = [SketchKind::Rademacher, SketchKind::CountSketch];
     /// Every wire name.
     pub const NAMES: &'static [&'static str] = &["rademacher", "countsketch"];
 
     /// The wire and storage name.
     pub const fn as_str(self) -> &'static str {
-        match self {
-            SketchKind::Rademacher => "rademacher",
-            SketchKind::CountSketch => "countsketch",
-        }
+        SketchKind::NAMES[self as usize]
     }
 }
 
-impl fmt::Display for SketchKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for SketchKind {
-    type Err = UnknownName;
-    fn from_str(s: &str) -> Result<Self, UnknownName> {
-        match s {
-            "rademacher" => Ok(SketchKind::Rademacher),
-            "countsketch" => Ok(SketchKind::CountSketch),
-            other => Err(UnknownName {
-                kind: "sketch kind",
-                given: other.to_owned(),
-                expected: SketchKind::NAMES,
-            }),
-        }
-    }
-}
+text_form!(SketchKind, "sketch kind");
 
 /// Shape of a block's attention, needed for σ_OV under grouped-query attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

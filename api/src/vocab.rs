@@ -2,7 +2,6 @@
 //! is in its lifecycle. The analytics crate's detectors use these very types.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +30,43 @@ impl fmt::Display for UnknownName {
 
 impl std::error::Error for UnknownName {}
 
+/// The value of a vocabulary whose wire name is `given` (`all` and `names` in the same order).
+pub(crate) fn lookup<T: Copy>(
+    kind: &'static str,
+    all: &[T],
+    names: &'static [&'static str],
+    given: &str,
+) -> Result<T, UnknownName> {
+    names
+        .iter()
+        .position(|name| *name == given)
+        .map(|i| all[i])
+        .ok_or_else(|| UnknownName {
+            kind,
+            given: given.to_owned(),
+            expected: names,
+        })
+}
+
+/// `Display` and `FromStr` through a type's `as_str`, `ALL` and `NAMES` (in the same order).
+macro_rules! text_form {
+    ($ty:ident, $kind:literal) => {
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = $crate::UnknownName;
+            fn from_str(s: &str) -> Result<Self, $crate::UnknownName> {
+                $crate::vocab::lookup($kind, &$ty::ALL[..], $ty::NAMES, s)
+            }
+        }
+    };
+}
+pub(crate) use text_form;
+
 macro_rules! vocabulary {
     ($(#[$meta:meta])* $ty:ident ($kind:literal) { $($variant:ident = $name:literal),* $(,)? }) => {
         $(#[$meta])*
@@ -51,22 +87,7 @@ macro_rules! vocabulary {
             }
         }
 
-        impl fmt::Display for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl FromStr for $ty {
-            type Err = UnknownName;
-            fn from_str(s: &str) -> Result<Self, UnknownName> {
-                $ty::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| UnknownName {
-                    kind: $kind,
-                    given: s.to_owned(),
-                    expected: $ty::NAMES,
-                })
-            }
-        }
+        text_form!($ty, $kind);
     };
 }
 

@@ -171,15 +171,7 @@ pub fn info(run: &str, world: u32, layers: u32) -> RunInfo {
             layers: (0..layers)
                 .map(|i| LayerLayout {
                     index: i,
-                    sites: vec![
-                        Site::Q,
-                        Site::K,
-                        Site::V,
-                        Site::O,
-                        Site::Up,
-                        Site::Gate,
-                        Site::Down,
-                    ],
+                    sites: Site::MATRICES.to_vec(),
                     attention: None,
                     experts: None,
                 })

@@ -255,24 +255,22 @@ fn a_crash_in_the_first_flush_of_a_new_data_set_restarts_with_every_row() {
         "a new data set commits its empty manifest at start"
     );
     let http = agent();
-    let r = http
-        .post(format!("{base}/api/v1/ingest"))
-        .header("content-type", ARROW)
-        .send(&batch(0, 0)[..])
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    let ingest = |base: &str, rank: u32| {
+        let r = http
+            .post(format!("{base}/api/v1/ingest"))
+            .header("content-type", ARROW)
+            .send(&batch(rank, 0)[..])
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    };
+    ingest(&base, 0);
     child.kill().unwrap(); // SIGKILL: nothing flushed
     child.wait().unwrap();
     // What the cut flush left: a part the manifest does not list (another data set's part,
     // flushed at its clean shutdown, stands in for it under the same table folder).
     let other = tempfile::tempdir().unwrap();
     let (mut donor, donor_base) = spawn_rankwatch(other.path(), &[]);
-    let r = http
-        .post(format!("{donor_base}/api/v1/ingest"))
-        .header("content-type", ARROW)
-        .send(&batch(1, 0)[..])
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    ingest(&donor_base, 1);
     terminate(&mut donor);
     let part = files_under(other.path())
         .into_iter()
