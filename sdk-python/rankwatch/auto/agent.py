@@ -89,8 +89,6 @@ class AutoAgent:
         # injected agent whose optimizer keeps no step count): what the ranks agree on.
         self.shared_base: int | None = None if settings.injected else 0
         self._switch: Switch | None = None
-        self._wanted: bool | None = None  # a request heard before the switch exists
-        self._wanted_lead: float | None = None  # its lead (None: the collector poll's)
         self._last_step_end: float | None = None
         self._step_seconds: float | None = None
         self.offset = 0  # added to `steps` to give the step number (a framework's, say)
@@ -101,7 +99,6 @@ class AutoAgent:
         self._hook: Any = None
         # Launched watching, a request from the start; injected, the payload makes the request.
         self._requested: str | None = None if settings.dormant or settings.injected else "activate"
-        self._requested_lead: float | None = None
         # `attach/detach --pid`: the request waits for the go file, written once every rank is
         # injected, so that every rank reads it within a step of the others.
         self._gated: tuple[Path, str] | None = None
@@ -134,7 +131,7 @@ class AutoAgent:
         if action not in ("activate", "deactivate"):
             raise ValueError(f"unknown action {action!r}")
         with self._lock:
-            self._requested, self._requested_lead, self._gated = action, None, None
+            self._requested, self._gated = action, None
 
     def request_once(self, go: Path, action: str) -> None:
         """`action` from the end of the first optimizer step at which the file `go` exists, with
@@ -200,19 +197,17 @@ class AutoAgent:
             if self._poller is None:
                 self._start_poller()
             with self._lock:
-                if self._gated is not None and self._gated[0].exists():
-                    (_, self._requested), self._requested_lead, self._gated = self._gated, 0.0, None
                 requested, self._requested = self._requested, None
-                lead, self._requested_lead = self._requested_lead, None
+                lead: float | None = None  # the collector poll's
+                if self._gated is not None and self._gated[0].exists():
+                    (_, requested), lead, self._gated = self._gated, 0.0, None
             if first and requested == "activate" and not self.settings.injected and not self.settings.dormant:
                 # Launched watching: every rank starts at the end of the job's first step. (A
                 # dormant job's switch, heard by the poller this first step started, is agreed
                 # on like any other: the other ranks may not have heard it yet.)
                 self.state = STARTING
             else:
-                if requested is not None:
-                    self._wanted, self._wanted_lead = requested == "activate", lead
-                self._follow_switch(optimizer)
+                self._follow_switch(optimizer, None if requested is None else requested == "activate", lead)
             if self.state == STARTING:
                 self._start(optimizer)
             elif self.state == WATCHING:
@@ -227,10 +222,11 @@ class AutoAgent:
             self._step_seconds = took if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * took
         self._last_step_end = now
 
-    def _follow_switch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Carries out the pending request at the step the ranks agree on."""
+    def _follow_switch(self, optimizer: torch.optim.Optimizer, wanted: bool | None, lead_seconds: float | None) -> None:
+        """Hands a new request (`wanted`, on or off, with its own lead or None for the poll's)
+        to the switch, and carries out the pending one at the step the ranks agree on."""
         if self._switch is None:
-            if self._wanted is None:
+            if wanted is None:
                 return  # nothing asked yet: no store is touched
             if self.shared_base is None:
                 done = steps_done(optimizer, None)
@@ -238,8 +234,8 @@ class AutoAgent:
             lead = self.poll_interval + 1.0  # every rank polls the collector within one interval
             self._switch = Switch(Agreement.of_job(lead) if self.shared_base is not None else None)
         switch = self._switch
-        if self._wanted is not None:
-            switch.wanted, switch.lead_seconds, self._wanted = self._wanted, self._wanted_lead, None
+        if wanted is not None:
+            switch.wanted, switch.lead_seconds = wanted, lead_seconds
         target = switch.end_of_step(self.steps + (self.shared_base or 0), self.state != DORMANT, self._step_seconds)
         if switch.gave_up is not None:
             self.error = switch.gave_up
