@@ -173,7 +173,7 @@ mod tests {
             assert!(seen.insert(m.as_str()), "duplicate name {m}");
             assert_eq!(m.as_str().parse::<Metric>().unwrap(), m);
         }
-        for s in Site::ALL {
+        for &s in Site::ALL {
             assert_eq!(s.as_str().parse::<Site>().unwrap(), s);
         }
         assert!("bogus".parse::<Site>().is_err());

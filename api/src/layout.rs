@@ -4,59 +4,29 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::vocab::text_form;
+use crate::vocab::vocabulary;
 
-/// The point in the model a value refers to: a weight matrix (spectral metrics) or a hook point
-/// (activation maxima). `gate` names both the gate projection and its activations; the metric
-/// says which is meant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Site {
-    Q,
-    K,
-    V,
-    O,
-    Up,
-    Gate,
-    Down,
-    Embed,
-    Residual,
-    AttnOut,
-    MlpOut,
-    FinalNorm,
-}
+vocabulary!(
+    /// The point in the model a value refers to: a weight matrix (spectral metrics) or a hook
+    /// point (activation maxima). `gate` names both the gate projection and its activations;
+    /// the metric says which is meant.
+    Site ("site") {
+        Q = "q",
+        K = "k",
+        V = "v",
+        O = "o",
+        Up = "up",
+        Gate = "gate",
+        Down = "down",
+        Embed = "embed",
+        Residual = "residual",
+        AttnOut = "attn_out",
+        MlpOut = "mlp_out",
+        FinalNorm = "final_norm",
+    }
+);
 
 impl Site {
-    /// Every site, in vocabulary order.
-    pub const ALL: [Site; 12] = [
-        Site::Q,
-        Site::K,
-        Site::V,
-        Site::O,
-        Site::Up,
-        Site::Gate,
-        Site::Down,
-        Site::Embed,
-        Site::Residual,
-        Site::AttnOut,
-        Site::MlpOut,
-        Site::FinalNorm,
-    ];
-    /// Every wire name, in vocabulary order.
-    pub const NAMES: &'static [&'static str] = &[
-        "q",
-        "k",
-        "v",
-        "o",
-        "up",
-        "gate",
-        "down",
-        "embed",
-        "residual",
-        "attn_out",
-        "mlp_out",
-        "final_norm",
-    ];
     /// The weight matrices of a transformer block.
     pub const MATRICES: [Site; 7] = [
         Site::Q,
@@ -77,40 +47,19 @@ impl Site {
         Site::FinalNorm,
     ];
 
-    /// The site's wire and storage name.
-    pub const fn as_str(self) -> &'static str {
-        Site::NAMES[self as usize]
-    }
-
     /// Sites that belong to the whole model rather than to one block: a value there has no layer.
     pub const fn is_model_level(self) -> bool {
         matches!(self, Site::Embed | Site::FinalNorm)
     }
 }
 
-text_form!(Site, "site");
-
-/// Which random projection a gradient sketch uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SketchKind {
-    Rademacher,
-    CountSketch,
-}
-
-impl SketchKind {
-    /// Every kind, in the order of [`SketchKind::NAMES`].
-    pub const ALL: [SketchKind; 2] = [SketchKind::Rademacher, SketchKind::CountSketch];
-    /// Every wire name.
-    pub const NAMES: &'static [&'static str] = &["rademacher", "countsketch"];
-
-    /// The wire and storage name.
-    pub const fn as_str(self) -> &'static str {
-        SketchKind::NAMES[self as usize]
+vocabulary!(
+    /// Which random projection a gradient sketch uses.
+    SketchKind ("sketch kind") {
+        Rademacher = "rademacher",
+        CountSketch = "countsketch",
     }
-}
-
-text_form!(SketchKind, "sketch kind");
+);
 
 /// Shape of a block's attention, needed for σ_OV under grouped-query attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -30,50 +30,15 @@ impl fmt::Display for UnknownName {
 
 impl std::error::Error for UnknownName {}
 
-/// The value of a vocabulary whose wire name is `given` (`all` and `names` in the same order).
-pub(crate) fn lookup<T: Copy>(
-    kind: &'static str,
-    all: &[T],
-    names: &'static [&'static str],
-    given: &str,
-) -> Result<T, UnknownName> {
-    names
-        .iter()
-        .position(|name| *name == given)
-        .map(|i| all[i])
-        .ok_or_else(|| UnknownName {
-            kind,
-            given: given.to_owned(),
-            expected: names,
-        })
-}
-
-/// `Display` and `FromStr` through a type's `as_str`, `ALL` and `NAMES` (in the same order).
-macro_rules! text_form {
-    ($ty:ident, $kind:literal) => {
-        impl std::fmt::Display for $ty {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl std::str::FromStr for $ty {
-            type Err = $crate::UnknownName;
-            fn from_str(s: &str) -> Result<Self, $crate::UnknownName> {
-                $crate::vocab::lookup($kind, &$ty::ALL[..], $ty::NAMES, s)
-            }
-        }
-    };
-}
-pub(crate) use text_form;
-
+/// A closed set of names: the enum, its `ALL` and `NAMES` in declaration order, `as_str`,
+/// `Display`, and a `FromStr` whose error lists every name. Each name is written once, here,
+/// and serde uses the same one.
 macro_rules! vocabulary {
     ($(#[$meta:meta])* $ty:ident ($kind:literal) { $($variant:ident = $name:literal),* $(,)? }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        #[serde(rename_all = "snake_case")]
         pub enum $ty {
-            $($variant),*
+            $(#[serde(rename = $name)] $variant),*
         }
 
         impl $ty {
@@ -87,9 +52,25 @@ macro_rules! vocabulary {
             }
         }
 
-        text_form!($ty, $kind);
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = $crate::UnknownName;
+            fn from_str(s: &str) -> Result<Self, $crate::UnknownName> {
+                $ty::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| $crate::UnknownName {
+                    kind: $kind,
+                    given: s.to_owned(),
+                    expected: $ty::NAMES,
+                })
+            }
+        }
     };
 }
+pub(crate) use vocabulary;
 
 vocabulary!(
     /// The rule that raised an alert.

@@ -419,11 +419,11 @@ fn sizes_name_what_they_accept() {
 
 #[test]
 fn site_and_sketch_kind_names_are_their_serde_names() {
-    for site in Site::ALL {
+    for &site in Site::ALL {
         assert_eq!(serde_json::to_value(site).unwrap(), json!(site.as_str()));
         assert_eq!(site.as_str().parse::<Site>().unwrap(), site);
     }
-    for kind in SketchKind::ALL {
+    for &kind in SketchKind::ALL {
         assert_eq!(serde_json::to_value(kind).unwrap(), json!(kind.as_str()));
         assert_eq!(kind.as_str().parse::<SketchKind>().unwrap(), kind);
     }
