@@ -45,7 +45,9 @@ def _torchrun(*args: str) -> list[str]:
 
 def _plain_twin(tmp_path: Path, steps: int, *args: str) -> dict[str, torch.Tensor]:
     out = tmp_path / "unwatched.pt"
-    subprocess.run(_torchrun("--steps", str(steps), "--out", str(out), *args), env=_env(), check=True, timeout=300, capture_output=True)
+    done = subprocess.run(_torchrun("--steps", str(steps), "--out", str(out), *args), env=_env(), timeout=300, capture_output=True, text=True)
+    # The twin runs without rankwatch; if it fails, its own output is what says why.
+    assert done.returncode == 0, f"the unwatched twin failed (exit {done.returncode}): {done.stderr[-4000:]}"
     return torch.load(out)
 
 
