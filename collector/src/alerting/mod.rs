@@ -15,7 +15,9 @@
 //! [`sinks`], and count on `/metrics`. Alerts that were open when the collector stopped are
 //! restored with the store and stay open: a detector that raises the same alert again (same
 //! run, rule, layer, site and rank) continues it under its old id, and it resolves when that
-//! detector clears it or when the run goes quiet. (Detector baselines are not persisted: a
+//! detector clears it or when the run goes quiet. Alerts already resolved stay resolved: when
+//! the replay raises one of them again (same id), that echo is counted
+//! (`rankwatch_alert_replay_echoes_total`) and goes no further. (Detector baselines are not persisted: a
 //! fault that persists across a restart becomes part of the new baseline, so quiet detectors
 //! are no evidence that it is gone.)
 
@@ -74,6 +76,8 @@ pub struct EngineMetrics {
     pub errors: Counter,
     /// Alerts not raised because their run had the most open alerts allowed, by rule.
     pub suppressed: Family<Labels, Counter>,
+    /// States the log's replay raised again for alerts the journal already holds resolved.
+    pub replay_echoes: Counter,
 }
 
 impl EngineMetrics {
@@ -108,6 +112,11 @@ impl EngineMetrics {
             "alerts_suppressed",
             "Alerts not raised because their run already had --max-open-alerts-per-run open, by rule",
             self.suppressed.clone(),
+        );
+        r.register(
+            "alert_replay_echoes",
+            "Alert states the log's replay raised again for alerts already resolved before the restart (not raised or told again)",
+            self.replay_echoes.clone(),
         );
         r.register(
             "alert_engine_errors",
@@ -200,9 +209,12 @@ impl AlertEngine {
         let started_ms = writer.store.now_ms();
         // Alerts open when the collector last stopped: restored, and counted against the cap.
         let mut restored = HashMap::new();
+        let mut settled = HashMap::new();
         let mut open: HashMap<RunId, std::collections::HashSet<String>> = HashMap::new();
         for alert in writer.store.alerts(None) {
-            if alert.state != AlertState::Resolved {
+            if alert.state == AlertState::Resolved {
+                settled.insert(alert.id.clone(), alert.run.clone());
+            } else {
                 open.entry(alert.run.clone())
                     .or_default()
                     .insert(alert.id.clone());
@@ -220,6 +232,7 @@ impl AlertEngine {
             stopping: false,
             derived_through: HashMap::new(),
             restored,
+            settled,
             continued: HashMap::new(),
             outgoing: Vec::new(),
             started_ms,
@@ -262,6 +275,10 @@ struct Engine {
     restored: HashMap<AlertKey, Alert>,
     /// Restored alerts a detector raised again: detector id → the restored alert it continues.
     continued: HashMap<String, Alert>,
+    /// Alerts resolved when the collector started (id → run). The log's replay feeds the
+    /// detectors the batches that raised and ended them, and they raise them again under the
+    /// same id (an id names its first step); that echo is history, not news.
+    settled: HashMap<String, RunId>,
     /// Alert states raised by the current step of the loop: journaled, then told (`release`).
     outgoing: Vec<Alert>,
     /// When this engine started (the collector's clock).
@@ -306,6 +323,7 @@ impl Engine {
                         self.open.remove(&run);
                         self.derived_through.remove(&run);
                         self.restored.retain(|key, _| key.run != run);
+                        self.settled.retain(|_, of| *of != run);
                         self.continued.retain(|_, alert| alert.run != run);
                         // Receivers hear that its firing alerts are over (Alertmanager would
                         // otherwise be re-sent them for ever); the store forgets them next.
@@ -537,6 +555,12 @@ impl Engine {
 
     /// Continues a restored alert when a detector raises it again, then delivers.
     fn raise(&mut self, mut alert: Alert) {
+        if self.settled.contains_key(&alert.id) {
+            // Before, the echo flipped the stored alert back to firing, and a receiver already
+            // told of its end (reconciled at start) could hear it fire and resolve again.
+            self.metrics.replay_echoes.inc();
+            return;
+        }
         let key = alert.key();
         if let Some(old) = self.continued.get(&alert.id).cloned().or_else(|| {
             let old = self.restored.remove(&key)?;

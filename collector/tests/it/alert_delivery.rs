@@ -166,6 +166,15 @@ impl Binary {
         assert_eq!(status, 200, "{text}");
     }
 
+    fn metrics(&self) -> String {
+        ureq::get(format!("{}/metrics", self.base))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    }
+
     fn alerts(&self, run: &str) -> Vec<Value> {
         let text = ureq::get(format!("{}/api/v1/alerts?run={run}", self.base))
             .call()
@@ -280,6 +289,25 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
     hook.wait_for("the missed resolution is delivered", |h| {
         h.contains(&("resolved".into(), id.clone()))
     });
+    // The replay fed the detectors the NaN again and they raised the alert again, firing then
+    // resolved: an echo of what the journal holds, counted and dropped. (Before, it was raised
+    // anew, and a receiver whose missed resolution went out first heard it fire again.)
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        let metrics = collector.metrics();
+        if metrics.contains("rankwatch_alert_replay_echoes_total 2") {
+            break metrics;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replay echo counted:\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        !metrics.contains("rankwatch_alert_transitions_total{rule=\"nonfinite\""),
+        "the replay raised the resolved alert again:\n{metrics}"
+    );
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(
         hook.heard(),
