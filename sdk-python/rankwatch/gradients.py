@@ -23,7 +23,8 @@ accumulated twice in one backward, as reentrant checkpointing does, is still cou
 * on sketch steps, the CountSketch of the local gradient with a seed shared by all ranks:
   coordinate i of parameter j is the 64-bit index (j << 32) | i, hashed with murmur3's
   finaliser, so every rank maps every coordinate to the same bucket and sign and ⟨s_i, s_j⟩
-  estimates ⟨g_i, g_j⟩;
+  estimates ⟨g_i, g_j⟩ (on a GPU with Triton one fused kernel, `sketch_kernel`; elsewhere
+  hashed coordinates kept up to a budget, then a scatter);
 * in dot mode, on dot steps (a cadence of its own, every 10th step by default), a copy of the
   local gradient, held until the end of the backward: then ⟨g_k, ḡ⟩ (→ ``cos_to_mean``,
   exact) and the copy is freed. It costs one gradient's memory for the length of a backward
@@ -59,6 +60,7 @@ Every value stays a device tensor; the run's reporter copies them to the host as
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import sketch_kernel
 from .discovery import is_dtensor
 
 _MASK32 = 0xFFFFFFFF
@@ -233,6 +236,22 @@ def shard_indices(tensor: torch.Tensor) -> torch.Tensor | None:
     return index.reshape(-1)
 
 
+def shard_base(tensor: torch.Tensor) -> int | None:
+    """Where this rank's block of DTensor `tensor` starts in the whole, flat, when the block is
+    one contiguous range of it (a block of rows, as FSDP2's dim-0 sharding makes); else None."""
+    if not is_dtensor(tensor):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(tensor.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+    if not shape:
+        return 0
+    if tuple(local_shape[1:]) != shape[1:]:
+        return None
+    return int(offset[0]) * math.prod(shape[1:])
+
+
 class GradientProbe:
     """Post-accumulate-grad hooks on `params`, an end-of-backward callback, and the record."""
 
@@ -249,6 +268,7 @@ class GradientProbe:
         cache_bytes: int = 512 << 20,
         copy_limit_bytes: int = 1 << 30,
         fsdp: FsdpLayout | None = None,
+        fused: bool = True,
     ) -> None:
         # Each parameter once (tied weights appear twice in some lists), in the model's order,
         # which every rank shares: the sketch's coordinates depend on it.
@@ -271,6 +291,12 @@ class GradientProbe:
         self._cache_bytes = cache_bytes
         self._cached_bytes = 0
         self._coordinates: dict[int, torch.Tensor] = {}
+        # On a GPU the sketch is one fused Triton kernel, with no coordinates kept (see
+        # sketch_kernel); compiled off the training thread now. `fused=False` forces the
+        # reference path (the GPU suite compares the two).
+        self._fused = sketch_kernel.load() if fused and self.device.type == "cuda" else None
+        if self._fused is not None:
+            sketch_kernel.warm_up(self._fused, self.device, {p.dtype for p in self._params}, sketch_dim)
         n = len(self._params)
         self._norms: list[torch.Tensor | None] = [None] * n
         self._sketch_rows: torch.Tensor | None = None
@@ -400,7 +426,7 @@ class GradientProbe:
                 self._sketch_rows = torch.zeros(len(self._params), 2 * self.sketch_dim, dtype=torch.float32, device=self.device)
             row = self._sketch_rows[index]
             row.zero_()
-            self._accumulate(row, self._folded(index, g.numel()), g.reshape(-1))
+            self._sketch_into(row, index, g.reshape(-1))
         if self.dot_mode and self.dot_armed:
             # The exact dot has a cadence of its own: a copy of the gradient is the probe's
             # most expensive work (a pass to write it, two to read it back).
@@ -459,13 +485,26 @@ class GradientProbe:
     def _unfold(self, doubled: torch.Tensor) -> torch.Tensor:
         return doubled[: self.sketch_dim] - doubled[self.sketch_dim :]
 
+    def _sketch_into(self, target: torch.Tensor, index: int, values: torch.Tensor, shard_of: torch.Tensor | None = None) -> None:
+        """target (2·dim, folded) += the sketch of parameter `index`'s flat `values` (all its
+        coordinates, or this rank's block of the DTensor `shard_of`): on a GPU with Triton one
+        fused kernel (`sketch_kernel`), else the cached coordinates and `_accumulate`."""
+        if self._fused is not None and values.is_cuda:
+            base = shard_base(shard_of) if shard_of is not None else 0
+            # A block that is not one range of the whole (rare: FSDP2 shards rows) hashes its
+            # coordinates as the reference path does.
+            indices = shard_indices(shard_of) if base is None and shard_of is not None else None
+            self._fused(target, values, self.sketch_seed, index, self.sketch_dim, indices, base or 0)
+            return
+        self._accumulate(target, self._folded(index, values.numel(), shard_of), values)
+
     def _sketch_of(self, grads: list[tuple[int, torch.Tensor]], sharded: bool) -> torch.Tensor:
         """The CountSketch of gradients (index, tensor): whole ones, or DTensor shards placed
         at their coordinates in the whole parameter."""
         doubled = torch.zeros(2 * self.sketch_dim, dtype=torch.float32, device=self.device)
         for index, grad in grads:
             values = grad.to_local() if sharded else grad  # type: ignore[attr-defined]
-            self._accumulate(doubled, self._folded(index, values.numel(), grad if sharded else None), values.detach().reshape(-1))
+            self._sketch_into(doubled, index, values.detach().reshape(-1), grad if sharded else None)
         return self._unfold(doubled)
 
     def _end_of_backward(self, task: int, first_pass: bool) -> None:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rankwatch  # noqa: E402
 from rankwatch.discovery import discover  # noqa: E402
-from rankwatch.gradients import countsketch_coordinates  # noqa: E402
+from rankwatch.gradients import countsketch_coordinates, shard_base, shard_indices  # noqa: E402
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 from rankwatch.spectral import SpectralProbe  # noqa: E402
 
@@ -180,6 +180,7 @@ def main() -> None:
     result["equal"] = {k: bool(torch.equal(plain[k], watched[k])) for k in plain}
     result["reported"], result["expected"] = reported, expected
     result["spectral"] = spectral_reference(model, watched)
+    result["shard_bases"] = shard_bases(model)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     # About one process exit in sixty aborts in torch's own teardown here ("terminate called
@@ -189,6 +190,19 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def shard_bases(model: torch.nn.Module) -> dict[str, object]:
+    """For each sharded parameter: whether its block is one contiguous range of the whole (the
+    fused GPU sketch then hashes `base + i`), and whether that range is the block's coordinates."""
+    out: dict[str, object] = {}
+    for name, param in model.named_parameters():
+        indices = shard_indices(param)
+        if indices is None:
+            continue
+        base = shard_base(param)
+        out[name] = "indices" if base is None else bool(torch.equal(indices, torch.arange(base, base + indices.numel())))
+    return out
 
 
 def shadow(before: tuple, batches: list[torch.Tensor], world: int, seed: int, frozen: bool = False) -> dict:

@@ -66,6 +66,9 @@ def test_fsdp2_twins_statistics_and_sharded_spectral(layout: str, tmp_path: Path
     for rank, result in enumerate(ranks):
         unequal = [name for name, same in result["equal"].items() if not same]
         assert not unequal, f"{layout} rank {rank}: watching changed {unequal}"
+        # FSDP2 shards rows: every block is a contiguous range, the one its coordinates say.
+        bases = result["shard_bases"]
+        assert bases and all(v is True for v in bases.values()), f"{layout} rank {rank}: {bases}"
         reported = {r["step"]: r["values"] for r in result["reported"]}
         assert len(result["expected"]) == len(reported) == 5
         for want in result["expected"]:
