@@ -6,6 +6,7 @@ use crate::vocab::{AlertState, Rule, Severity};
 
 /// One alert.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Alert {
     /// Stable across restarts: derived from what the alert is about and its first step.
     pub id: String,
@@ -14,6 +15,7 @@ pub struct Alert {
     pub severity: Severity,
     pub state: AlertState,
     pub layer: Option<u32>,
+    #[cfg_attr(feature = "openapi", schemars(with = "Option<crate::Site>"))]
     pub site: Option<String>,
     /// The rank it is about, for per-rank rules (`stale_rank`, per-rank `nonfinite`).
     pub rank: Option<u32>,
@@ -44,12 +46,14 @@ impl Alert {
 
 /// `GET /api/v1/alerts`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Alerts {
     pub alerts: Vec<Alert>,
 }
 
 /// `GET /api/v1/runs/{run}/alerts/feed?after=R`: one run's alert changes after revision `R`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct AlertFeed {
     /// Changes when the collector restarts; revisions then start again from zero.
     pub epoch: i64,

@@ -4,6 +4,8 @@ use serde::{Deserialize, Serialize};
 
 /// `{"error": "...", "reason": "..."}`, the body of every non-2xx answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
+#[cfg_attr(feature = "openapi", schemars(rename = "Error"))]
 pub struct ErrorBody {
     /// What went wrong, for a person.
     pub error: String,
@@ -13,6 +15,7 @@ pub struct ErrorBody {
 
 /// The stable reason codes of [`ErrorBody`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorReason {
     BadRequest,

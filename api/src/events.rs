@@ -7,6 +7,7 @@ use crate::alerts::Alert;
 
 /// One event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
     /// New samples arrived for a run.

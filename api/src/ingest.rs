@@ -12,8 +12,10 @@ use crate::{ModelLayout, Num, SketchKind};
 
 /// One ingest request: a run and at least one of its info, samples and sketches.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct IngestBody {
+    #[cfg_attr(feature = "openapi", schemars(with = "crate::openapi::RunId"))]
     pub run: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub info: Option<IngestInfo>,
@@ -25,8 +27,11 @@ pub struct IngestBody {
 
 /// The run's metadata, sent once (again after a restart of the job).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct IngestInfo {
+    /// Number of ranks; at least 1.
+    #[cfg_attr(feature = "openapi", schemars(range(min = 1)))]
     pub world_size: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at_ms: Option<i64>,
@@ -38,6 +43,7 @@ pub struct IngestInfo {
 
 /// One value of one metric at one step; `rank` null for a value of every rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct IngestSample {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -45,17 +51,20 @@ pub struct IngestSample {
     pub step: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_ms: Option<i64>,
+    #[cfg_attr(feature = "openapi", schemars(with = "crate::openapi::MetricName"))]
     pub metric: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<u32>,
     /// A site's wire name; checked against the metric by the collector.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schemars(with = "Option<crate::Site>"))]
     pub site: Option<String>,
     pub value: Num,
 }
 
 /// One rank's gradient sketch at one step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct IngestSketch {
     pub rank: u32,

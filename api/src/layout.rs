@@ -63,6 +63,7 @@ vocabulary!(
 
 /// Shape of a block's attention, needed for σ_OV under grouped-query attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct AttentionShape {
     pub n_heads: u32,
     pub n_kv_heads: u32,
@@ -71,6 +72,7 @@ pub struct AttentionShape {
 
 /// What one transformer block holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct LayerLayout {
     pub index: u32,
     /// The weight matrices found for this block.
@@ -84,6 +86,7 @@ pub struct LayerLayout {
 
 /// The model's layout as the SDK discovered it; empty when nothing was discovered.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct ModelLayout {
     /// Model family as named by layer discovery (`llama`, `gpt2`, `gpt_neox`, `generic`, ...).
     pub family: String,

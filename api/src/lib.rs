@@ -7,8 +7,9 @@
 //! retyped here is therefore a compile error on every side at once, instead of a dashboard
 //! that silently shows nothing. The crate holds data only — serde, no I/O, no Arrow — so it
 //! builds for `wasm32-unknown-unknown` at a few kilobytes. `collector/openapi.json` documents
-//! the same shapes for other clients; a collector test holds its component schemas to these
-//! types (the field names and which are required), so the document cannot drift either.
+//! the same shapes for other clients: its component schemas are generated from these types
+//! (feature `openapi`, `openapi::schemas`) and a collector test holds the file to them, so
+//! the document cannot drift either.
 //!
 //! Vocabulary that is part of the contract lives here too ([`Rule`], [`Severity`],
 //! [`AlertState`], [`ErrorReason`], [`Site`], [`SketchKind`], the [`ModelLayout`] a run's info
@@ -20,6 +21,8 @@ mod events;
 mod ingest;
 mod layout;
 mod num;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 mod ops;
 mod runs;
 mod series;

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 /// What ingest answers to an accepted batch.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Ack {
     pub status: AckStatus,
     pub run: String,
@@ -19,6 +20,7 @@ pub struct Ack {
 
 /// Whether an acknowledged batch was stored now or had been already.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum AckStatus {
     Stored,
@@ -29,7 +31,12 @@ pub enum AckStatus {
 /// `GET /healthz` and `GET /readyz`: `ok`, `ready`, `not ready` or `failing`, with the reason
 /// when not ok.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Health {
+    #[cfg_attr(
+        feature = "openapi",
+        schemars(extend("enum" = ["ok", "ready", "not ready", "failing"]))
+    )]
     pub status: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -37,6 +44,7 @@ pub struct Health {
 
 /// `POST /api/v1/sql` with `application/json` (plain text is the SQL itself).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SqlRequest {
     pub sql: String,
@@ -45,6 +53,7 @@ pub struct SqlRequest {
 /// The answer to a SQL query: rows as objects keyed by column, non-finite floats as
 /// [`crate::Num`] writes them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct SqlAnswer {
     pub columns: Vec<String>,
     pub rows: Vec<serde_json::Map<String, serde_json::Value>>,
@@ -55,6 +64,7 @@ pub struct SqlAnswer {
 /// `GET /api/v1/rules[?run=R]`, and the answer to setting or clearing a run's override. The
 /// rules themselves are the analytics crate's configuration, passed through as JSON.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct RulesAnswer {
     /// Present when the answer is about one run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -106,6 +116,7 @@ impl<'de> Deserialize<'de> for Override {
 
 /// A run's probe switch (`GET`/`PUT /api/v1/runs/{run}/probes`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct ProbeSwitch {
     pub run: String,
     /// Whether an operator wants its probes on; null when nobody set it.
@@ -117,6 +128,7 @@ pub struct ProbeSwitch {
 
 /// The body of `PUT /api/v1/runs/{run}/probes`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SetProbes {
     pub on: bool,
@@ -124,6 +136,7 @@ pub struct SetProbes {
 
 /// What `DELETE /api/v1/runs/{run}` removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Deleted {
     pub run: String,
     /// Parquet files (samples, sketches, run metadata, alerts).
@@ -137,6 +150,7 @@ pub struct Deleted {
 /// The body of `POST /api/v1/retention`. With neither limit, the collector's own policy
 /// applies.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RetentionRequest {
     /// Delete runs silent longer than this: `30d`, `12h`, `90m`.
@@ -151,6 +165,7 @@ pub struct RetentionRequest {
 
 /// A size: a number of bytes, or text such as `50GB` / `200GiB` (the collector parses it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(untagged)]
 pub enum ByteSize {
     Bytes(u64),
@@ -178,6 +193,7 @@ impl<'de> Deserialize<'de> for ByteSize {
 
 /// What a retention pass did (or, dry, would do).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct RetentionReport {
     pub dry_run: bool,
     /// The runs deleted, in the order they went.
@@ -191,6 +207,7 @@ pub struct RetentionReport {
 
 /// One run a retention pass deletes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Doomed {
     pub run: String,
     pub reason: RetentionReason,
@@ -200,6 +217,7 @@ pub struct Doomed {
 
 /// Which limit a run broke.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RetentionReason {
     Age,

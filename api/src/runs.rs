@@ -6,12 +6,14 @@ use crate::ops::Tags;
 
 /// `GET /api/v1/runs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Runs {
     pub runs: Vec<RunSummary>,
 }
 
 /// One run. The metadata fields are null until the run announced itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct RunSummary {
     pub run: String,
     pub world_size: Option<u32>,
@@ -35,6 +37,7 @@ pub struct RunSummary {
 
 /// `GET /api/v1/runs/{run}/catalog`: the metrics a run has, and where.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Catalog {
     pub run: String,
     pub metrics: Vec<CatalogMetric>,
@@ -49,6 +52,7 @@ impl Catalog {
 
 /// One metric of a [`Catalog`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct CatalogMetric {
     pub metric: String,
     /// Null for a user's own metric.
@@ -56,6 +60,7 @@ pub struct CatalogMetric {
     /// Whether the user logged it (not one of rankwatch's metrics).
     pub user: bool,
     pub layers: Vec<u32>,
+    #[cfg_attr(feature = "openapi", schemars(with = "Vec<crate::Site>"))]
     pub sites: Vec<String>,
     pub ranks: Vec<u32>,
     /// How many series (layer × site × rank) it has.
@@ -64,6 +69,7 @@ pub struct CatalogMetric {
 
 /// What one value of a metric describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum MetricScope {
     /// One value per rank per step.

@@ -8,6 +8,7 @@ use crate::num::Num;
 
 /// The step buckets of a downsampled answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct BucketRange {
     pub from: u64,
     pub to: u64,
@@ -17,6 +18,7 @@ pub struct BucketRange {
 
 /// One non-empty bucket of a series.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Bucket {
     pub start: u64,
     pub end: u64,
@@ -33,8 +35,10 @@ pub struct Bucket {
 
 /// One series (layer × site × rank) of a metric.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Series {
     pub layer: Option<u32>,
+    #[cfg_attr(feature = "openapi", schemars(with = "Option<crate::Site>"))]
     pub site: Option<String>,
     pub rank: Option<u32>,
     pub buckets: Vec<Bucket>,
@@ -42,6 +46,7 @@ pub struct Series {
 
 /// `GET /api/v1/runs/{run}/series`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct SeriesAnswer {
     pub run: String,
     pub metric: String,
@@ -52,9 +57,11 @@ pub struct SeriesAnswer {
 /// `GET /api/v1/runs/{run}/heatmap`: a layer × bucket grid of one metric (and site). Each
 /// grid is indexed `[layer][bucket]`, layers in the order of `layers`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Heatmap {
     pub run: String,
     pub metric: String,
+    #[cfg_attr(feature = "openapi", schemars(with = "Option<crate::Site>"))]
     pub site: Option<String>,
     pub buckets: BucketRange,
     /// The first step of each bucket.

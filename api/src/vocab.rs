@@ -37,6 +37,7 @@ macro_rules! vocabulary {
     ($(#[$meta:meta])* $ty:ident ($kind:literal) { $($variant:ident = $name:literal),* $(,)? }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
         pub enum $ty {
             $(#[serde(rename = $name)] $variant),*
         }

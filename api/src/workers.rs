@@ -8,6 +8,7 @@ use crate::num::Num;
 /// `GET /api/v1/runs/{run}/workers[?step=S]`. Without `step`, the newest step every live rank
 /// has reached; `step` is null when the run has no per-rank data yet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct Workers {
     pub run: String,
     pub step: Option<u64>,
@@ -21,9 +22,11 @@ pub struct Workers {
 
 /// One per-rank metric at the step, a value per rank of [`Workers::ranks`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct WorkerMetric {
     pub metric: String,
     pub layer: Option<u32>,
+    #[cfg_attr(feature = "openapi", schemars(with = "Option<crate::Site>"))]
     pub site: Option<String>,
     /// Null where that rank sent no value.
     pub values: Vec<Option<Num>>,
@@ -31,6 +34,7 @@ pub struct WorkerMetric {
 
 /// The rank × rank cosine of the gradient sketches, or why there is none.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 #[serde(untagged)]
 pub enum Cosine {
     Matrix(CosineMatrix),
@@ -42,6 +46,7 @@ pub enum Cosine {
 
 /// The cosine matrix, ranks ascending.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(schemars::JsonSchema))]
 pub struct CosineMatrix {
     pub ranks: Vec<u32>,
     pub matrix: Vec<Vec<Num>>,

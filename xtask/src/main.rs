@@ -36,6 +36,8 @@ tasks:
            denied), every test of the workspace with the browser tests of the dashboard, and
            ruff + mypy --strict on the Python SDK; ends with a table of its stages' times
   check    the collector's modules import only from lower layers (xtask/src/layers.rs)
+  openapi  rewrites the component schemas of collector/openapi.json from the contract's
+           types (rankwatch-api); `test` fails while the file differs from them
   web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
            wasm-bindgen-cli and npm packages are installed on demand
   bench [all|analytics|collector|sdk|ui] [ingest|queries|memory]
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
         Some("web") => web(),
         Some("gpu") => gpu(&args[1..]),
         Some("check") => check_layers(),
+        Some("openapi") => openapi(),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -925,6 +928,23 @@ fn build_release_collector() -> Result<()> {
         "rankwatch",
     ]);
     run("build rankwatch (release)", build)
+}
+
+/// Rewrites `collector/openapi.json`'s schemas from the types: the collector's own test of the
+/// document, in its writing mode (the test knows the document's layout and the metric
+/// vocabulary; xtask stays free of the workspace's crates).
+fn openapi() -> Result<()> {
+    let mut cmd = cargo();
+    cmd.args([
+        "test",
+        "-p",
+        "rankwatch-collector",
+        "--test",
+        "it",
+        "openapi::the_checked_in_document",
+    ])
+    .env("RANKWATCH_WRITE_OPENAPI", "1");
+    run("write collector/openapi.json", cmd)
 }
 
 /// The GPU suite (`bench/gpu_suite.py`): needs CUDA, so it is never part of `test`.

@@ -9,6 +9,7 @@ mod common;
 mod crash;
 mod dashboard;
 mod hostile;
+mod openapi;
 mod recovery;
 mod round_trip;
 mod time;
