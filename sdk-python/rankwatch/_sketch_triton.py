@@ -10,7 +10,10 @@ import triton.language as tl
 from .gradients import _fmix32
 
 BLOCK = 1024  # coordinates a program sketches
-COPIES = 32  # private copies of the sketch the programs spread their atomic adds over
+# Private copies of the sketch the programs spread their atomic adds over. Swept on an H200
+# (100M bf16 coordinates): 8 copies 1.43 ms, 32 1.22, 128 1.05, 512 and 2048 no faster; a
+# 4096-coordinate block was no faster than 1024 at any count.
+COPIES = 128
 _MASK32 = 0xFFFFFFFF
 
 

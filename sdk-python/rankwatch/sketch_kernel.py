@@ -8,8 +8,8 @@ that made a sketch step 430 ms slower than the 72 ms step itself (`cargo xtask g
 of bytes of memory traffic per coordinate and tens of thousands of kernel launches. Here each
 program hashes its block of coordinates in registers, reads the gradient once, and adds each
 value into its bucket with an atomic add: one pass over the gradient, no cached coordinates,
-no temporaries. Programs write to `COPIES` private copies of the sketch (by program id) so that
-the atomics on one bucket do not all queue on one address; the copies are summed after.
+no temporaries. Programs write to private copies of the sketch (by program id; 128, by a sweep)
+so that the atomics on one bucket do not all queue on one address; the copies are summed after.
 
 The buckets and signs are the reference's, bit for bit: the same int64 arithmetic masked to
 32 bits (analytics' `math/sketch.rs` defines it). Only the float32 sums' order differs. Triton
