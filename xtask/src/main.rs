@@ -49,8 +49,9 @@ tasks:
   gpu [--dry-run]
            the GPU suite, on a machine with CUDA (never part of `test`): a full step with
            every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
-           accuracy on 4096x14336 weights, per-probe overhead and memory on GPT-2-small and a
-           bf16 ~1B model; --dry-run checks the script on CPU at toy sizes
+           accuracy on 4096x14336 weights, the fused Triton sketch against its reference,
+           per-probe overhead and memory on GPT-2-small and a bf16 ~1B model; --dry-run
+           checks the script on CPU at toy sizes
   help     this text
 ";
 
