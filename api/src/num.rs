@@ -19,15 +19,24 @@ pub struct Num(pub f64);
 /// The string spellings of the non-finite values, in the order NaN, +∞, −∞.
 pub(crate) const NON_FINITE: [&str; 3] = ["NaN", "Infinity", "-Infinity"];
 
+/// Every spelling read as a non-finite value: the written forms and the lenient ones.
+pub(crate) const ACCEPTED: [(&str, f64); 7] = [
+    ("NaN", f64::NAN),
+    ("nan", f64::NAN),
+    ("Infinity", f64::INFINITY),
+    ("inf", f64::INFINITY),
+    ("+Infinity", f64::INFINITY),
+    ("-Infinity", f64::NEG_INFINITY),
+    ("-inf", f64::NEG_INFINITY),
+];
+
 /// The non-finite value a string spells, if it spells one: the written forms `"NaN"`,
 /// `"Infinity"`, `"-Infinity"` and the accepted `"nan"`, `"inf"`, `"+Infinity"`, `"-inf"`.
 pub fn non_finite(text: &str) -> Option<f64> {
-    match text {
-        "NaN" | "nan" => Some(f64::NAN),
-        "Infinity" | "inf" | "+Infinity" => Some(f64::INFINITY),
-        "-Infinity" | "-inf" => Some(f64::NEG_INFINITY),
-        _ => None,
-    }
+    ACCEPTED
+        .iter()
+        .find(|(spelling, _)| *spelling == text)
+        .map(|&(_, value)| value)
 }
 
 impl Num {

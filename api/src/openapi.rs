@@ -16,7 +16,7 @@ use schemars::generate::{Contract, SchemaSettings};
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde_json::{Map, Value};
 
-use crate::num::NON_FINITE;
+use crate::num::{ACCEPTED, NON_FINITE};
 use crate::*;
 
 /// Where the document keeps its schemas.
@@ -97,8 +97,7 @@ impl JsonSchema for Num {
 
     fn json_schema(generator: &mut SchemaGenerator) -> Schema {
         if generator.contract().is_deserialize() {
-            let mut spellings = vec!["NaN", "nan", "Infinity", "inf", "+Infinity"];
-            spellings.extend(["-Infinity", "-inf"]);
+            let spellings: Vec<&str> = ACCEPTED.iter().map(|(spelling, _)| *spelling).collect();
             reference(generator, "InputNum", || {
                 json_schema!({
                     "description": "A float on input: a JSON number, or one of the strings `NaN`, `Infinity`, `-Infinity` (also accepted: `nan`, `inf`, `+Infinity`, `-inf`).",
