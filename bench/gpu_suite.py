@@ -139,9 +139,11 @@ def fused_sketch() -> str:
     float64), on sizes, dtypes, dimensions and shard coordinates a run meets; then both timed
     on one large bf16 gradient."""
     import torch
+    from gpu_sketch_sweep import timed
+    from rankwatch_testkit.sketch import fused_error
 
     from rankwatch import sketch_kernel
-    from rankwatch.gradients import countsketch_coordinates
+    from rankwatch.gradients import GradientProbe
 
     fused = sketch_kernel.load()
     if fused is None:
@@ -156,38 +158,21 @@ def fused_sketch() -> str:
         (300_000, torch.bfloat16, 1024, "indices"), (50_000_000, torch.bfloat16, 1024, "0..n"),
     ]:
         values = torch.randn(n, generator=generator).to(device, dtype)
-        block = 7
         base = 12345 if how.startswith("base") else 0
         indices = torch.randperm(10 * n, generator=generator)[:n].to(device) if how == "indices" else None
-        coords = indices if indices is not None else torch.arange(base, base + n, device=device)
-        target, sign = countsketch_coordinates(5, block, n, dim, device, coords)
-        folded = (target + (sign < 0).to(torch.int32) * dim).long()
-        want = torch.zeros(2 * dim, dtype=torch.float64, device=device).index_add_(0, folded, values.double())
-        got = torch.zeros(2 * dim, dtype=torch.float32, device=device)
-        fused(got, values, 5, block, dim, indices, base)
-        error = float((got.double() - want).abs().max() / want.abs().max())
+        error = fused_error(fused, values, 5, 7, dim, indices, base)
         worst = max(worst, error)
         rows.append(f"| {n:,} | {str(dtype).removeprefix('torch.')} | {dim} | {how} | {error:.1e} |")
     if worst > 1e-5:
         raise AssertionError("\n".join(rows) + f"\nthe fused sketch differs from the reference by {worst:.1e} > 1e-5")
     # Timing: one 100M-coordinate bf16 gradient, reference (uncached: hashed every time) vs fused.
-    from rankwatch.gradients import GradientProbe
-
     big = torch.randn(100_000_000, device=device, dtype=torch.bfloat16)
     param = torch.nn.Parameter(torch.zeros(1, device=device))
     timings = {}
     for name, use_fused in [("reference (hashes every call)", False), ("fused", True)]:
         probe = GradientProbe([param], fused=use_fused, cache_bytes=0)
         target = torch.zeros(2 * 1024, dtype=torch.float32, device=device)
-        probe._sketch_into(target, 0, big)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            probe._sketch_into(target, 0, big)
-        end.record()
-        torch.cuda.synchronize()
-        timings[name] = start.elapsed_time(end) / 5
+        timings[name] = timed(lambda probe=probe, target=target: probe._sketch_into(target, 0, big), reps=5)
         probe.remove()
     rows.append("\n| sketch of 100M bf16 coordinates | ms (GPU time, mean of 5) |\n|---|---|")
     rows += [f"| {name} | {ms:.2f} |" for name, ms in timings.items()]

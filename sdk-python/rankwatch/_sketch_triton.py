@@ -7,14 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .gradients import _fmix32
+from .gradients import sketch_keys
 
 BLOCK = 1024  # coordinates a program sketches
 # Private copies of the sketch the programs spread their atomic adds over. Swept on an H200
 # (100M bf16 coordinates): 8 copies 1.43 ms, 32 1.22, 128 1.05, 512 and 2048 no faster; a
 # 4096-coordinate block was no faster than 1024 at any count.
 COPIES = 128
-_MASK32 = 0xFFFFFFFF
 
 
 @triton.jit
@@ -57,9 +56,9 @@ def sketch(target: torch.Tensor, values: torch.Tensor, seed: int, block: int, di
     n = values.numel()
     if n == 0:
         return
-    key = int(_fmix32((seed ^ 0x9E3779B9) & _MASK32))
+    key, hi = sketch_keys(seed, block)
     copies = torch.zeros(COPIES, 2 * dim, dtype=torch.float32, device=values.device)
     grid = (triton.cdiv(n, BLOCK),)
-    _sketch_kernel[grid](values, indices if indices is not None else values, copies, n, base, key, block & _MASK32, dim,
+    _sketch_kernel[grid](values, indices if indices is not None else values, copies, n, base, key, hi, dim,
                          HAS_INDICES=indices is not None, POW2=dim & (dim - 1) == 0, COPIES=COPIES, BLOCK=BLOCK)
     target.add_(copies.sum(0))

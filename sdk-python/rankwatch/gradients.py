@@ -97,12 +97,17 @@ def _fmix32_(h: torch.Tensor) -> torch.Tensor:
 _HASH_CHUNK = 1 << 20  # coordinates hashed at a time: the temporaries stay in cache
 
 
+def sketch_keys(seed: int, block: int) -> tuple[int, int]:
+    """The two 32-bit words that, with a coordinate's index, make its hash: the run's key (from
+    the shared seed) and parameter `block`'s index. Both sketch paths start from these."""
+    return _fmix32((seed ^ 0x9E3779B9) & _MASK32), block & _MASK32
+
+
 def countsketch_coordinates(seed: int, block: int, n: int, dim: int, device: torch.device, indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Output bucket (int32) and sign (int8) of coordinates 0..n of gradient block `block` (a
     parameter), or of the flat `indices` of it (a shard's coordinates in the whole parameter).
     The definition is analytics' `math/sketch.rs`; this computes it a chunk at a time, in place."""
-    key = _fmix32((seed ^ 0x9E3779B9) & _MASK32)
-    hi = block & _MASK32
+    key, hi = sketch_keys(seed, block)
     target = torch.empty(n, dtype=torch.int32, device=device)
     sign = torch.empty(n, dtype=torch.int8, device=device)
     for start in range(0, n, _HASH_CHUNK):
@@ -292,11 +297,10 @@ class GradientProbe:
         self._cached_bytes = 0
         self._coordinates: dict[int, torch.Tensor] = {}
         # On a GPU the sketch is one fused Triton kernel, with no coordinates kept (see
-        # sketch_kernel); compiled off the training thread now. `fused=False` forces the
-        # reference path (the GPU suite compares the two).
+        # sketch_kernel). `fused=False` forces the reference path (the GPU suite compares the
+        # two). Where a DTensor block starts in its parameter, per parameter: fixed for the run.
         self._fused = sketch_kernel.load() if fused and self.device.type == "cuda" else None
-        if self._fused is not None:
-            sketch_kernel.warm_up(self._fused, self.device, {p.dtype for p in self._params}, sketch_dim)
+        self._shard_bases: dict[int, int | None] = {}
         n = len(self._params)
         self._norms: list[torch.Tensor | None] = [None] * n
         self._sketch_rows: torch.Tensor | None = None
@@ -485,15 +489,26 @@ class GradientProbe:
     def _unfold(self, doubled: torch.Tensor) -> torch.Tensor:
         return doubled[: self.sketch_dim] - doubled[self.sketch_dim :]
 
+    def warm_up_sketch(self) -> None:
+        """Compiles the fused sketch off the training thread, for a run that will take sketches
+        (so that its first sketch step does not wait for Triton)."""
+        if self._fused is not None:
+            sketch_kernel.warm_up(self._fused, self.device, {p.dtype for p in self._params}, self.sketch_dim)
+
     def _sketch_into(self, target: torch.Tensor, index: int, values: torch.Tensor, shard_of: torch.Tensor | None = None) -> None:
         """target (2·dim, folded) += the sketch of parameter `index`'s flat `values` (all its
         coordinates, or this rank's block of the DTensor `shard_of`): on a GPU with Triton one
         fused kernel (`sketch_kernel`), else the cached coordinates and `_accumulate`."""
         if self._fused is not None and values.is_cuda:
-            base = shard_base(shard_of) if shard_of is not None else 0
-            # A block that is not one range of the whole (rare: FSDP2 shards rows) hashes its
-            # coordinates as the reference path does.
-            indices = shard_indices(shard_of) if base is None and shard_of is not None else None
+            base: int | None = 0
+            indices = None
+            if shard_of is not None:
+                if index not in self._shard_bases:
+                    self._shard_bases[index] = shard_base(shard_of)
+                base = self._shard_bases[index]
+                # A block that is not one range of the whole (rare: FSDP2 shards rows) hashes
+                # its coordinates as the reference path does.
+                indices = shard_indices(shard_of) if base is None else None
             self._fused(target, values, self.sketch_seed, index, self.sketch_dim, indices, base or 0)
             return
         self._accumulate(target, self._folded(index, values.numel(), shard_of), values)

@@ -331,6 +331,8 @@ class Run:
                 fsdp=fsdp,
             )
             self._gradients.sketch_armed = self.cadence.sketch > 0
+            if self._gradients.sketch_armed:
+                self._gradients.warm_up_sketch()
             self._gradients.dot_armed = self.cadence.dot > 0
         if optimizer is not None and self._activations is not None:
             probe = self._activations

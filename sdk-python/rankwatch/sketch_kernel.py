@@ -19,29 +19,21 @@ None and the reference path is used.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_BLOCK = 1024  # the block each program sketches (as `_sketch_triton` launches it)
-
 Sketcher = Callable[[torch.Tensor, torch.Tensor, int, int, int, "torch.Tensor | None", int], None]
-_loaded: list[Sketcher | None] = []
 _warmed: set[tuple[torch.device, torch.dtype]] = set()
 _lock = threading.Lock()
 
 
+@functools.cache
 def load() -> Sketcher | None:
-    """The fused sketcher, or None where Triton cannot be imported (built once, on first use)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_build())
-        return _loaded[0]
-
-
-def _build() -> Sketcher | None:
+    """The fused sketcher, or None where Triton cannot be imported (imported once)."""
     try:
         from ._sketch_triton import sketch
     except Exception:  # noqa: BLE001 - any import failure means: use the reference path
@@ -64,7 +56,8 @@ def warm_up(sketcher: Sketcher, device: torch.device, dtypes: set[torch.dtype], 
             stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             with torch.cuda.stream(stream):
                 for dtype in todo:
-                    values = torch.zeros(_BLOCK, dtype=dtype, device=device)
+                    # One value: the kernel is compiled per dtype, not per length.
+                    values = torch.zeros(1, dtype=dtype, device=device)
                     target = torch.zeros(2 * dim, dtype=torch.float32, device=device)
                     sketcher(target, values, 0, 0, dim, None, 0)
         except Exception:  # noqa: BLE001 - the training thread compiles on first use instead

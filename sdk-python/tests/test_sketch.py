@@ -36,9 +36,9 @@ def test_chunks_and_shard_indices_agree_with_the_whole(monkeypatch) -> None:  # 
 
 
 _FUSED_CHECK = r"""
-import json, sys, torch
+import json, torch
 from rankwatch import _sketch_triton
-from rankwatch.gradients import countsketch_coordinates
+from rankwatch_testkit.sketch import fused_error
 torch.manual_seed(0)
 errors = []
 for n, dtype, dim, how in [(1, torch.float32, 1024, "range"), (1023, torch.bfloat16, 1024, "range"), (5000, torch.float32, 1024, "range"),
@@ -47,13 +47,7 @@ for n, dtype, dim, how in [(1, torch.float32, 1024, "range"), (1023, torch.bfloa
     block = (1 << 32) + 9  # only the low 32 bits of a parameter index count, as in the reference
     base = 777 if how == "base" else 0
     indices = torch.randperm(10 * n)[:n] if how == "indices" else None
-    coordinates = indices if indices is not None else torch.arange(base, base + n)
-    target, sign = countsketch_coordinates(3, block, n, dim, torch.device("cpu"), coordinates)
-    folded = (target + (sign < 0).to(torch.int32) * dim).long()
-    want = torch.zeros(2 * dim, dtype=torch.float64).index_add_(0, folded, values.double())
-    got = torch.zeros(2 * dim)
-    _sketch_triton.sketch(got, values, 3, block, dim, indices, base)
-    errors.append(float((got.double() - want).abs().max() / want.abs().max()))
+    errors.append(fused_error(_sketch_triton.sketch, values, 3, block, dim, indices, base))
 print(json.dumps(errors))
 """
 
