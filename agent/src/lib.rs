@@ -157,8 +157,12 @@ impl Agent {
     }
 
     /// Announces (or updates) the run's metadata: world size, model layout, tags.
-    pub fn set_info(&self, info: RunInfo) -> Result<bool> {
+    pub fn set_info(&self, mut info: RunInfo) -> Result<bool> {
         info.validate()?;
+        // The collector shows each run's agent release (`rankwatch runs list`, the runs API).
+        info.tags
+            .entry(rankwatch_api::VERSION_TAG.to_owned())
+            .or_insert_with(|| rankwatch_api::VERSION.to_owned());
         *self.info.write().unwrap_or_else(|e| e.into_inner()) = Some(info.clone());
         self.push(Record::Info(info))
     }

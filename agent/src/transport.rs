@@ -38,6 +38,8 @@ pub(crate) struct Transport {
     agent: ureq::Agent,
     ingest_url: String,
     authorization: Option<String>,
+    /// [`rankwatch_api::WIRE_PROTOCOL`] as the header carries it.
+    protocol: String,
 }
 
 impl Transport {
@@ -56,6 +58,7 @@ impl Transport {
             agent,
             ingest_url: format!("{}/api/v1/ingest", collector.trim_end_matches('/')),
             authorization: token.map(|t| format!("Bearer {t}")),
+            protocol: rankwatch_api::WIRE_PROTOCOL.to_string(),
         }
     }
 
@@ -69,7 +72,11 @@ impl Transport {
                 batch.table.as_str()
             ))
             .header("content-type", "application/vnd.apache.arrow.stream")
-            .header("idempotency-key", &batch.key);
+            .header("idempotency-key", &batch.key)
+            // So that a collector of another release refuses the batch by name instead of
+            // misreading it (the refused batch is kept, see `sender`).
+            .header(rankwatch_api::VERSION_HEADER, rankwatch_api::VERSION)
+            .header(rankwatch_api::PROTOCOL_HEADER, &self.protocol);
         if let Some(auth) = &self.authorization {
             request = request.header("authorization", auth);
         }

@@ -30,6 +30,9 @@ pub enum ErrorReason {
     /// The request is authenticated (or needs no token) but is not allowed: a foreign browser
     /// origin, an unknown `Host`, or deletion on a collector that has no admin token.
     Forbidden,
+    /// The sender speaks another wire protocol (another rankwatch release); the message names
+    /// both versions.
+    IncompatibleVersion,
     UnknownRun,
     NotFound,
     InFlight,
@@ -50,7 +53,7 @@ pub enum ErrorReason {
 
 impl ErrorReason {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorReason; 21] = [
+    pub const ALL: [ErrorReason; 22] = [
         ErrorReason::BadRequest,
         ErrorReason::InvalidData,
         ErrorReason::MalformedArrow,
@@ -61,6 +64,7 @@ impl ErrorReason {
         ErrorReason::MediaType,
         ErrorReason::Unauthorized,
         ErrorReason::Forbidden,
+        ErrorReason::IncompatibleVersion,
         ErrorReason::UnknownRun,
         ErrorReason::NotFound,
         ErrorReason::InFlight,
@@ -87,6 +91,7 @@ impl ErrorReason {
             ErrorReason::MediaType => "media_type",
             ErrorReason::Unauthorized => "unauthorized",
             ErrorReason::Forbidden => "forbidden",
+            ErrorReason::IncompatibleVersion => "incompatible_version",
             ErrorReason::UnknownRun => "unknown_run",
             ErrorReason::NotFound => "not_found",
             ErrorReason::InFlight => "in_flight",

@@ -26,6 +26,7 @@ pub mod openapi;
 mod ops;
 mod runs;
 mod series;
+mod version;
 mod vocab;
 mod workers;
 
@@ -41,5 +42,8 @@ pub use ops::{
 };
 pub use runs::{Catalog, CatalogMetric, MetricScope, RunSummary, Runs};
 pub use series::{Bucket, BucketRange, Heatmap, Series, SeriesAnswer};
+pub use version::{
+    PROTOCOL_HEADER, VERSION, VERSION_HEADER, VERSION_TAG, WIRE_PROTOCOL, check_peer,
+};
 pub use vocab::{AlertState, Rule, Severity, UnknownName};
 pub use workers::{Cosine, CosineMatrix, WorkerMetric, Workers};

@@ -40,6 +40,12 @@ pub struct Health {
     pub status: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The collector's release (`rankwatch --version`).
+    #[serde(default)]
+    pub version: String,
+    /// The ingest wire protocol it speaks (see `PROTOCOL_HEADER`).
+    #[serde(default)]
+    pub wire_protocol: u32,
 }
 
 /// `POST /api/v1/sql` with `application/json` (plain text is the SQL itself).

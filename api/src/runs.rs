@@ -22,6 +22,8 @@ pub struct RunSummary {
     pub layers: Option<u32>,
     pub started_at_ms: Option<i64>,
     pub tags: Option<Tags>,
+    /// The rankwatch release of the run's agent (its `rankwatch.version` tag).
+    pub agent_version: Option<String>,
     pub first_step: Option<u64>,
     pub last_step: Option<u64>,
     /// When any rank last reported (ms since the epoch).

@@ -181,7 +181,7 @@ proptest! {
                                     scope in option::of(0..3usize), layers in vec(any::<u32>(), 0..4)) {
         round_trip(&Runs { runs: vec![RunSummary {
             run: run.clone(), world_size: opt, family: Some("gpt2".into()), layers: opt,
-            started_at_ms: Some(-1), tags, first_step: Some(n), last_step: None,
+            started_at_ms: Some(-1), tags, agent_version: opt.map(|v| format!("0.{v}.0")), first_step: Some(n), last_step: None,
             last_seen_ms: None, samples: n, nonfinite: 0, sketches: n, series: 1, bytes: n,
             alerts_firing: 2,
         }]});

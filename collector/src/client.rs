@@ -143,20 +143,21 @@ pub fn runs(remote: &Remote, action: &RunsAction, out: &mut dyn Write) -> Result
             let runs = answer.runs;
             writeln!(
                 out,
-                "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7}",
-                "RUN", "RANKS", "LAST STEP", "LAST SEEN", "SIZE", "FIRING"
+                "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7} {:>9}",
+                "RUN", "RANKS", "LAST STEP", "LAST SEEN", "SIZE", "FIRING", "AGENT"
             )?;
             for r in &runs {
                 let num = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
                 writeln!(
                     out,
-                    "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7}",
+                    "{:<32} {:>6} {:>10} {:>12} {:>10} {:>7} {:>9}",
                     r.run,
                     num(r.world_size.map(u64::from)),
                     num(r.last_step),
                     ago(r.last_seen_ms),
                     human_bytes(r.bytes),
                     r.alerts_firing,
+                    r.agent_version.as_deref().unwrap_or("-"),
                 )?;
             }
             writeln!(out, "{} run(s)", runs.len())?;

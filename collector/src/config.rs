@@ -57,6 +57,22 @@ pub enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Send what an offline run (or one that lost its collector) left in its spool:
+    /// `rankwatch sync SPOOL_DIR [--collector URL]` (`python -m rankwatch sync`).
+    #[command(disable_help_flag = true)]
+    Sync {
+        /// The spool directory and options; see `python -m rankwatch sync --help`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Check the environment a job will run in: torch and CUDA, ptrace rights for attach,
+    /// the collector, the spool directory (`python -m rankwatch doctor`).
+    #[command(disable_help_flag = true)]
+    Doctor {
+        /// Options; see `python -m rankwatch doctor --help`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// `rankwatch attach|detach RUN`.

@@ -59,6 +59,10 @@ pub enum Error {
     #[error("no such endpoint; see /api/v1/openapi.json")]
     NotFound,
 
+    /// An agent of another rankwatch release, speaking another wire protocol.
+    #[error("{0}")]
+    IncompatibleVersion(String),
+
     /// A run the collector has never seen.
     #[error("unknown run {0:?}")]
     UnknownRun(String),
@@ -126,7 +130,8 @@ impl Error {
             | Error::Domain(_)
             | Error::Arrow(_)
             | Error::Json(_)
-            | Error::Sql(_) => StatusCode::BAD_REQUEST,
+            | Error::Sql(_)
+            | Error::IncompatibleVersion(_) => StatusCode::BAD_REQUEST,
             Error::BodyTooLarge { .. } | Error::TooManyRows { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Error::Cardinality(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -157,6 +162,7 @@ impl Error {
             Error::UnsupportedMediaType(_) => ErrorReason::MediaType,
             Error::Unauthorized(_) => ErrorReason::Unauthorized,
             Error::Forbidden(_) => ErrorReason::Forbidden,
+            Error::IncompatibleVersion(_) => ErrorReason::IncompatibleVersion,
             Error::UnknownRun(_) => ErrorReason::UnknownRun,
             Error::NotFound => ErrorReason::NotFound,
             Error::InFlight(_) => ErrorReason::InFlight,

@@ -5,20 +5,36 @@ use clap::Parser;
 use rankwatch_collector::{Cli, Command};
 use tracing_subscriber::EnvFilter;
 
-/// `rankwatch run ...` and `rankwatch attach|detach --pid ...` are the Python SDK's (they start
-/// or inject Python code): handed to `python -m rankwatch` with the same arguments.
+/// `rankwatch run|sync|doctor ...` and `rankwatch attach|detach --pid ...` are the Python SDK's
+/// (they start or inject Python code, or check the job's Python): handed to `python -m
+/// rankwatch` with the same arguments. The SDK's own `rankwatch` hands this binary's commands
+/// back, so either may come first on PATH.
 fn python_command(args: &[String]) -> bool {
     match args.get(1).map(String::as_str) {
-        Some("run") => true,
+        Some("run" | "sync" | "doctor") => true,
         Some("attach" | "detach") => args.iter().any(|a| a == "--pid" || a.starts_with("--pid=")),
         _ => false,
     }
 }
 
+/// `python -m rankwatch`, except that a Python without the SDK says so by name (and how to
+/// pick another) instead of `No module named rankwatch`.
+const PYTHON_SIDE: &str = "\
+import sys
+try:
+    from rankwatch.cli import main
+except ModuleNotFoundError as e:
+    if e.name not in ('rankwatch', 'rankwatch.cli'):
+        raise
+    sys.exit(f'rankwatch {sys.argv[1]} runs in Python, and {sys.executable} has no rankwatch package '
+             '(pip install rankwatch there, or set RANKWATCH_PYTHON to the Python that has it)')
+sys.exit(main(sys.argv[1:]))
+";
+
 fn exec_python(args: &[String]) -> anyhow::Result<()> {
     let python = std::env::var("RANKWATCH_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let status = std::process::Command::new(&python)
-        .args(["-m", "rankwatch"])
+        .args(["-c", PYTHON_SIDE])
         .args(&args[1..])
         .status()
         .with_context(|| {
@@ -62,7 +78,9 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Attach(args) => switch(&args, true),
         Command::Detach(args) => switch(&args, false),
-        Command::Run { .. } => anyhow::bail!("`rankwatch run` is handed to python before parsing"),
+        Command::Run { .. } | Command::Sync { .. } | Command::Doctor { .. } => {
+            anyhow::bail!("this command is handed to python before parsing")
+        }
         Command::Export(args) => {
             let path = rankwatch_collector::client::export(&args)?;
             if path != std::path::Path::new("-") {

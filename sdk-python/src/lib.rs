@@ -487,6 +487,9 @@ fn vocabulary() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // One release number for the wheel, the agent and the collector (`rankwatch --version`).
+    m.add("VERSION", rankwatch_api::VERSION)?;
+    m.add("WIRE_PROTOCOL", rankwatch_api::WIRE_PROTOCOL)?;
     m.add_class::<Agent>()?;
     m.add_function(wrap_pyfunction!(sync, m)?)?;
     m.add_function(wrap_pyfunction!(vocabulary, m)?)?;

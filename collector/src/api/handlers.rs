@@ -84,6 +84,13 @@ pub(super) async fn ingest(
                 .and_then(|v| v.to_str().ok()),
         )?;
         let table = parse_table(q.table.as_deref().unwrap_or("samples"))?;
+        // Before the body: a batch of another release's wire protocol is not read at all.
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        rankwatch_api::check_peer(
+            header(rankwatch_api::VERSION_HEADER),
+            header(rankwatch_api::PROTOCOL_HEADER),
+        )
+        .map_err(Error::IncompatibleVersion)?;
         let limit = state.inner.max_body_bytes;
         let declared = declared_length(&headers);
         if declared.is_some_and(|n| n > limit) {
@@ -285,6 +292,8 @@ fn health(status: &str, reason: Option<String>) -> Json<Health> {
     Json(Health {
         status: status.to_owned(),
         reason,
+        version: rankwatch_api::VERSION.to_owned(),
+        wire_protocol: rankwatch_api::WIRE_PROTOCOL,
     })
 }
 

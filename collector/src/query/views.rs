@@ -366,6 +366,8 @@ impl Queries {
                         layers: info.map(|i| i.layout.layer_count()),
                         started_at_ms: info.map(|i| i.started_at_ms),
                         tags: info.map(|i| i.tags.clone()),
+                        agent_version: info
+                            .and_then(|i| i.tags.get(rankwatch_api::VERSION_TAG).cloned()),
                         first_step: s.first_step,
                         last_step: s.last_step,
                         last_seen_ms: (last_seen > 0).then_some(last_seen),

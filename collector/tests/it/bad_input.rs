@@ -640,3 +640,46 @@ async fn a_run_id_differing_from_an_existing_one_only_in_case_is_refused() {
     assert_eq!(run_names(&c).await, ["Run-1", "run-2"]);
     c.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_batch_of_another_wire_protocol_is_refused_naming_both_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Collector::open(&config(dir.path())).await.unwrap();
+    let body = samples_ipc(&workload("versions", 1, 2, 1), false);
+    let send = |protocol: Option<String>| {
+        let mut request = axum::http::Request::post("/api/v1/ingest")
+            .header("content-type", ARROW)
+            .header(rankwatch_api::VERSION_HEADER, "9.0.0");
+        if let Some(p) = protocol {
+            request = request.header(rankwatch_api::PROTOCOL_HEADER, p);
+        }
+        call(
+            &c,
+            request.body(axum::body::Body::from(body.clone())).unwrap(),
+        )
+    };
+    let other = send(Some((rankwatch_api::WIRE_PROTOCOL + 1).to_string())).await;
+    assert_eq!(other.status, 400, "{}", other.text());
+    assert_eq!(other.json()["reason"], "incompatible_version");
+    let message = other.error();
+    for needle in [
+        "agent rankwatch 9.0.0".to_owned(),
+        format!("this collector (rankwatch {})", rankwatch_api::VERSION),
+        format!("wire protocol {}", rankwatch_api::WIRE_PROTOCOL + 1),
+        "rankwatch sync".to_owned(),
+    ] {
+        assert!(message.contains(&needle), "{needle:?} not in {message:?}");
+    }
+    assert_eq!(get(&c, "/api/v1/runs").await.json()["runs"], json!([]));
+    let garbled = send(Some("two".into())).await;
+    assert_eq!(garbled.status, 400);
+    assert!(garbled.error().contains("\"two\""), "{}", garbled.error());
+    // The same release number is not required: the protocol is what must agree.
+    assert_eq!(
+        send(Some(rankwatch_api::WIRE_PROTOCOL.to_string()))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(send(None).await.status, 200);
+}
