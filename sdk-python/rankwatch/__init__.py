@@ -12,24 +12,51 @@ run.finish()                                     # or: with rankwatch.init(...) 
 
 Integrations load lazily: `rankwatch.integrations.transformers.RankwatchCallback` and
 `rankwatch.integrations.lightning.RankwatchCallback`.
+
+`import rankwatch` does not need PyTorch: `rankwatch.sync`, `rankwatch.__version__` and the
+`rankwatch` command work without it, and the names that need it (`init`, `Run`, ...) are
+imported on first use, where a missing torch is named instead of failing inside the package.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .run import Cadence, Mode, NoopRun, RankwatchWarning, Run, init, sync
+from ._native import VERSION as __version__  # noqa: F401 (the package's version, from Cargo.toml)
+from .offline import sync
 
 __all__ = ["Cadence", "DiscoveryError", "Mode", "NoopRun", "RankwatchWarning", "Run", "init", "sync"]
-__version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .discovery import DiscoveryError
+    from .run import Cadence, Mode, NoopRun, RankwatchWarning, Run, init
+
+# Names imported on first use, and the module that has each.
+_LAZY = {name: "run" for name in ("Cadence", "Mode", "NoopRun", "RankwatchWarning", "Run", "init")} | {"DiscoveryError": "discovery"}
+
+
+class MissingDependency(ModuleNotFoundError):
+    """A part of rankwatch was used whose dependency is not installed."""
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DiscoveryError":
-        from .discovery import DiscoveryError
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rankwatch' has no attribute {name!r}")
+    import importlib
+    import sys
 
-        return DiscoveryError
-    raise AttributeError(f"module 'rankwatch' has no attribute {name!r}")
+    try:
+        found = importlib.import_module(f".{module}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise MissingDependency(
+            f"rankwatch.{name} needs PyTorch, which is not installed for {sys.executable}: "
+            "pip install torch (or pip install 'rankwatch[torch]'). Without it, rankwatch.sync and the "
+            "`rankwatch` command (sync, doctor) still work.",
+            name="torch",
+        ) from e
+    value = getattr(found, name)
+    globals()[name] = value
+    return value

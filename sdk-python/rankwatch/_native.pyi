@@ -12,7 +12,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, final
 
-__all__ = ["Agent", "sync", "vocabulary"]
+__all__ = ["VERSION", "WIRE_PROTOCOL", "Agent", "sync", "vocabulary"]
+
+# The release (the workspace's version, also the wheel's) and the ingest wire protocol the agent speaks.
+VERSION: str
+WIRE_PROTOCOL: int
 
 class AgentStats(TypedDict):
     """The agent's counters (`Agent.stats`, `Agent.shutdown`)."""

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsFloat, get_args
 import torch
 
 from . import _native
+from .offline import collector_url, spool_root
 from .report import Reporter, SeriesKey
 from .topology import ReplicaGroup, agree_run_name, clean_run_id, launcher_run_name, local_rank, rank_and_world
 
@@ -48,12 +49,11 @@ if TYPE_CHECKING:
 
     from torch.distributed import ProcessGroup
 
-    from ._native import AgentStats, SyncReport
+    from ._native import AgentStats
 
     # What `stats()` and `finish()` return: the agent's counters, or `{}` from a `NoopRun`.
     RunStats: TypeAlias = AgentStats | dict[str, NoReturn]
 
-DEFAULT_COLLECTOR = "http://127.0.0.1:7070"
 # "online" streams (spooling while the collector is away), "offline" only spools, "disabled"
 # reports nothing: `init` returns a `NoopRun`. Only the first two reach the native agent.
 Mode = Literal["online", "offline", "disabled"]
@@ -919,7 +919,7 @@ def init(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rankwatch.init: rank {rank} is not within world size {world_size}")
     named = run or launcher_run_name()
-    collector = collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
+    collector = collector_url(collector)
     if sketch_dim < 1:
         raise ValueError("rankwatch.init: sketch_dim must be at least 1")
     cadence = Cadence.parse(every)
@@ -941,7 +941,7 @@ def init(
     run_id = clean_run_id(named) if named else agree_run_name(rank, world_size)
     if not collector.startswith("http://"):
         raise ValueError(f"rankwatch.init: collector must be an http:// URL, got {collector!r}")
-    spool = Path(spool_dir or os.environ.get("RANKWATCH_SPOOL_DIR") or Path.home() / ".cache" / "rankwatch" / "spool")
+    spool = spool_root(spool_dir)
     return Run(
         run_id,
         rank=rank,
@@ -965,19 +965,3 @@ def parse_mode(text: str) -> Mode:
         if text == mode:
             return mode
     raise ValueError(f"rankwatch.init: mode must be 'online', 'offline' or 'disabled', got {text!r}")
-
-
-def sync(spool_dir: str | os.PathLike[str], collector: str | None = None, *, token: str | None = None) -> SyncReport:
-    """Sends what an offline run (or a process that lost its collector) left in `spool_dir`.
-
-    `spool_dir` may be one rank's directory or a run's (all its `rank-*` directories)."""
-    collector = collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR
-    root = Path(spool_dir)
-    dirs = sorted(p for p in root.glob("rank-*") if p.is_dir()) or [root]
-    total: SyncReport = {"batches": 0, "rows": 0, "duplicates": 0, "refused_rows": 0, "set_aside_rows": 0, "corrupt": 0, "remaining": 0, "errors": []}
-    for d in dirs:
-        report = _native.sync(str(d), collector, token or os.environ.get("RANKWATCH_INGEST_TOKEN"))
-        for key in ("batches", "rows", "duplicates", "refused_rows", "set_aside_rows", "corrupt", "remaining"):
-            total[key] += report[key]
-        total["errors"] += report["errors"]
-    return total

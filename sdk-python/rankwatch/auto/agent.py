@@ -152,9 +152,9 @@ class AutoAgent:
         if mode != "online" or not settings.run:
             self._poller = threading.current_thread()  # nothing to poll: never try again
             return
-        from ..run import DEFAULT_COLLECTOR
+        from ..offline import collector_url
 
-        base = (settings.collector or os.environ.get("RANKWATCH_COLLECTOR") or DEFAULT_COLLECTOR).rstrip("/")
+        base = collector_url(settings.collector).rstrip("/")
         from urllib.parse import quote
 
         url = f"{base}/api/v1/runs/{quote(settings.run, safe='')}/probes"
