@@ -1,8 +1,9 @@
 # The collector with its dashboard embedded, built from this repository:
 #   docker build -t rankwatch .
 #   docker run -p 127.0.0.1:7070:7070 -v rankwatch-data:/data rankwatch
-# Used by docker-compose.yml. The builder runs the same tasks as a developer does
-# (`cargo xtask web`, then a release build), so the image serves exactly what the tests test.
+# Used by docker-compose.yml. The builder runs the release command a developer runs
+# (`cargo xtask dist --collector`: the dashboard, then the release binary into target/dist), so
+# the image holds exactly the binary of the release archive, which the tests test.
 
 FROM rust:1.95.0-bookworm AS build
 RUN apt-get update -qq \
@@ -11,9 +12,8 @@ RUN apt-get update -qq \
 WORKDIR /src
 COPY . .
 # The dashboard (wasm32 target, the locked wasm-bindgen-cli, npm packages), then the binary.
-RUN cargo xtask web \
- && cargo build --release --locked -p rankwatch-collector --bin rankwatch \
- && cp target/release/rankwatch /usr/local/bin/rankwatch
+RUN cargo xtask dist --collector \
+ && cp target/dist/bin/rankwatch /usr/local/bin/rankwatch
 
 FROM debian:bookworm-slim
 RUN apt-get update -qq \

@@ -23,6 +23,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
+mod dist;
 mod layers;
 
 const USAGE: &str = "\
@@ -38,6 +39,12 @@ tasks:
   check    the collector's modules import only from lower layers (xtask/src/layers.rs)
   openapi  rewrites the component schemas of collector/openapi.json from the contract's
            types (rankwatch-api); `test` fails while the file differs from them
+  dist [--debug] [--collector]
+           the release artifacts in target/dist: the SDK's abi3 manylinux wheel (no Rust
+           needed to install it) and sdist, the collector binary with the dashboard embedded
+           (archive and bin/rankwatch, what the Docker image copies), SHA256SUMS, BUILD.txt;
+           --debug: the same from the test profile (for the tests), --collector: only the
+           collector (the Docker build)
   web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
            wasm-bindgen-cli and npm packages are installed on demand
   bench [all|analytics|collector|sdk|ui] [ingest|queries|memory]
@@ -65,6 +72,9 @@ fn main() -> ExitCode {
         Some("gpu") => gpu(&args[1..]),
         Some("check") => check_layers(),
         Some("openapi") => openapi(),
+        Some("dist") => {
+            dist::Options::parse(&args[1..]).and_then(|o| dist::build(o, None).map(|_| ()))
+        }
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -689,28 +699,10 @@ fn pip_install(python: &Path, files: &[&str], step: &str) -> Result<()> {
 /// reuses the workspace's `target/`. With `lint`, clippy lints the workspace's crates as they
 /// compile (warnings denied): `cargo test` never builds this one, a cdylib without tests.
 fn ensure_native_module(python: &Path, release: bool, lint: bool) -> Result<()> {
-    let venv = root().join(".venv");
-    let mut cmd = Command::new(venv.join("bin").join("maturin"));
-    without_package_env(&mut cmd);
-    cmd.current_dir(root().join("sdk-python"))
-        .args(["develop", "--quiet"])
-        .env("VIRTUAL_ENV", &venv)
-        .env(
-            "PATH",
-            format!(
-                "{}:{}",
-                venv.join("bin").display(),
-                std::env::var("PATH").unwrap_or_default()
-            ),
-        );
+    let mut cmd = maturin_in(&root().join(".venv"), lint);
+    cmd.args(["develop", "--quiet"]);
     if release {
         cmd.arg("--release");
-    }
-    if env::var_os("CI").is_some() {
-        cmd.env("CARGO_INCREMENTAL", "0");
-    }
-    if lint {
-        with_clippy(&mut cmd);
     }
     let step = if lint {
         "build rankwatch._native (maturin develop, clippy -D warnings)"
@@ -721,6 +713,31 @@ fn ensure_native_module(python: &Path, release: bool, lint: bool) -> Result<()> 
     let mut check = Command::new(python);
     check.args(["-c", "import rankwatch._native"]);
     run("import rankwatch._native", check)
+}
+
+/// maturin of `venv`, run in `sdk-python/` as both `maturin develop` and `dist --debug`'s wheel
+/// build run it: the same environment, so that cargo reuses one build for both. With `lint`,
+/// clippy lints the workspace's crates as they compile (warnings denied).
+fn maturin_in(venv: &Path, lint: bool) -> Command {
+    let mut cmd = Command::new(venv.join("bin").join("maturin"));
+    without_package_env(&mut cmd);
+    cmd.current_dir(root().join("sdk-python"))
+        .env("VIRTUAL_ENV", venv)
+        .env(
+            "PATH",
+            format!(
+                "{}:{}",
+                venv.join("bin").display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        );
+    if env::var_os("CI").is_some() {
+        cmd.env("CARGO_INCREMENTAL", "0");
+    }
+    if lint {
+        with_clippy(&mut cmd);
+    }
+    cmd
 }
 
 /// Installs a Debian package when `binary` is missing.
@@ -775,6 +792,15 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     if !binary.exists() {
         bail!("{} is missing: the Rust tests build it", binary.display());
     }
+    // The release artifacts' layout, from the test profile: the SDK suite installs the wheel
+    // into a fresh venv without Rust and runs a job against the binary in it.
+    let dist = dist::build(
+        dist::Options {
+            debug: true,
+            collector_only: false,
+        },
+        Some(&binary),
+    )?;
     // Two lanes, since much of each suite waits (on a flush, a timeout, a page, a paced job)
     // rather than computing: the SDK's suite, the longest, on this thread; the static checks,
     // the collector's suites, the browser tests, the demo and the API docs on a side thread.
@@ -792,7 +818,8 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
             (outcome, tally)
         })?;
     let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
-    sdk.env("RANKWATCH_BIN", &binary);
+    sdk.env("RANKWATCH_BIN", &binary)
+        .env("RANKWATCH_DIST", &dist);
     let sdk_outcome = run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line);
     let (side_outcome, side_tally) = side
         .join()

@@ -62,11 +62,14 @@ def test_compose_file_references_existing_files_and_consistent_ports() -> None:
             source = volume.split(":")[0]
             if not source.startswith("."):
                 assert source in c["volumes"], f"{name} uses undeclared volume {source}"
-    # The collector image is built from this repository's Dockerfile, which builds what the
-    # tests build: the dashboard, then the collector.
+    # The collector image is built from this repository's Dockerfile with the release command
+    # (`cargo xtask dist --collector`: the dashboard, then the release binary of the archive),
+    # and the image's binary is the one that command puts in target/dist/bin.
     assert services["collector"]["build"] == "."
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert "cargo xtask web" in dockerfile and "-p rankwatch-collector" in dockerfile
+    assert "cargo xtask dist --collector" in dockerfile and "target/dist/bin/rankwatch" in dockerfile
+    xtask_dist = (ROOT / "xtask/src/dist.rs").read_text()
+    assert '"--collector" => options.collector_only = true' in xtask_dist and 'out.join("bin/rankwatch")' in xtask_dist
     assert (ROOT / ".dockerignore").read_text().splitlines()[0] == "target"
     # Ports: each service's published container port is the one the others are told.
     listen = services["collector"]["environment"]["RANKWATCH_LISTEN"]
