@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def clean_env(venv: Path, home: Path) -> dict[str, str]:
 
 def test_the_wheel_installs_without_rust_and_a_2_rank_job_reports_to_the_dist_collector(tmp_path: Path, dist: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     version = tomllib.loads((REPO / "Cargo.toml").read_text())["workspace"]["package"]["version"]
-    (wheel,) = dist.glob(f"rankwatch-{version}-cp310-abi3-*.whl")
+    # A release holds one wheel per architecture; this machine installs its own.
+    (wheel,) = dist.glob(f"rankwatch-{version}-cp310-abi3-*{platform.machine()}.whl")
     assert (dist / f"rankwatch-{version}.tar.gz").is_file(), "the sdist"
     assert subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=dist).returncode == 0
     collector_bin = dist / "bin" / "rankwatch"
