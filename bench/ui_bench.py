@@ -8,7 +8,10 @@ loads the run page and measures, from the navigation's start:
 - interactive: every chart of the overview drawn with the server's downsampled data;
 - zoom: a drag on the loss chart, until every chart is redrawn with the finer buckets, and the
   longest main-thread task meanwhile (a stall over ~100 ms is visible);
-- the layers page: the 64-row heatmap drawn.
+- the layers page: the 64-row heatmap drawn;
+- the same overview over an emulated 100 Mbit/s link with 20 ms round trips (Chrome DevTools'
+  network emulation), where the bytes matter: a collector on another machine;
+- the bytes one load moves: each response's encoded size beside the same URL uncompressed.
 
 The issue's anchors: interactive within 1 s, a zoom without visible stall. Numbers are
 printed, not asserted; the machine is shared and noisy.
@@ -133,6 +136,53 @@ def load_layers(page, url: str) -> float:
     return page.evaluate("() => Number(document.querySelector('canvas[data-heatmap]').dataset.drawn)")
 
 
+def transfer(browser, url: str) -> list[tuple[str, str, int, int]]:
+    """What one load of the run page and its layers page moves over the wire: per response, its
+    Content-Encoding, the encoded bytes Chromium received, and the bytes of the same URL asked
+    for with `Accept-Encoding: identity`."""
+    import urllib.request
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    seen: list = []
+    page.on("requestfinished", lambda request: seen.append(request))
+    load_overview(page, url)
+    load_layers(page, url)
+    rows = []
+    for request in seen:
+        response = request.response()
+        if response is None or request.method != "GET" or "/api/v1/events" in request.url:
+            continue
+        encoding = response.headers.get("content-encoding", "identity")
+        wire = request.sizes()["responseBodySize"]
+        plain = urllib.request.Request(request.url, headers={"Accept-Encoding": "identity"})
+        with urllib.request.urlopen(plain, timeout=120) as answer:
+            identity = len(answer.read())
+        rows.append((request.url.removeprefix(url), encoding, wire, identity))
+    context.close()
+    return rows
+
+
+def throttled_load(browser, url: str, mbit: float | None, rtt_ms: float, identity: bool = False) -> tuple[float, int]:
+    """The overview's time to interactive over an emulated link (a collector on another
+    machine), and how many responses came compressed. `identity` asks for every response
+    uncompressed (`Accept-Encoding: identity`), the collector's behaviour before it compressed."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    cdp = context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    if mbit is not None:  # None: loopback as it is
+        rate = mbit * 1e6 / 8
+        cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": rtt_ms, "downloadThroughput": rate, "uploadThroughput": rate})
+    if identity:
+        cdp.send("Network.setExtraHTTPHeaders", {"headers": {"Accept-Encoding": "identity"}})
+    encoded = []
+    page.on("response", lambda r: encoded.append(r.headers.get("content-encoding") is not None))
+    t = load_overview(page, url)
+    context.close()
+    return t, sum(encoded)
+
+
 def main() -> None:
     from playwright.sync_api import sync_playwright
 
@@ -147,6 +197,11 @@ def main() -> None:
             time.sleep(5)
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=os.environ.get("CHROMIUM_BIN", "/usr/bin/chromium"), args=CHROMIUM_ARGS)
+                moved = transfer(browser, url)
+                remote = [throttled_load(browser, url, 100, 20) for _ in range(3)]
+                remote_plain = [throttled_load(browser, url, 100, 20, identity=True) for _ in range(3)]
+                local = [throttled_load(browser, url, None, 0) for _ in range(5)]
+                local_plain = [throttled_load(browser, url, None, 0, identity=True) for _ in range(5)]
                 loads, zooms, stalls, layer_loads = [], [], [], []
                 for i in range(6):
                     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -170,6 +225,22 @@ def main() -> None:
     print(f"| zoom: drag released → every chart redrawn with finer buckets | {med(zooms):.0f} ms | {max(zooms):.0f} ms | no visible stall | |")
     print(f"| zoom: longest main-thread task | {med(stalls):.0f} ms | {max(stalls):.0f} ms | < 100 ms | {'met' if max(stalls) < 100 else 'NOT met'} |")
     print(f"| layers page: 64-row heatmap drawn (51.2 M rows pooled) | {med(layer_loads):.0f} ms | {max(layer_loads):.0f} ms | (none) | |")
+    for link, label, loads_ in (
+        ("over an emulated 100 Mbit/s link, 20 ms RTT", "compressed", remote),
+        ("over an emulated 100 Mbit/s link, 20 ms RTT", "uncompressed, `Accept-Encoding: identity`", remote_plain),
+        ("on loopback", "compressed", local),
+        ("on loopback", "uncompressed, `Accept-Encoding: identity`", local_plain),
+    ):
+        times = [t for t, _ in loads_]
+        compressed = max(n for _, n in loads_)
+        print(f"| overview interactive {link}, {label} ({len(times)} loads, {compressed} responses encoded) | {med(times):.0f} ms | {max(times):.0f} ms | ≤ 1,000 ms | {'met' if max(times) <= 1000 else 'NOT met'} |")
+    print("\n# bytes over the wire for one load of the run page and its layers page (Chromium's encoded body sizes)\n")
+    print("| resource | content-encoding | on the wire | identity | ratio |")
+    print("|---|---|---|---|---|")
+    for path, encoding, wire, identity in moved:
+        print(f"| `{path[:70]}` | {encoding} | {wire:,} B | {identity:,} B | {identity / max(wire, 1):.1f}x |")
+    wire_total, identity_total = sum(r[2] for r in moved), sum(r[3] for r in moved)
+    print(f"| **all {len(moved)} responses** | | **{wire_total:,} B** | **{identity_total:,} B** | **{identity_total / max(wire_total, 1):.1f}x** |")
 
 
 if __name__ == "__main__":

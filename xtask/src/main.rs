@@ -25,6 +25,7 @@ use anyhow::{Context, Result, bail};
 
 mod dist;
 mod layers;
+mod precompress;
 
 const USAGE: &str = "\
 usage: cargo xtask <task>
@@ -575,6 +576,7 @@ fn web() -> Result<()> {
         std::fs::copy(web.join(from), staging.join(to))
             .with_context(|| format!("copying web/{from}"))?;
     }
+    precompress::dashboard(&staging, &dist)?;
     if same_tree(&staging, &dist) {
         // Unchanged: leave the files (and their times) alone, so the collector is not rebuilt.
         return Ok(());
