@@ -23,7 +23,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, collector_binary, maturin_in, root, run, web};
+use crate::{build_release_collector, collector_binary, maturin_in, root, run, web};
 
 /// What `cargo xtask dist` builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,17 +98,7 @@ pub(crate) fn build(options: Options, collector: Option<&Path>) -> Result<PathBu
     } else if options.debug {
         collector_binary()?
     } else {
-        let mut build = cargo();
-        build.args([
-            "build",
-            "--release",
-            "--locked",
-            "-p",
-            "rankwatch-collector",
-            "--bin",
-            "rankwatch",
-        ]);
-        run("build rankwatch (release)", build)?;
+        build_release_collector()?;
         root().join("target/release/rankwatch")
     };
     fs::copy(&binary, out.join("bin/rankwatch"))
@@ -275,18 +265,23 @@ fn ensure_zig(venv: &Path) -> Result<()> {
         .status()
         .is_ok_and(|s| s.success());
     if !found {
-        let mut pip = Command::new(&python);
-        pip.args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "ziglang>=0.13",
-        ]);
-        run("install zig (PyPI ziglang)", pip)?;
+        pip_add(&python, "ziglang>=0.13", "install zig (PyPI ziglang)")?;
     }
     Ok(())
+}
+
+/// `pip install requirement` into `python`'s environment.
+fn pip_add(python: &Path, requirement: &str, step: &str) -> Result<()> {
+    let mut pip = Command::new(python);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        requirement,
+    ]);
+    run(step, pip)
 }
 
 /// A venv with maturin: the test venv when it exists, else a small one of its own under
@@ -301,16 +296,11 @@ fn maturin_venv() -> Result<PathBuf> {
         let mut create = Command::new("python3");
         create.args(["-m", "venv"]).arg(&venv);
         run("create target/maturin-venv", create)?;
-        let mut pip = Command::new(venv.join("bin/python"));
-        pip.args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
+        pip_add(
+            &venv.join("bin/python"),
             "maturin>=1.8,<2",
-        ]);
-        run("install maturin", pip)?;
+            "install maturin",
+        )?;
     }
     Ok(venv)
 }
