@@ -23,9 +23,11 @@ import sys
 from pathlib import Path
 
 from ._native import VERSION
+from .offline import DEFAULT_COLLECTOR
 
 # What this program does itself; anything else is the collector binary's.
 OWN_COMMANDS = ("run", "attach", "detach", "sync", "doctor")
+COLLECTOR_HELP = f"the collector's URL (default: RANKWATCH_COLLECTOR, else {DEFAULT_COLLECTOR})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def settings(q: argparse.ArgumentParser) -> None:
         q.add_argument("--run", help="the run's name (default: made from the script's name and the time)")
-        q.add_argument("--collector", help="the collector's URL (default: RANKWATCH_COLLECTOR, else http://127.0.0.1:7070)")
+        q.add_argument("--collector", help=COLLECTOR_HELP)
         q.add_argument("--mode", choices=["online", "offline"], help="stream to the collector (default) or only spool to disk")
         q.add_argument("--every", help="steps between measurements: N for every costly probe, or probe=N pairs (grad, sketch, dot, activations, spectral)")
 
@@ -58,11 +60,11 @@ def _parser() -> argparse.ArgumentParser:
 
     sync = sub.add_parser("sync", help="send what an offline run (or one that lost its collector) left in its spool")
     sync.add_argument("spool_dir", help="a run's spool directory (its rank-* directories), or one rank's")
-    sync.add_argument("--collector", help="the collector's URL (default: RANKWATCH_COLLECTOR, else http://127.0.0.1:7070)")
+    sync.add_argument("--collector", help=COLLECTOR_HELP)
     sync.add_argument("--token", help="the ingest token (default: RANKWATCH_INGEST_TOKEN)")
 
     doctor = sub.add_parser("doctor", help="check the environment a job will run in: torch and CUDA, attach rights, the collector, the spool")
-    doctor.add_argument("--collector", help="the collector's URL (default: RANKWATCH_COLLECTOR, else http://127.0.0.1:7070)")
+    doctor.add_argument("--collector", help=COLLECTOR_HELP)
     doctor.add_argument("--spool-dir", help="the spool directory to check (default: RANKWATCH_SPOOL_DIR, else ~/.cache/rankwatch/spool)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     return p
