@@ -105,13 +105,8 @@ impl ChartSpec {
     ) {
         let answer_grid = answer.buckets;
         let grid = *self.grid.get_or_insert_with(|| {
-            self.x = (0..answer_grid.count)
-                .map(|i| {
-                    answer_grid
-                        .from
-                        .saturating_add(i.saturating_mul(answer_grid.width.max(1)))
-                        as f64
-                })
+            self.x = (0..answer_grid.count as usize)
+                .map(|i| answer_grid.start(i) as f64)
                 .collect();
             answer_grid
         });
@@ -119,11 +114,10 @@ impl ChartSpec {
         for (i, s) in answer.series.iter().enumerate() {
             let mut ys = vec![None; self.x.len()];
             for b in &s.buckets {
-                // A bucket before this chart's grid (a later part's wider window) is left out.
-                let Some(offset) = b.start.checked_sub(grid.from) else {
+                // A bucket outside this chart's grid (a later part's wider window) is left out.
+                let Some(j) = grid.index(b.start).map(|j| j as u64) else {
                     continue;
                 };
-                let j = offset / grid.width.max(1);
                 if j < slots {
                     ys[j as usize] = b.last.finite().map(&map).filter(|v| v.is_finite());
                     if b.nonfinite > 0 {
