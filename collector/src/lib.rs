@@ -37,6 +37,7 @@ pub mod query;
 pub mod retention;
 pub mod server;
 pub mod store;
+pub mod summary;
 pub mod switches;
 pub mod telemetry;
 pub mod wal;

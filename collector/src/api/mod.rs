@@ -81,6 +81,11 @@ pub struct Alerting {
 }
 
 impl AppState {
+    /// The read side (tests compare its answers with and without rollups).
+    pub fn queries(&self) -> &Queries {
+        &self.inner.queries
+    }
+
     /// Shared state from its parts.
     #[allow(clippy::too_many_arguments)]
     pub fn new(

@@ -3,103 +3,16 @@
 //! finite values, so one NaN does not hide the spike next to it, and the NaN itself is counted,
 //! so it is never averaged away at any zoom. When the range has no more steps than `points`,
 //! buckets are one step wide and the values are the raw ones.
+//!
+//! A bucket is a [`Cell`], the same whether it was filled row by row or merged from the
+//! per-window summaries of [`crate::store::rollup`].
 
 use rankwatch_api::{Bucket, BucketRange, Num};
 
-/// How a step range is cut into buckets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Buckets {
-    pub from: u64,
-    pub to: u64,
-    pub width: u64,
-    pub count: usize,
-}
+/// How a step range is cut into buckets: the contract's aligned grid.
+pub type Buckets = BucketRange;
 
-impl Buckets {
-    /// Buckets covering `from..=to` with at most `points` buckets.
-    pub fn new(from: u64, to: u64, points: usize) -> Buckets {
-        // u128: the span of 0..=u64::MAX does not fit in a u64.
-        let span = u128::from(to.saturating_sub(from)) + 1;
-        let points = points.max(1) as u128;
-        let width = span.div_ceil(points).max(1);
-        Buckets {
-            from,
-            to,
-            width: u64::try_from(width).unwrap_or(u64::MAX),
-            count: span.div_ceil(width) as usize,
-        }
-    }
-
-    /// The buckets as the API describes them.
-    pub fn range(&self) -> BucketRange {
-        BucketRange {
-            from: self.from,
-            to: self.to,
-            width: self.width,
-            count: self.count as u64,
-        }
-    }
-
-    /// The bucket of `step`, if it is in range.
-    pub fn index(&self, step: u64) -> Option<usize> {
-        (step >= self.from && step <= self.to)
-            .then(|| (((step - self.from) / self.width) as usize).min(self.count - 1))
-    }
-
-    /// First step of bucket `i`.
-    pub fn start(&self, i: usize) -> u64 {
-        self.from
-            .saturating_add((i as u64).saturating_mul(self.width))
-    }
-
-    /// Last step of bucket `i`.
-    pub fn end(&self, i: usize) -> u64 {
-        if i + 1 >= self.count {
-            return self.to;
-        }
-        self.start(i).saturating_add(self.width - 1).min(self.to)
-    }
-}
-
-/// One bucket's summary.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Cell {
-    pub count: u64,
-    pub nonfinite: u64,
-    pub min: Option<f64>,
-    pub max: Option<f64>,
-    pub last_step: u64,
-    last_sum: f64,
-    last_n: u32,
-}
-
-impl Cell {
-    /// Adds one value.
-    pub fn add(&mut self, step: u64, value: f64) {
-        self.count += 1;
-        if value.is_finite() {
-            self.min = Some(self.min.map_or(value, |m| m.min(value)));
-            self.max = Some(self.max.map_or(value, |m| m.max(value)));
-        } else {
-            self.nonfinite += 1;
-        }
-        // `last` is the value at the greatest step; several values there (several ranks in a
-        // heatmap cell) are averaged, and a NaN among them makes it NaN, which is the truth.
-        if self.count == 1 || step > self.last_step {
-            self.last_step = step;
-            self.last_sum = value;
-            self.last_n = 1;
-        } else if step == self.last_step {
-            self.last_sum += value;
-            self.last_n += 1;
-        }
-    }
-
-    /// The value at the last step.
-    pub fn last(&self) -> Option<f64> {
-        (self.count > 0).then(|| self.last_sum / f64::from(self.last_n.max(1)))
-    }
-}
+pub use crate::summary::Cell;
 
 /// The non-empty buckets, as the API returns them.
 pub fn render(buckets: &Buckets, cells: &[Cell]) -> Vec<Bucket> {
@@ -135,23 +48,28 @@ mod tests {
     }
 
     #[test]
-    fn the_whole_u64_range_buckets_without_overflow() {
-        for points in [1, 3, 5, 15, 17, 1000] {
-            let b = Buckets::new(0, u64::MAX, points);
-            assert!(b.count <= points);
-            assert_eq!(b.index(u64::MAX), Some(b.count - 1));
-            assert_eq!(b.end(b.count - 1), u64::MAX);
-        }
+    fn buckets_are_aligned_powers_of_two_and_the_edges_are_cut() {
+        // 1..=1000 in at most 100 buckets: width 16, the first bucket 1..=15, the last 992..=1000.
+        let b = Buckets::new(1, 1000, 100);
+        assert_eq!((b.width, b.count), (16, 63));
+        assert_eq!((b.start(0), b.end(0)), (1, 15));
+        assert_eq!((b.start(1), b.end(1)), (16, 31));
+        assert_eq!((b.start(62), b.end(62)), (992, 1000));
+        assert_eq!(b.index(15), Some(0));
+        assert_eq!(b.index(16), Some(1));
+        // Alignment adding a bucket widens the grid: 0..=15 fits 2 buckets of 8, 1..=16 does not.
+        assert_eq!(Buckets::new(0, 15, 2).width, 8);
+        assert_eq!(Buckets::new(1, 16, 2).width, 16);
     }
 
     #[test]
-    fn a_nan_is_counted_and_does_not_hide_the_spike() {
-        let mut c = Cell::default();
-        for (s, v) in [(1, 1.0), (2, f64::NAN), (3, 1e9), (4, 2.0)] {
-            c.add(s, v);
+    fn the_whole_u64_range_buckets_without_overflow() {
+        for points in [2, 3, 5, 15, 17, 1000] {
+            let b = Buckets::new(0, u64::MAX, points);
+            assert!(b.count <= points);
+            assert_eq!(b.index(u64::MAX), Some(b.count as usize - 1));
+            assert_eq!(b.end(b.count as usize - 1), u64::MAX);
         }
-        assert_eq!((c.count, c.nonfinite), (4, 1));
-        assert_eq!((c.min, c.max, c.last()), (Some(1.0), Some(1e9), Some(2.0)));
     }
 
     proptest! {
@@ -165,9 +83,9 @@ mod tests {
             ),
             points in 1usize..50,
         ) {
-            let b = Buckets::new(0, values.len() as u64 - 1, points);
-            prop_assert!(b.count <= points);
-            let mut cells = vec![Cell::default(); b.count];
+            let b = Buckets::new(0, values.len() as u64 - 1, points as u64);
+            prop_assert!(b.count <= points as u64);
+            let mut cells = vec![Cell::default(); b.count as usize];
             for (s, &v) in values.iter().enumerate() {
                 cells[b.index(s as u64).unwrap()].add(s as u64, v);
             }

@@ -8,6 +8,7 @@
 
 pub mod downsample;
 pub mod json;
+mod plan;
 pub mod views;
 
 use std::sync::Arc;
@@ -35,6 +36,8 @@ pub struct Queries {
     sql_max_rows: usize,
     /// DataFusion's memory pool, shared by every query (for messages).
     memory: usize,
+    /// Whether downsampled reads use the rollups (see [`plan`]); off only to compare.
+    rollups: bool,
 }
 
 impl std::fmt::Debug for Queries {
@@ -54,6 +57,10 @@ fn session(runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>) -> Sess
     options.execution.parquet.pushdown_filters = true;
     options.execution.parquet.reorder_filters = true;
     options.execution.parquet.enable_page_index = true;
+    // The files carry no bloom filters; a dashboard read is small, and splitting a file into
+    // byte ranges would read its footer and page index once per range.
+    options.execution.parquet.bloom_filter_on_read = false;
+    options.optimizer.repartition_file_scans = false;
     SessionContext::new_with_config_rt(config, runtime)
 }
 
@@ -89,7 +96,17 @@ impl Queries {
             timeout,
             sql_max_rows,
             memory,
+            rollups: true,
         })
+    }
+
+    /// The same queries answering every downsampled read from raw rows alone: the reference
+    /// the rollups are checked against.
+    pub fn without_rollups(&self) -> Queries {
+        Queries {
+            rollups: false,
+            ..self.clone()
+        }
     }
 
     /// A failed SQL query in words: over the memory pool is the collector's limit, not the

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::{Float32Type, Float64Type, UInt32Type, UInt64Type};
+use arrow_array::types::{Float32Type, Float64Type, UInt32Type};
 use arrow_array::{Array, RecordBatch};
 use datafusion::prelude::{Expr, col, lit};
 use rankwatch_analytics::math::cosine::{cos_pair_mean, sketch_cosine_matrix};
@@ -16,6 +16,7 @@ use serde::Deserialize;
 
 use super::Queries;
 use super::downsample::{Buckets, Cell, render};
+use super::plan::{Grid, Read};
 use crate::entry::Table;
 use crate::error::{Error, Result};
 
@@ -75,12 +76,9 @@ fn points(p: Option<usize>) -> Result<usize> {
     Ok(p)
 }
 
-/// Rows of `metric` with `from <= step <= to`, of one rank when given.
-fn metric_in_range(metric: &MetricName, from: u64, to: u64, rank: Option<u32>) -> Expr {
-    let filter = col("metric")
-        .eq(lit(metric.as_str()))
-        .and(col("step").gt_eq(lit(from)))
-        .and(col("step").lt_eq(lit(to)));
+/// Rows of `metric`, of one rank when given.
+fn of_metric(metric: &MetricName, rank: Option<u32>) -> Expr {
+    let filter = col("metric").eq(lit(metric.as_str()));
     match rank {
         Some(r) => filter.and(col("rank").eq(lit(r))),
         None => filter,
@@ -124,49 +122,38 @@ impl Queries {
         let site = site(q.site.as_deref())?;
         let points = points(q.points)?;
         let (from, to) = self.range(&run, q.from, q.to)?;
-        let mut filter = metric_in_range(&metric, from, to, q.rank);
+        let mut filter = of_metric(&metric, q.rank);
         if let Some(l) = q.layer {
             filter = filter.and(col("layer").eq(lit(l)));
         }
         if let Some(s) = site {
             filter = filter.and(col("site").eq(lit(s.as_str())));
         }
-        let batches = self
-            .scan(
-                Table::Samples,
-                &run,
-                filter,
-                &["layer", "site", "rank", "step", "value"],
-            )
-            .await?;
-        let buckets = Buckets::new(from, to, points);
-        let mut cells: BTreeMap<SeriesId, Vec<Cell>> = BTreeMap::new();
-        for b in &batches {
+        let buckets = Buckets::new(from, to, points as u64);
+        let key = |b: &RecordBatch, i: usize| -> SeriesId {
             let layer = b.column(0).as_primitive::<UInt32Type>();
             let site = b.column(1).as_string::<i32>();
             let rank = b.column(2).as_primitive::<UInt32Type>();
-            let step = b.column(3).as_primitive::<UInt64Type>();
-            let value = b.column(4).as_primitive::<Float64Type>();
-            for i in 0..b.num_rows() {
-                let key = (
-                    layer.is_valid(i).then(|| layer.value(i)),
-                    site.is_valid(i).then(|| site.value(i).to_owned()),
-                    rank.is_valid(i).then(|| rank.value(i)),
-                );
-                if !cells.contains_key(&key) && cells.len() >= MAX_SERIES {
-                    return Err(Error::bad(format!(
-                        "more than {MAX_SERIES} series match; narrow with layer, site or rank"
-                    )));
-                }
-                let s = step.value(i);
-                if let Some(bucket) = buckets.index(s) {
-                    cells
-                        .entry(key)
-                        .or_insert_with(|| vec![Cell::default(); buckets.count])[bucket]
-                        .add(s, value.value(i));
-                }
-            }
-        }
+            (
+                layer.is_valid(i).then(|| layer.value(i)),
+                site.is_valid(i).then(|| site.value(i).to_owned()),
+                rank.is_valid(i).then(|| rank.value(i)),
+            )
+        };
+        let mut grid = Grid::new(
+            &buckets,
+            MAX_SERIES,
+            "more than 512 series match; narrow with layer, site or rank",
+        );
+        let read = Read {
+            filter,
+            buckets,
+            pooled: false,
+            key_columns: &["layer", "site", "rank"],
+            key: &key,
+        };
+        self.fill(&run, read, &mut grid).await?;
+        let cells = grid.into_rows();
         let series = cells
             .into_iter()
             .map(|((layer, site, rank), cells)| Series {
@@ -179,7 +166,7 @@ impl Queries {
         Ok(SeriesAnswer {
             run: run.to_string(),
             metric: metric.to_string(),
-            buckets: buckets.range(),
+            buckets,
             series,
         })
     }
@@ -192,29 +179,23 @@ impl Queries {
         let site = site(q.site.as_deref())?;
         let points = points(q.points)?;
         let (from, to) = self.range(&run, q.from, q.to)?;
-        let filter = metric_in_range(&metric, from, to, q.rank).and(col("layer").is_not_null());
+        let filter = of_metric(&metric, q.rank).and(col("layer").is_not_null());
         let filter = match site {
             Some(s) => filter.and(col("site").eq(lit(s.as_str()))),
             None => filter.and(col("site").is_null()),
         };
-        let batches = self
-            .scan(Table::Samples, &run, filter, &["layer", "step", "value"])
-            .await?;
-        let buckets = Buckets::new(from, to, points);
-        let mut grid: BTreeMap<u32, Vec<Cell>> = BTreeMap::new();
-        for b in &batches {
-            let layer = b.column(0).as_primitive::<UInt32Type>();
-            let step = b.column(1).as_primitive::<UInt64Type>();
-            let value = b.column(2).as_primitive::<Float64Type>();
-            for i in 0..b.num_rows() {
-                let s = step.value(i);
-                if let Some(bucket) = buckets.index(s) {
-                    grid.entry(layer.value(i))
-                        .or_insert_with(|| vec![Cell::default(); buckets.count])[bucket]
-                        .add(s, value.value(i));
-                }
-            }
-        }
+        let buckets = Buckets::new(from, to, points as u64);
+        let key = |b: &RecordBatch, i: usize| b.column(0).as_primitive::<UInt32Type>().value(i);
+        let mut grid = Grid::new(&buckets, usize::MAX, "");
+        let read = Read {
+            filter,
+            buckets,
+            pooled: q.rank.is_none(),
+            key_columns: &["layer"],
+            key: &key,
+        };
+        self.fill(&run, read, &mut grid).await?;
+        let grid = grid.into_rows();
         let pick = |f: &dyn Fn(&Cell) -> Option<f64>| -> Vec<Vec<Option<Num>>> {
             grid.values()
                 .map(|cells| cells.iter().map(|c| f(c).map(Num)).collect())
@@ -231,12 +212,14 @@ impl Queries {
             .values()
             .map(|c| c.iter().map(|c| c.nonfinite).collect())
             .collect();
-        let starts: Vec<u64> = (0..buckets.count).map(|i| buckets.start(i)).collect();
+        let starts: Vec<u64> = (0..buckets.count as usize)
+            .map(|i| buckets.start(i))
+            .collect();
         Ok(Heatmap {
             run: run.to_string(),
             metric: metric.to_string(),
             site: site.map(|s| s.as_str().to_owned()),
-            buckets: buckets.range(),
+            buckets,
             steps: starts,
             layers: grid.keys().copied().collect(),
             last,

@@ -37,7 +37,6 @@ use url::Url;
 
 use super::files;
 use super::manifest::Manifest;
-use crate::entry::Table;
 use crate::error::{Error, Result};
 
 /// The Parquet side's home.
@@ -161,7 +160,12 @@ impl Backend {
     }
 
     /// Writes one part durably; returns its size.
-    pub fn write(&self, layout: Table, batch: &RecordBatch, relative: &Path) -> Result<u64> {
+    pub fn write(
+        &self,
+        layout: files::Layout,
+        batch: &RecordBatch,
+        relative: &Path,
+    ) -> Result<u64> {
         match self {
             Backend::Local(dir) => files::write(layout, batch, &dir.join(relative)),
             Backend::Remote(r) => {
@@ -692,7 +696,9 @@ mod tests {
         let (size, read, manifest) = tokio::task::spawn_blocking(move || {
             let run = rankwatch_analytics::RunId::new("r1").unwrap();
             let part = super::super::manifest::file_path("samples", &run, b.node(), 7);
-            let size = b.write(Table::Runs, &batch(0..100), &part).unwrap();
+            let size = b
+                .write(files::Layout::UNSORTED, &batch(0..100), &part)
+                .unwrap();
             let read = b.read(&part).unwrap();
             let manifest = Manifest {
                 flushed_seq: 42,

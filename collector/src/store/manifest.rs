@@ -37,6 +37,12 @@ impl FileMeta {
         file_path(&self.table, &self.run, self.node.as_deref(), self.part)
     }
 
+    /// Whether this file and `other` share their run, part number and writer: a samples part
+    /// and its rollup.
+    pub fn pairs(&self, other: &FileMeta) -> bool {
+        self.part == other.part && self.run == other.run && self.node == other.node
+    }
+
     /// Whether this file belongs to `table` of `run`.
     pub fn is(&self, table: Table, run: &RunId) -> bool {
         self.table == table.as_str() && self.run == *run

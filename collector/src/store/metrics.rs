@@ -1,4 +1,5 @@
-//! The store's own counters: flushes, compactions, deletions and sizes. The store updates
+//! The store's own counters: flushes, compactions, deletions, sizes, and what downsampled
+//! reads took from raw rows and from rollups. The store updates
 //! them where the work happens; [`crate::telemetry`] exports them.
 
 use prometheus_client::metrics::counter::Counter;
@@ -23,6 +24,9 @@ pub struct StoreMetrics {
     pub parquet_bytes: Gauge,
     pub hot_bytes: Gauge,
     pub idempotency_sessions: Gauge,
+    /// Rows the series and heatmap reads took from raw samples and from rollups.
+    pub downsampled_raw_rows: Counter,
+    pub downsampled_rollup_rows: Counter,
 }
 
 impl Default for StoreMetrics {
@@ -40,6 +44,8 @@ impl Default for StoreMetrics {
             parquet_bytes: Gauge::default(),
             hot_bytes: Gauge::default(),
             idempotency_sessions: Gauge::default(),
+            downsampled_raw_rows: Counter::default(),
+            downsampled_rollup_rows: Counter::default(),
         }
     }
 }
@@ -106,6 +112,16 @@ impl StoreMetrics {
             "idempotency_sessions",
             "Agent sessions whose applied idempotency keys are kept (bounded by the runs kept)",
             self.idempotency_sessions.clone(),
+        );
+        r.register(
+            "downsampled_raw_rows",
+            "Raw sample rows read by series and heatmap queries",
+            self.downsampled_raw_rows.clone(),
+        );
+        r.register(
+            "downsampled_rollup_rows",
+            "Rollup rows (one per series and window of 2^k steps) read by series and heatmap queries",
+            self.downsampled_rollup_rows.clone(),
         );
     }
 }

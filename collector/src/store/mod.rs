@@ -29,6 +29,7 @@ pub mod files;
 pub mod index;
 pub mod manifest;
 pub mod metrics;
+pub mod rollup;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -71,6 +72,25 @@ pub struct TableView {
     pub files: Vec<PathBuf>,
     /// Hot and flushing batches, file schema.
     pub batches: Vec<RecordBatch>,
+}
+
+/// One samples part, as the query planner sees it.
+#[derive(Debug, Clone)]
+pub struct SamplesPart {
+    /// Relative to the dataset root, like [`TableView::files`].
+    pub samples: PathBuf,
+    /// Its rollup part, when written.
+    pub rollup: Option<PathBuf>,
+    /// Its first and last step (unknown only for an empty part).
+    pub steps: Option<(u64, u64)>,
+}
+
+/// The samples of one run with their rollups: see [`Store::samples_view`].
+#[derive(Debug, Clone, Default)]
+pub struct SamplesView {
+    pub parts: Vec<SamplesPart>,
+    /// Hot and flushing batches, file schema.
+    pub hot: Vec<RecordBatch>,
 }
 
 #[derive(Debug, Default)]
@@ -116,6 +136,8 @@ pub struct Store {
     epoch: i64,
     /// Alert changes since the last flush, durable (see `alert_log`).
     alert_log: alert_log::AlertLog,
+    /// Samples parts found too short for a rollup since start (see `add_missing_rollups`).
+    without_rollup: Mutex<std::collections::HashSet<PathBuf>>,
 }
 
 /// What [`Store::delete_run`] removed: the contract's type.
@@ -212,6 +234,7 @@ impl Store {
         let (alert_log, journaled) = alert_log::AlertLog::open(dir)?;
         let store = Store {
             alert_log,
+            without_rollup: Mutex::default(),
             dir: dir.to_owned(),
             backend,
             state: Mutex::new(state),
@@ -495,6 +518,36 @@ impl Store {
         TableView { files, batches }
     }
 
+    /// The samples of `run` as the planner reads them: each part with its rollup (if written)
+    /// and step range, and the hot and flushing batches; consistent like [`Store::view`].
+    pub fn samples_view(&self, run: &RunId) -> SamplesView {
+        let state = self.lock();
+        let files = &state.manifest.files;
+        let parts = files
+            .iter()
+            .filter(|f| f.is(Table::Samples, run))
+            .map(|f| SamplesPart {
+                samples: f.relative(),
+                rollup: files
+                    .iter()
+                    .find(|r| r.table == rollup::TABLE && r.pairs(f))
+                    .map(FileMeta::relative),
+                steps: f.min_step.zip(f.max_step),
+            })
+            .collect();
+        let key = (Table::Samples, run.clone());
+        let mut hot: Vec<RecordBatch> = state
+            .flushing
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .flat_map(|(_, p)| p.batches.iter().cloned())
+            .collect();
+        if let Some(part) = state.hot.get(&key) {
+            hot.extend(part.batches.iter().cloned());
+        }
+        SamplesView { parts, hot }
+    }
+
     /// Runs the closure on the run index (read-only).
     pub fn with_runs<T>(&self, f: impl FnOnce(&BTreeMap<RunId, RunSummary>) -> T) -> T {
         f(&self.lock().runs)
@@ -709,7 +762,7 @@ impl Store {
                 continue;
             }
             let batch = files::sorted(*table, &batches)?;
-            new_files.push(self.write_file(table.as_str(), *table, run, next_part, &batch)?);
+            new_files.extend(self.write_part(*table, run, next_part, &batch)?);
             next_part += 1;
         }
         for info in infos {
@@ -717,7 +770,7 @@ impl Store {
             replaced.extend(self.files_of(runs::TABLE, &info.run));
             new_files.push(self.write_file(
                 runs::TABLE,
-                Table::Runs,
+                files::Layout::UNSORTED,
                 &info.run,
                 next_part,
                 &batch,
@@ -730,7 +783,13 @@ impl Store {
                 continue;
             }
             let batch = files::without_run(&alerts::to_batch(of_run)?)?;
-            new_files.push(self.write_file(alerts::TABLE, Table::Runs, run, next_part, &batch)?);
+            new_files.push(self.write_file(
+                alerts::TABLE,
+                files::Layout::UNSORTED,
+                run,
+                next_part,
+                &batch,
+            )?);
             next_part += 1;
         }
         Ok((new_files, replaced))
@@ -746,11 +805,44 @@ impl Store {
             .collect()
     }
 
-    /// Writes one file; `layout` picks the sort columns (side tables are not sorted).
+    /// Writes one part of `table` (sorted in its order) and, for samples, its rollup part
+    /// under the same number.
+    fn write_part(
+        &self,
+        table: Table,
+        run: &RunId,
+        part: u64,
+        batch: &RecordBatch,
+    ) -> Result<Vec<FileMeta>> {
+        let mut written =
+            vec![self.write_file(table.as_str(), files::Layout::of(table), run, part, batch)?];
+        if table == Table::Samples {
+            written.extend(self.write_rollup(run, part, batch)?);
+        }
+        Ok(written)
+    }
+
+    /// Writes the rollup of a samples part, unless its series are too short for one.
+    fn write_rollup(
+        &self,
+        run: &RunId,
+        part: u64,
+        samples: &RecordBatch,
+    ) -> Result<Option<FileMeta>> {
+        let Some(summary) = rollup::summarise(samples)? else {
+            return Ok(None);
+        };
+        let mut meta = self.write_file(rollup::TABLE, rollup::LAYOUT, run, part, &summary)?;
+        // The steps it covers are its part's (a rollup has window starts, not steps).
+        (meta.min_step, meta.max_step) = files::step_range(samples);
+        Ok(Some(meta))
+    }
+
+    /// Writes one file in `layout`.
     fn write_file(
         &self,
         name: &str,
-        layout: Table,
+        layout: files::Layout,
         run: &RunId,
         part: u64,
         batch: &RecordBatch,
@@ -836,11 +928,17 @@ impl Store {
                 state.manifest.next_part += 1;
                 p
             };
-            let meta = self.write_file(table.as_str(), table, &run, part, &batch)?;
-            let old: Vec<PathBuf> = group.iter().map(FileMeta::relative).collect();
+            let metas = self.write_part(table, &run, part, &batch)?;
             let mut manifest = self.lock().manifest.clone();
+            // The merged parts and their rollups go.
+            let old: Vec<PathBuf> = manifest
+                .files
+                .iter()
+                .filter(|f| group.iter().any(|g| g.pairs(f)))
+                .map(FileMeta::relative)
+                .collect();
             manifest.files.retain(|f| !old.contains(&f.relative()));
-            manifest.files.push(meta);
+            manifest.files.extend(metas);
             self.backend.save_manifest(&manifest)?;
             {
                 let mut state = self.lock();
@@ -857,8 +955,58 @@ impl Store {
                 .compaction_seconds
                 .observe(started.elapsed().as_secs_f64());
         }
+        self.add_missing_rollups()?;
         self.report_sizes();
         Ok(merged)
+    }
+
+    /// Writes the rollup of each samples part of this collector that has none (written before
+    /// rollups existed), one manifest commit per part. Until then its queries read raw rows.
+    fn add_missing_rollups(&self) -> Result<usize> {
+        let missing: Vec<FileMeta> = {
+            let state = self.lock();
+            let files = &state.manifest.files;
+            files
+                .iter()
+                .filter(|f| {
+                    f.table == Table::Samples.as_str()
+                        && f.node.as_deref() == self.backend.node()
+                        && !files.iter().any(|r| r.table == rollup::TABLE && r.pairs(f))
+                        && !self
+                            .without_rollup
+                            .lock()
+                            .is_ok_and(|s| s.contains(&f.relative()))
+                })
+                .cloned()
+                .collect()
+        };
+        for f in &missing {
+            // A part is sorted, so its batches in order are too.
+            let batches = self.backend.read(&f.relative())?;
+            let batch =
+                arrow_select::concat::concat_batches(&files::file_schema(Table::Samples), &batches)
+                    .map_err(Error::Arrow)?;
+            let Some(meta) = self.write_rollup(&f.run, f.part, &batch)? else {
+                // Too short to be worth one: not read again until the next start.
+                if let Ok(mut s) = self.without_rollup.lock() {
+                    s.insert(f.relative());
+                }
+                continue;
+            };
+            let mut manifest = self.lock().manifest.clone();
+            manifest.files.push(meta);
+            self.backend.save_manifest(&manifest)?;
+            let mut state = self.lock();
+            manifest.next_part = manifest.next_part.max(state.manifest.next_part);
+            state.manifest = manifest;
+        }
+        if !missing.is_empty() {
+            tracing::info!(
+                parts = missing.len(),
+                "older samples parts checked for rollups"
+            );
+        }
+        Ok(missing.len())
     }
 
     /// Deletes a run: its Parquet files (after the grace period queries get), its rows in

@@ -11,6 +11,7 @@ mod dashboard;
 mod hostile;
 mod openapi;
 mod recovery;
+mod rollups;
 mod round_trip;
 mod time;
 mod two_writers;

@@ -1,0 +1,376 @@
+//! Rollups: per-window summaries of the samples, written beside every samples part.
+//!
+//! # Design
+//!
+//! An overview (a heatmap over a whole run, a chart of 100,000 steps) asks for buckets of
+//! hundreds of steps; reading every raw row for it costs as much as the run is long. So each
+//! samples part gets a sibling part in `table=rollups`, with the same part number, listed in
+//! the same manifest commit: for every series (metric, layer, site, rank) and every aligned
+//! window of 2^k steps (k in [`LEVELS`]) that holds rows, one row with the window's summary
+//! ([`crate::summary::Cell`]: count, non-finite count, finite min and max, the values at its
+//! greatest step). Per-layer metrics also get rows with every rank pooled (k in
+//! [`POOLED_LEVELS`], `pooled` true, `rank` null), which is what a heatmap cell is: a 64-layer
+//! heatmap over 8 ranks then reads one row per layer and window instead of eight. This is the
+//! idea of Prometheus' recording rules, VictoriaMetrics' downsampling and map tiles, with one
+//! difference: nothing is approximated. Every field merges exactly, so a bucket built from
+//! rollups equals the bucket built from the raw rows, bit for bit.
+//!
+//! Dashboard buckets are aligned powers of two (`rankwatch_api::BucketRange`), so a bucket of
+//! width 2^k is exactly the union of the level-min(k, 16) windows inside it; the planner
+//! (`query::plan`) reads those, raw rows where a window is cut by the range's ends and the
+//! part has rows beyond them, raw rows for parts without a rollup (written before rollups
+//! existed, until compaction adds one) and for the hot buffer. The rows are sorted (level,
+//! pooled, metric, layer, site, rank, start), so page statistics skip every other level and
+//! metric.
+//!
+//! Windows of one series can appear in several parts (ranks report late, a window straddles a
+//! flush); each part's row covers only that part's rows, and the merge makes them one.
+//!
+//! How: per series, the finest windows are built from its rows (steps ascend within a series
+//! in a sorted part), each coarser level by merging pairs of the level below; the pooled
+//! windows of a (metric, layer, site) merge its series' finest windows, then coarsen the same
+//! way. Work and memory are proportional to the part's rows.
+//!
+//! Cost: with a row per step, the per-rank levels hold 1/8 + 1/16 + … ≈ 1/4 as many rows as
+//! the part, and the pooled levels about 1/ranks as many again; in bytes less than that (a
+//! 5.5 M-row part: 21 MB of samples, 3 MB of rollups). A small part (a flush of a few steps
+//! per series) has about one row per level per series until compaction merges it.
+
+use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
+use std::sync::{Arc, LazyLock};
+
+use arrow_array::builder::{Float64Builder, ListBuilder, UInt64Builder};
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float64Type, UInt32Type, UInt64Type};
+use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, UInt8Array, UInt32Array};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
+
+use super::files;
+use crate::error::{Error, Result};
+use crate::summary::{Windows, coarsen, pool, windows_of};
+
+/// The table name in the Hive layout (`table=rollups`).
+pub const TABLE: &str = "rollups";
+
+/// log2 of the window widths summarised per series: 8 to 65,536 steps. Narrower buckets of
+/// one series read raw rows (a zoom that fine spans few steps); wider ones merge 65,536-step
+/// windows.
+pub const LEVELS: RangeInclusive<u32> = 3..=16;
+
+/// log2 of the window widths summarised with every rank pooled, for per-layer metrics (the
+/// heatmap's cells): from 2 steps, since a pooled row replaces a row per rank and step.
+pub const POOLED_LEVELS: RangeInclusive<u32> = 1..=16;
+
+/// A rollup part's layout: sorted (level, pooled, metric, layer, site, rank, start), window
+/// starts and last steps delta-encoded (they step by the window width). Smaller pages (1 k
+/// rows) and LZ4 instead of zstd were tried for point reads: no faster measurably (DataFusion's
+/// per-query planning dominates), and the parts doubled.
+pub const LAYOUT: files::Layout = files::Layout {
+    sorted_by: &[
+        "level", "pooled", "metric", "layer", "site", "rank", "start",
+    ],
+    page_rows: 8 * 1024,
+    delta_columns: &["start", "last_step"],
+};
+
+static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| {
+    Arc::new(Schema::new(vec![
+        Field::new("level", DataType::UInt8, false),
+        // Every rank of (metric, layer, site) together; `rank` is then null.
+        Field::new("pooled", DataType::Boolean, false),
+        Field::new("metric", DataType::Utf8, false),
+        Field::new("layer", DataType::UInt32, true),
+        Field::new("site", DataType::Utf8, true),
+        Field::new("rank", DataType::UInt32, true),
+        Field::new("start", DataType::UInt64, false),
+        Field::new("count", DataType::UInt64, false),
+        Field::new("nonfinite", DataType::UInt64, false),
+        Field::new("min", DataType::Float64, true),
+        Field::new("max", DataType::Float64, true),
+        Field::new("last_step", DataType::UInt64, false),
+        Field::new(
+            "last",
+            DataType::List(Arc::new(Field::new_list_field(DataType::Float64, false))),
+            false,
+        ),
+    ]))
+});
+
+/// The schema of a rollup part.
+pub fn schema() -> SchemaRef {
+    SCHEMA.clone()
+}
+
+/// The output rows of one (level, pooled), in order.
+#[derive(Debug)]
+struct Out {
+    /// A row of the input whose key columns the output row takes.
+    keys: Vec<u32>,
+    start: UInt64Builder,
+    count: UInt64Builder,
+    nonfinite: UInt64Builder,
+    min: Float64Builder,
+    max: Float64Builder,
+    last_step: UInt64Builder,
+    last: ListBuilder<Float64Builder>,
+}
+
+impl Default for Out {
+    fn default() -> Self {
+        Out {
+            keys: Vec::new(),
+            start: UInt64Builder::new(),
+            count: UInt64Builder::new(),
+            nonfinite: UInt64Builder::new(),
+            min: Float64Builder::new(),
+            max: Float64Builder::new(),
+            last_step: UInt64Builder::new(),
+            last: ListBuilder::new(Float64Builder::new())
+                .with_field(Arc::new(Field::new_list_field(DataType::Float64, false))),
+        }
+    }
+}
+
+impl Out {
+    fn push(&mut self, key_row: u32, windows: &Windows) {
+        for (start, cell) in windows {
+            self.keys.push(key_row);
+            self.start.append_value(*start);
+            self.count.append_value(cell.count);
+            self.nonfinite.append_value(cell.nonfinite);
+            self.min.append_option(cell.min);
+            self.max.append_option(cell.max);
+            self.last_step.append_value(cell.last_step);
+            self.last.values().append_slice(&cell.last_values());
+            self.last.append(true);
+        }
+    }
+
+    fn finish(mut self, level: u32, pooled: bool, keys: &[ArrayRef; 4]) -> Result<RecordBatch> {
+        let rows = UInt32Array::from(std::mem::take(&mut self.keys));
+        let n = rows.len();
+        let take = |a: &ArrayRef| arrow_select::take::take(a, &rows, None).map_err(Error::Arrow);
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(UInt8Array::from(vec![level as u8; n])),
+            Arc::new(BooleanArray::from(vec![pooled; n])),
+            take(&keys[0])?,
+            take(&keys[1])?,
+            take(&keys[2])?,
+            if pooled {
+                arrow_array::new_null_array(&DataType::UInt32, n)
+            } else {
+                take(&keys[3])?
+            },
+            Arc::new(self.start.finish()),
+            Arc::new(self.count.finish()),
+            Arc::new(self.nonfinite.finish()),
+            Arc::new(self.min.finish()),
+            Arc::new(self.max.finish()),
+            Arc::new(self.last_step.finish()),
+            Arc::new(self.last.finish()),
+        ];
+        RecordBatch::try_new(schema(), columns).map_err(Error::Arrow)
+    }
+}
+
+/// Below this many rows per series a part gets no rollup: its windows would be nearly as many
+/// rows as it has (a series of 16 steps has 15 windows over the levels), and reading a few
+/// raw rows per series is cheap. A flush of many short series (1,024 ranks × 200 user metrics,
+/// a few steps each) is such a part; compaction merges them into parts long enough.
+pub const MIN_ROWS_PER_SERIES: usize = 64;
+
+/// The rollup part of a samples part (file schema, sorted by metric, layer, site, rank, step),
+/// or `None` when its series are too short to be worth one ([`MIN_ROWS_PER_SERIES`]).
+pub fn summarise(samples: &RecordBatch) -> Result<Option<RecordBatch>> {
+    let column = |name: &str| {
+        samples
+            .column_by_name(name)
+            .cloned()
+            .ok_or_else(|| Error::Corrupt {
+                what: "a samples part".into(),
+                reason: format!("it has no `{name}` column"),
+            })
+    };
+    let keys = [
+        column("metric")?,
+        column("layer")?,
+        column("site")?,
+        column("rank")?,
+    ];
+    let metric = keys[0].as_string::<i32>();
+    let layer = keys[1].as_primitive::<UInt32Type>();
+    let site = keys[2].as_string::<i32>();
+    let rank = keys[3].as_primitive::<UInt32Type>();
+    let steps = column("step")?;
+    let values = column("value")?;
+    let step = steps.as_primitive::<UInt64Type>();
+    let value = values.as_primitive::<Float64Type>();
+    let same_group = |a: usize, b: usize| {
+        metric.value(a) == metric.value(b)
+            && (layer.is_valid(a), layer.value(a)) == (layer.is_valid(b), layer.value(b))
+            && site.is_valid(a) == site.is_valid(b)
+            && (!site.is_valid(a) || site.value(a) == site.value(b))
+    };
+    let same_series = |a: usize, b: usize| {
+        same_group(a, b) && (rank.is_valid(a), rank.value(a)) == (rank.is_valid(b), rank.value(b))
+    };
+    let n = samples.num_rows();
+    let series = 1 + (1..n).filter(|&i| !same_series(i - 1, i)).count();
+    if n < series * MIN_ROWS_PER_SERIES {
+        return Ok(None);
+    }
+    let finest = *POOLED_LEVELS.start();
+    let mut out: BTreeMap<(u32, bool), Out> = BTreeMap::new();
+    // The finest windows of each series of the (metric, layer, site) group being read.
+    let mut group: Vec<Windows> = Vec::new();
+    let mut group_row = 0u32;
+    let mut first = 0;
+    while first < n {
+        let mut end = first + 1;
+        while end < n && same_series(first, end) {
+            end += 1;
+        }
+        // One series, steps ascending.
+        let fine = windows_of(
+            (first..end).map(|i| (step.value(i), value.value(i))),
+            finest,
+        );
+        let mut windows = fine.clone();
+        for level in finest + 1..=*LEVELS.end() {
+            windows = coarsen(&windows, level);
+            if LEVELS.contains(&level) {
+                out.entry((level, false))
+                    .or_default()
+                    .push(first as u32, &windows);
+            }
+        }
+        if layer.is_valid(first) {
+            if group.is_empty() {
+                group_row = first as u32;
+            }
+            group.push(fine);
+        }
+        if (end == n || !same_group(first, end)) && !group.is_empty() {
+            let mut windows = pool(std::mem::take(&mut group));
+            for level in POOLED_LEVELS {
+                if level > finest {
+                    windows = coarsen(&windows, level);
+                }
+                out.entry((level, true))
+                    .or_default()
+                    .push(group_row, &windows);
+            }
+        }
+        first = end;
+    }
+    let mut batches = Vec::with_capacity(out.len());
+    for ((level, pooled), rows) in out {
+        batches.push(rows.finish(level, pooled, &keys)?);
+    }
+    arrow_select::concat::concat_batches(&schema(), &batches)
+        .map(Some)
+        .map_err(Error::Arrow)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rankwatch_analytics::schema::samples;
+    use rankwatch_analytics::{MetricName, RunId, Sample, Site};
+
+    fn sample(rank: u32, step: u64, value: f64) -> Sample {
+        Sample {
+            run: RunId::new("r").unwrap(),
+            rank: Some(rank),
+            step,
+            time_ms: 0,
+            metric: MetricName::new("spectral.ratio").unwrap(),
+            layer: Some(1),
+            site: Some(Site::Up),
+            value,
+        }
+    }
+
+    #[test]
+    fn each_level_holds_one_row_per_window_and_series_with_exact_fields() {
+        let mut rows = Vec::new();
+        for rank in 0..2 {
+            for step in 0..20 {
+                rows.push(sample(rank, step, step as f64 + f64::from(rank) * 100.0));
+            }
+        }
+        rows.push(sample(0, 19, 7.0));
+        rows.push(sample(1, 5, f64::NAN));
+        let batch = files::without_run(&samples::to_batch(&rows).unwrap()).unwrap();
+        let sorted = files::sorted(crate::entry::Table::Samples, &[batch]).unwrap();
+        assert!(
+            summarise(&sorted).unwrap().is_none(),
+            "20 steps per series: too short"
+        );
+        for rank in 0..2 {
+            for step in 20..200 {
+                rows.push(sample(rank, step, 1.0));
+            }
+        }
+        let batch = files::without_run(&samples::to_batch(&rows).unwrap()).unwrap();
+        let sorted = files::sorted(crate::entry::Table::Samples, &[batch]).unwrap();
+        let r = summarise(&sorted).unwrap().expect("200 steps per series");
+        let level = r.column(0).as_primitive::<arrow_array::types::UInt8Type>();
+        let pooled = r.column(1).as_boolean();
+        let rank = r.column(5).as_primitive::<UInt32Type>();
+        let start = r.column(6).as_primitive::<UInt64Type>();
+        let count = r.column(7).as_primitive::<UInt64Type>();
+        let nonfinite = r.column(8).as_primitive::<UInt64Type>();
+        let max = r.column(10).as_primitive::<Float64Type>();
+        let last = r.column(12).as_list::<i32>();
+        // Steps 0..=199 of two ranks: 25 windows of 8 steps per rank, 13 of 16, 7 of 32, 4 of
+        // 64, 2 of 128, then one; pooled rows from level 1 (2 steps), one per window.
+        let rows_of = |l: u8, p: bool| {
+            (0..r.num_rows())
+                .filter(|&i| level.value(i) == l && pooled.value(i) == p)
+                .count()
+        };
+        let per_rank: Vec<usize> = (1..=16).map(|l| rows_of(l, false)).collect();
+        assert_eq!(
+            per_rank,
+            [0, 0, 50, 26, 14, 8, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2]
+        );
+        let pooled_rows: Vec<usize> = (1..=16).map(|l| rows_of(l, true)).collect();
+        assert_eq!(
+            pooled_rows,
+            [100, 50, 25, 13, 7, 4, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+        );
+        let find = |l: u8, p: bool, rk: Option<u32>, s: u64| {
+            (0..r.num_rows())
+                .find(|&i| {
+                    level.value(i) == l
+                        && pooled.value(i) == p
+                        && rank.is_valid(i) == rk.is_some()
+                        && rk.is_none_or(|rk| rank.value(i) == rk)
+                        && start.value(i) == s
+                })
+                .unwrap()
+        };
+        let i = find(3, false, Some(0), 16);
+        assert_eq!((count.value(i), max.value(i)), (9, 19.0));
+        assert_eq!(last.value(i).as_primitive::<Float64Type>().values(), &[1.0]);
+        let i = find(3, false, Some(1), 0);
+        assert_eq!((count.value(i), nonfinite.value(i)), (9, 1));
+        let i = find(16, false, Some(1), 0);
+        assert_eq!((count.value(i), max.value(i)), (201, 119.0));
+        // Pooled: both ranks; step 19 holds rank 0's two values and rank 1's one.
+        let i = find(1, true, None, 18);
+        assert_eq!((count.value(i), max.value(i)), (5, 119.0));
+        let l = last.value(i);
+        assert_eq!(
+            l.as_primitive::<Float64Type>().values(),
+            &[7.0, 19.0, 119.0]
+        );
+        let i = find(16, true, None, 0);
+        assert_eq!(
+            (count.value(i), nonfinite.value(i), max.value(i)),
+            (402, 1, 119.0)
+        );
+    }
+}

@@ -1,0 +1,242 @@
+//! One summary of a set of values at steps: how many, how many non-finite, the finite min and
+//! max, and every value at the greatest step. A dashboard bucket and a rollup window are both
+//! one of these.
+//!
+//! Summaries merge exactly: counts add, extremes compare, and the last step's values are kept
+//! (not averaged) until [`Cell::last`] averages them in one fixed order. So a summary built
+//! row by row equals one merged from summaries of any split of the rows, bit for bit — which
+//! is what lets the collector answer from rollups instead of raw rows
+//! (`crate::store::rollup`) and makes answers independent of how files were cut.
+
+use smallvec::SmallVec;
+
+/// The summary of some values: see the module docs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Cell {
+    pub count: u64,
+    pub nonfinite: u64,
+    /// Over the finite values.
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+    pub last_step: u64,
+    /// Every value at `last_step` (several ranks in a heatmap cell), in arrival order.
+    last_values: SmallVec<[f64; 2]>,
+}
+
+impl Cell {
+    /// Adds one value.
+    pub fn add(&mut self, step: u64, value: f64) {
+        self.count += 1;
+        if value.is_finite() {
+            self.extremes(value, value);
+        } else {
+            self.nonfinite += 1;
+        }
+        self.at_step(self.count == 1, step, std::slice::from_ref(&value));
+    }
+
+    /// Adds a summary of `count` values (`nonfinite` of them non-finite) whose finite extremes
+    /// are `min..=max` and whose greatest step `last_step` holds `last_values`.
+    pub fn merge(
+        &mut self,
+        count: u64,
+        nonfinite: u64,
+        extremes: Option<(f64, f64)>,
+        last_step: u64,
+        last_values: &[f64],
+    ) {
+        if count == 0 {
+            return;
+        }
+        let first = self.count == 0;
+        self.count += count;
+        self.nonfinite += nonfinite;
+        if let Some((min, max)) = extremes {
+            self.extremes(min, max);
+        }
+        self.at_step(first, last_step, last_values);
+    }
+
+    /// Adds another summary.
+    pub fn absorb(&mut self, other: &Cell) {
+        self.merge(
+            other.count,
+            other.nonfinite,
+            other.min.zip(other.max),
+            other.last_step,
+            &other.last_values,
+        );
+    }
+
+    fn extremes(&mut self, min: f64, max: f64) {
+        self.min = Some(self.min.map_or(min, |m| m.min(min)));
+        self.max = Some(self.max.map_or(max, |m| m.max(max)));
+    }
+
+    fn at_step(&mut self, first: bool, step: u64, values: &[f64]) {
+        if first || step > self.last_step {
+            self.last_step = step;
+            self.last_values.clear();
+            self.last_values.extend_from_slice(values);
+        } else if step == self.last_step {
+            self.last_values.extend_from_slice(values);
+        }
+    }
+
+    /// The values at the last step, in a fixed order (ascending, NaN last).
+    pub fn last_values(&self) -> SmallVec<[f64; 2]> {
+        let mut values = self.last_values.clone();
+        values.sort_by(f64::total_cmp);
+        values
+    }
+
+    /// The value at the last step: the mean of the values there, summed in ascending order
+    /// (so the same values give the same bits whatever order they came in); a NaN among them
+    /// makes it NaN, which is the truth.
+    pub fn last(&self) -> Option<f64> {
+        if self.count == 0 || self.last_values.is_empty() {
+            return None;
+        }
+        if let [only] = self.last_values.as_slice() {
+            return Some(*only);
+        }
+        let values = self.last_values();
+        Some(values.iter().sum::<f64>() / values.len() as f64)
+    }
+}
+
+/// Summaries of aligned windows, ascending by window start.
+pub type Windows = Vec<(u64, Cell)>;
+
+/// The windows of `2^shift` steps of rows `(step, value)` given in ascending step order.
+pub fn windows_of(rows: impl IntoIterator<Item = (u64, f64)>, shift: u32) -> Windows {
+    let mut out: Windows = Vec::new();
+    for (step, value) in rows {
+        let start = step >> shift << shift;
+        match out.last_mut() {
+            Some((s, cell)) if *s == start => cell.add(step, value),
+            _ => {
+                let mut cell = Cell::default();
+                cell.add(step, value);
+                out.push((start, cell));
+            }
+        }
+    }
+    out
+}
+
+/// The same values in windows of `2^shift` steps, from finer windows in ascending order.
+pub fn coarsen(windows: &[(u64, Cell)], shift: u32) -> Windows {
+    let mut out: Windows = Vec::with_capacity(windows.len() / 2 + 1);
+    for (start, cell) in windows {
+        let start = start >> shift << shift;
+        match out.last_mut() {
+            Some((s, c)) if *s == start => c.absorb(cell),
+            _ => out.push((start, cell.clone())),
+        }
+    }
+    out
+}
+
+/// Several ascending window lists of the same width merged into one (windows with the same
+/// start combined).
+pub fn pool(lists: Vec<Windows>) -> Windows {
+    let mut all: Windows = lists.into_iter().flatten().collect();
+    // Stable, so equal starts keep their order; the merge is order-free anyway.
+    all.sort_by_key(|(start, _)| *start);
+    let mut out: Windows = Vec::with_capacity(all.len());
+    for (start, cell) in all {
+        match out.last_mut() {
+            Some((s, c)) if *s == start => c.absorb(&cell),
+            _ => out.push((start, cell)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_nan_is_counted_and_does_not_hide_the_spike() {
+        let mut c = Cell::default();
+        for (s, v) in [(1, 1.0), (2, f64::NAN), (3, 1e9), (4, 2.0)] {
+            c.add(s, v);
+        }
+        assert_eq!((c.count, c.nonfinite), (4, 1));
+        assert_eq!((c.min, c.max, c.last()), (Some(1.0), Some(1e9), Some(2.0)));
+    }
+
+    #[test]
+    fn last_is_the_same_bits_whatever_the_order() {
+        let values = [0.1, 0.7, 1e-17, 3.3, -2.2];
+        let mut forward = Cell::default();
+        let mut backward = Cell::default();
+        for v in values {
+            forward.add(9, v);
+        }
+        for v in values.iter().rev() {
+            backward.add(9, *v);
+        }
+        assert_eq!(
+            forward.last().unwrap().to_bits(),
+            backward.last().unwrap().to_bits()
+        );
+    }
+
+    fn rows() -> impl Strategy<Value = Vec<(u64, f64)>> {
+        proptest::collection::vec(
+            (
+                0u64..300,
+                prop_oneof![8 => -1e3f64..1e3, 1 => Just(f64::NAN), 1 => Just(f64::INFINITY)],
+            ),
+            0..200,
+        )
+        .prop_map(|mut r| {
+            r.sort_by_key(|x| x.0);
+            r
+        })
+    }
+
+    /// A window's fields as bits: (start, count, nonfinite, min, max, last step, last).
+    type Bits = (u64, u64, u64, Option<u64>, Option<u64>, u64, Option<u64>);
+
+    fn bits(w: &Windows) -> Vec<Bits> {
+        w.iter()
+            .map(|(s, c)| {
+                (
+                    *s,
+                    c.count,
+                    c.nonfinite,
+                    c.min.map(f64::to_bits),
+                    c.max.map(f64::to_bits),
+                    c.last_step,
+                    c.last().map(f64::to_bits),
+                )
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Coarsened windows equal windows built from the rows at that width, and pooled
+        /// windows of several lists equal the windows of all their rows together.
+        #[test]
+        fn coarsening_and_pooling_equal_building_from_rows(
+            a in rows(),
+            b in rows(),
+            fine in 0u32..4,
+            extra in 1u32..5,
+        ) {
+            let coarse = fine + extra;
+            prop_assert_eq!(bits(&coarsen(&windows_of(a.clone(), fine), coarse)), bits(&windows_of(a.clone(), coarse)));
+            let mut both = [a.clone(), b.clone()].concat();
+            both.sort_by_key(|x| x.0);
+            prop_assert_eq!(
+                bits(&pool(vec![windows_of(a, fine), windows_of(b, fine)])),
+                bits(&windows_of(both, fine))
+            );
+        }
+    }
+}
