@@ -255,3 +255,29 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
             prometheus.terminate()
             prometheus.wait(timeout=30)
         collector.stop()
+
+
+def test_the_daemon_bounds_glibc_malloc_unless_the_operator_set_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` starts itself again with two glibc malloc settings (the memory benchmark's RSS
+    fix), in the same process; an operator's own setting is kept as it is."""
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("no /proc on this system")
+    for name in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    c = Collector(tmp_path / "default")
+    try:
+        environ = Path(f"/proc/{c.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"MALLOC_ARENA_MAX=2" in environ
+        assert b"MALLOC_MMAP_THRESHOLD_=1048576" in environ
+        assert requests.get(f"{c.url}/healthz", timeout=10).status_code == 200
+    finally:
+        c.stop()
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    c = Collector(tmp_path / "operator")
+    try:
+        environ = Path(f"/proc/{c.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"MALLOC_ARENA_MAX=4" in environ
+        assert not any(e.startswith(b"MALLOC_MMAP_THRESHOLD_=") for e in environ)
+        assert requests.get(f"{c.url}/healthz", timeout=10).status_code == 200
+    finally:
+        c.stop()
