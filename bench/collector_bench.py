@@ -4,14 +4,16 @@
    one core (taskset), several concurrent clients; beside it VictoriaMetrics (Debian package
    `victoria-metrics`) ingesting the same samples through its JSON-lines import API, also
    pinned to one core. Reports samples/s and the ratio.
-2. Queries over a run of 10 M samples (64 layers x 8 ranks): `series` at 1,000 points and the
-   64 x 1,000 `heatmap`, p50 over repeated calls, each beside DuckDB running the equivalent
-   aggregation over the same Parquet files.
+2. Queries over runs of 1 M, 10 M and 100 M samples (64 layers x 8 ranks;
+   RANKWATCH_BENCH_QUERY_ROWS picks the sizes): `series` at 1,000 points and the 64 x 1,000
+   `heatmap`, p50 over repeated calls, each beside DuckDB running the equivalent aggregation
+   over the same Parquet files; the scaling curves are written to target/bench/query_scaling.svg.
 3. Storage: one 2 M-sample run through a collector on local disk and one on
    `--storage s3://` (moto's S3 server from PyPI): ingest rate, final flush, restart, and a
    series query reading the parts back.
-4. Memory: 1,024 simulated ranks x 200 metrics at one step per second; peak RSS and rejects.
-   Ten minutes by default (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
+4. Memory: 1,024 simulated ranks x 200 metrics, each rank posting its own batch once a second
+   as the agent does; RSS over time, p50/p99 ingest latency, refusals. Ten minutes by default
+   (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
 
 Numbers are targets, not assertions: the script prints them and the machine they ran on.
 """
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import requests
@@ -67,16 +70,17 @@ def stop(proc: subprocess.Popen) -> None:
 def samples_batch(run: str, step0: int, rows: int, ranks: int = 8, layers: int = 64) -> pa.Table:
     """`rows` samples of spectral.ratio over layers x ranks, steps from step0."""
     per_step = ranks * layers
-    idx = range(rows)
+    i = np.arange(rows, dtype=np.int64)
+    steps = step0 + i // per_step
     return pa.table({
-        "run": pa.array([run] * rows, pa.string()),
-        "rank": pa.array([(i // layers) % ranks for i in idx], pa.uint32()),
-        "step": pa.array([step0 + i // per_step for i in idx], pa.uint64()),
-        "time": pa.array([1_700_000_000_000 + (step0 + i // per_step) * 1000 for i in idx], pa.timestamp("ms", tz="UTC")),
-        "metric": pa.array(["spectral.ratio"] * rows, pa.string()),
-        "layer": pa.array([i % layers for i in idx], pa.uint32()),
-        "site": pa.array([None] * rows, pa.string()),
-        "value": pa.array([1.0 + (i % 997) / 1000.0 for i in idx], pa.float64()),
+        "run": pa.array(np.full(rows, run, dtype=object), pa.string()),
+        "rank": pa.array(((i // layers) % ranks).astype(np.uint32)),
+        "step": pa.array(steps.astype(np.uint64)),
+        "time": pa.array(1_700_000_000_000 + steps * 1000, pa.timestamp("ms", tz="UTC")),
+        "metric": pa.array(np.full(rows, "spectral.ratio", dtype=object), pa.string()),
+        "layer": pa.array((i % layers).astype(np.uint32)),
+        "site": pa.nulls(rows, pa.string()),
+        "value": pa.array(1.0 + (i % 997) / 1000.0),
     })
 
 
@@ -87,14 +91,17 @@ def ipc_bytes(table: pa.Table, compression: str | None = "zstd") -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def post_all(url: str, bodies: list[tuple[bytes, dict]], clients: int) -> float:
+def post_all(url: str, bodies, clients: int, count: int | None = None) -> float:
+    """POSTs every body (a list, or a function of the index making one) from `clients` threads."""
     session_local = threading.local()
+    make = bodies if callable(bodies) else bodies.__getitem__
+    count = len(bodies) if count is None else count
 
-    def send(item: tuple[bytes, dict]) -> None:
+    def send(i: int) -> None:
         s = getattr(session_local, "s", None)
         if s is None:
             s = session_local.s = requests.Session()
-        body, headers = item
+        body, headers = make(i)
         while True:
             r = s.post(url, data=body, headers=headers, timeout=120)
             if r.status_code == 429:
@@ -106,7 +113,7 @@ def post_all(url: str, bodies: list[tuple[bytes, dict]], clients: int) -> float:
 
     started = time.perf_counter()
     with cf.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(send, bodies))
+        list(pool.map(send, range(count)))
     return time.perf_counter() - started
 
 
@@ -178,33 +185,48 @@ def p50(fn, n: int = 25) -> float:
     return statistics.median(times)
 
 
-def bench_queries(total: int = 10_000_000) -> None:
-    layers, ranks = 64, 8
-    rows = 100_000
-    print(f"\n# queries over one run of {total:,} samples ({layers} layers x {ranks} ranks), p50 of 25 calls", flush=True)
+QUERY_SIZES = [int(n) for n in os.environ.get("RANKWATCH_BENCH_QUERY_ROWS", "1000000,10000000,100000000").split(",")]
+
+
+def query_point(total: int) -> dict:
+    """One run of `total` samples (64 layers x 8 ranks), flushed to Parquet; p50 of the two
+    dashboard queries against the same aggregation in DuckDB over the same files."""
+    layers, ranks, rows = 64, 8, 100_000
+    calls = 25 if total <= 10_000_000 else 7
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / "data"
         proc, url = start_collector(data, "--hot-budget-bytes", str(256 << 20), cpus=None)
         try:
             steps_per = rows // (layers * ranks)
-            bodies = [(ipc_bytes(samples_batch("q", i * (steps_per + 1), rows)), {"content-type": ARROW})
-                      for i in range(total // rows)]
-            post_all(f"{url}/api/v1/ingest", bodies, 4)
+            body = lambda i: (ipc_bytes(samples_batch("q", i * (steps_per + 1), rows)), {"content-type": ARROW})  # noqa: E731
+            t = time.perf_counter()
+            post_all(f"{url}/api/v1/ingest", body, 4, count=total // rows)
         finally:
             stop(proc)  # flushes everything to Parquet
+        ingest = time.perf_counter() - t
         proc, url = start_collector(data, cpus=None)
         try:
             s = requests.Session()
-            run = s.get(f"{url}/api/v1/runs", timeout=60).json()["runs"][0]
-            last = run["last_step"]
-            series = lambda: s.get(f"{url}/api/v1/runs/q/series", params={"metric": "spectral.ratio", "layer": 17, "rank": 3, "points": 1000}, timeout=60).json()  # noqa: E731
-            heat = lambda: s.get(f"{url}/api/v1/runs/q/heatmap", params={"metric": "spectral.ratio", "points": 1000}, timeout=60).json()  # noqa: E731
-            rw_series, rw_heat = p50(series), p50(heat)
+            # The whole answer received, not parsed (as DuckDB's is fetched as Arrow, not turned
+            # into Python objects): each system's own work. Uncompressed, on loopback.
+            get = lambda path, **params: s.get(f"{url}/api/v1/runs/q/{path}", params=params, timeout=600,  # noqa: E731
+                                               headers={"accept-encoding": "identity"}).content
+            series = lambda: get("series", metric="spectral.ratio", layer=17, rank=3, points=1000)  # noqa: E731
+            heat = lambda: get("heatmap", metric="spectral.ratio", points=1000)  # noqa: E731
+            width = json.loads(heat())["buckets"]["width"]
+            metrics = lambda: {  # noqa: E731
+                line.split()[0]: float(line.split()[1]) for line in s.get(f"{url}/metrics", timeout=60).text.splitlines()
+                if line.startswith("rankwatch_downsampled_")}
+            before = metrics()
+            heat()
+            after = metrics()
+            read = {k.removeprefix("rankwatch_downsampled_").removesuffix("_rows_total"): after[k] - before[k] for k in after}
+            rw_series, rw_heat = p50(series, calls), p50(heat, calls)
         finally:
             stop(proc)
         files = str(data / "table=samples" / "*" / "*.parquet")
         con = duckdb.connect()
-        width = (last + 1 + 999) // 1000
+        # The same aligned buckets the collector used.
         q_series = f"""SELECT step // {width} AS b, min(value), max(value), arg_max(value, step), count(*),
                        count(*) FILTER (WHERE isnan(value) OR isinf(value))
                        FROM read_parquet('{files}', hive_partitioning = true)
@@ -213,11 +235,63 @@ def bench_queries(total: int = 10_000_000) -> None:
                      count(*) FILTER (WHERE isnan(value) OR isinf(value))
                      FROM read_parquet('{files}', hive_partitioning = true)
                      WHERE run = 'q' AND metric = 'spectral.ratio' AND site IS NULL GROUP BY layer, b"""
-        duck_series = p50(lambda: con.execute(q_series).fetchall())
-        duck_heat = p50(lambda: con.execute(q_heat).fetchall())
-    print(f"{'query':34} {'rankwatch p50 ms':>17} {'DuckDB p50 ms':>14} {'DuckDB/rankwatch':>17} {'target':>10}")
-    print(f"{'series, 1,000 points':34} {rw_series:>17.1f} {duck_series:>14.1f} {duck_series / rw_series:>17.2f} {'<= 50 ms':>10}")
-    print(f"{'heatmap, 64 x 1,000':34} {rw_heat:>17.1f} {duck_heat:>14.1f} {duck_heat / rw_heat:>17.2f} {'<= 100 ms':>10}")
+        duck_series = p50(lambda: con.sql(q_series).to_arrow_table(), calls)
+        duck_heat = p50(lambda: con.sql(q_heat).to_arrow_table(), calls)
+    return {"rows": total, "ingest_s": ingest, "width": width, "rw_series": rw_series, "duck_series": duck_series,
+            "rw_heat": rw_heat, "duck_heat": duck_heat, "heat_read": read}
+
+
+def svg_plot(path: Path, points: list[dict]) -> None:
+    """Query p50 against run size, log-log, one panel per query: rankwatch beside DuckDB."""
+    w, h, pad = 360, 260, 50
+    xs = [p["rows"] for p in points]
+    panels = [("series, 1,000 points", "rw_series", "duck_series"), ("heatmap, 64 x 1,000", "rw_heat", "duck_heat")]
+    ys = [p[k] for p in points for _, a, b in panels for k in (a, b)]
+    lo_x, hi_x = np.log10(min(xs)), np.log10(max(xs)) + 1e-9
+    lo_y, hi_y = np.floor(np.log10(min(ys))), np.ceil(np.log10(max(ys)))
+    px = lambda x: pad + (np.log10(x) - lo_x) / (hi_x - lo_x) * (w - 2 * pad)  # noqa: E731
+    py = lambda y: h - pad - (np.log10(y) - lo_y) / (hi_y - lo_y) * (h - 2 * pad)  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{h}" font-family="sans-serif" font-size="11">']
+    for n, (title, a, b) in enumerate(panels):
+        out.append(f'<g transform="translate({n * w},0)"><text x="{w / 2}" y="18" text-anchor="middle" font-size="13">{title}: p50 ms</text>')
+        out.append(f'<rect x="{pad}" y="{pad}" width="{w - 2 * pad}" height="{h - 2 * pad}" fill="none" stroke="#999"/>')
+        for e in range(int(lo_y), int(hi_y) + 1):
+            y = py(10 ** e)
+            out.append(f'<line x1="{pad}" x2="{w - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/><text x="{pad - 4}" y="{y + 4:.1f}" text-anchor="end">{10 ** e:g}</text>')
+        for x in xs:
+            out.append(f'<text x="{px(x):.1f}" y="{h - pad + 15}" text-anchor="middle">{x / 1e6:g}M</text>')
+        out.append(f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">samples in the run</text>')
+        for key, colour, name in ((a, "#1f77b4", "rankwatch"), (b, "#d62728", "DuckDB")):
+            pts = " ".join(f"{px(p['rows']):.1f},{py(p[key]):.1f}" for p in points)
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            out.extend(f'<circle cx="{px(p["rows"]):.1f}" cy="{py(p[key]):.1f}" r="3" fill="{colour}"/>' for p in points)
+            ly = pad + 14 + 14 * (key == b)
+            out.append(f'<text x="{pad + 8}" y="{ly}" fill="{colour}">{name}</text>')
+        out.append("</g>")
+    out.append("</svg>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out))
+
+
+def bench_queries() -> None:
+    print(f"\n# queries: one run per size (64 layers x 8 ranks, spectral.ratio), flushed to Parquet; "
+          f"p50 of 25 warm calls (7 at 100 M); DuckDB over the same files, same buckets; answers received, "
+          f"not parsed (rankwatch: JSON bytes, uncompressed; DuckDB: fetched as Arrow)", flush=True)
+    points = []
+    for total in QUERY_SIZES:
+        p = query_point(total)
+        points.append(p)
+        print(f"  {total:,} samples: ingested and flushed in {p['ingest_s']:.0f} s; one heatmap read "
+              f"{p['heat_read']['raw']:,.0f} raw rows and {p['heat_read']['rollup']:,.0f} rollup rows", flush=True)
+    print(f"{'query':22} {'samples':>12} {'width':>6} {'rankwatch p50 ms':>17} {'DuckDB p50 ms':>14} {'DuckDB/rankwatch':>17}")
+    for name, a, b in (("series, 1,000 points", "rw_series", "duck_series"), ("heatmap, 64 x 1,000", "rw_heat", "duck_heat")):
+        for p in points:
+            print(f"{name:22} {p['rows']:>12,} {p['width']:>6} {p[a]:>17.1f} {p[b]:>14.1f} {p[b] / p[a]:>17.2f}")
+    print("targets: heatmap <= 20 ms at 10 M and <= 50 ms at 100 M; both queries ahead of DuckDB at every size")
+    if len(points) > 1:
+        plot = Path(os.environ.get("RANKWATCH_BENCH_OUT", "target/bench")) / "query_scaling.svg"
+        svg_plot(plot, points)
+        print(f"plot: {plot}")
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -286,39 +360,86 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def bench_memory(seconds: int) -> None:
-    ranks, metrics = 1024, 200
-    print(f"\n# memory: {ranks} ranks x {metrics} metrics, one step per second, {seconds} s", flush=True)
-    names = [f"user/m{i}" for i in range(metrics)]
+def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
+    """Every rank posts its own batch once a second, as the agent does (one Arrow IPC stream of
+    its 200 values, zstd, with the agent's idempotency key and version headers); the
+    collector runs with its default limits. Prints RSS over time, ingest latency and what was
+    refused."""
+    print(f"\n# memory: {ranks} ranks x {metrics} metrics, each rank one batch per second, {seconds} s, "
+          f"default limits", flush=True)
+    version = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
+    names = pa.array([f"user/m{i}" for i in range(metrics)], pa.string())
+    latencies: list[float] = []
+    refused = {"429": 0, "other": 0}
+    lock = threading.Lock()
+    session_local = threading.local()
+
+    def post(url: str, rank: int, step: int) -> None:
+        s = getattr(session_local, "s", None)
+        if s is None:
+            s = session_local.s = requests.Session()
+        table = pa.table({
+            "run": pa.array(np.full(metrics, "mem", dtype=object), pa.string()),
+            "rank": pa.array(np.full(metrics, rank, dtype=np.uint32)),
+            "step": pa.array(np.full(metrics, step, dtype=np.uint64)),
+            "time": pa.array(np.full(metrics, 1_700_000_000_000 + step * 1000), pa.timestamp("ms", tz="UTC")),
+            "metric": names,
+            "layer": pa.nulls(metrics, pa.uint32()),
+            "site": pa.nulls(metrics, pa.string()),
+            "value": pa.array(np.arange(metrics, dtype=np.float64) * 0.001 + rank),
+        })
+        headers = {"content-type": ARROW, "idempotency-key": f"mem/{rank}/bench/{step}",
+                   "rankwatch-version": version, "rankwatch-protocol": "1"}
+        body = ipc_bytes(table)
+        while True:
+            t = time.perf_counter()
+            r = s.post(f"{url}/api/v1/ingest?table=samples", data=body, headers=headers, timeout=60)
+            took = time.perf_counter() - t
+            with lock:
+                latencies.append(took * 1000)
+                if r.status_code == 429:
+                    refused["429"] += 1
+                elif r.status_code != 200:
+                    refused["other"] += 1
+            if r.status_code != 429:
+                return
+            time.sleep(float(r.headers.get("retry-after", "1")))  # the agent retries after it
+
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data", cpus=None)
-        peak, rejected, sent = 0.0, 0, 0
-        session = requests.Session()
+        timeline: list[tuple[float, float]] = []
+        behind = 0
         try:
-            for step in range(seconds):
-                t0 = time.perf_counter()
-                n = ranks * metrics
-                table = pa.table({
-                    "run": pa.array(["mem"] * n, pa.string()),
-                    "rank": pa.array([i // metrics for i in range(n)], pa.uint32()),
-                    "step": pa.array([step] * n, pa.uint64()),
-                    "time": pa.array([1_700_000_000_000 + step * 1000] * n, pa.timestamp("ms", tz="UTC")),
-                    "metric": pa.array([names[i % metrics] for i in range(n)], pa.string()),
-                    "layer": pa.array([None] * n, pa.uint32()),
-                    "site": pa.array([None] * n, pa.string()),
-                    "value": pa.array([float(i % 1000) for i in range(n)], pa.float64()),
-                })
-                r = session.post(f"{url}/api/v1/ingest", data=ipc_bytes(table), headers={"content-type": ARROW}, timeout=60)
-                if r.status_code != 200:
-                    rejected += n
-                else:
-                    sent += n
-                peak = max(peak, rss_mib(proc.pid))
-                time.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
+            started = time.perf_counter()
+            with cf.ThreadPoolExecutor(64) as pool:
+                for step in range(seconds):
+                    t0 = time.perf_counter()
+                    futures = [pool.submit(post, url, rank, step) for rank in range(ranks)]
+                    for f in futures:
+                        f.result()
+                    timeline.append((time.perf_counter() - started, rss_mib(proc.pid)))
+                    spare = 1.0 - (time.perf_counter() - t0)
+                    if spare < 0:
+                        behind += 1
+                    time.sleep(max(0.0, spare))
+            elapsed = time.perf_counter() - started
+            stored = requests.get(f"{url}/api/v1/runs", timeout=60).json()["runs"][0]["samples"]
         finally:
             stop(proc)
-    print(f"{'samples sent':>14} {'rejected':>10} {'peak RSS MiB':>14} {'target':>12}")
-    print(f"{sent:>14,} {rejected:>10,} {peak:>14.1f} {'< 512 MiB':>12}")
+    lat = sorted(latencies)
+    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    print(f"{'minute':>6} {'RSS MiB min':>12} {'RSS MiB max':>12}")
+    for m in range(int(timeline[-1][0] // 60) + 1):
+        window = [r for t, r in timeline if m * 60 <= t < (m + 1) * 60]
+        if window:
+            print(f"{m:>6} {min(window):>12.1f} {max(window):>12.1f}")
+    sent = seconds * ranks * metrics
+    print(f"{'samples sent':>14} {'stored':>14} {'429 (retried)':>14} {'refused':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'max ms':>8} {'peak RSS MiB':>13} {'samples/s':>10}")
+    print(f"{sent:>14,} {stored:>14,} {refused['429']:>14,} {refused['other']:>8,} {q(0.5):>8.1f} {q(0.99):>8.1f} "
+          f"{lat[-1]:>8.1f} {max(r for _, r in timeline):>13.1f} {sent / elapsed:>10,.0f}")
+    print(f"steps where the {ranks} posts took longer than the second: {behind} of {seconds} "
+          f"(the client's pace, on the same two cores); target: RSS < 512 MiB, nothing refused")
 
 
 def main() -> None:
