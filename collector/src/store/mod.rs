@@ -119,6 +119,23 @@ struct State {
     graveyard: Vec<(Instant, PathBuf)>,
 }
 
+impl State {
+    /// The hot and flushing batches of one table of one run: what readers see besides files.
+    fn unflushed(&self, table: Table, run: &RunId) -> Vec<RecordBatch> {
+        let key = (table, run.clone());
+        let mut batches: Vec<RecordBatch> = self
+            .flushing
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .flat_map(|(_, p)| p.batches.iter().cloned())
+            .collect();
+        if let Some(part) = self.hot.get(&key) {
+            batches.extend(part.batches.iter().cloned());
+        }
+        batches
+    }
+}
+
 /// The store; shared by the HTTP layer, the log writer and the background tasks.
 #[derive(Debug)]
 pub struct Store {
@@ -505,16 +522,7 @@ impl Store {
             .filter(|f| f.is(table, run))
             .map(FileMeta::relative)
             .collect();
-        let key = (table, run.clone());
-        let mut batches: Vec<RecordBatch> = state
-            .flushing
-            .iter()
-            .filter(|(k, _)| *k == key)
-            .flat_map(|(_, p)| p.batches.iter().cloned())
-            .collect();
-        if let Some(part) = state.hot.get(&key) {
-            batches.extend(part.batches.iter().cloned());
-        }
+        let batches = state.unflushed(table, run);
         TableView { files, batches }
     }
 
@@ -535,16 +543,7 @@ impl Store {
                 steps: f.min_step.zip(f.max_step),
             })
             .collect();
-        let key = (Table::Samples, run.clone());
-        let mut hot: Vec<RecordBatch> = state
-            .flushing
-            .iter()
-            .filter(|(k, _)| *k == key)
-            .flat_map(|(_, p)| p.batches.iter().cloned())
-            .collect();
-        if let Some(part) = state.hot.get(&key) {
-            hot.extend(part.batches.iter().cloned());
-        }
+        let hot = state.unflushed(Table::Samples, run);
         SamplesView { parts, hot }
     }
 

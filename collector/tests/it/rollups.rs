@@ -107,6 +107,20 @@ fn grid() -> impl Strategy<Value = (Option<u64>, Option<u64>, usize)> {
         })
 }
 
+/// `rows` as one batch of run `rp`, flushed to a part.
+async fn ingest_and_flush(c: &rankwatch_collector::Collector, rows: &[Sample]) {
+    let r = post(
+        c,
+        "/api/v1/ingest",
+        ARROW,
+        Some("rp/0/s/0"),
+        samples_ipc(rows, false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    c.flush().await.unwrap();
+}
+
 fn json<T: serde::Serialize>(answer: &T) -> String {
     serde_json::to_string(answer).unwrap()
 }
@@ -296,16 +310,7 @@ async fn older_parts_get_their_rollups_at_compaction() {
     let dir = tempfile::tempdir().unwrap();
     let c = open_store_only(dir.path()).await;
     let rows = workload("rp", 2, 600, 2);
-    let r = post(
-        &c,
-        "/api/v1/ingest",
-        ARROW,
-        Some("rp/0/s/0"),
-        samples_ipc(&rows, false),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    c.flush().await.unwrap();
+    ingest_and_flush(&c, &rows).await;
     let before = get(
         &c,
         "/api/v1/runs/rp/heatmap?metric=spectral.ratio&points=50",
@@ -367,16 +372,7 @@ async fn parts_of_short_series_get_no_rollup() {
     let dir = tempfile::tempdir().unwrap();
     let c = open_store_only(dir.path()).await;
     let rows = workload("rp", 8, 40, 8);
-    let r = post(
-        &c,
-        "/api/v1/ingest",
-        ARROW,
-        Some("rp/0/s/0"),
-        samples_ipc(&rows, false),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    c.flush().await.unwrap();
+    ingest_and_flush(&c, &rows).await;
     c.store().compact().await.unwrap();
     let files = c.store().files();
     assert_eq!(files.iter().filter(|f| f.table == "samples").count(), 1);
