@@ -91,25 +91,40 @@ def ipc_bytes(table: pa.Table, compression: str | None = "zstd") -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+_sessions = threading.local()
+
+
+def session() -> requests.Session:
+    """This thread's HTTP session (kept-alive connections, as an agent's)."""
+    s = getattr(_sessions, "s", None)
+    if s is None:
+        s = _sessions.s = requests.Session()
+    return s
+
+
+def post_retrying(url: str, body: bytes, headers: dict, timeout: float = 120, attempt=None) -> requests.Response:
+    """POSTs until the answer is not 429, waiting its Retry-After between tries as the agent
+    does; `attempt(response, seconds)` sees every try."""
+    while True:
+        t = time.perf_counter()
+        r = session().post(url, data=body, headers=headers, timeout=timeout)
+        if attempt is not None:
+            attempt(r, time.perf_counter() - t)
+        if r.status_code != 429:
+            return r
+        time.sleep(float(r.headers.get("retry-after", "1")))
+
+
 def post_all(url: str, bodies, clients: int, count: int | None = None) -> float:
     """POSTs every body (a list, or a function of the index making one) from `clients` threads."""
-    session_local = threading.local()
     make = bodies if callable(bodies) else bodies.__getitem__
     count = len(bodies) if count is None else count
 
     def send(i: int) -> None:
-        s = getattr(session_local, "s", None)
-        if s is None:
-            s = session_local.s = requests.Session()
         body, headers = make(i)
-        while True:
-            r = s.post(url, data=body, headers=headers, timeout=120)
-            if r.status_code == 429:
-                time.sleep(float(r.headers.get("retry-after", "1")))
-                continue
-            if r.status_code not in (200, 204):
-                raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
-            return
+        r = post_retrying(url, body, headers)
+        if r.status_code not in (200, 204):
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
 
     started = time.perf_counter()
     with cf.ThreadPoolExecutor(clients) as pool:
@@ -372,12 +387,16 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
     latencies: list[float] = []
     refused = {"429": 0, "other": 0}
     lock = threading.Lock()
-    session_local = threading.local()
+
+    def record(r: requests.Response, seconds: float) -> None:
+        with lock:
+            latencies.append(seconds * 1000)
+            if r.status_code == 429:
+                refused["429"] += 1
+            elif r.status_code != 200:
+                refused["other"] += 1
 
     def post(url: str, rank: int, step: int) -> None:
-        s = getattr(session_local, "s", None)
-        if s is None:
-            s = session_local.s = requests.Session()
         table = pa.table({
             "run": pa.array(np.full(metrics, "mem", dtype=object), pa.string()),
             "rank": pa.array(np.full(metrics, rank, dtype=np.uint32)),
@@ -390,20 +409,7 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
         })
         headers = {"content-type": ARROW, "idempotency-key": f"mem/{rank}/bench/{step}",
                    "rankwatch-version": version, "rankwatch-protocol": "1"}
-        body = ipc_bytes(table)
-        while True:
-            t = time.perf_counter()
-            r = s.post(f"{url}/api/v1/ingest?table=samples", data=body, headers=headers, timeout=60)
-            took = time.perf_counter() - t
-            with lock:
-                latencies.append(took * 1000)
-                if r.status_code == 429:
-                    refused["429"] += 1
-                elif r.status_code != 200:
-                    refused["other"] += 1
-            if r.status_code != 429:
-                return
-            time.sleep(float(r.headers.get("retry-after", "1")))  # the agent retries after it
+        post_retrying(f"{url}/api/v1/ingest?table=samples", ipc_bytes(table), headers, timeout=60, attempt=record)
 
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data", cpus=None)

@@ -33,22 +33,15 @@ impl BucketRange {
         let points = points.max(1);
         // u128: the span of 0..=u64::MAX does not fit in a u64.
         let span = u128::from(to - from) + 1;
+        // At most 2^63 wide: a range across 2^63 then has two buckets whatever `points` is.
         let mut shift = span
             .div_ceil(u128::from(points))
             .next_power_of_two()
-            .trailing_zeros();
+            .trailing_zeros()
+            .min(63);
         // Alignment can add a bucket (a cut first one); widen once more when it does.
-        while shift < 64 && u128::from((to >> shift) - (from >> shift)) + 1 > u128::from(points) {
+        while shift < 63 && u128::from((to >> shift) - (from >> shift)) + 1 > u128::from(points) {
             shift += 1;
-        }
-        if shift >= 64 {
-            // One bucket holds everything; its width is the largest power of two.
-            return BucketRange {
-                from,
-                to,
-                width: 1 << 63,
-                count: u64::from(from >> 63 != to >> 63) + 1,
-            };
         }
         BucketRange {
             from,

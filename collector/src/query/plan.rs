@@ -37,19 +37,18 @@ pub(crate) struct Grid<K> {
     index: BTreeMap<K, usize>,
     rows: Vec<Vec<Cell>>,
     buckets: usize,
-    /// Most keys; one more is an error naming the limit.
-    max_keys: usize,
-    too_many: &'static str,
+    /// Most keys, and the error one more is.
+    limit: Option<(usize, String)>,
 }
 
 impl<K: Ord + Clone> Grid<K> {
-    pub(crate) fn new(buckets: &Buckets, max_keys: usize, too_many: &'static str) -> Grid<K> {
+    /// A grid of `buckets` columns; past `limit.0` keys a read fails with `limit.1`.
+    pub(crate) fn new(buckets: &Buckets, limit: Option<(usize, String)>) -> Grid<K> {
         Grid {
             index: BTreeMap::new(),
             rows: Vec::new(),
             buckets: buckets.count as usize,
-            max_keys,
-            too_many,
+            limit,
         }
     }
 
@@ -57,8 +56,10 @@ impl<K: Ord + Clone> Grid<K> {
         if let Some(&i) = self.index.get(key) {
             return Ok(i);
         }
-        if self.index.len() >= self.max_keys {
-            return Err(Error::bad(self.too_many));
+        if let Some((max, message)) = &self.limit
+            && self.index.len() >= *max
+        {
+            return Err(Error::bad(message.clone()));
         }
         self.rows.push(vec![Cell::default(); self.buckets]);
         self.index.insert(key.clone(), self.rows.len() - 1);
@@ -175,7 +176,6 @@ impl Queries {
             }
         }
         let ctx = &self.ctx;
-        let metrics = self.store().metrics();
         let mut frames = Vec::new();
         for (ranges, parts) in raw {
             let steps = ranges
@@ -198,58 +198,57 @@ impl Queries {
         let mut columns: Vec<&str> = read.key_columns.to_vec();
         columns.extend(["step", "value"]);
         let planned = started.elapsed();
-        let (raw_before, rollup_before) = (
-            metrics.downsampled_raw_rows.get(),
-            metrics.downsampled_rollup_rows.get(),
-        );
+        let (mut raw_rows, mut rollup_rows) = (0u64, 0u64);
         for frame in frames {
             let mut stream = frame.select_columns(&columns)?.execute_stream().await?;
             while let Some(batch) = stream.next().await {
                 let batch = batch?;
-                metrics.downsampled_raw_rows.inc_by(batch.num_rows() as u64);
+                raw_rows += batch.num_rows() as u64;
                 add_rows(grid, &batch, &read)?;
             }
         }
         let raw_done = started.elapsed();
-        let mut columns: Vec<&str> = read.key_columns.to_vec();
-        columns.extend([
-            "start",
-            "count",
-            "nonfinite",
-            "min",
-            "max",
-            "last_step",
-            "last",
-        ]);
-        for ((first, last), parts) in tiled {
-            let Some(l) = level else { break };
-            let filter = read
-                .filter
-                .clone()
-                .and(col("level").eq(lit(l as u8)))
-                .and(col("pooled").eq(lit(read.pooled)))
-                .and(col("start").gt_eq(lit(first)))
-                .and(col("start").lt_eq(lit(last)));
-            let mut stream = self
-                .parquet(ctx, &parts, rollup::schema())
-                .await?
-                .filter(filter)?
-                .select_columns(&columns)?
-                .execute_stream()
-                .await?;
-            while let Some(batch) = stream.next().await {
-                let batch = batch?;
-                metrics
-                    .downsampled_rollup_rows
-                    .inc_by(batch.num_rows() as u64);
-                add_rollups(grid, &batch, &read)?;
+        if let Some(l) = level {
+            let mut columns: Vec<&str> = read.key_columns.to_vec();
+            columns.extend([
+                "start",
+                "count",
+                "nonfinite",
+                "min",
+                "max",
+                "last_step",
+                "last",
+            ]);
+            for ((first, last), parts) in tiled {
+                let filter = read
+                    .filter
+                    .clone()
+                    .and(col("level").eq(lit(l as u8)))
+                    .and(col("pooled").eq(lit(read.pooled)))
+                    .and(col("start").gt_eq(lit(first)))
+                    .and(col("start").lt_eq(lit(last)));
+                let mut stream = self
+                    .parquet(ctx, &parts, rollup::schema())
+                    .await?
+                    .filter(filter)?
+                    .select_columns(&columns)?
+                    .execute_stream()
+                    .await?;
+                while let Some(batch) = stream.next().await {
+                    let batch = batch?;
+                    rollup_rows += batch.num_rows() as u64;
+                    add_rollups(grid, &batch, &read)?;
+                }
             }
         }
+        let metrics = self.store().metrics();
+        metrics.downsampled_raw_rows.inc_by(raw_rows);
+        metrics.downsampled_rollup_rows.inc_by(rollup_rows);
         tracing::debug!(
             %run,
             level,
-            raw_rows = metrics.downsampled_raw_rows.get() - raw_before,
-            rollup_rows = metrics.downsampled_rollup_rows.get() - rollup_before,
+            raw_rows,
+            rollup_rows,
             planned_ms = planned.as_secs_f64() * 1e3,
             raw_ms = (raw_done - planned).as_secs_f64() * 1e3,
             total_ms = started.elapsed().as_secs_f64() * 1e3,

@@ -142,8 +142,10 @@ impl Queries {
         };
         let mut grid = Grid::new(
             &buckets,
-            MAX_SERIES,
-            "more than 512 series match; narrow with layer, site or rank",
+            Some((
+                MAX_SERIES,
+                format!("more than {MAX_SERIES} series match; narrow with layer, site or rank"),
+            )),
         );
         let read = Read {
             filter,
@@ -186,7 +188,7 @@ impl Queries {
         };
         let buckets = Buckets::new(from, to, points as u64);
         let key = |b: &RecordBatch, i: usize| b.column(0).as_primitive::<UInt32Type>().value(i);
-        let mut grid = Grid::new(&buckets, usize::MAX, "");
+        let mut grid = Grid::new(&buckets, None);
         let read = Read {
             filter,
             buckets,

@@ -141,13 +141,12 @@ pub fn step_range(batch: &RecordBatch) -> (Option<u64>, Option<u64>) {
     (step.iter().flatten().min(), step.iter().flatten().max())
 }
 
-/// How a part is laid out: the columns it is sorted by (recorded in the footer), the rows per
-/// data page (the unit a point read decodes) and the integer columns that are delta-encoded.
-/// Every part is zstd-compressed (level 3).
+/// How a part is laid out: the columns it is sorted by (recorded in the footer) and the
+/// integer columns that are delta-encoded. Every part is zstd-compressed (level 3), in pages
+/// of 8 k rows.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     pub sorted_by: &'static [&'static str],
-    pub page_rows: usize,
     /// Integer columns that mostly step by a constant (window starts).
     pub delta_columns: &'static [&'static str],
 }
@@ -156,7 +155,6 @@ impl Layout {
     /// Side tables (run metadata, alerts): unsorted.
     pub const UNSORTED: Layout = Layout {
         sorted_by: &[],
-        page_rows: 8 * 1024,
         delta_columns: &[],
     };
 
@@ -164,7 +162,6 @@ impl Layout {
     pub fn of(table: Table) -> Layout {
         Layout {
             sorted_by: sort_columns(table),
-            page_rows: 8 * 1024,
             delta_columns: &[],
         }
     }
@@ -191,7 +188,7 @@ fn properties(layout: Layout, schema: &SchemaRef) -> WriterProperties {
     builder
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3).unwrap_or_default()))
         .set_max_row_group_row_count(Some(256 * 1024))
-        .set_data_page_row_count_limit(layout.page_rows)
+        .set_data_page_row_count_limit(8 * 1024)
         .set_statistics_enabled(EnabledStatistics::Page)
         .set_sorting_columns((!sorting.is_empty()).then_some(sorting))
         .build()

@@ -117,6 +117,9 @@ struct State {
     alert_revision: u64,
     /// Files replaced by compaction, deleted once no query can still be reading them.
     graveyard: Vec<(Instant, PathBuf)>,
+    /// Samples parts found too short for a rollup since start, so compaction does not read
+    /// them again to find out (see `add_missing_rollups`).
+    without_rollup: std::collections::HashSet<PathBuf>,
 }
 
 impl State {
@@ -153,8 +156,6 @@ pub struct Store {
     epoch: i64,
     /// Alert changes since the last flush, durable (see `alert_log`).
     alert_log: alert_log::AlertLog,
-    /// Samples parts found too short for a rollup since start (see `add_missing_rollups`).
-    without_rollup: Mutex<std::collections::HashSet<PathBuf>>,
 }
 
 /// What [`Store::delete_run`] removed: the contract's type.
@@ -251,7 +252,6 @@ impl Store {
         let (alert_log, journaled) = alert_log::AlertLog::open(dir)?;
         let store = Store {
             alert_log,
-            without_rollup: Mutex::default(),
             dir: dir.to_owned(),
             backend,
             state: Mutex::new(state),
@@ -530,16 +530,21 @@ impl Store {
     /// and step range, and the hot and flushing batches; consistent like [`Store::view`].
     pub fn samples_view(&self, run: &RunId) -> SamplesView {
         let state = self.lock();
-        let files = &state.manifest.files;
-        let parts = files
+        let of_run: Vec<&FileMeta> = state
+            .manifest
+            .files
             .iter()
-            .filter(|f| f.is(Table::Samples, run))
+            .filter(|f| f.run == *run)
+            .collect();
+        let parts = of_run
+            .iter()
+            .filter(|f| f.table == Table::Samples.as_str())
             .map(|f| SamplesPart {
                 samples: f.relative(),
-                rollup: files
+                rollup: of_run
                     .iter()
                     .find(|r| r.table == rollup::TABLE && r.pairs(f))
-                    .map(FileMeta::relative),
+                    .map(|r| r.relative()),
                 steps: f.min_step.zip(f.max_step),
             })
             .collect();
@@ -813,27 +818,31 @@ impl Store {
         part: u64,
         batch: &RecordBatch,
     ) -> Result<Vec<FileMeta>> {
-        let mut written =
-            vec![self.write_file(table.as_str(), files::Layout::of(table), run, part, batch)?];
-        if table == Table::Samples {
-            written.extend(self.write_rollup(run, part, batch)?);
-        }
-        Ok(written)
+        let meta = self.write_file(table.as_str(), files::Layout::of(table), run, part, batch)?;
+        let rollup = if table == Table::Samples {
+            self.write_rollup(&meta, batch)?
+        } else {
+            None
+        };
+        Ok([Some(meta), rollup].into_iter().flatten().collect())
     }
 
-    /// Writes the rollup of a samples part, unless its series are too short for one.
-    fn write_rollup(
-        &self,
-        run: &RunId,
-        part: u64,
-        samples: &RecordBatch,
-    ) -> Result<Option<FileMeta>> {
-        let Some(summary) = rollup::summarise(samples)? else {
+    /// Writes the rollup of the samples part `samples` (whose rows are `batch`), unless its
+    /// series are too short for one; such a part is remembered, not summarised again.
+    fn write_rollup(&self, samples: &FileMeta, batch: &RecordBatch) -> Result<Option<FileMeta>> {
+        let Some(summary) = rollup::summarise(batch)? else {
+            self.lock().without_rollup.insert(samples.relative());
             return Ok(None);
         };
-        let mut meta = self.write_file(rollup::TABLE, rollup::LAYOUT, run, part, &summary)?;
+        let mut meta = self.write_file(
+            rollup::TABLE,
+            rollup::LAYOUT,
+            &samples.run,
+            samples.part,
+            &summary,
+        )?;
         // The steps it covers are its part's (a rollup has window starts, not steps).
-        (meta.min_step, meta.max_step) = files::step_range(samples);
+        (meta.min_step, meta.max_step) = (samples.min_step, samples.max_step);
         Ok(Some(meta))
     }
 
@@ -963,33 +972,34 @@ impl Store {
     /// rollups existed), one manifest commit per part. Until then its queries read raw rows.
     fn add_missing_rollups(&self) -> Result<usize> {
         let missing: Vec<FileMeta> = {
-            let state = self.lock();
+            let mut guard = self.lock();
+            let state = &mut *guard;
             let files = &state.manifest.files;
+            let listed: std::collections::HashSet<PathBuf> =
+                files.iter().map(FileMeta::relative).collect();
+            // Parts merged or deleted since are forgotten.
+            state.without_rollup.retain(|p| listed.contains(p));
+            let with_rollup: Vec<&FileMeta> =
+                files.iter().filter(|f| f.table == rollup::TABLE).collect();
             files
                 .iter()
                 .filter(|f| {
                     f.table == Table::Samples.as_str()
                         && f.node.as_deref() == self.backend.node()
-                        && !files.iter().any(|r| r.table == rollup::TABLE && r.pairs(f))
-                        && !self
-                            .without_rollup
-                            .lock()
-                            .is_ok_and(|s| s.contains(&f.relative()))
+                        && !with_rollup.iter().any(|r| r.pairs(f))
+                        && !state.without_rollup.contains(&f.relative())
                 })
                 .cloned()
                 .collect()
         };
+        let mut written = 0;
         for f in &missing {
             // A part is sorted, so its batches in order are too.
             let batches = self.backend.read(&f.relative())?;
             let batch =
                 arrow_select::concat::concat_batches(&files::file_schema(Table::Samples), &batches)
                     .map_err(Error::Arrow)?;
-            let Some(meta) = self.write_rollup(&f.run, f.part, &batch)? else {
-                // Too short to be worth one: not read again until the next start.
-                if let Ok(mut s) = self.without_rollup.lock() {
-                    s.insert(f.relative());
-                }
+            let Some(meta) = self.write_rollup(f, &batch)? else {
                 continue;
             };
             let mut manifest = self.lock().manifest.clone();
@@ -998,10 +1008,12 @@ impl Store {
             let mut state = self.lock();
             manifest.next_part = manifest.next_part.max(state.manifest.next_part);
             state.manifest = manifest;
+            written += 1;
         }
         if !missing.is_empty() {
             tracing::info!(
                 parts = missing.len(),
+                written,
                 "older samples parts checked for rollups"
             );
         }

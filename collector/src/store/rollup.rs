@@ -70,7 +70,6 @@ pub const LAYOUT: files::Layout = files::Layout {
     sorted_by: &[
         "level", "pooled", "metric", "layer", "site", "rank", "start",
     ],
-    page_rows: 8 * 1024,
     delta_columns: &["start", "last_step"],
 };
 
@@ -174,6 +173,25 @@ impl Out {
     }
 }
 
+/// Hands `emit` the windows `fine` (of level `finest`) makes at each level of `levels`, each
+/// coarser level merged from the one below.
+fn each_level(
+    fine: &Windows,
+    finest: u32,
+    levels: RangeInclusive<u32>,
+    mut emit: impl FnMut(u32, &Windows),
+) {
+    let mut coarser: Option<Windows> = None;
+    for level in finest..=*levels.end() {
+        if level > finest {
+            coarser = Some(coarsen(coarser.as_ref().unwrap_or(fine), level));
+        }
+        if levels.contains(&level) {
+            emit(level, coarser.as_ref().unwrap_or(fine));
+        }
+    }
+}
+
 /// Below this many rows per series a part gets no rollup: its windows would be nearly as many
 /// rows as it has (a series of 16 steps has 15 windows over the levels), and reading a few
 /// raw rows per series is cheap. A flush of many short series (1,024 ranks × 200 user metrics,
@@ -206,63 +224,56 @@ pub fn summarise(samples: &RecordBatch) -> Result<Option<RecordBatch>> {
     let values = column("value")?;
     let step = steps.as_primitive::<UInt64Type>();
     let value = values.as_primitive::<Float64Type>();
-    let same_group = |a: usize, b: usize| {
-        metric.value(a) == metric.value(b)
-            && (layer.is_valid(a), layer.value(a)) == (layer.is_valid(b), layer.value(b))
-            && site.is_valid(a) == site.is_valid(b)
-            && (!site.is_valid(a) || site.value(a) == site.value(b))
+    // Keys compared as values: what a null slot's buffer holds is no part of the key.
+    let key = |i: usize| {
+        (
+            metric.value(i),
+            layer.is_valid(i).then(|| layer.value(i)),
+            site.is_valid(i).then(|| site.value(i)),
+        )
     };
-    let same_series = |a: usize, b: usize| {
-        same_group(a, b) && (rank.is_valid(a), rank.value(a)) == (rank.is_valid(b), rank.value(b))
-    };
+    let rank_of = |i: usize| rank.is_valid(i).then(|| rank.value(i));
     let n = samples.num_rows();
-    let series = 1 + (1..n).filter(|&i| !same_series(i - 1, i)).count();
+    // Where each series starts (the part is sorted by series, then step), and the end.
+    let mut bounds: Vec<usize> = (0..n)
+        .filter(|&i| i == 0 || key(i - 1) != key(i) || rank_of(i - 1) != rank_of(i))
+        .collect();
+    let series = bounds.len();
     if n < series * MIN_ROWS_PER_SERIES {
         return Ok(None);
     }
+    bounds.push(n);
     let finest = *POOLED_LEVELS.start();
     let mut out: BTreeMap<(u32, bool), Out> = BTreeMap::new();
     // The finest windows of each series of the (metric, layer, site) group being read.
     let mut group: Vec<Windows> = Vec::new();
     let mut group_row = 0u32;
-    let mut first = 0;
-    while first < n {
-        let mut end = first + 1;
-        while end < n && same_series(first, end) {
-            end += 1;
-        }
+    for pair in bounds.windows(2) {
+        let (first, end) = (pair[0], pair[1]);
         // One series, steps ascending.
         let fine = windows_of(
             (first..end).map(|i| (step.value(i), value.value(i))),
             finest,
         );
-        let mut windows = fine.clone();
-        for level in finest + 1..=*LEVELS.end() {
-            windows = coarsen(&windows, level);
-            if LEVELS.contains(&level) {
-                out.entry((level, false))
-                    .or_default()
-                    .push(first as u32, &windows);
-            }
-        }
+        each_level(&fine, finest, LEVELS, |level, windows| {
+            out.entry((level, false))
+                .or_default()
+                .push(first as u32, windows);
+        });
         if layer.is_valid(first) {
             if group.is_empty() {
                 group_row = first as u32;
             }
             group.push(fine);
         }
-        if (end == n || !same_group(first, end)) && !group.is_empty() {
-            let mut windows = pool(std::mem::take(&mut group));
-            for level in POOLED_LEVELS {
-                if level > finest {
-                    windows = coarsen(&windows, level);
-                }
+        if (end == n || key(first) != key(end)) && !group.is_empty() {
+            let pooled = pool(std::mem::take(&mut group));
+            each_level(&pooled, finest, POOLED_LEVELS, |level, windows| {
                 out.entry((level, true))
                     .or_default()
-                    .push(group_row, &windows);
-            }
+                    .push(group_row, windows);
+            });
         }
-        first = end;
     }
     let mut batches = Vec::with_capacity(out.len());
     for ((level, pooled), rows) in out {

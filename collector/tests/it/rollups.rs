@@ -121,8 +121,17 @@ async fn ingest_and_flush(c: &rankwatch_collector::Collector, rows: &[Sample]) {
     c.flush().await.unwrap();
 }
 
-fn json<T: serde::Serialize>(answer: &T) -> String {
-    serde_json::to_string(answer).unwrap()
+/// The planned and the raw answer are the same JSON (or the same error).
+fn same_answer<T: serde::Serialize>(
+    planned: rankwatch_collector::Result<T>,
+    raw: rankwatch_collector::Result<T>,
+    what: &str,
+) {
+    let json = |r: rankwatch_collector::Result<T>| {
+        r.map(|a| serde_json::to_string(&a).unwrap())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(json(planned), json(raw), "{what}");
 }
 
 /// Every read of the planner equals the raw read; returns the rollup rows the planner used.
@@ -149,12 +158,12 @@ async fn answers_agree(
                 to,
                 points: Some(points),
             };
-            let a = planned.series("rp", q()).await.map(|a| json(&a));
-            let b = raw.series("rp", q()).await.map(|a| json(&a));
-            assert_eq!(
-                a.as_ref().map_err(ToString::to_string),
-                b.as_ref().map_err(ToString::to_string),
-                "series {metric} {layer:?} {site:?} {rank:?} over {from:?}..{to:?} in {points}"
+            same_answer(
+                planned.series("rp", q()).await,
+                raw.series("rp", q()).await,
+                &format!(
+                    "series {metric} {layer:?} {site:?} {rank:?} over {from:?}..{to:?} in {points}"
+                ),
             );
         }
         for (metric, site, rank) in [
@@ -170,12 +179,10 @@ async fn answers_agree(
                 to,
                 points: Some(points),
             };
-            let a = planned.heatmap("rp", q()).await.map(|a| json(&a));
-            let b = raw.heatmap("rp", q()).await.map(|a| json(&a));
-            assert_eq!(
-                a.as_ref().map_err(ToString::to_string),
-                b.as_ref().map_err(ToString::to_string),
-                "heatmap {metric} {site:?} {rank:?} over {from:?}..{to:?} in {points}"
+            same_answer(
+                planned.heatmap("rp", q()).await,
+                raw.heatmap("rp", q()).await,
+                &format!("heatmap {metric} {site:?} {rank:?} over {from:?}..{to:?} in {points}"),
             );
         }
     }
