@@ -351,17 +351,19 @@ impl Sender {
                 Err(e) => self.encode_failed(1, e),
             }
         }
-        let rows = std::mem::take(&mut self.rows);
-        for chunk in rows.chunks(self.config.batch_rows) {
-            match encode::samples_body(&self.config.run, chunk) {
-                Ok(body) => self.enqueue(Table::Samples, chunk.len() as u64, body, prefer_disk),
-                Err(e) => self.encode_failed(chunk.len() as u64, e),
-            }
-        }
+        // Sketches before samples: the collector's aligner closes step s once every rank's
+        // samples have passed it, so a rank's sketch of s must be there by then.
         let sketches = std::mem::take(&mut self.sketches);
         for chunk in sketches.chunks(256) {
             match encode::sketches_body(chunk) {
                 Ok(body) => self.enqueue(Table::Sketches, chunk.len() as u64, body, prefer_disk),
+                Err(e) => self.encode_failed(chunk.len() as u64, e),
+            }
+        }
+        let rows = std::mem::take(&mut self.rows);
+        for chunk in rows.chunks(self.config.batch_rows) {
+            match encode::samples_body(&self.config.run, chunk) {
+                Ok(body) => self.enqueue(Table::Samples, chunk.len() as u64, body, prefer_disk),
                 Err(e) => self.encode_failed(chunk.len() as u64, e),
             }
         }

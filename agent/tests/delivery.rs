@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use arrow_ipc::reader::StreamReader;
 use rankwatch_agent::{Agent, AgentConfig, Metric, Mode, Point};
-use rankwatch_analytics::schema::samples;
-use rankwatch_analytics::{RunId, Sample};
+use rankwatch_analytics::math::SketchKind;
+use rankwatch_analytics::schema::{samples, sketches};
+use rankwatch_analytics::{RunId, Sample, SketchRecord};
 
 #[derive(Debug, Clone)]
 struct Request {
@@ -184,6 +185,87 @@ fn every_point_arrives_once_under_sequential_keys() {
     let stats = agent.shutdown(Duration::from_secs(5));
     assert_eq!(stats.sent_rows, 1000);
     assert_eq!(stats.dropped_rows, 0);
+}
+
+/// The steps each stored request of `table` carries, in the order they were stored.
+fn stored_steps(peer: &Peer) -> Vec<(String, Vec<u64>)> {
+    peer.stored()
+        .iter()
+        .map(|r| {
+            let batches = StreamReader::try_new(std::io::Cursor::new(r.body.clone()), None)
+                .unwrap()
+                .map(|b| b.unwrap());
+            let steps = match r.table.as_str() {
+                "samples" => batches
+                    .flat_map(|b| samples::from_batch(&b).unwrap())
+                    .map(|s| s.step)
+                    .collect(),
+                "sketches" => batches
+                    .flat_map(|b| sketches::from_batch(&b).unwrap())
+                    .map(|s| s.step)
+                    .collect(),
+                _ => Vec::new(),
+            };
+            (r.table.clone(), steps)
+        })
+        .collect()
+}
+
+#[test]
+fn a_steps_sketch_arrives_before_samples_of_any_later_step() {
+    // The collector's aligner closes step s once every rank sent a sample past it; the sketch
+    // of s must be there by then, whichever batches the records fall into.
+    let (peer, url) = Peer::start();
+    let mut c = config(&url);
+    c.batch_interval = Duration::from_millis(3);
+    c.batch_rows = 7;
+    let agent = Agent::start(c).unwrap();
+    for step in 0..400u64 {
+        assert!(agent.log(step, loss(1.0)).unwrap());
+        if step % 3 == 0 {
+            let sketch = SketchRecord {
+                run: RunId::new("t").unwrap(),
+                rank: 0,
+                step,
+                time_ms: 0,
+                kind: SketchKind::Rademacher,
+                seed: 1,
+                norm: 1.0,
+                vector: vec![1.0, 0.0],
+            };
+            assert!(agent.sketch(sketch).unwrap());
+        }
+        if step % 5 == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert!(agent.flush(Duration::from_secs(10)).completed);
+    let requests = stored_steps(&peer);
+    let mut sketched = std::collections::BTreeSet::new();
+    let mut batches_with_both = 0;
+    for (table, steps) in &requests {
+        match table.as_str() {
+            "sketches" => sketched.extend(steps.iter().copied()),
+            "samples" => {
+                let newest = steps.iter().copied().max().unwrap();
+                let due = (0..newest).filter(|s| s % 3 == 0);
+                for s in due {
+                    assert!(
+                        sketched.contains(&s),
+                        "samples up to step {newest} arrived before the sketch of step {s}"
+                    );
+                }
+                batches_with_both += 1;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(sketched.len(), 134, "every sketch arrived");
+    assert!(
+        batches_with_both > 10,
+        "the records spread over many batches"
+    );
+    agent.shutdown(Duration::from_secs(5));
 }
 
 #[test]

@@ -9,7 +9,12 @@
 //! closed are late: they stay stored, but are counted instead of reopening the step.
 //!
 //! Sketches travel the same way and give the step's cos_pair_mean when two ranks or more sent
-//! one with the same seed and kind.
+//! one with the same seed and kind. They travel in their own requests, though, so only samples
+//! move a rank past a step: the agent sends a batch's sketches before its samples, and a
+//! rank's sample of step s+1 then means its sketch of s has arrived. (When a sketch moved the
+//! rank on, the samples of the steps before it, still in flight, arrived late; when samples
+//! went first, a step closed before its sketches and the run lost its cos_pair_mean there,
+//! under load most sketched steps.)
 
 use std::collections::BTreeMap;
 
@@ -122,6 +127,11 @@ impl StepAligner {
     pub fn seen(&mut self, rank: u32, step: u64, now_ms: i64) -> bool {
         let latest = self.latest.entry(rank).or_insert((step, now_ms));
         *latest = (latest.0.max(step), now_ms);
+        self.open_or_late(step)
+    }
+
+    /// Whether `step` is still open (else the row is counted late).
+    fn open_or_late(&mut self, step: u64) -> bool {
         if self.is_closed(step) {
             self.late_rows += 1;
             return false;
@@ -165,7 +175,11 @@ impl StepAligner {
 
     /// Adds one rank's gradient sketch.
     pub fn add_sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
-        if !self.seen(sketch.rank, sketch.step, now_ms) {
+        // The rank is alive, but not past any step on a sketch's word (see the module header).
+        if let Some(latest) = self.latest.get_mut(&sketch.rank) {
+            latest.1 = now_ms;
+        }
+        if !self.open_or_late(sketch.step) {
             return;
         }
         let open = self.step_mut(sketch.step, now_ms);
@@ -295,6 +309,56 @@ mod tests {
         loss(&mut a, 1, 1, 9);
         assert_eq!(a.take_late_rows(), 1);
         assert_eq!(a.open_steps(), 1);
+    }
+
+    fn sketch(a: &mut StepAligner, rank: u32, step: u64, now: i64) {
+        let vector = vec![1.0, f32::from(rank as u8)];
+        let norm = vector
+            .iter()
+            .map(|v| f64::from(*v).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let run = rankwatch_analytics::RunId::new("r").unwrap();
+        a.add_sketch(
+            SketchRecord {
+                run,
+                rank,
+                step,
+                time_ms: step as i64,
+                kind: rankwatch_analytics::math::SketchKind::Rademacher,
+                seed: 7,
+                norm,
+                vector,
+            },
+            now,
+        );
+    }
+
+    #[test]
+    fn a_sketch_does_not_move_its_rank_past_the_steps_still_in_flight() {
+        let mut a = StepAligner::new(10_000);
+        for step in 1..=4 {
+            loss(&mut a, 1, step, 0);
+        }
+        loss(&mut a, 0, 1, 0);
+        // Rank 0's next batch: its sketch of step 3 comes first, its samples of 2..=4 after.
+        sketch(&mut a, 0, 3, 1);
+        sketch(&mut a, 1, 3, 1);
+        assert!(
+            a.close_ready(Some(2), 2, false).is_empty(),
+            "rank 0 has not sent step 2's samples yet"
+        );
+        for step in 2..=4 {
+            loss(&mut a, 0, step, 3);
+        }
+        let closed = a.close_ready(Some(2), 4, false);
+        assert_eq!(closed.iter().map(|c| c.step).collect::<Vec<_>>(), [1, 2, 3]);
+        assert!(closed.iter().all(|c| c.complete && c.ranks.len() == 2));
+        assert!(
+            closed[2].cos_pair_mean.is_some(),
+            "step 3 closes with its sketches"
+        );
+        assert_eq!(a.take_late_rows(), 0);
     }
 
     #[test]
