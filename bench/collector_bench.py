@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -132,62 +133,154 @@ def post_all(url: str, bodies, clients: int, count: int | None = None) -> float:
     return time.perf_counter() - started
 
 
-def bench_ingest(batches: int = 200, rows: int = 10_000, clients: int = 8) -> list[tuple]:
-    print(f"\n# ingest: {batches} Arrow batches x {rows:,} rows, {clients} clients, server pinned to CPU 0", flush=True)
-    tables = [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(batches)]
-    bodies = [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
-    out = []
+INGEST_CLIENTS = [int(c) for c in os.environ.get("RANKWATCH_BENCH_INGEST_CLIENTS", "1,8,64").split(",")]
+INGEST_REPEATS = 3
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def remote_write_body(series: dict[tuple, tuple[list, list]]) -> bytes:
+    """A Prometheus remote-write WriteRequest (protobuf, snappy block), encoded by hand:
+    TimeSeries{labels: Label{name, value}..., samples: Sample{double value, int64 ms}...}."""
+    import cramjam
+
+    out = bytearray()
+    for (rank, layer), (values, stamps) in series.items():
+        labels = {"__name__": "spectral_ratio", "layer": str(layer), "rank": str(rank), "run": "ingest"}
+        ts = b"".join(field(1, field(1, k.encode()) + field(2, v.encode())) for k, v in labels.items())
+        ts += b"".join(field(2, b"\x09" + struct.pack("<d", v) + b"\x10" + varint(t)) for v, t in zip(values, stamps))
+        out += field(1, ts)
+    return bytes(cramjam.snappy.compress_raw(bytes(out)))
+
+
+def by_series(table: pa.Table) -> dict[tuple, tuple[list, list]]:
+    cols = table.to_pydict()
+    series: dict[tuple, tuple[list, list]] = {}
+    for rank, layer, ts, v in zip(cols["rank"], cols["layer"], cols["time"], cols["value"]):
+        values, stamps = series.setdefault((rank, layer), ([], []))
+        values.append(v)
+        stamps.append(int(ts.timestamp() * 1000))
+    return series
+
+
+def json_lines_body(series: dict[tuple, tuple[list, list]]) -> bytes:
+    return "\n".join(
+        json.dumps({"metric": {"__name__": "spectral_ratio", "run": "ingest", "rank": str(r), "layer": str(l)},
+                    "values": vs, "timestamps": ts})
+        for (r, l), (vs, ts) in series.items()
+    ).encode()
+
+
+def victoria_metrics_rate(path: str, bodies: list, clients: int, samples: int) -> float:
+    vm = shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics"
+    with tempfile.TemporaryDirectory() as d:
+        port = free_port()
+        cmd = [vm, f"-storageDataPath={d}", f"-httpListenAddr=127.0.0.1:{port}", "-retentionPeriod=100y"]
+        if shutil.which("taskset"):
+            cmd = ["taskset", "-c", "0", *cmd]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(100):
+                try:
+                    requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                    break
+                except requests.RequestException:
+                    time.sleep(0.1)
+            secs = post_all(f"http://127.0.0.1:{port}{path}", bodies, clients)
+            # Everything acknowledged must also be stored: count it back (not timed).
+            requests.get(f"http://127.0.0.1:{port}/internal/force_flush", timeout=60)
+            q = {"query": 'sum(count_over_time(spectral_ratio{run="ingest"}[10y]))', "time": "1800000000"}
+            got = requests.get(f"http://127.0.0.1:{port}/api/v1/query", params=q, timeout=120).json()
+            counted = float(got["data"]["result"][0]["value"][1])
+            assert counted == samples, f"VictoriaMetrics holds {counted:,.0f} of {samples:,} samples"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return samples / secs
+
+
+def rankwatch_rate(bodies: list, clients: int, samples: int) -> float:
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data")
         try:
             secs = post_all(f"{url}/api/v1/ingest", bodies, clients)
+            stored = requests.get(f"{url}/metrics", timeout=30).text
+            ingested = sum(float(line.split()[-1]) for line in stored.splitlines()
+                           if line.startswith('rankwatch_ingest_rows_total{table="samples"'))
+            assert ingested == samples, f"{ingested} of {samples} rows ingested"
         finally:
             stop(proc)
-    rw = batches * rows / secs
-    out.append(("rankwatch (Arrow IPC, zstd, WAL fsync group commit)", rw))
+    return samples / secs
 
-    vm = shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics"
-    if Path(vm).exists():
-        lines = []
-        for t in tables:
-            cols = t.to_pydict()
-            by_series: dict[tuple, tuple[list, list]] = {}
-            for rank, layer, ts, v in zip(cols["rank"], cols["layer"], cols["time"], cols["value"]):
-                key = (rank, layer)
-                ms = int(ts.timestamp() * 1000)
-                by_series.setdefault(key, ([], []))
-                by_series[key][0].append(v)
-                by_series[key][1].append(ms)
-            body = "\n".join(
-                json.dumps({"metric": {"__name__": "spectral_ratio", "run": "ingest", "rank": str(r), "layer": str(l)},
-                            "values": vs, "timestamps": ts})
-                for (r, l), (vs, ts) in by_series.items()
-            ).encode()
-            lines.append((body, {"content-type": "application/json"}))
-        with tempfile.TemporaryDirectory() as d:
-            port = free_port()
-            cmd = [vm, f"-storageDataPath={d}", f"-httpListenAddr=127.0.0.1:{port}", "-retentionPeriod=100y"]
-            if shutil.which("taskset"):
-                cmd = ["taskset", "-c", "0", *cmd]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                for _ in range(100):
-                    try:
-                        requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                        break
-                    except requests.RequestException:
-                        time.sleep(0.1)
-                secs = post_all(f"http://127.0.0.1:{port}/api/v1/import", lines, clients)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-        out.append(("VictoriaMetrics (JSON-lines import)", batches * rows / secs))
+
+def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000) -> dict:
+    """Samples/s per system and number of concurrent clients, median of INGEST_REPEATS fresh
+    servers each, the server pinned to CPU 0 and this client to the other CPUs; then one
+    sustained run of `sustained` batches at 8 clients, long enough that each system's
+    background work (rankwatch's Parquet flushes and rollups, VictoriaMetrics' part merges)
+    runs several times within it."""
+    others = set(range(os.cpu_count() or 1)) - {0}
+    if others and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, others)
+    print(f"\n# ingest: {batches} batches x {rows:,} samples (8 ranks x 64 layers; {batches * rows / 1e6:g} M), each server pinned to CPU 0 "
+          f"and started afresh, the clients on CPU {','.join(map(str, sorted(others))) or '0'}; "
+          f"samples/s, median of {INGEST_REPEATS}", flush=True)
+    tables = [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(max(batches, sustained))]
+    arrow = [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
+    systems: dict[str, tuple] = {
+        "rankwatch": ("Arrow IPC + zstd; acknowledged after the WAL's fsync",
+                      lambda bodies, c: rankwatch_rate(bodies, c, len(bodies) * rows), arrow),
+    }
+    vm = Path(shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics")
+    if vm.exists():
+        grouped = [by_series(t) for t in tables]
+        remote = [(remote_write_body(g), {"content-type": "application/x-protobuf", "content-encoding": "snappy",
+                                          "x-prometheus-remote-write-version": "0.1.0"}) for g in grouped]
+        lines = [(json_lines_body(g), {"content-type": "application/json"}) for g in grouped]
+        systems["VictoriaMetrics, remote write"] = (
+            "Prometheus remote write (protobuf + snappy); acknowledged before it reaches disk",
+            lambda bodies, c: victoria_metrics_rate("/api/v1/write", bodies, c, len(bodies) * rows), remote)
+        systems["VictoriaMetrics, JSON lines"] = (
+            "/api/v1/import; acknowledged before it reaches disk",
+            lambda bodies, c: victoria_metrics_rate("/api/v1/import", bodies, c, len(bodies) * rows), lines)
     else:
-        out.append(("VictoriaMetrics (not installed: apt-get install victoria-metrics)", float("nan")))
-    print(f"{'system':60} {'samples/s':>14} {'vs rankwatch':>14}")
-    for name, rate in out:
-        print(f"{name:60} {rate:>14,.0f} {rate / out[0][1]:>14.2f}")
-    return out
+        print("VictoriaMetrics not installed (apt-get install victoria-metrics): rankwatch alone")
+    rates: dict[str, dict[int, float]] = {}
+    steady: dict[str, float] = {}
+    for name, (_, measure, bodies) in systems.items():
+        rates[name] = {c: statistics.median(measure(bodies[:batches], c) for _ in range(INGEST_REPEATS)) for c in INGEST_CLIENTS}
+        steady[name] = measure(bodies[:sustained], 8)
+    sustained_label = f"{sustained * rows / 1e6:g} M, 8 clients"
+    print(f"{'system':32} " + " ".join(f"{f'{c} clients':>14}" for c in INGEST_CLIENTS) + f" {sustained_label:>18}")
+    for name, by_clients in rates.items():
+        print(f"{name:32} " + " ".join(f"{by_clients[c]:>14,.0f}" for c in INGEST_CLIENTS) + f" {steady[name]:>18,.0f}")
+    for name in list(rates)[1:]:
+        print(f"{'rankwatch / ' + name:32} " + " ".join(f"{rates['rankwatch'][c] / rates[name][c]:>14.2f}" for c in INGEST_CLIENTS)
+              + f" {steady['rankwatch'] / steady[name]:>18.2f}")
+    for name, (how, _, _) in systems.items():
+        print(f"  {name}: {how}")
+    print("target: rankwatch >= 1.2x VictoriaMetrics at every client count, release binary")
+    if len(INGEST_CLIENTS) > 1:
+        plot = Path(os.environ.get("RANKWATCH_BENCH_OUT", "target/bench")) / "ingest_scaling.svg"
+        svg_panels(plot, "concurrent clients", [("ingest: samples/s", {n: sorted(r.items()) for n, r in rates.items()})],
+                   lambda x: f"{x:g}")
+        print(f"plot: {plot}")
+    return rates
 
 
 def p50(fn, n: int = 25) -> float:
@@ -256,32 +349,34 @@ def query_point(total: int) -> dict:
             "rw_heat": rw_heat, "duck_heat": duck_heat, "heat_read": read}
 
 
-def svg_plot(path: Path, points: list[dict]) -> None:
-    """Query p50 against run size, log-log, one panel per query: rankwatch beside DuckDB."""
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+
+
+def svg_panels(path: Path, x_label: str, panels: list[tuple[str, dict[str, list[tuple[float, float]]]]], x_text) -> None:
+    """Log-log panels side by side, one line per system; `x_text` labels an x value."""
     w, h, pad = 360, 260, 50
-    xs = [p["rows"] for p in points]
-    panels = [("series, 1,000 points", "rw_series", "duck_series"), ("heatmap, 64 x 1,000", "rw_heat", "duck_heat")]
-    ys = [p[k] for p in points for _, a, b in panels for k in (a, b)]
+    xs = sorted({x for _, lines in panels for pts in lines.values() for x, _ in pts})
+    ys = [y for _, lines in panels for pts in lines.values() for _, y in pts]
     lo_x, hi_x = np.log10(min(xs)), np.log10(max(xs)) + 1e-9
     lo_y, hi_y = np.floor(np.log10(min(ys))), np.ceil(np.log10(max(ys)))
+    hi_y += hi_y == lo_y
     px = lambda x: pad + (np.log10(x) - lo_x) / (hi_x - lo_x) * (w - 2 * pad)  # noqa: E731
     py = lambda y: h - pad - (np.log10(y) - lo_y) / (hi_y - lo_y) * (h - 2 * pad)  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{h}" font-family="sans-serif" font-size="11">']
-    for n, (title, a, b) in enumerate(panels):
-        out.append(f'<g transform="translate({n * w},0)"><text x="{w / 2}" y="18" text-anchor="middle" font-size="13">{title}: p50 ms</text>')
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{len(panels) * w}" height="{h}" font-family="sans-serif" font-size="11">']
+    for n, (title, lines) in enumerate(panels):
+        out.append(f'<g transform="translate({n * w},0)"><text x="{w / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>')
         out.append(f'<rect x="{pad}" y="{pad}" width="{w - 2 * pad}" height="{h - 2 * pad}" fill="none" stroke="#999"/>')
         for e in range(int(lo_y), int(hi_y) + 1):
             y = py(10 ** e)
             out.append(f'<line x1="{pad}" x2="{w - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/><text x="{pad - 4}" y="{y + 4:.1f}" text-anchor="end">{10 ** e:g}</text>')
         for x in xs:
-            out.append(f'<text x="{px(x):.1f}" y="{h - pad + 15}" text-anchor="middle">{x / 1e6:g}M</text>')
-        out.append(f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">samples in the run</text>')
-        for key, colour, name in ((a, "#1f77b4", "rankwatch"), (b, "#d62728", "DuckDB")):
-            pts = " ".join(f"{px(p['rows']):.1f},{py(p[key]):.1f}" for p in points)
-            out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>')
-            out.extend(f'<circle cx="{px(p["rows"]):.1f}" cy="{py(p[key]):.1f}" r="3" fill="{colour}"/>' for p in points)
-            ly = pad + 14 + 14 * (key == b)
-            out.append(f'<text x="{pad + 8}" y="{ly}" fill="{colour}">{name}</text>')
+            out.append(f'<text x="{px(x):.1f}" y="{h - pad + 15}" text-anchor="middle">{x_text(x)}</text>')
+        out.append(f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">{x_label}</text>')
+        for i, (name, pts) in enumerate(lines.items()):
+            colour = COLOURS[i % len(COLOURS)]
+            out.append(f'<polyline points="{" ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            out.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in pts)
+            out.append(f'<text x="{pad + 8}" y="{pad + 14 + 14 * i}" fill="{colour}">{name}</text>')
         out.append("</g>")
     out.append("</svg>")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,7 +400,10 @@ def bench_queries() -> None:
     print("targets: heatmap <= 20 ms at 10 M and <= 50 ms at 100 M; both queries ahead of DuckDB at every size")
     if len(points) > 1:
         plot = Path(os.environ.get("RANKWATCH_BENCH_OUT", "target/bench")) / "query_scaling.svg"
-        svg_plot(plot, points)
+        panels = [(f"{title}: p50 ms", {name: [(p["rows"], p[key]) for p in points] for name, key in systems})
+                  for title, systems in (("series, 1,000 points", (("rankwatch", "rw_series"), ("DuckDB", "duck_series"))),
+                                         ("heatmap, 64 x 1,000", (("rankwatch", "rw_heat"), ("DuckDB", "duck_heat"))))]
+        svg_panels(plot, "samples in the run", panels, lambda x: f"{x / 1e6:g}M")
         print(f"plot: {plot}")
 
 

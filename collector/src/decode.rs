@@ -11,7 +11,6 @@
 //! rank?, layer?) combination through [`Sample::validate`], ranges once per row. Values are not
 //! checked: NaN and ±Inf are stored and counted.
 
-use std::collections::HashSet;
 use std::io::Cursor;
 
 use arrow_array::cast::AsArray;
@@ -297,7 +296,8 @@ fn check_samples(run: &RunId, batch: &RecordBatch, info: Option<&RunInfo>) -> Re
     let site = batch.column(6).as_string::<i32>();
     let world = info.map(|i| i.world_size);
     let layers = info.map(|i| i.layout.layer_count()).filter(|&n| n > 0);
-    let mut seen: HashSet<(&str, Option<&str>, bool, bool)> = HashSet::new();
+    let mut seen: foldhash::HashSet<(&str, Option<&str>, bool, bool)> = Default::default();
+    let mut previous = None;
     for row in 0..batch.num_rows() {
         let row_rank = rank.is_valid(row).then(|| rank.value(row));
         let row_layer = layer.is_valid(row).then(|| layer.value(row));
@@ -313,7 +313,8 @@ fn check_samples(run: &RunId, batch: &RecordBatch, info: Option<&RunInfo>) -> Re
             row,
             source: Box::new(source),
         };
-        if !seen.contains(&key) {
+        // Rows come in runs of one shape: the set is asked only when the shape changes.
+        if previous != Some(key) && !seen.contains(&key) {
             // One representative row per shape runs the full scope check.
             let sample = Sample {
                 run: run.clone(),
@@ -331,6 +332,7 @@ fn check_samples(run: &RunId, batch: &RecordBatch, info: Option<&RunInfo>) -> Re
             sample.validate(None).map_err(at)?;
             seen.insert(key);
         }
+        previous = Some(key);
         if let (Some(r), Some(w)) = (row_rank, world)
             && r >= w
         {

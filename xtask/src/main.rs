@@ -1006,6 +1006,11 @@ fn bench(extra: &[String]) -> Result<()> {
     if matches!(which, "all" | "collector") {
         ensure_debian("victoria-metrics", "/usr/bin/victoria-metrics")?;
         let python = ensure_venv()?;
+        pip_install(
+            &python,
+            &["bench/collector-requirements.txt"],
+            "install the benchmark's encoders",
+        )?;
         build_release_collector()?;
         let mut cmd = Command::new(python);
         cmd.current_dir(root())

@@ -48,6 +48,8 @@ pub struct RunWatch {
     /// Collapse probes of the batch being fed, merged per (step, layer) so a ratio and a token
     /// cosine measured at the same step count as one observation.
     collapse: BTreeMap<(u64, u32), CollapseObservation>,
+    /// The last metric name a row carried and its metric (see `metric_of`).
+    last_metric: Option<(Box<str>, Option<Metric>)>,
 }
 
 impl RunWatch {
@@ -70,6 +72,7 @@ impl RunWatch {
             started_ms: now_ms,
             last_activity_ms: now_ms,
             collapse: BTreeMap::new(),
+            last_metric: None,
         })
     }
 
@@ -92,7 +95,7 @@ impl RunWatch {
     /// Feeds one sample row; returns the alerts it changed.
     pub fn row(&mut self, row: SampleRow<'_>, now_ms: i64) -> Vec<Alert> {
         self.last_activity_ms = now_ms;
-        let metric = Metric::from_name(row.metric);
+        let metric = self.metric_of(row.metric);
         if let Some(rank) = row.rank {
             // Every row of a rank shows it alive at its step (user metrics too); its step
             // scalars also join the step.
@@ -130,6 +133,19 @@ impl RunWatch {
                 None => Vec::new(),
             },
             _ => Vec::new(),
+        }
+    }
+
+    /// `name`'s metric; rows come grouped by metric, so the vocabulary is searched once per
+    /// run of equal names.
+    fn metric_of(&mut self, name: &str) -> Option<Metric> {
+        match &self.last_metric {
+            Some((last, metric)) if **last == *name => *metric,
+            _ => {
+                let metric = Metric::from_name(name);
+                self.last_metric = Some((name.into(), metric));
+                metric
+            }
         }
     }
 

@@ -6,8 +6,9 @@
 //! exports. It is rebuilt on start from the Parquet files (one aggregate query per run) and
 //! from write-ahead-log replay, so it is never a second source of truth.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+
+use foldhash::{HashMap, HashSet};
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float64Type, TimestampMillisecondType, UInt32Type, UInt64Type};
@@ -75,20 +76,17 @@ impl RunSummary {
 
     /// Series of `batch` (file schema) that the run does not have yet.
     pub fn new_series(&self, batch: &RecordBatch) -> usize {
-        // Distinct keys of the batch first (borrowed, no allocation per row), then one
-        // lookup each.
-        let mut distinct = HashSet::new();
-        for_each_key(batch, |metric, layer, site, rank| {
-            distinct.insert((metric, layer, site, rank));
-        });
-        distinct
+        distinct_keys(batch)
             .into_iter()
             .filter(|&(metric, layer, site, rank)| {
-                !self.series.contains(&SeriesKey {
-                    metric: Arc::from(metric),
-                    layer,
-                    site,
-                    rank,
+                // A metric never interned has no series yet.
+                self.metrics.get(metric).is_none_or(|metric| {
+                    !self.series.contains(&SeriesKey {
+                        metric: metric.clone(),
+                        layer,
+                        site,
+                        rank,
+                    })
                 })
             })
             .count()
@@ -105,55 +103,58 @@ impl RunSummary {
         let time = batch.column(2).as_primitive::<TimestampMillisecondType>();
         let metric = batch.column(3).as_string::<i32>();
         let layer = batch.column(4).as_primitive::<UInt32Type>();
-        let site = batch.column(5).as_string::<i32>();
         let value = batch.column(6).as_primitive::<Float64Type>();
         self.samples += rows as u64;
         self.last_seen_ms = self.last_seen_ms.max(seen_ms);
-        let mut last_metric: Option<Arc<str>> = None;
-        for i in 0..rows {
-            let s = step.value(i);
-            let v = value.value(i);
-            if !v.is_finite() {
-                self.nonfinite += 1;
-            }
-            self.first_step = Some(self.first_step.map_or(s, |f| f.min(s)));
-            self.last_step = Some(self.last_step.map_or(s, |l| l.max(s)));
-            let t = time.value(i);
+        self.nonfinite += value.values().iter().filter(|v| !v.is_finite()).count() as u64;
+        let steps = step.values();
+        let (lo, hi) = (steps.iter().min(), steps.iter().max());
+        self.first_step = lo.map(|&s| self.first_step.map_or(s, |f| f.min(s)));
+        self.last_step = hi.map(|&s| self.last_step.map_or(s, |l| l.max(s)));
+        if let Some(&t) = time.values().iter().max() {
             self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
-            let m = metric.value(i);
-            // Rows arrive grouped by metric; intern once per run of equal names.
-            let interned = match &last_metric {
-                Some(a) if a.as_ref() == m => a.clone(),
-                _ => {
-                    let a = self.intern(m);
-                    last_metric = Some(a.clone());
-                    a
-                }
-            };
+        }
+        // Rows arrive grouped by metric: which latest-value slot a name feeds is decided once
+        // per run of equal names, not matched as strings on every row.
+        let mut last_metric: Option<(&str, Watched)> = None;
+        for i in 0..rows {
+            let (s, v) = (steps[i], value.value(i));
             let r = rank.is_valid(i).then(|| rank.value(i));
-            let l = layer.is_valid(i).then(|| layer.value(i));
-            let site = site_at(site, i);
             if let Some(r) = r {
                 let e = self.rank_steps.entry(r).or_insert(s);
                 *e = (*e).max(s);
             }
-            match (m, r, l) {
-                ("loss", Some(r), _) => keep_latest(self.loss_by_rank.entry(r).or_default(), s, v),
-                ("spectral.ratio", _, Some(l)) => {
+            let m = metric.value(i);
+            let watched = match last_metric {
+                Some((name, w)) if name == m => w,
+                _ => {
+                    let w = Watched::of(m);
+                    last_metric = Some((m, w));
+                    w
+                }
+            };
+            let l = layer.is_valid(i).then(|| layer.value(i));
+            match (watched, r, l) {
+                (Watched::Loss, Some(r), _) => {
+                    keep_latest(self.loss_by_rank.entry(r).or_default(), s, v)
+                }
+                (Watched::Ratio, _, Some(l)) => {
                     keep_latest(self.ratio_by_layer.entry(l).or_default(), s, v)
                 }
-                ("perplexity", ..) => keep_latest(&mut self.perplexity, s, v),
-                ("loss_cv", ..) => keep_latest(&mut self.loss_cv, s, v),
-                ("grad_norm_cv", ..) => keep_latest(&mut self.grad_norm_cv, s, v),
+                (Watched::Perplexity, ..) => keep_latest(&mut self.perplexity, s, v),
+                (Watched::LossCv, ..) => keep_latest(&mut self.loss_cv, s, v),
+                (Watched::GradNormCv, ..) => keep_latest(&mut self.grad_norm_cv, s, v),
                 _ => {}
             }
-            let key = SeriesKey {
-                metric: interned,
-                layer: l,
+        }
+        for (metric, layer, site, rank) in distinct_keys(batch) {
+            let metric = self.intern(metric);
+            self.series.insert(SeriesKey {
+                metric,
+                layer,
                 site,
-                rank: r,
-            };
-            self.series.insert(key);
+                rank,
+            });
         }
     }
 
@@ -186,20 +187,53 @@ fn site_at(site: &arrow_array::StringArray, i: usize) -> Option<Site> {
         .flatten()
 }
 
-fn for_each_key<'a>(
-    batch: &'a RecordBatch,
-    mut f: impl FnMut(&'a str, Option<u32>, Option<Site>, Option<u32>),
-) {
+/// The metrics whose latest value the index keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    Loss,
+    Ratio,
+    Perplexity,
+    LossCv,
+    GradNormCv,
+    Other,
+}
+
+impl Watched {
+    fn of(metric: &str) -> Watched {
+        match metric {
+            "loss" => Watched::Loss,
+            "spectral.ratio" => Watched::Ratio,
+            "perplexity" => Watched::Perplexity,
+            "loss_cv" => Watched::LossCv,
+            "grad_norm_cv" => Watched::GradNormCv,
+            _ => Watched::Other,
+        }
+    }
+}
+
+/// A series key borrowed from a batch: metric, layer, site, rank.
+type BorrowedKey<'a> = (&'a str, Option<u32>, Option<Site>, Option<u32>);
+
+/// The distinct series of a batch (file schema), borrowed from it: one hash per row, none
+/// for a row repeating the one before.
+fn distinct_keys(batch: &RecordBatch) -> HashSet<BorrowedKey<'_>> {
     let rank = batch.column(0).as_primitive::<UInt32Type>();
     let metric = batch.column(3).as_string::<i32>();
     let layer = batch.column(4).as_primitive::<UInt32Type>();
     let site = batch.column(5).as_string::<i32>();
+    let mut keys = HashSet::default();
+    let mut previous = None;
     for i in 0..batch.num_rows() {
-        f(
+        let key = (
             metric.value(i),
             layer.is_valid(i).then(|| layer.value(i)),
             site_at(site, i),
             rank.is_valid(i).then(|| rank.value(i)),
         );
+        if previous != Some(key) {
+            keys.insert(key);
+            previous = Some(key);
+        }
     }
+    keys
 }
