@@ -128,7 +128,12 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve(config) => runtime
-            .block_on(rankwatch_collector::serve(*config, shutdown_signal()))
+            .block_on(async {
+                // Handlers first: a SIGTERM that came once the collector said it was listening,
+                // but before anything polled a lazily registered handler, killed it unflushed.
+                let shutdown = shutdown_signal();
+                rankwatch_collector::serve(*config, shutdown).await
+            })
             .context("rankwatch serve"),
     }
 }
@@ -143,28 +148,34 @@ fn switch(args: &rankwatch_collector::config::SwitchArgs, on: bool) -> anyhow::R
     Ok(())
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+/// Registers for SIGINT and SIGTERM at once (inside the runtime) and resolves on either.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(
-            tokio::signal::unix::SignalKind::terminate(),
-        ) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the collector");
-                let _ = interrupt.await;
-                return;
+        use tokio::signal::unix::{SignalKind, signal};
+        let interrupt = signal(SignalKind::interrupt());
+        let term = signal(SignalKind::terminate());
+        async move {
+            match (interrupt, term) {
+                (Ok(mut interrupt), Ok(mut term)) => {
+                    tokio::select! {
+                        _ = interrupt.recv() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                (interrupt, term) => {
+                    let e = interrupt.err().or(term.err());
+                    tracing::warn!(error = ?e, "cannot listen for SIGINT and SIGTERM; falling back to Ctrl-C");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-        };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = term.recv() => {}
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = interrupt.await;
+        let interrupt = tokio::signal::ctrl_c();
+        async move {
+            let _ = interrupt.await;
+        }
     }
 }

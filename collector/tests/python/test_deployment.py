@@ -281,3 +281,13 @@ def test_the_daemon_bounds_glibc_malloc_unless_the_operator_set_it(tmp_path: Pat
         assert requests.get(f"{c.url}/healthz", timeout=10).status_code == 200
     finally:
         c.stop()
+
+
+def test_a_sigterm_as_soon_as_it_listens_still_shuts_down_cleanly(tmp_path: Path) -> None:
+    """A supervisor may stop the collector the moment it reports listening; the signal must
+    reach the graceful shutdown (exit 0, the data flushed), not kill the process. Before, the
+    handlers were registered lazily, after the "listening" line."""
+    for i in range(8):
+        c = Collector(tmp_path / f"data{i}")
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(timeout=60) == 0, c.log.read_text()[-2000:]
