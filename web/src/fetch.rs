@@ -1,6 +1,9 @@
 //! Data that follows signals: a query re-runs when what it reads changes, and the page keeps
-//! showing the previous answer until the new one arrives (no flicker on live refresh). Answers
-//! that arrive out of order are dropped: only the latest query's answer is shown.
+//! showing the previous answer until a newer one arrives (no flicker on live refresh). Answers
+//! are shown in the order their queries started; one that arrives after a newer answer was
+//! shown is dropped. An answer is not held back because a newer query is still running: on a
+//! live run whose refreshes come faster than a loaded collector answers, waiting for the
+//! latest query showed nothing at all (the worker view stayed empty under CI's load).
 
 use std::future::Future;
 
@@ -27,6 +30,8 @@ where
 {
     let (value, set_value) = signal(None::<ApiResult<T>>);
     let latest = StoredValue::new(0u64);
+    // The ticket of the answer shown.
+    let shown = StoredValue::new(0u64);
     let wanted = use_context::<TokenWanted>();
     Effect::new(move |_| {
         let Some(future) = query() else { return };
@@ -37,7 +42,14 @@ where
             if let (Err(ApiError::Unauthorized(msg)), Some(wanted)) = (&answer, wanted) {
                 let _ = wanted.0.try_set(Some(msg.clone()));
             }
-            if latest.try_get_value() == Some(ticket) {
+            let newer = shown.try_update_value(|s| {
+                let newer = ticket > *s;
+                if newer {
+                    *s = ticket;
+                }
+                newer
+            });
+            if newer == Some(true) {
                 // A failed refresh keeps what is shown when the collector is only unreachable:
                 // the page stays usable while it restarts (the header says so).
                 let keep = matches!(answer, Err(ApiError::Unreachable))
