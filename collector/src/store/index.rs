@@ -13,7 +13,7 @@ use foldhash::{HashMap, HashSet};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float64Type, TimestampMillisecondType, UInt32Type, UInt64Type};
 use arrow_array::{Array, RecordBatch};
-use rankwatch_analytics::{RunInfo, Site};
+use rankwatch_analytics::{Metric, RunInfo, Site};
 use serde::Serialize;
 
 /// One series of a run.
@@ -114,9 +114,9 @@ impl RunSummary {
         if let Some(&t) = time.values().iter().max() {
             self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
         }
-        // Rows arrive grouped by metric: which latest-value slot a name feeds is decided once
-        // per run of equal names, not matched as strings on every row.
-        let mut last_metric: Option<(&str, Watched)> = None;
+        // Rows arrive grouped by metric: the vocabulary is searched once per run of equal
+        // names, not on every row.
+        let mut last_metric: Option<(&str, Option<Metric>)> = None;
         for i in 0..rows {
             let (s, v) = (steps[i], value.value(i));
             let r = rank.is_valid(i).then(|| rank.value(i));
@@ -125,25 +125,25 @@ impl RunSummary {
                 *e = (*e).max(s);
             }
             let m = metric.value(i);
-            let watched = match last_metric {
-                Some((name, w)) if name == m => w,
+            let known = match last_metric {
+                Some((name, known)) if name == m => known,
                 _ => {
-                    let w = Watched::of(m);
-                    last_metric = Some((m, w));
-                    w
+                    let known = Metric::from_name(m);
+                    last_metric = Some((m, known));
+                    known
                 }
             };
             let l = layer.is_valid(i).then(|| layer.value(i));
-            match (watched, r, l) {
-                (Watched::Loss, Some(r), _) => {
+            match (known, r, l) {
+                (Some(Metric::Loss), Some(r), _) => {
                     keep_latest(self.loss_by_rank.entry(r).or_default(), s, v)
                 }
-                (Watched::Ratio, _, Some(l)) => {
+                (Some(Metric::SpectralRatio), _, Some(l)) => {
                     keep_latest(self.ratio_by_layer.entry(l).or_default(), s, v)
                 }
-                (Watched::Perplexity, ..) => keep_latest(&mut self.perplexity, s, v),
-                (Watched::LossCv, ..) => keep_latest(&mut self.loss_cv, s, v),
-                (Watched::GradNormCv, ..) => keep_latest(&mut self.grad_norm_cv, s, v),
+                (Some(Metric::Perplexity), ..) => keep_latest(&mut self.perplexity, s, v),
+                (Some(Metric::LossCv), ..) => keep_latest(&mut self.loss_cv, s, v),
+                (Some(Metric::GradNormCv), ..) => keep_latest(&mut self.grad_norm_cv, s, v),
                 _ => {}
             }
         }
@@ -185,30 +185,6 @@ fn site_at(site: &arrow_array::StringArray, i: usize) -> Option<Site> {
     site.is_valid(i)
         .then(|| site.value(i).parse::<Site>().ok())
         .flatten()
-}
-
-/// The metrics whose latest value the index keeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Watched {
-    Loss,
-    Ratio,
-    Perplexity,
-    LossCv,
-    GradNormCv,
-    Other,
-}
-
-impl Watched {
-    fn of(metric: &str) -> Watched {
-        match metric {
-            "loss" => Watched::Loss,
-            "spectral.ratio" => Watched::Ratio,
-            "perplexity" => Watched::Perplexity,
-            "loss_cv" => Watched::LossCv,
-            "grad_norm_cv" => Watched::GradNormCv,
-            _ => Watched::Other,
-        }
-    }
 }
 
 /// A series key borrowed from a batch: metric, layer, site, rank.
