@@ -310,6 +310,9 @@ async fn an_overview_reads_rollups_not_rows() {
     c.shutdown().await.unwrap();
 }
 
+/// The heatmap the compaction test asks for before and after.
+const HEATMAP: &str = "/api/v1/runs/rp/heatmap?metric=spectral.ratio&points=50";
+
 /// Parts written before rollups existed are read raw until compaction writes their rollups;
 /// the answers are the same before and after.
 #[tokio::test]
@@ -318,12 +321,7 @@ async fn older_parts_get_their_rollups_at_compaction() {
     let c = open_store_only(dir.path()).await;
     let rows = workload("rp", 2, 600, 2);
     ingest_and_flush(&c, &rows).await;
-    let before = get(
-        &c,
-        "/api/v1/runs/rp/heatmap?metric=spectral.ratio&points=50",
-    )
-    .await
-    .json();
+    let before = get(&c, HEATMAP).await.json();
     c.shutdown().await.unwrap();
     // Make it an older store: the manifest without its rollup, the file gone.
     let path = dir.path().join("manifest.json");
@@ -344,12 +342,7 @@ async fn older_parts_get_their_rollups_at_compaction() {
 
     let c = open_store_only(dir.path()).await;
     let tiles = || c.store().metrics().downsampled_rollup_rows.get();
-    let old = get(
-        &c,
-        "/api/v1/runs/rp/heatmap?metric=spectral.ratio&points=50",
-    )
-    .await
-    .json();
+    let old = get(&c, HEATMAP).await.json();
     assert_eq!(old, before);
     assert_eq!(tiles(), 0, "no rollup to read yet");
     c.store().compact().await.unwrap();
@@ -361,12 +354,7 @@ async fn older_parts_get_their_rollups_at_compaction() {
             .count(),
         1
     );
-    let new = get(
-        &c,
-        "/api/v1/runs/rp/heatmap?metric=spectral.ratio&points=50",
-    )
-    .await
-    .json();
+    let new = get(&c, HEATMAP).await.json();
     assert_eq!(new, before);
     assert!(tiles() > 0, "the rollup written at compaction is read");
     c.shutdown().await.unwrap();
