@@ -175,7 +175,13 @@ pub fn step_range(batch: &RecordBatch) -> (Option<u64>, Option<u64>) {
 
 /// How a part is laid out: the columns it is sorted by (recorded in the footer) and the
 /// integer columns that are delta-encoded. Every part is zstd-compressed (level 3), in pages
-/// of 8 k rows.
+/// of 8 k rows; floating-point columns are byte-stream-split, never dictionary-encoded.
+///
+/// Why no dictionary for floats: measured values are nearly all distinct, so the writer
+/// filled a 1 MB dictionary page per column chunk before falling back to plain pages, and a
+/// reader must decompress a chunk's dictionary before any page of it. A dashboard read of a
+/// few hundred rollup rows paid ~3 MB of zstd per row group (value, min, max, last), ~3 ms
+/// per file: most of an overview query's time (docs/architecture.md § Measured).
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     pub sorted_by: &'static [&'static str],
@@ -194,7 +200,11 @@ impl Layout {
     pub fn of(table: Table) -> Layout {
         Layout {
             sorted_by: sort_columns(table),
-            delta_columns: &[],
+            // Within a series the steps (and their times) ascend, mostly by one.
+            delta_columns: match table {
+                Table::Samples => &["step", "time"],
+                Table::Sketches | Table::Runs => &[],
+            },
         }
     }
 }
@@ -216,6 +226,19 @@ fn properties(layout: Layout, schema: &SchemaRef) -> WriterProperties {
         builder = builder
             .set_column_dictionary_enabled(path.clone(), false)
             .set_column_encoding(path, parquet::basic::Encoding::DELTA_BINARY_PACKED);
+    }
+    // Every leaf of type double, list items included (their paths are the Parquet ones).
+    if let Ok(parquet_schema) = parquet::arrow::ArrowSchemaConverter::new().convert(schema) {
+        for column in parquet_schema.columns() {
+            if column.physical_type() == parquet::basic::Type::DOUBLE {
+                builder = builder
+                    .set_column_dictionary_enabled(column.path().clone(), false)
+                    .set_column_encoding(
+                        column.path().clone(),
+                        parquet::basic::Encoding::BYTE_STREAM_SPLIT,
+                    );
+            }
+        }
     }
     builder
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3).unwrap_or_default()))
@@ -352,5 +375,60 @@ mod tests {
             let got = keys(&sorted(Table::Samples, &parts).unwrap());
             prop_assert_eq!(got, want);
         }
+    }
+
+    /// Measured values are written byte-stream-split without a dictionary (a reader would
+    /// otherwise decompress a 1 MB dictionary page per chunk before any row), steps and times
+    /// delta-encoded, and every value comes back bit for bit (NaN payloads, signed zeros,
+    /// infinities included).
+    #[test]
+    fn floats_are_written_without_dictionaries_and_read_back_bit_for_bit() {
+        let special = [f64::NAN, -0.0, 0.0, f64::INFINITY, f64::NEG_INFINITY, f64::MIN_POSITIVE];
+        let samples: Vec<Sample> = (0..50_000u64)
+            .map(|i| Sample {
+                run: RunId::new("r").unwrap(),
+                rank: Some((i % 4) as u32),
+                step: i / 4,
+                time_ms: 1_700_000_000_000 + (i / 4) as i64 * 250,
+                metric: MetricName::new("loss").unwrap(),
+                layer: None,
+                site: None,
+                value: special
+                    .get(i as usize)
+                    .copied()
+                    .unwrap_or_else(|| (i as f64 * 0.7).sin() * 1e3),
+            })
+            .collect();
+        let batch = without_run(&samples::to_batch(&samples).unwrap()).unwrap();
+        let batch = sorted(Table::Samples, &[batch]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("part-0.parquet");
+        write(Layout::of(Table::Samples), &batch, &path).unwrap();
+
+        let reader = parquet::file::reader::SerializedFileReader::new(File::open(&path).unwrap())
+            .unwrap();
+        let chunks = parquet::file::reader::FileReader::metadata(&reader).row_group(0);
+        let chunk = |name: &str| {
+            chunks
+                .columns()
+                .iter()
+                .find(|c| c.column_path().string() == name)
+                .unwrap()
+        };
+        use parquet::basic::Encoding;
+        let value = chunk("value");
+        assert!(value.dictionary_page_offset().is_none(), "value has a dictionary page");
+        assert!(value.encodings().any(|e| e == Encoding::BYTE_STREAM_SPLIT));
+        for name in ["step", "time"] {
+            let c = chunk(name);
+            assert!(c.dictionary_page_offset().is_none(), "{name} has a dictionary page");
+            assert!(c.encodings().any(|e| e == Encoding::DELTA_BINARY_PACKED), "{name}");
+        }
+        // The series key columns keep their dictionaries: a few distinct values each.
+        assert!(chunk("metric").dictionary_page_offset().is_some());
+
+        let back = read(&path).unwrap();
+        let back = arrow_select::concat::concat_batches(&back[0].schema(), &back).unwrap();
+        assert_eq!(keys(&back), keys(&batch));
     }
 }
