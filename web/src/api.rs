@@ -8,8 +8,17 @@
 //! Every failure becomes an [`ApiError`] whose text is shown to the user as is: the HTTP status
 //! and the collector's own `error` text, or a plain "cannot reach the collector" when the
 //! request never got an answer (the collector restarting, say).
+//!
+//! Identical GETs in flight at once are one request: the overview's loss and perplexity
+//! charts both draw `loss`, and every chart refreshes on the same live tick, so without this
+//! the collector answered the same series twice per refresh.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
+
+use futures_util::FutureExt;
+use futures_util::future::LocalBoxFuture;
 
 use rankwatch_api::ErrorBody;
 pub(crate) use rankwatch_api::{
@@ -114,8 +123,31 @@ pub(crate) async fn get<T: DeserializeOwned>(path: &str) -> ApiResult<T> {
     serde_json::from_str(&text).map_err(|e| ApiError::Unreadable(e.to_string()))
 }
 
+/// A GET in flight, awaited by everyone who asked for the same path meanwhile.
+type Shared = futures_util::future::Shared<LocalBoxFuture<'static, ApiResult<String>>>;
+
+thread_local! {
+    static IN_FLIGHT: RefCell<HashMap<String, Shared>> = RefCell::new(HashMap::new());
+}
+
 async fn get_text(path: &str) -> ApiResult<String> {
-    request_text("GET", path, None).await
+    let shared = IN_FLIGHT.with_borrow_mut(|in_flight| {
+        in_flight
+            .entry(path.to_owned())
+            .or_insert_with(|| {
+                let key = path.to_owned();
+                async move {
+                    let answer = request_text("GET", &key, None).await;
+                    // Done: the next GET of this path asks the collector again.
+                    IN_FLIGHT.with_borrow_mut(|in_flight| in_flight.remove(&key));
+                    answer
+                }
+                .boxed_local()
+                .shared()
+            })
+            .clone()
+    });
+    shared.await
 }
 
 /// `PUT path` with a JSON body and parse the JSON answer.
