@@ -9,9 +9,9 @@
 //! and the collector's own `error` text, or a plain "cannot reach the collector" when the
 //! request never got an answer (the collector restarting, say).
 //!
-//! Identical GETs in flight at once are one request: the overview's loss and perplexity
-//! charts both draw `loss`, and every chart refreshes on the same live tick, so without this
-//! the collector answered the same series twice per refresh.
+//! Identical GETs asked in the same turn of the event loop are one request: the overview's
+//! loss and perplexity charts both draw `loss` and refresh on the same live tick, so without
+//! this the collector answered the same series twice per refresh.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -27,6 +27,7 @@ pub(crate) use rankwatch_api::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use wasm_bindgen::closure::Closure;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 
@@ -123,31 +124,48 @@ pub(crate) async fn get<T: DeserializeOwned>(path: &str) -> ApiResult<T> {
     serde_json::from_str(&text).map_err(|e| ApiError::Unreadable(e.to_string()))
 }
 
-/// A GET in flight, awaited by everyone who asked for the same path meanwhile.
+/// A GET sent in this turn of the event loop, awaited by everyone who asks for the same path
+/// before the turn ends.
 type Shared = futures_util::future::Shared<LocalBoxFuture<'static, ApiResult<String>>>;
 
 thread_local! {
-    static IN_FLIGHT: RefCell<HashMap<String, Shared>> = RefCell::new(HashMap::new());
+    static SENT_THIS_TURN: RefCell<HashMap<String, Shared>> = RefCell::new(HashMap::new());
 }
 
+/// Only queries made in the same turn share an answer (the charts' effects after one signal
+/// change all run in it): a later caller may be asking because the data changed since, so it
+/// must not get an answer the collector may have computed before.
 async fn get_text(path: &str) -> ApiResult<String> {
-    let shared = IN_FLIGHT.with_borrow_mut(|in_flight| {
-        in_flight
-            .entry(path.to_owned())
-            .or_insert_with(|| {
-                let key = path.to_owned();
-                async move {
-                    let answer = request_text("GET", &key, None).await;
-                    // Done: the next GET of this path asks the collector again.
-                    IN_FLIGHT.with_borrow_mut(|in_flight| in_flight.remove(&key));
-                    answer
-                }
-                .boxed_local()
-                .shared()
-            })
-            .clone()
+    let shared = SENT_THIS_TURN.with_borrow_mut(|sent| {
+        if let Some(shared) = sent.get(path) {
+            return Some(shared.clone());
+        }
+        if sent.is_empty() && !forget_at_turn_end() {
+            return None;
+        }
+        let owned = path.to_owned();
+        let shared = async move { request_text("GET", &owned, None).await }
+            .boxed_local()
+            .shared();
+        sent.insert(path.to_owned(), shared.clone());
+        Some(shared)
     });
-    shared.await
+    match shared {
+        Some(shared) => shared.await,
+        None => request_text("GET", path, None).await,
+    }
+}
+
+/// Empties the map once this turn's tasks and microtasks are done (a zero-delay timeout runs
+/// in a later task). False when no timer could be set: nothing is shared then.
+fn forget_at_turn_end() -> bool {
+    let Some(window) = web_sys::window() else {
+        return false;
+    };
+    let forget = Closure::once_into_js(|| SENT_THIS_TURN.with_borrow_mut(HashMap::clear));
+    window
+        .set_timeout_with_callback_and_timeout_and_arguments_0(forget.unchecked_ref(), 0)
+        .is_ok()
 }
 
 /// `PUT path` with a JSON body and parse the JSON answer.

@@ -133,11 +133,16 @@ def chart(page, name: str):
 
 def test_overview_draws_every_rank_zooms_and_shares_the_cursor(finished_run, page) -> None:
     collector = finished_run
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/series?" in r.url else None)
     page.goto(f"{collector.url}/runs/{RUN}")
     loss = chart(page, "Loss")
     ppl = chart(page, "Perplexity")
     grad = chart(page, "Gradient norm (local, before averaging)")
     lr = chart(page, "Learning rate")
+    # The loss and perplexity charts both draw `loss`; asked in the same turn, it is one request.
+    loss_asked = [u for u in asked if "metric=loss&" in u]
+    assert len(loss_asked) == 1, asked
     # One line per rank, plus the mean the aligner computed.
     assert loss.get_attribute("data-series") == str(RANKS + 1)
     assert ppl.get_attribute("data-series") == str(RANKS + 1)
