@@ -383,7 +383,14 @@ mod tests {
     /// infinities included).
     #[test]
     fn floats_are_written_without_dictionaries_and_read_back_bit_for_bit() {
-        let special = [f64::NAN, -0.0, 0.0, f64::INFINITY, f64::NEG_INFINITY, f64::MIN_POSITIVE];
+        let special = [
+            f64::NAN,
+            -0.0,
+            0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::MIN_POSITIVE,
+        ];
         let samples: Vec<Sample> = (0..50_000u64)
             .map(|i| Sample {
                 run: RunId::new("r").unwrap(),
@@ -405,8 +412,8 @@ mod tests {
         let path = dir.path().join("part-0.parquet");
         write(Layout::of(Table::Samples), &batch, &path).unwrap();
 
-        let reader = parquet::file::reader::SerializedFileReader::new(File::open(&path).unwrap())
-            .unwrap();
+        let reader =
+            parquet::file::reader::SerializedFileReader::new(File::open(&path).unwrap()).unwrap();
         let chunks = parquet::file::reader::FileReader::metadata(&reader).row_group(0);
         let chunk = |name: &str| {
             chunks
@@ -417,12 +424,21 @@ mod tests {
         };
         use parquet::basic::Encoding;
         let value = chunk("value");
-        assert!(value.dictionary_page_offset().is_none(), "value has a dictionary page");
+        assert!(
+            value.dictionary_page_offset().is_none(),
+            "value has a dictionary page"
+        );
         assert!(value.encodings().any(|e| e == Encoding::BYTE_STREAM_SPLIT));
         for name in ["step", "time"] {
             let c = chunk(name);
-            assert!(c.dictionary_page_offset().is_none(), "{name} has a dictionary page");
-            assert!(c.encodings().any(|e| e == Encoding::DELTA_BINARY_PACKED), "{name}");
+            assert!(
+                c.dictionary_page_offset().is_none(),
+                "{name} has a dictionary page"
+            );
+            assert!(
+                c.encodings().any(|e| e == Encoding::DELTA_BINARY_PACKED),
+                "{name}"
+            );
         }
         // The series key columns keep their dictionaries: a few distinct values each.
         assert!(chunk("metric").dictionary_page_offset().is_some());
