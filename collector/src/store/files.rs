@@ -294,6 +294,7 @@ mod tests {
     use super::*;
     use arrow_array::Array;
     use arrow_array::types::{Float64Type, UInt32Type};
+    use parquet::basic::Encoding;
     use proptest::prelude::*;
     use rankwatch_analytics::schema::samples;
     use rankwatch_analytics::{MetricName, RunId, Sample, Site};
@@ -422,7 +423,6 @@ mod tests {
                 .find(|c| c.column_path().string() == name)
                 .unwrap()
         };
-        use parquet::basic::Encoding;
         let value = chunk("value");
         assert!(
             value.dictionary_page_offset().is_none(),
