@@ -20,6 +20,7 @@ pub mod config;
 pub mod lifecycle;
 pub mod loss_spike;
 pub mod nonfinite;
+mod peers;
 pub mod rank_collapse;
 pub mod silent_inconsistency;
 pub mod stale_rank;

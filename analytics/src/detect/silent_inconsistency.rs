@@ -13,19 +13,33 @@
 //! same step's scalars cannot separate that from inconsistency: under g_k = G + ξ_k its
 //! predicted cosine |G|²/(|G|² + S_b) is C_w itself when norms are equal. What does separate
 //! them is time: sampling noise drifts slowly, a fault arrives at a step. So the baseline is
-//! learned from the first `warmup_steps` steps with data after `skip_steps` (the first steps of
-//! training are not a baseline: the loss falls fastest there, and the workers' dispersion rises
-//! several-fold as it does — measured 0.01 → 0.07 loss CV over the first 80 steps of the
-//! example) and then rolls over the last
-//! `baseline_steps` steps that were clear — slow drift is absorbed, a sudden change is scored
-//! against what came before it, and a fault that persists keeps firing because its own steps
-//! never enter the window. (The noise scale itself is stored as the `noise_scale` metric.)
+//! learned from the first `warmup_steps` steps with data after `skip_steps` and then rolls
+//! over the last `baseline_steps` steps, every step, clear or not.
+//!
+//! Why skip 200 steps: the first steps of training are not a baseline. The loss falls fastest
+//! there and the gradient's signal dominates its noise, so the workers agree unusually well and
+//! then stop doing so, healthily: on real text (a byte-level GPT, 100-step learning-rate
+//! warm-up, 4 ranks) C_w fell from 0.9 at step 70 to 0.05–0.35 by step 200 and stayed there; on
+//! the synthetic bigram example the loss CV rose 0.01 → 0.07 over the first 80 steps. A
+//! baseline learned inside that transient called the rest of training inconsistent. Set
+//! `skip_steps` past a longer learning-rate warm-up.
+//!
+//! Why every step, not only the clear ones: a baseline fed only clear steps latches. After a
+//! legitimate level shift (learning-rate decay, a resume, a data-mix switch) that scores above
+//! `z_exit`, no step is clear again, the baseline never moves, and the alert fires for the rest
+//! of the run. A median over every step still scores a sudden change against what came before
+//! it (half the window must be new before the median moves), and a level that persists becomes
+//! the baseline about `baseline_steps`/2 steps later, so the alert resolves. A fault that
+//! persists is absorbed the same way: it fires, stays firing for about 100 steps by default,
+//! and resolves; the alert history keeps it. (The noise scale itself is stored as the
+//! `noise_scale` metric.)
 
 use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
+use super::peers::{PeerConfig, PeerFinding, Peers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
@@ -37,12 +51,12 @@ use crate::validate::RunId;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SilentInconsistencyConfig {
-    /// Training steps before which nothing is learned or judged. Default 50.
+    /// Training steps before which nothing is learned or judged. Default 200.
     pub skip_steps: u64,
     /// Steps with data (after `skip_steps`) that form the first baseline; nothing fires
     /// before. Default 30.
     pub warmup_steps: usize,
-    /// Clear steps the rolling baseline keeps after warm-up. Default 200.
+    /// Steps the rolling baseline keeps after warm-up, clear or not. Default 200.
     pub baseline_steps: usize,
     /// Robust z-score that breaches. Default 6.
     pub z_threshold: f64,
@@ -57,6 +71,17 @@ pub struct SilentInconsistencyConfig {
     /// Cross-rank scale floor relative to the median, so identical ranks give finite scores.
     /// Default 0.01.
     pub rank_rel_floor: f64,
+    /// Steps in the window of the per-rank stand-out test (0 disables it; see `peers`). Default 50.
+    pub peer_window: usize,
+    /// Share of the window at which one rank standing out breaches. Default 0.8.
+    pub peer_share: f64,
+    /// How far from the other ranks' median a rank must be to stand out at a step: loss or
+    /// gradient norm relative to theirs (0.25: 1.25× or 1/1.25×), or cosine to the mean below
+    /// theirs. Default 0.25.
+    pub peer_min_effect: f64,
+    /// Steps in a row of ranks with bit-identical loss and gradient norm that breach (0
+    /// disables it). Default 20.
+    pub identical_steps: u32,
     /// Default: fire after 3 breaching steps, resolve after 10 clear ones.
     pub lifecycle: LifecycleConfig,
 }
@@ -64,7 +89,7 @@ pub struct SilentInconsistencyConfig {
 impl Default for SilentInconsistencyConfig {
     fn default() -> Self {
         SilentInconsistencyConfig {
-            skip_steps: 50,
+            skip_steps: 200,
             warmup_steps: 30,
             baseline_steps: 200,
             z_threshold: 6.0,
@@ -73,6 +98,10 @@ impl Default for SilentInconsistencyConfig {
             abs_floor: 1e-3,
             rank_z: 3.5,
             rank_rel_floor: 0.01,
+            peer_window: 50,
+            peer_share: 0.8,
+            peer_min_effect: 0.25,
+            identical_steps: 20,
             lifecycle: LifecycleConfig {
                 pending_for: 3,
                 resolve_after: 10,
@@ -92,10 +121,13 @@ impl SilentInconsistencyConfig {
             && self.rel_floor >= 0.0
             && self.abs_floor > 0.0
             && self.rank_z > 0.0
-            && self.rank_rel_floor > 0.0;
+            && self.rank_rel_floor > 0.0
+            && self.peer_share > 0.0
+            && self.peer_share <= 1.0
+            && self.peer_min_effect > 0.0;
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors and rank_z; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, and 0 < peer_share ≤ 1; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")
@@ -206,6 +238,7 @@ impl Baselines {
 pub struct SilentInconsistency {
     config: SilentInconsistencyConfig,
     history: History,
+    peers: Peers,
     trackers: Trackers<()>,
 }
 
@@ -216,6 +249,7 @@ impl SilentInconsistency {
         Ok(SilentInconsistency {
             config,
             history: History::default(),
+            peers: Peers::default(),
             trackers: Trackers::new(run, Rule::SilentInconsistency, |_| (None, None, None)),
         })
     }
@@ -330,27 +364,76 @@ impl SilentInconsistency {
     }
 }
 
+impl SilentInconsistencyConfig {
+    fn peer_config(&self) -> PeerConfig {
+        PeerConfig {
+            window: self.peer_window,
+            share: self.peer_share,
+            min_effect: self.peer_min_effect,
+            identical_steps: self.identical_steps,
+        }
+    }
+}
+
+impl PeerFinding {
+    fn into_breach(self) -> Signal {
+        Signal::Breach(Breach {
+            severity: Severity::Warning,
+            value: self.value,
+            threshold: self.threshold,
+            explanation: format!("workers disagree: {}", self.explanation),
+            outlier_ranks: self.ranks,
+        })
+    }
+}
+
+impl SilentInconsistency {
+    /// The run-level verdict against the rolling baseline; `None` before it judges (the
+    /// skipped steps, the warm-up, a step without usable values). The peers' verdict alone
+    /// decides then, and a clear from them counts as clear.
+    fn run_level(&mut self, obs: &StepObservation) -> Option<Signal> {
+        let c = self.config;
+        if obs.step < c.skip_steps {
+            return Some(Signal::Clear);
+        }
+        let signals = Signals::of(&StepStats::compute(&obs.ranks, obs.world_size));
+        if signals.is_empty() {
+            return None;
+        }
+        if self.history.steps < c.warmup_steps {
+            self.history.push(signals, c.baseline_steps);
+            return Some(Signal::Clear);
+        }
+        let baselines = Baselines::learn(&mut self.history, &c);
+        let signal = self.signal(&baselines, signals, obs);
+        self.history.push(signals, c.baseline_steps);
+        Some(signal)
+    }
+}
+
 impl Detector for SilentInconsistency {
     type Observation = StepObservation;
 
     fn observe(&mut self, obs: &StepObservation) -> Vec<Alert> {
         let c = self.config;
-        if obs.step < c.skip_steps {
-            return vec![];
-        }
-        let signals = Signals::of(&StepStats::compute(&obs.ranks, obs.world_size));
-        if signals.is_empty() {
-            return vec![];
-        }
-        if self.history.steps < c.warmup_steps {
-            self.history.push(signals, c.baseline_steps);
-            return vec![];
-        }
-        let baselines = Baselines::learn(&mut self.history, &c);
-        let signal = self.signal(&baselines, signals, obs);
-        if signal == Signal::Clear {
-            self.history.push(signals, c.baseline_steps);
-        }
+        // The peers judge from step 0: they need no baseline.
+        let peers = self.peers.observe(&obs.ranks, c.peer_config());
+        let run_level = self.run_level(obs);
+        let signal = match (peers, run_level) {
+            (None, None) => return vec![],
+            (Some(found), None) => found.into_breach(),
+            (None, Some(signal)) => signal,
+            (Some(found), Some(Signal::Breach(mut b))) => {
+                b.explanation = format!("{}; {}", b.explanation, found.explanation);
+                for r in found.ranks {
+                    if !b.outlier_ranks.contains(&r) {
+                        b.outlier_ranks.push(r);
+                    }
+                }
+                Signal::Breach(b)
+            }
+            (Some(found), Some(_)) => found.into_breach(),
+        };
         self.trackers
             .observe(&(), obs.step, obs.time_ms, signal, &self.config.lifecycle)
     }
