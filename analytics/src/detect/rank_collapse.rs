@@ -12,10 +12,22 @@
 //! way), or when a least-squares fit of log(ratio) over the last `trend_window` probes has a
 //! slope with t-statistic ≥ `trend_min_t` that projects it out within `trend_horizon` probes.
 //! An absolute band (`band_low`, `band_high`) can be added for models where it has been
-//! calibrated; it is off by default. Token cosine at or above `token_cosine_warning` (after the
-//! warm-up) is a warning, at or above `token_cosine_critical` (at any step) critical. An alert
-//! clears only when the ratio is back inside its bounds shrunk by `exit_margin` and token cosine
-//! is below `token_cosine_exit` (hysteresis).
+//! calibrated; it is off by default.
+//!
+//! Token cosine is judged against the layer's own history. After the warm-up it breaches when it is at or above `token_cosine_warning` (a warning) or
+//! `token_cosine_critical` (critical) *and* the spread 1 − cosine has shrunk by
+//! `token_cosine_contraction` from its widest since the warm-up. Both conditions, because on
+//! real text a healthy layer passes through high cosine early (a byte-level GPT on the standard
+//! library's docstrings: 0.92 at step 25, 0.91 at step 75, falling to 0.2 by step 1,000, as it
+//! first learns byte frequencies, then context) and a pretrained model's uncentred cosine sits
+//! high for good (anisotropy); what collapse adds is the token states *converging further*
+//! than the layer has been. During the warm-up only a collapse far past that transient counts:
+//! token cosine at the critical level with its spread `token_cosine_early_contraction` (25)
+//! times narrower than at the first probe — a deep GPT with a learning rate 10× too high went
+//! from 0.02 at initialisation to 0.97 at step 3 and 0.999 at step 4 (30- and 500-fold
+//! contractions; the healthy transient above is 12-fold, so 25 leaves it a factor of two). An alert clears only when the ratio is back inside
+//! its bounds shrunk by `exit_margin` and token cosine is below `token_cosine_exit` or its
+//! spread is back above the contracted level widened by `exit_margin` (hysteresis).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -51,10 +63,16 @@ pub struct RankCollapseConfig {
     pub trend_horizon: f64,
     /// Minimum |t| of the fitted slope for a trend to count. Default 4.
     pub trend_min_t: f64,
-    /// Token cosine at or above this (after the warm-up) is a warning. Default 0.5.
+    /// Token cosine at or above this (after the warm-up, and contracted) is a warning. Default 0.5.
     pub token_cosine_warning: f64,
-    /// Token cosine at or above this is critical. Default 0.9.
+    /// Token cosine at or above this (after the warm-up, and contracted) is critical. Default 0.9.
     pub token_cosine_critical: f64,
+    /// How many times the spread 1 − token cosine must have shrunk from its widest since the
+    /// warm-up for a level to count. Default 2.
+    pub token_cosine_contraction: f64,
+    /// During the warm-up, the contraction from the widest spread since the first probe at
+    /// which token cosine at or above `token_cosine_critical` is critical. Default 25.
+    pub token_cosine_early_contraction: f64,
     /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
     /// Default: fire after 3 breaching observations, resolve after 3 clear ones.
@@ -75,6 +93,8 @@ impl Default for RankCollapseConfig {
             trend_min_t: 4.0,
             token_cosine_warning: 0.5,
             token_cosine_critical: 0.9,
+            token_cosine_contraction: 2.0,
+            token_cosine_early_contraction: 25.0,
             token_cosine_exit: 0.4,
             lifecycle: LifecycleConfig {
                 pending_for: 3,
@@ -100,14 +120,16 @@ impl RankCollapseConfig {
             && (self.trend_window == 0 || self.trend_window >= 3)
             && self.trend_horizon >= 0.0
             && self.trend_min_t > 0.0
+            && self.token_cosine_contraction >= 1.0
+            && self.token_cosine_early_contraction >= 1.0
             && self.token_cosine_exit <= self.token_cosine_warning
             && self.token_cosine_warning <= self.token_cosine_critical;
         if !ok {
             return Err(Error::Config(format!(
                 "rank_collapse: need band_low and band_high both set (0 < band_low < band_high, \
                  with room for exit_margin) or both unset, baseline_observations ≥ 1, \
-                 drift_factor > (1 + exit_margin)², trend_window 0 or ≥ 3, trend_min_t > 0 and \
-                 token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical; got {self:?}"
+                 drift_factor > (1 + exit_margin)², trend_window 0 or ≥ 3, trend_min_t > 0, \
+                 token_cosine_contraction ≥ 1, token_cosine_early_contraction ≥ 1 and token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical; got {self:?}"
             )));
         }
         self.lifecycle.validate("rank_collapse")
@@ -139,6 +161,10 @@ struct LayerState {
     ratio: Option<f64>,
     token_cosine: Option<f64>,
     previous_token_cosine: Option<f64>,
+    /// The widest spread 1 − token cosine seen since the warm-up.
+    widest_spread: Option<f64>,
+    /// The widest spread seen since the first probe.
+    widest_spread_early: Option<f64>,
 }
 
 /// The healthy range of one layer's ratio: the band, if set, within the drift bounds around
@@ -279,7 +305,25 @@ impl RankCollapseConfig {
                 .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
                 .unwrap_or_default()
         };
-        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
+        // How far the spread has shrunk from its widest: since the warm-up once it is over,
+        // since the first probe during it, where only a far stronger contraction counts.
+        let (widest, needed, since_step) = if warm {
+            (
+                state.widest_spread,
+                c.token_cosine_contraction,
+                c.warmup_steps,
+            )
+        } else {
+            (
+                state.widest_spread_early,
+                c.token_cosine_early_contraction,
+                0,
+            )
+        };
+        let contraction = |tc: f64| widest.map_or(1.0, |w| w / (1.0 - tc).max(1e-12));
+        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine)
+            && contraction(tc) >= needed
+        {
             let level = if tc >= c.token_cosine_critical {
                 Some((
                     Severity::Critical,
@@ -301,9 +345,11 @@ impl RankCollapseConfig {
                     value: tc,
                     threshold,
                     explanation: format!(
-                        "layer {layer}: token cosine {} ≥ {}: token states are {what} one direction{}",
+                        "layer {layer}: token cosine {} ≥ {}, its spread {}× narrower than at its widest since step {}: token states are {what} one direction{}",
                         short(tc),
                         short(threshold),
+                        short(contraction(tc)),
+                        since_step,
                         ratio_note()
                     ),
                     outlier_ranks: vec![],
@@ -324,7 +370,9 @@ impl RankCollapseConfig {
             (Some(ratio), Some(b)) => ratio >= b.low * margin && ratio <= b.high / margin,
             _ => true,
         };
-        let calm = state.token_cosine.is_none_or(|tc| tc < c.token_cosine_exit);
+        let calm = state
+            .token_cosine
+            .is_none_or(|tc| tc < c.token_cosine_exit || contraction(tc) * margin < needed);
         if inside && calm {
             Signal::Clear
         } else {
@@ -420,6 +468,12 @@ impl Detector for RankCollapse {
         if let Some(tc) = fresh_tc {
             state.previous_token_cosine = state.token_cosine;
             state.token_cosine = Some(tc);
+            let spread = 1.0 - tc;
+            let widen = |w: Option<f64>| Some(w.map_or(spread, |w: f64| w.max(spread)));
+            state.widest_spread_early = widen(state.widest_spread_early);
+            if obs.step >= self.config.warmup_steps {
+                state.widest_spread = widen(state.widest_spread);
+            }
         }
         if fresh_ratio.is_none() && fresh_tc.is_none() {
             return vec![];
