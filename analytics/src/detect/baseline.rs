@@ -1,6 +1,11 @@
-//! A series' own baseline, learned once: its first finite values until there are enough, then
-//! their median. Used where a rule judges a value against where that series settled
-//! (`activation_outlier`'s maxima, `rank_collapse`'s log ratio) rather than a fixed threshold.
+//! A series' own baseline: where a rule judges a value against where that series settled
+//! rather than a fixed threshold. [`Baseline`] is learned once (its first finite values until
+//! there are enough, then their median: `rank_collapse`'s log ratio, which must remember where
+//! it started to see a slow drift); [`TrailingMedian`] follows the series (the median of its
+//! values over the last so many steps: `activation_outlier`'s maxima, which grow tenfold in
+//! healthy training long after any warm-up).
+
+use std::collections::VecDeque;
 
 use crate::math::dispersion::median;
 
@@ -38,5 +43,40 @@ impl Baseline {
             Baseline::Learned(b) => Some(*b),
             Baseline::Learning(_) => None,
         }
+    }
+}
+
+/// The median of a series' finite values over its last `span` steps, every value counted (so
+/// it cannot latch on a level it will never see again).
+#[derive(Debug, Clone, Default)]
+pub(super) struct TrailingMedian {
+    values: VecDeque<(u64, f64)>,
+}
+
+impl TrailingMedian {
+    /// The median of the values within `span` steps before `step` (when at least `needed`),
+    /// then `value` joins them (if finite).
+    pub(super) fn update(
+        &mut self,
+        step: u64,
+        value: f64,
+        span: u64,
+        needed: usize,
+    ) -> Option<f64> {
+        while self
+            .values
+            .front()
+            .is_some_and(|&(s, _)| s.saturating_add(span) < step)
+        {
+            self.values.pop_front();
+        }
+        let baseline = (self.values.len() >= needed).then(|| {
+            let mut v: Vec<f64> = self.values.iter().map(|&(_, v)| v).collect();
+            median(&mut v)
+        });
+        if value.is_finite() {
+            self.values.push_back((step, value));
+        }
+        baseline
     }
 }

@@ -52,13 +52,14 @@ fn band(metric: &str, rules: Option<&RulesAnswer>) -> (Option<Band>, String) {
         }
         "act_max" => {
             let limit = n("activation_outlier", "absolute_limit");
-            (
-                limit.map(|l| Band { low: 0.0, high: l }),
-                format!(
-                    "healthy below {} (activation_outlier absolute_limit, the FP8 E4M3 range); cells above it are outlined",
+            let text = match limit {
+                Some(_) => format!(
+                    "healthy below {} (activation_outlier absolute_limit); cells above it are outlined",
                     format::num(limit)
                 ),
-            )
+                None => "no absolute limit set (activation_outlier absolute_limit); the rule judges growth over each site's own baseline".into(),
+            };
+            (limit.map(|l| Band { low: 0.0, high: l }), text)
         }
         _ => (None, "no band for this metric".into()),
     }
