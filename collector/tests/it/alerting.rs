@@ -96,9 +96,9 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     announce(&c, run).await;
     let mut sim = DataParallelSim::new(WORLD, 256, 11);
     let mut expected = Vec::new();
-    // Judged from step 80 (skip_steps 50 + 30 warm-up steps); the fault from 90.
-    for step in 0..120u64 {
-        let fault = if step >= 90 {
+    // Judged from step 230 (skip_steps 200 + 30 warm-up steps); the fault from 240.
+    for step in 0..270u64 {
+        let fault = if step >= 240 {
             Fault::ScaleGradient(2, 6.0)
         } else {
             Fault::None
@@ -113,24 +113,24 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     .await;
     assert_eq!(alert["outlier_ranks"], json!([2]), "{alert:#}");
     let first = alert["first_step"].as_u64().unwrap();
-    assert!((90..96).contains(&first), "fired from step {first}");
+    assert!((240..246).contains(&first), "fired from step {first}");
     assert!(
         alert["explanation"].as_str().unwrap().contains("rank 2"),
         "{alert:#}"
     );
 
-    // Steps 0..118 close (every rank moved past them; the engine runs behind ingest, so wait);
-    // 119 waits for its timeout or shutdown.
+    // Steps 0..268 close (every rank moved past them; the engine runs behind ingest, so wait);
+    // 269 waits for its timeout or shutdown.
     let query = format!(
         "SELECT step, value FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std' ORDER BY step"
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut rows = sql(&c, &query).await;
-    while rows.len() < 119 && Instant::now() < deadline {
+    while rows.len() < 269 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
         rows = sql(&c, &query).await;
     }
-    assert_eq!(rows.len(), 119);
+    assert_eq!(rows.len(), 269);
     for row in &rows {
         let step = row["step"].as_u64().unwrap() as usize;
         let want = expected[step].loss.unwrap().std;
@@ -153,13 +153,13 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     )).await;
     assert_eq!(
         (rows[0]["n"].as_u64(), rows[0]["steps"].as_u64()),
-        (Some(120), Some(120))
+        (Some(270), Some(270))
     );
     let restored = wait_alert(&c, run, |a| a["id"] == id).await;
     assert_eq!(restored["state"], "firing", "{restored:#}");
     // The fault goes on after the restart: the restored alert stays firing (the new detector's
     // baseline, learned from faulty steps, cannot clear it) and is not duplicated.
-    for step in 120..170u64 {
+    for step in 270..320u64 {
         let obs = sim.step(step, Fault::ScaleGradient(2, 6.0));
         ingest(&c, run, step, &step_rows(run, &obs)).await;
     }
