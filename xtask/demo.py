@@ -100,7 +100,8 @@ def wait_ready(url: str, collector: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def faults(steps: int, ranks: int) -> list[str]:
-    at = max(60, int(steps * 0.4))  # after the alert engine's warm-up and baseline
+    # After silent_inconsistency's 200 skipped steps and 30-step warm-up (docs/detection.md).
+    at = max(240, int(steps * 0.6))
     out = [f"collapse@{at}:layer=1"]
     if ranks >= 2:
         out.insert(0, f"grad_scale@{at}:rank=1:factor=8")
@@ -203,7 +204,7 @@ def stop_process(proc: subprocess.Popen[bytes], name: str, first: signal.Signals
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cargo xtask demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", type=Path, default=ROOT / "target" / "debug" / "rankwatch", help="the collector binary")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
     p.add_argument("--ranks", type=int, default=4, help="data-parallel processes (default 4)")
     p.add_argument("--no-faults", action="store_true", help="a healthy run: no scripted trouble")
     p.add_argument("--port", type=int, default=7070, help="the collector's port (default 7070; 0 picks a free one)")

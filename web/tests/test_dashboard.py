@@ -24,10 +24,10 @@ from conftest import REPO, SHOTS, Collector, screenshot
 
 EXAMPLE = REPO / "sdk-python" / "examples" / "train_ddp.py"
 RUN = "ui-ddp"
-STEPS = 240
+STEPS = 400
 RANKS = 4
 LAYERS = 3
-FAULT_STEP = 80
+FAULT_STEP = 250
 SMALL = ["--layers", str(LAYERS), "--width", "32", "--seq", "32", "--batch", "4", "--vocab", "64", "--corpus", "1024"]
 
 

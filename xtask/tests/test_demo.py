@@ -1,4 +1,4 @@
-"""`cargo xtask demo --steps 200`, the README's main job, run as a user runs it: the collector
+"""`cargo xtask demo --steps 320`, the README's main job, run as a user runs it: the collector
 answers, the run appears, the scripted alerts fire (rank 1's silent inconsistency, layer 1's
 drift toward collapse), and Ctrl-C (SIGINT to the whole foreground process group, as a
 terminal sends it) stops everything cleanly."""
@@ -22,7 +22,7 @@ README_DEMO = ["cargo", "xtask", "demo"]
 
 
 def test_demo_tells_its_story_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
-    cmd = [*README_DEMO, "--steps", "200", "--port", "0", "--data-dir", str(tmp_path / "data")]
+    cmd = [*README_DEMO, "--steps", "320", "--port", "0", "--data-dir", str(tmp_path / "data")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -57,12 +57,12 @@ def test_demo_tells_its_story_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> Non
         text = "\n".join(lines)
         assert url and run and answered, text[-4000:]
         listed = requests.get(f"{url}/api/v1/runs", timeout=10).json()["runs"]
-        assert any(r["run"] == run and r["world_size"] == 4 and r["last_step"] == 199 for r in listed), listed
+        assert any(r["run"] == run and r["world_size"] == 4 and r["last_step"] == 319 for r in listed), listed
         # The scripted trouble was caught, by the rules meant for it, where it was put.
         alerts = requests.get(f"{url}/api/v1/alerts", params={"run": run}, timeout=10).json()["alerts"]
         fired = [a for a in alerts if a.get("fired_at_ms") is not None]
-        assert any(a["rule"] == "silent_inconsistency" and 1 in a["outlier_ranks"] and a["first_step"] >= 80 for a in fired), text[-4000:]
-        assert any(a["rule"] == "rank_collapse" and a["layer"] == 1 and a["first_step"] >= 80 for a in fired), text[-4000:]
+        assert any(a["rule"] == "silent_inconsistency" and 1 in a["outlier_ranks"] and a["first_step"] >= 240 for a in fired), text[-4000:]
+        assert any(a["rule"] == "rank_collapse" and a["layer"] == 1 and a["first_step"] >= 240 for a in fired), text[-4000:]
         assert "ALERT  warning silent_inconsistency" in text and "rank_collapse (layer 1)" in text
         # Ctrl-C.
         os.killpg(proc.pid, signal.SIGINT)
