@@ -1,0 +1,404 @@
+"""Detection benchmark (`cargo xtask bench detection`): how often the default rules alert on
+healthy training, with confidence intervals, per rule.
+
+Many healthy runs of the real-text harness (sdk-python/examples/train_text.py: a byte-level
+GPT on text cut from the Python standard library, warm-up and cosine decay) stream through
+the real agent to one real collector running its default rules (or `--rules FILE`). The
+matrix varies what changes healthy statistics in practice: model size, number of ranks K,
+uniform sampling against per-rank contiguous shards, a data-mix switch part-way, a checkpoint
+resume (a fresh set of processes under the same run name), dropout, a higher learning rate,
+seeds. Every alert that fires on one of them is a false alert.
+
+Reported per rule: false alerts per 1,000 steps with an exact Poisson 95 % interval (steps are
+counted once per run, not per rank), and the share of runs with at least one, with a
+Clopper-Pearson 95 % interval. "0 of 5 runs" allows up to 52 % of runs; 0 of 32 allows 11 %.
+
+Runs are scheduled so their ranks never outnumber the cores (one is kept for the collector);
+each run's alerts and losses are written under `--out` as it finishes (runs.jsonl), so a
+benchmark cut short still reports what it ran. `summary.md` and `summary.json` hold the table.
+
+    python bench/detection_bench.py                      # the full matrix, 2,000 steps a run
+    python bench/detection_bench.py --steps 300 --only tiny-k2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "sdk-python" / "examples" / "train_text.py"
+RULES = ("rank_collapse", "silent_inconsistency", "loss_spike", "activation_outlier", "nonfinite", "stale_rank")
+TINY = ["--layers", "2", "--width", "64", "--heads", "4"]
+SMALL = ["--layers", "4", "--width", "128", "--heads", "4"]
+
+
+@dataclass
+class Scenario:
+    name: str
+    nproc: int
+    args: list[str] = field(default_factory=list)
+
+
+def healthy_matrix(steps: int) -> list[Scenario]:
+    """The healthy runs, most varied first (a run cut short by a time limit loses the tail)."""
+    half, resume = steps // 2, steps * 3 // 5
+    out: list[Scenario] = []
+
+    def add(name: str, nproc: int, seeds: range, *args: str) -> None:
+        out.extend(Scenario(f"{name}-s{s}", nproc, [*args, "--seed", str(s)]) for s in seeds)
+
+    add("tiny-k4", 4, range(2), *TINY)
+    add("tiny-k4-shard", 4, range(2), *TINY, "--sampling", "shard")
+    add("tiny-k4-switch", 4, range(2), *TINY, "--switch", f"{half}:reference")
+    add("tiny-k4-resume", 4, range(2), *TINY, "--resume-at", str(resume))
+    add("small-k4", 4, range(2), *SMALL)
+    add("tiny-k2", 2, range(2), *TINY)
+    add("tiny-k8", 8, range(1), *TINY)
+    add("tiny-k4-dropout", 4, range(2), *TINY, "--dropout", "0.1")
+    add("tiny-k4-lr3e-3", 4, range(2), *TINY, "--lr", "3e-3")
+    add("small-k2-shard-switch", 2, range(2), *SMALL, "--sampling", "shard", "--switch", f"{half}:code")
+    add("tiny-k4", 4, range(2, 6), *TINY)
+    add("tiny-k2", 2, range(2, 4), *TINY)
+    add("tiny-k4-shard", 4, range(2, 4), *TINY, "--sampling", "shard")
+    add("tiny-k4-switch", 4, range(2, 4), *TINY, "--switch", f"{half}:code")
+    add("tiny-k4-resume", 4, range(2, 3), *TINY, "--resume-at", str(resume))
+    add("small-k4", 4, range(2, 3), *SMALL)
+    add("tiny-k8", 8, range(1, 2), *TINY)
+    add("tiny-k4-dropout", 4, range(2, 3), *TINY, "--dropout", "0.1")
+    return out
+
+
+def seed_matrix(steps: int) -> list[Scenario]:
+    """The seed experiment of arXiv 2602.14462 as the paper set it up: each rank draws its
+    batches from its own generator over the whole corpus, with dropout, and the data seed is
+    the same on every rank, different on rank 0 alone, or different per rank (the correct
+    setting), each over three seeds."""
+    return [
+        Scenario(f"seeds-{mode}-s{seed}", 4, [*TINY, "--dropout", "0.1", "--seed-mode", mode, "--seed", str(seed)])
+        for mode in ("same", "rank0", "per-rank")
+        for seed in range(3)
+    ]
+
+
+# The cross-rank statistics the paper reports (loss std and range, std of gradient norms, mean
+# pairwise cosine) and those the alerts use (CVs, norm-weighted C_w), averaged over a run.
+PAPER_METRICS = ("loss_std", "loss_range", "grad_norm_std", "cos_pair_mean")
+OUR_METRICS = ("loss_cv", "grad_norm_cv", "cos_weighted")
+FROM_STEP = 200
+
+
+# --- intervals (exact, without scipy) ---------------------------------------------------------
+
+
+def _poisson_cdf(k: int, lam: float) -> float:
+    if lam <= 0:
+        return 1.0
+    term = math.exp(-lam)
+    total = term
+    for i in range(1, k + 1):
+        term *= lam / i
+        total += term
+    return min(1.0, total)
+
+
+def _bisect(f, lo: float, hi: float) -> float:
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if f(mid):
+            hi = mid
+        else:
+            lo = mid
+    return (lo + hi) / 2
+
+
+def poisson_interval(k: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Exact (Garwood) interval for a Poisson mean given k events."""
+    upper = _bisect(lambda lam: _poisson_cdf(k, lam) <= alpha / 2, 0.0, 10.0 * k + 50.0)
+    lower = 0.0 if k == 0 else _bisect(lambda lam: 1.0 - _poisson_cdf(k - 1, lam) >= alpha / 2, 0.0, 10.0 * k + 50.0)
+    return lower, upper
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def proportion_interval(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Clopper-Pearson interval for k successes in n trials."""
+    lower = 0.0 if k == 0 else _bisect(lambda p: 1.0 - _binom_cdf(k - 1, n, p) >= alpha / 2, 0.0, 1.0)
+    upper = 1.0 if k == n else _bisect(lambda p: _binom_cdf(k, n, p) <= alpha / 2, 0.0, 1.0)
+    return lower, upper
+
+
+# --- the collector and the runs ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_collector(data: Path, rules: str | None) -> tuple[subprocess.Popen[str], str]:
+    binary = os.environ.get("RANKWATCH_BIN") or str(ROOT / "target" / "release" / "rankwatch")
+    cmd = [binary, "serve", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(data), "--flush-interval", "2s"]
+    if rules:
+        cmd += ["--rules", rules]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RANKWATCH_LOG": "warn"})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("rankwatch listening on http://"):
+        proc.kill()
+        raise SystemExit(f"the collector did not start ({binary}): {line!r}")
+    return proc, line.strip().rsplit(" ", 1)[1]
+
+
+def sql(url: str, query: str) -> list[dict]:
+    r = requests.post(f"{url}/api/v1/sql", json={"sql": query}, timeout=60)
+    r.raise_for_status()
+    body = r.json()
+    return body["rows"] if isinstance(body, dict) else body
+
+
+def settle(url: str, run: str, last_step: int) -> list[dict]:
+    """The run's alerts once the collector has aligned its last step (or after 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = sql(url, f"SELECT max(step) AS s FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std'")
+        if rows and rows[0]["s"] is not None and rows[0]["s"] >= last_step:
+            break
+        time.sleep(0.5)
+    r = requests.get(f"{url}/api/v1/alerts", params={"run": run}, timeout=60)
+    r.raise_for_status()
+    return list(r.json()["alerts"])
+
+
+def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dict:
+    where = out / "runs" / s.name
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    cmd = [sys.executable, str(EXAMPLE), "--nproc", str(s.nproc), "--steps", str(steps), "--run", s.name, "--collector", url, "--result-dir", str(where), "--spool-dir", str(where / "spool"), "--corpus-dir", str(out / "corpus"), *s.args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    started = time.monotonic()
+    try:
+        done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+        error = None if done.returncode == 0 else done.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout:.0f} s"
+    seconds = time.monotonic() - started
+    alerts = settle(url, s.name, steps - 1) if error is None else []
+    means = {}
+    if error is None:
+        for m in (*PAPER_METRICS, *OUR_METRICS):
+            rows = sql(url, f"SELECT avg(value) AS v FROM samples WHERE run = '{s.name}' AND rank IS NULL AND metric = '{m}' AND step >= {FROM_STEP} AND NOT isnan(value)")
+            means[m] = rows[0]["v"] if rows else None
+    losses: list[float] = []
+    for f in sorted(where.glob("rank-0-from-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
+        losses += json.loads(f.read_text())["losses"]
+    keep = ("rule", "severity", "state", "layer", "rank", "site", "first_step", "last_step", "fired_at_ms", "outlier_ranks", "explanation")
+    return {
+        "name": s.name,
+        "nproc": s.nproc,
+        "args": s.args,
+        "steps": steps,
+        "seconds": round(seconds, 1),
+        "error": error,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
+        "alerts": [{k: a.get(k) for k in keep} for a in alerts],
+        "means_from_step_200": means,
+    }
+
+
+def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float) -> list[dict]:
+    """Runs scenarios in order, as many at once as `cores` allow; none starts after `deadline`."""
+    results: list[dict] = []
+    lock = threading.Condition()
+    busy = 0
+    log = (out / "runs.jsonl").open("a")
+
+    def worker(s: Scenario) -> None:
+        nonlocal busy
+        result = run_one(s, steps, url, out, timeout)
+        with lock:
+            results.append(result)
+            log.write(json.dumps(result) + "\n")
+            log.flush()
+            busy -= min(s.nproc, cores)
+            fired = sum(1 for a in result["alerts"] if a["fired_at_ms"] is not None)
+            print(f"  {s.name:<32} {result['seconds']:>6.1f} s  loss {result['first_loss'] or 0:.2f} → {result['final_loss'] or 0:.2f}  alerts fired: {fired}" + (f"  ERROR {result['error'][-200:]}" if result["error"] else ""), flush=True)
+            lock.notify_all()
+
+    threads = []
+    for s in scenarios:
+        with lock:
+            while busy + min(s.nproc, cores) > cores:
+                lock.wait()
+            if time.monotonic() > deadline:
+                print(f"  time limit reached: {len(scenarios) - len(threads)} runs not started", flush=True)
+                break
+            busy += min(s.nproc, cores)
+        t = threading.Thread(target=worker, args=(s,))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    log.close()
+    return results
+
+
+# --- the summary --------------------------------------------------------------------------------
+
+
+def summarise(results: list[dict]) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    steps = sum(r["steps"] for r in ok)
+    rules = {}
+    for rule in RULES:
+        per_run = [sum(1 for a in r["alerts"] if a["rule"] == rule and a["fired_at_ms"] is not None) for r in ok]
+        k = sum(per_run)
+        runs_with = sum(1 for n in per_run if n)
+        lo, hi = poisson_interval(k)
+        plo, phi = proportion_interval(runs_with, len(ok)) if ok else (0.0, 1.0)
+        rules[rule] = {
+            "false_alerts": k,
+            "per_1000_steps": 1000 * k / steps if steps else None,
+            "per_1000_steps_ci": [1000 * lo / steps, 1000 * hi / steps] if steps else None,
+            "runs_with_alert": runs_with,
+            "runs_share_ci": [plo, phi],
+        }
+    total = sum(v["false_alerts"] for v in rules.values())
+    lo, hi = poisson_interval(total)
+    any_runs = sum(1 for r in ok if any(a["fired_at_ms"] is not None for a in r["alerts"]))
+    return {
+        "runs": len(ok),
+        "failed_runs": [r["name"] for r in results if r["error"] is not None],
+        "steps": steps,
+        "rules": rules,
+        "all": {
+            "false_alerts": total,
+            "per_1000_steps": 1000 * total / steps if steps else None,
+            "per_1000_steps_ci": [1000 * lo / steps, 1000 * hi / steps] if steps else None,
+            "runs_with_alert": any_runs,
+            "runs_share_ci": list(proportion_interval(any_runs, len(ok))) if ok else [0.0, 1.0],
+        },
+    }
+
+
+def table(summary: dict, machine: str) -> str:
+    lines = [
+        f"{summary['runs']} healthy runs, {summary['steps']:,} steps in all ({machine})" + (f"; failed: {', '.join(summary['failed_runs'])}" if summary["failed_runs"] else ""),
+        "",
+        "| rule | false alerts | per 1,000 steps (95 % CI) | runs with one (95 % CI) |",
+        "|---|---|---|---|",
+    ]
+    for rule, v in [*summary["rules"].items(), ("all rules", summary["all"])]:
+        lo, hi = v["per_1000_steps_ci"] or (0, 0)
+        plo, phi = v["runs_share_ci"]
+        lines.append(f"| {rule} | {v['false_alerts']} | {v['per_1000_steps'] or 0:.3f} ({lo:.3f}–{hi:.3f}) | {v['runs_with_alert']} of {summary['runs']} ({100 * plo:.0f}–{100 * phi:.0f} %) |")
+    return "\n".join(lines)
+
+
+def _t95(n: int) -> float:
+    return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}.get(n, 1.96)
+
+
+def seed_table(results: list[dict], machine: str) -> str:
+    """Per setting: each statistic's mean over seeds with a 95 % t-interval, and the alerts."""
+    settings = ("same", "rank0", "per-rank")
+    cols = (*PAPER_METRICS, *OUR_METRICS)
+    lines = [
+        f"Seed experiment: {len(results)} runs, 4 ranks, dropout 0.1, means over steps ≥ {FROM_STEP} ({machine})",
+        "",
+        "| setting | " + " | ".join(cols) + " | alerts fired (rule: named ranks) |",
+        "|---|" + "---|" * len(cols) + "---|",
+    ]
+    for mode in settings:
+        runs = [r for r in results if r["name"].startswith(f"seeds-{mode}-") and r["error"] is None]
+        cells = []
+        for m in cols:
+            xs = [r["means_from_step_200"][m] for r in runs if r["means_from_step_200"].get(m) is not None]
+            if not xs:
+                cells.append("—")
+                continue
+            mean = sum(xs) / len(xs)
+            half = _t95(len(xs)) * (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+            cells.append(f"{mean:.4g} ± {half:.2g}")
+        fired = [f"{a['rule']}: {a['outlier_ranks']}" for r in runs for a in r["alerts"] if a["fired_at_ms"] is not None]
+        lines.append(f"| {mode} ({len(runs)} seeds) | " + " | ".join(cells) + f" | {len(fired)}: {'; '.join(sorted(set(fired))) or '—'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="healthy", choices=["healthy", "seeds"], help="healthy: the false-alert matrix; seeds: the seed experiment")
+    p.add_argument("--steps", type=int, default=2000, help="steps per run")
+    p.add_argument("--only", action="append", default=[], help="run only scenarios whose name starts with this (repeatable)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many runs")
+    p.add_argument("--shard", default="0/1", help="I/N: only every N-th scenario from the I-th, to split the matrix between machines")
+    p.add_argument("--cores", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="ranks running at once (default: all cores but one)")
+    p.add_argument("--rules", default=None, help="a rules file for the collector (default: its documented defaults)")
+    p.add_argument("--run-timeout", type=float, default=1800.0)
+    p.add_argument("--time-limit", type=float, default=None, help="start no run after this many seconds")
+    p.add_argument("--out", default=str(ROOT / "target" / "bench" / "detection"))
+    p.add_argument("--keep-data", action="store_true", help="keep the collector's data directory (under --out) instead of a temporary one")
+    p.add_argument("--summarise", nargs="+", metavar="RUNS_JSONL", help="only print the table of runs already made (runs.jsonl files, e.g. from several machines)")
+    args = p.parse_args(argv)
+    if args.summarise:
+        results = [json.loads(line) for f in args.summarise for line in Path(f).read_text().splitlines() if line.strip()]
+        machines = ", ".join(f"{Path(f).parent.name}/{Path(f).name}" for f in args.summarise)
+        if args.suite == "seeds":
+            print(seed_table(results, machines))
+        else:
+            print(table(summarise(results), machines))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.jsonl").unlink(missing_ok=True)
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        p.error(f"--shard {args.shard!r}: expected I/N with 0 <= I < N")
+    matrix = healthy_matrix(args.steps) if args.suite == "healthy" else seed_matrix(args.steps)
+    scenarios = [s for s in matrix if not args.only or any(s.name.startswith(o) for o in args.only)]
+    scenarios = scenarios[int(index) :: int(count)][: args.limit]
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
+    print(f"detection bench ({args.suite}): {len(scenarios)} runs of {args.steps} steps, {args.cores} ranks at once ({machine})", flush=True)
+    data = out / "collector-data" if args.keep_data else Path(tempfile.mkdtemp(prefix="rankwatch-detection-"))
+    if args.keep_data:
+        shutil.rmtree(data, ignore_errors=True)
+    proc, url = start_collector(data, args.rules)
+    deadline = time.monotonic() + (args.time_limit if args.time_limit is not None else math.inf)
+    try:
+        results = schedule(scenarios, args.steps, url, out, args.cores, args.run_timeout, deadline)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if not args.keep_data:
+            shutil.rmtree(data, ignore_errors=True)
+    summary = summarise(results)
+    summary["machine"] = machine
+    summary["shard"] = args.shard
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    text = table(summary, machine) if args.suite == "healthy" else seed_table(results, machine)
+    (out / "summary.md").write_text(text + "\n")
+    print()
+    print(text)
+    return 1 if summary["failed_runs"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
