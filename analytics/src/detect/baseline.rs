@@ -47,13 +47,19 @@ impl Baseline {
 }
 
 /// The median of a series' finite values over its last `span` steps, every value counted (so
-/// it cannot latch on a level it will never see again).
+/// it cannot latch on a level it will never see again), and at most the last
+/// [`TrailingMedian::MAX_VALUES`] of them: a series sampled every step keeps a window of that
+/// many steps, so memory and the median's sort stay bounded per series (1,024 ranks × a few
+/// sites × layers are many series).
 #[derive(Debug, Clone, Default)]
 pub(super) struct TrailingMedian {
     values: VecDeque<(u64, f64)>,
 }
 
 impl TrailingMedian {
+    /// The most values kept.
+    pub(super) const MAX_VALUES: usize = 256;
+
     /// The median of the values within `span` steps before `step` (when at least `needed`),
     /// then `value` joins them (if finite).
     pub(super) fn update(
@@ -76,6 +82,9 @@ impl TrailingMedian {
         });
         if value.is_finite() {
             self.values.push_back((step, value));
+            if self.values.len() > Self::MAX_VALUES {
+                self.values.pop_front();
+            }
         }
         baseline
     }

@@ -6,37 +6,44 @@
 //! cosine to the mean changes from step to step, each rank about 1/K of the time. Two things
 //! break that, whatever the run's history:
 //!
-//! * **A rank that stands out step after step.** Each step, the rank furthest from the median of
-//!   the *other* ranks (loss or gradient norm relative to theirs, cosine to the mean below
-//!   theirs) is noted when that distance reaches `peer_min_effect`; a rank noted at
-//!   `peer_share` of the last `peer_window` steps breaches. By chance, with K = 4, the same
-//!   rank tops 40 of 50 steps with probability ~10⁻¹⁹. The effect floor is what keeps healthy
-//!   differences out: ranks reading contiguous shards of a corpus have persistently different
-//!   content (measured on the real-text harness: per-rank losses a few per cent apart, the same
-//!   rank highest for hundreds of steps), and that is how many pipelines shard, not a fault.
-//!   A rank whose data is corrupted or off-task, or whose gradient is scaled, is far past it.
+//! * **A rank that stands out step after step.** At each step, every rank whose distance from
+//!   the median of the *other* ranks (loss or gradient norm relative to theirs, either way, or
+//!   cosine to the mean below theirs) reaches `peer_min_effect` is noted; a rank noted at
+//!   `peer_share` of the last `peer_window` steps breaches, and the verdict holds (neither
+//!   breach nor clear) while the most-noted rank's share stays above half of that, so an alert
+//!   does not flap on the steps where the rank happens to sit close to its peers. By chance,
+//!   with K = 4, one rank is the furthest at 40 of 50 steps with probability ~5×10⁻¹⁶. The
+//!   effect floor is what keeps healthy differences out: ranks reading contiguous shards of a
+//!   corpus see persistently different content, which is how many pipelines shard, not a fault
+//!   (the detection benchmark's shard runs raised nothing). A rank whose data is corrupted or
+//!   off-task, or whose gradient is scaled, is far past it.
 //! * **Ranks fed identical data.** Ranks that compute the same loss and the same gradient norm,
 //!   to the bit, for `identical_steps` steps are training on the same batches: a data seed or
 //!   sampler shared where it must differ (the first setting of arXiv 2602.14462's seed
-//!   experiment), which silently shrinks the effective batch. With different data the chance
+//!   experiment; seeding by local rank gives one group per local rank), which silently shrinks
+//!   the effective batch. The partition into groups must hold for those steps. With different data the chance
 //!   of two bit-identical float losses is nil; the gradient norm (measured by the agent, never
 //!   rounded by the user) must match too.
 //!
 //! Both need no baseline, so they judge from step 0 and cannot latch; both need the per-rank
-//! values of every rank at the step, and the stand-out test needs three ranks or more.
+//! values of every rank at the step, and the stand-out test needs three ranks or more. The
+//! cost is a sort per quantity and step (each rank's others-median is read off the sorted
+//! column), so 1,024 ranks cost what a sort of 1,024 numbers does.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use super::short;
 use crate::math::dispersion::median;
 use crate::math::step::RankValues;
 
-/// One step's most distant rank.
+/// One rank noted at one step.
 #[derive(Debug, Clone, Copy)]
 struct Standout {
     rank: u32,
-    /// Loss or gradient norm relative to the others' median (e.g. 2.9 for 2.9×), or the
-    /// cosine gap, as described by `what`.
+    /// How far: the effect that was compared with the floor.
+    effect: f64,
+    /// What to say: loss or gradient norm relative to the others' median (e.g. 2.9 for 2.9×),
+    /// or the cosine gap, as `what` says.
     value: f64,
     what: Quantity,
 }
@@ -48,7 +55,7 @@ enum Quantity {
     Cosine,
 }
 
-/// The peers' verdict on one step.
+/// What a test found at a breach.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct PeerFinding {
     pub(super) explanation: String,
@@ -56,6 +63,15 @@ pub(super) struct PeerFinding {
     /// The share of the window (stand-out) or the steps identical (identical data).
     pub(super) value: f64,
     pub(super) threshold: f64,
+}
+
+/// The peers' verdict on one step.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum PeerVerdict {
+    Breach(PeerFinding),
+    /// Inside the hysteresis band: neither breach nor clear.
+    Hold,
+    Clear,
 }
 
 /// Thresholds, from `SilentInconsistencyConfig`.
@@ -69,133 +85,199 @@ pub(super) struct PeerConfig {
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct Peers {
-    recent: VecDeque<Option<Standout>>,
-    /// The largest group of ranks with bit-identical values, and for how many steps in a row.
-    identical: Option<(Vec<u32>, u32)>,
+    recent: VecDeque<Vec<Standout>>,
+    /// Steps each rank is noted at within `recent`.
+    noted: BTreeMap<u32, usize>,
+    /// The groups of ranks with bit-identical values, and for how many steps in a row.
+    identical: Option<(Vec<Vec<u32>>, u32)>,
 }
 
 type Getter = fn(&RankValues) -> Option<f64>;
 
-/// The others' median of `get`, and `rank`'s own value.
-fn against_others(ranks: &[RankValues], i: usize, get: Getter) -> Option<(f64, f64)> {
-    let own = get(&ranks[i]).filter(|v| v.is_finite())?;
-    let mut others: Vec<f64> = ranks
+/// For each rank (by index), its own value of `get` and the median of the other ranks' values,
+/// where it has a finite value and at least two others do. One sort: removing one value from
+/// a sorted column shifts the median by at most one place.
+fn against_others(ranks: &[RankValues], get: Getter) -> Vec<Option<(f64, f64)>> {
+    let mut sorted: Vec<(f64, usize)> = ranks
         .iter()
         .enumerate()
-        .filter(|&(j, _)| j != i)
-        .filter_map(|(_, r)| get(r).filter(|v| v.is_finite()))
+        .filter_map(|(i, r)| get(r).filter(|v| v.is_finite()).map(|v| (v, i)))
         .collect();
-    if others.len() < 2 {
-        return None;
+    let mut out = vec![None; ranks.len()];
+    let m = sorted.len().saturating_sub(1);
+    if m < 2 {
+        return out;
     }
-    Some((own, median(&mut others)))
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (p, &(own, i)) in sorted.iter().enumerate() {
+        let at = |j: usize| sorted[if j < p { j } else { j + 1 }].0;
+        let others = if m % 2 == 1 {
+            at(m / 2)
+        } else {
+            (at(m / 2 - 1) + at(m / 2)) / 2.0
+        };
+        out[i] = Some((own, others));
+    }
+    out
+}
+
+/// Up to eight ranks by number, then how many in all.
+fn list(ranks: &[u32]) -> String {
+    let shown: Vec<String> = ranks.iter().take(8).map(u32::to_string).collect();
+    if ranks.len() > 8 {
+        format!("{}, … ({} ranks)", shown.join(", "), ranks.len())
+    } else {
+        shown.join(", ")
+    }
 }
 
 impl Peers {
-    /// Folds in one step; returns a finding when one of the two tests breaches.
-    pub(super) fn observe(&mut self, ranks: &[RankValues], c: PeerConfig) -> Option<PeerFinding> {
-        let identical = (c.identical_steps > 0)
-            .then(|| self.identical(ranks, c.identical_steps))
-            .flatten();
-        let standout = (c.window > 0).then(|| self.standout(ranks, c)).flatten();
+    /// Folds in one step.
+    pub(super) fn observe(&mut self, ranks: &[RankValues], c: PeerConfig) -> PeerVerdict {
+        let identical = if c.identical_steps > 0 {
+            self.identical(ranks, c.identical_steps)
+        } else {
+            None
+        };
+        let standout = if c.window > 0 {
+            self.standout(ranks, c)
+        } else {
+            PeerVerdict::Clear
+        };
         match (identical, standout) {
-            (Some(a), Some(b)) => Some(PeerFinding {
-                explanation: format!("{}; {}", a.explanation, b.explanation),
-                ranks: a.ranks.into_iter().chain(b.ranks).collect(),
-                ..a
-            }),
-            (a, b) => a.or(b),
+            (Some(a), PeerVerdict::Breach(b)) => {
+                let mut ranks: Vec<u32> = a.ranks.into_iter().chain(b.ranks).collect();
+                ranks.sort_unstable();
+                ranks.dedup();
+                PeerVerdict::Breach(PeerFinding {
+                    explanation: format!("{}; {}", a.explanation, b.explanation),
+                    ranks,
+                    ..a
+                })
+            }
+            (Some(a), _) => PeerVerdict::Breach(a),
+            (None, verdict) => verdict,
         }
     }
 
-    fn standout(&mut self, ranks: &[RankValues], c: PeerConfig) -> Option<PeerFinding> {
-        let top = (ranks.len() >= 3)
-            .then(|| Self::most_distant(ranks, c.min_effect))
-            .flatten();
-        self.recent.push_back(top);
+    fn standout(&mut self, ranks: &[RankValues], c: PeerConfig) -> PeerVerdict {
+        let noted = if ranks.len() >= 3 {
+            Self::distant(ranks, c.min_effect)
+        } else {
+            vec![]
+        };
+        for s in &noted {
+            *self.noted.entry(s.rank).or_default() += 1;
+        }
+        self.recent.push_back(noted);
         while self.recent.len() > c.window {
-            self.recent.pop_front();
+            for s in self.recent.pop_front().unwrap_or_default() {
+                if let Some(n) = self.noted.get_mut(&s.rank) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.noted.remove(&s.rank);
+                    }
+                }
+            }
         }
         if self.recent.len() < c.window {
-            return None;
+            return PeerVerdict::Clear;
         }
-        let last = top?;
-        let noted: Vec<&Standout> = self
+        let window = c.window as f64;
+        let top = self.noted.values().copied().max().unwrap_or(0) as f64 / window;
+        if top < c.share {
+            return if top >= c.share / 2.0 {
+                PeerVerdict::Hold
+            } else {
+                PeerVerdict::Clear
+            };
+        }
+        let named: Vec<(u32, usize)> = self
+            .noted
+            .iter()
+            .filter(|&(_, &n)| n as f64 / window >= c.share)
+            .map(|(&r, &n)| (r, n))
+            .collect();
+        let parts: Vec<String> = named
+            .iter()
+            .map(|&(rank, n)| format!("rank {rank} stood out from the other {} ranks at {n} of the last {} steps ({})", ranks.len() - 1, c.window, self.how(rank)))
+            .collect();
+        PeerVerdict::Breach(PeerFinding {
+            explanation: parts.join("; "),
+            ranks: named.iter().map(|&(r, _)| r).collect(),
+            value: top,
+            threshold: c.share,
+        })
+    }
+
+    /// How `rank` stood out over the window: its most frequent quantity and typical value.
+    fn how(&self, rank: u32) -> String {
+        let mine: Vec<&Standout> = self
             .recent
             .iter()
             .flatten()
-            .filter(|s| s.rank == last.rank)
+            .filter(|s| s.rank == rank)
             .collect();
-        let share = noted.len() as f64 / c.window as f64;
-        if share < c.share {
-            return None;
-        }
-        let typical = {
-            let mut values: Vec<f64> = noted
-                .iter()
-                .filter(|s| s.what == last.what)
-                .map(|s| s.value)
-                .collect();
-            // Two decimals are enough to say how far ("1.4× theirs").
-            (median(&mut values) * 100.0).round() / 100.0
-        };
-        let how = match last.what {
+        let count = |q: Quantity| mine.iter().filter(|s| s.what == q).count();
+        let what = [Quantity::Loss, Quantity::GradNorm, Quantity::Cosine]
+            .into_iter()
+            .max_by_key(|&q| count(q))
+            .unwrap_or(Quantity::Loss);
+        let mut values: Vec<f64> = mine
+            .iter()
+            .filter(|s| s.what == what)
+            .map(|s| s.value)
+            .collect();
+        // Two decimals are enough to say how far ("1.4× theirs").
+        let typical = (median(&mut values) * 100.0).round() / 100.0;
+        match what {
             Quantity::Loss => format!("loss {}× theirs", short(typical)),
             Quantity::GradNorm => format!("gradient norm {}× theirs", short(typical)),
             Quantity::Cosine => format!(
                 "cosine to the mean gradient {} below theirs",
                 short(typical)
             ),
-        };
-        Some(PeerFinding {
-            explanation: format!(
-                "rank {} stood out from the other {} ranks at {} of the last {} steps ({how})",
-                last.rank,
-                ranks.len() - 1,
-                noted.len(),
-                c.window
-            ),
-            ranks: vec![last.rank],
-            value: share,
-            threshold: c.share,
-        })
+        }
     }
 
-    /// The rank furthest from the others' median this step, if at least `min_effect` away.
-    fn most_distant(ranks: &[RankValues], min_effect: f64) -> Option<Standout> {
-        let mut best: Option<(f64, Standout)> = None;
-        for (i, r) in ranks.iter().enumerate() {
-            let mut consider = |effect: f64, value: f64, what: Quantity| {
-                if effect >= min_effect && best.is_none_or(|(e, _)| effect > e) {
-                    best = Some((
-                        effect,
-                        Standout {
-                            rank: r.rank,
-                            value,
-                            what,
-                        },
-                    ));
-                }
-            };
-            let sized: [(Getter, Quantity); 2] = [
-                (|r| r.loss, Quantity::Loss),
-                (|r| r.grad_norm, Quantity::GradNorm),
-            ];
-            for (get, what) in sized {
-                if let Some((own, others)) = against_others(ranks, i, get)
+    /// Every rank at least `min_effect` from the others' median this step, by its largest effect.
+    fn distant(ranks: &[RankValues], min_effect: f64) -> Vec<Standout> {
+        let mut best: Vec<Option<Standout>> = vec![None; ranks.len()];
+        let mut consider = |i: usize, effect: f64, value: f64, what: Quantity| {
+            if effect >= min_effect && best[i].is_none_or(|b| effect > b.effect) {
+                best[i] = Some(Standout {
+                    rank: ranks[i].rank,
+                    effect,
+                    value,
+                    what,
+                });
+            }
+        };
+        let sized: [(Getter, Quantity); 2] = [
+            (|r| r.loss, Quantity::Loss),
+            (|r| r.grad_norm, Quantity::GradNorm),
+        ];
+        for (get, what) in sized {
+            for (i, pair) in against_others(ranks, get).into_iter().enumerate() {
+                if let Some((own, others)) = pair
                     && others > 0.0
                     && own > 0.0
                 {
                     // Either way: a rank far above or far below its peers.
                     let ratio = own / others;
-                    consider(ratio.max(1.0 / ratio) - 1.0, ratio, what);
+                    consider(i, ratio.max(1.0 / ratio) - 1.0, ratio, what);
                 }
             }
-            if let Some((own, others)) = against_others(ranks, i, |r| r.cos_to_mean) {
-                consider(others - own, others - own, Quantity::Cosine);
+        }
+        for (i, pair) in against_others(ranks, |r| r.cos_to_mean)
+            .into_iter()
+            .enumerate()
+        {
+            if let Some((own, others)) = pair {
+                consider(i, others - own, others - own, Quantity::Cosine);
             }
         }
-        best.map(|(_, s)| s)
+        best.into_iter().flatten().collect()
     }
 
     fn identical(&mut self, ranks: &[RankValues], needed: u32) -> Option<PeerFinding> {
@@ -207,49 +289,67 @@ impl Peers {
                 Some(((loss.to_bits(), grad.to_bits()), r.rank))
             })
             .collect();
+        let reporting: Vec<u32> = {
+            let mut r: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
+            r.sort_unstable();
+            r
+        };
         keyed.sort_unstable();
-        let group: Vec<u32> = keyed
+        let mut groups: Vec<Vec<u32>> = keyed
             .chunk_by(|a, b| a.0 == b.0)
-            .max_by_key(|g| g.len())
             .filter(|g| g.len() >= 2)
-            .map(|g| g.iter().map(|(_, r)| *r).collect())
-            .unwrap_or_default();
-        if group.is_empty() {
+            .map(|g| {
+                let mut members: Vec<u32> = g.iter().map(|&(_, r)| r).collect();
+                members.sort_unstable();
+                members
+            })
+            .collect();
+        groups.sort_unstable();
+        if groups.is_empty() {
             self.identical = None;
             return None;
         }
         let steps = match &self.identical {
-            Some((previous, n)) if *previous == group => n + 1,
+            Some((previous, n)) if *previous == groups => n + 1,
             _ => 1,
         };
-        self.identical = Some((group.clone(), steps));
+        self.identical = Some((groups.clone(), steps));
         if steps < needed {
             return None;
         }
-        let odd: Vec<u32> = ranks
-            .iter()
-            .map(|r| r.rank)
-            .filter(|r| !group.contains(r))
-            .collect();
-        let list = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
-        let who = if odd.is_empty() {
-            format!("all {} ranks", group.len())
-        } else {
-            format!("ranks {}", list(&group))
+        let grouped: Vec<u32> = {
+            let mut g: Vec<u32> = groups.iter().flatten().copied().collect();
+            g.sort_unstable();
+            g
         };
-        let rest = match odd.as_slice() {
-            [] => format!(
-                "; the run computes 1/{} of the gradients it pays for",
-                group.len()
+        let odd: Vec<u32> = reporting
+            .iter()
+            .copied()
+            .filter(|r| grouped.binary_search(r).is_err())
+            .collect();
+        let who = match groups.as_slice() {
+            [all] if odd.is_empty() => format!("all {} ranks", all.len()),
+            [one] => format!("ranks {}", list(one)),
+            many => format!(
+                "{} groups of ranks ({})",
+                many.len(),
+                many.iter().map(|g| list(g)).collect::<Vec<_>>().join("; ")
             ),
-            [r] => format!("; rank {r} alone differs"),
-            many => format!("; ranks {} differ", list(many)),
+        };
+        let rest = match (groups.as_slice(), odd.as_slice()) {
+            ([all], []) => format!(
+                "; the run computes 1/{} of the gradients it pays for",
+                all.len()
+            ),
+            (_, []) => String::new(),
+            (_, [r]) => format!("; rank {r} alone differs"),
+            (_, many) => format!("; ranks {} differ", list(many)),
         };
         Some(PeerFinding {
             explanation: format!(
                 "{who} computed the same loss and gradient norm, to the bit, for {steps} steps: they are fed identical batches (a data seed or sampler shared where it must differ){rest}"
             ),
-            // The odd ranks when there are some (the one configured differently), else none.
+            // The odd ranks when there are some (the ones configured differently), else none.
             ranks: odd,
             value: f64::from(steps),
             threshold: f64::from(needed),

@@ -21,9 +21,9 @@
 //! library's docstrings: 0.92 at step 25, 0.91 at step 75, falling to 0.2 by step 1,000, as it
 //! first learns byte frequencies, then context) and a pretrained model's uncentred cosine sits
 //! high for good (anisotropy); what collapse adds is the token states *converging further*
-//! than the layer has been. During the warm-up only a collapse far past that transient counts:
-//! token cosine at the critical level with its spread `token_cosine_early_contraction` (25)
-//! times narrower than at the first probe — a deep GPT with a learning rate 10× too high went
+//! than the layer has been. At any step, including the warm-up, a collapse far past that
+//! transient is critical: token cosine at the critical level with its spread
+//! `token_cosine_early_contraction` (25) times narrower than its widest since the first probe — a deep GPT with a learning rate 10× too high went
 //! from 0.02 at initialisation to 0.97 at step 3 and 0.999 at step 4 (30- and 500-fold
 //! contractions; the healthy transient above is 12-fold, so 25 leaves it a factor of two). An alert clears only when the ratio is back inside
 //! its bounds shrunk by `exit_margin` and token cosine is below `token_cosine_exit` or its
@@ -305,32 +305,34 @@ impl RankCollapseConfig {
                 .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
                 .unwrap_or_default()
         };
-        // How far the spread has shrunk from its widest: since the warm-up once it is over,
-        // since the first probe during it, where only a far stronger contraction counts.
-        let (widest, needed, since_step) = if warm {
-            (
-                state.widest_spread,
-                c.token_cosine_contraction,
-                c.warmup_steps,
-            )
-        } else {
-            (
-                state.widest_spread_early,
-                c.token_cosine_early_contraction,
-                0,
-            )
+        // How far the spread has shrunk from its widest: since the warm-up (a level counts after
+        // it), and since the first probe (only a far stronger contraction counts, at any step:
+        // a layer that collapsed during the warm-up and stays so is still collapsed after it).
+        let contraction =
+            |widest: Option<f64>, tc: f64| widest.map_or(1.0, |w| w / (1.0 - tc).max(1e-12));
+        let late = |tc: f64| {
+            if warm {
+                contraction(state.widest_spread, tc)
+            } else {
+                1.0
+            }
         };
-        let contraction = |tc: f64| widest.map_or(1.0, |w| w / (1.0 - tc).max(1e-12));
-        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine)
-            && contraction(tc) >= needed
-        {
-            let level = if tc >= c.token_cosine_critical {
+        let early = |tc: f64| contraction(state.widest_spread_early, tc);
+        if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
+            let (contracted, since_step) = if late(tc) >= c.token_cosine_contraction {
+                (late(tc), c.warmup_steps)
+            } else {
+                (early(tc), 0)
+            };
+            let early_critical = early(tc) >= c.token_cosine_early_contraction;
+            let late_level = late(tc) >= c.token_cosine_contraction;
+            let level = if tc >= c.token_cosine_critical && (late_level || early_critical) {
                 Some((
                     Severity::Critical,
                     c.token_cosine_critical,
                     "collapsing onto",
                 ))
-            } else if warm && tc >= c.token_cosine_warning {
+            } else if late_level && tc >= c.token_cosine_warning {
                 Some((
                     Severity::Warning,
                     c.token_cosine_warning,
@@ -348,7 +350,7 @@ impl RankCollapseConfig {
                         "layer {layer}: token cosine {} ≥ {}, its spread {}× narrower than at its widest since step {}: token states are {what} one direction{}",
                         short(tc),
                         short(threshold),
-                        short(contraction(tc)),
+                        short(contracted),
                         since_step,
                         ratio_note()
                     ),
@@ -370,9 +372,11 @@ impl RankCollapseConfig {
             (Some(ratio), Some(b)) => ratio >= b.low * margin && ratio <= b.high / margin,
             _ => true,
         };
-        let calm = state
-            .token_cosine
-            .is_none_or(|tc| tc < c.token_cosine_exit || contraction(tc) * margin < needed);
+        let calm = state.token_cosine.is_none_or(|tc| {
+            tc < c.token_cosine_exit
+                || (late(tc) * margin < c.token_cosine_contraction
+                    && early(tc) * margin < c.token_cosine_early_contraction)
+        });
         if inside && calm {
             Signal::Clear
         } else {

@@ -1,6 +1,9 @@
 //! `silent_inconsistency`: data-parallel workers that quietly stop agreeing (arXiv 2602.14462).
 //!
-//! The averaged loss hides it; the per-rank values show it. Each step the rule computes the
+//! The averaged loss hides it; the per-rank values show it. Two tests, either of which breaches.
+//! The *peer* tests (`peers`: a rank standing out from the other ranks step after step, ranks
+//! fed identical batches) need no history and judge from step 0. The *run-level* test, below,
+//! judges the run against its own recent past. At the run level, each step the rule computes the
 //! cross-rank loss CV, gradient-norm CV and C_w ([`StepStats`]) and scores each against a robust
 //! baseline: median, and 1.4826·MAD floored at `rel_floor`·|median| and `abs_floor` (so a
 //! perfectly consistent warm-up, all ranks identical, still has a finite scale). A step breaches
@@ -39,7 +42,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
-use super::peers::{PeerConfig, PeerFinding, Peers};
+use super::peers::{PeerConfig, PeerFinding, PeerVerdict, Peers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
@@ -51,10 +54,11 @@ use crate::validate::RunId;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SilentInconsistencyConfig {
-    /// Training steps before which nothing is learned or judged. Default 200.
+    /// Training steps before which the run-level test learns and judges nothing (the peer
+    /// tests judge from step 0). Default 200.
     pub skip_steps: u64,
-    /// Steps with data (after `skip_steps`) that form the first baseline; nothing fires
-    /// before. Default 30.
+    /// Steps with data (after `skip_steps`) that form the run-level test's first baseline; it
+    /// fires nothing before. Default 30.
     pub warmup_steps: usize,
     /// Steps the rolling baseline keeps after warm-up, clear or not. Default 200.
     pub baseline_steps: usize,
@@ -254,7 +258,7 @@ impl SilentInconsistency {
         })
     }
 
-    /// Whether the warm-up is over (alerts can fire).
+    /// Whether the run-level test's warm-up is over (it can fire; the peer tests always can).
     pub fn is_warmed_up(&self) -> bool {
         self.history.steps >= self.config.warmup_steps
     }
@@ -420,10 +424,7 @@ impl Detector for SilentInconsistency {
         let peers = self.peers.observe(&obs.ranks, c.peer_config());
         let run_level = self.run_level(obs);
         let signal = match (peers, run_level) {
-            (None, None) => return vec![],
-            (Some(found), None) => found.into_breach(),
-            (None, Some(signal)) => signal,
-            (Some(found), Some(Signal::Breach(mut b))) => {
+            (PeerVerdict::Breach(found), Some(Signal::Breach(mut b))) => {
                 b.explanation = format!("{}; {}", b.explanation, found.explanation);
                 for r in found.ranks {
                     if !b.outlier_ranks.contains(&r) {
@@ -432,7 +433,11 @@ impl Detector for SilentInconsistency {
                 }
                 Signal::Breach(b)
             }
-            (Some(found), Some(_)) => found.into_breach(),
+            (PeerVerdict::Breach(found), _) => found.into_breach(),
+            (_, Some(breach @ Signal::Breach(_))) => breach,
+            (PeerVerdict::Hold, _) => Signal::Hold,
+            (PeerVerdict::Clear, Some(signal)) => signal,
+            (PeerVerdict::Clear, None) => Signal::Clear,
         };
         self.trackers
             .observe(&(), obs.step, obs.time_ms, signal, &self.config.lifecycle)
