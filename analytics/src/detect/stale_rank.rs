@@ -4,6 +4,13 @@
 //! another rank reported within it, or when it trails the leading rank by more than
 //! `max_step_lag` steps. When every rank is silent the run has ended or stalled as a whole;
 //! that is not one stale rank, so nothing changes (open alerts hold).
+//!
+//! When the run comes back from such a silence (a restart from a checkpoint), each rank's
+//! silence is counted from the moment the first rank reported again, not from its own last
+//! report before the gap: otherwise every rank slower than the first to report after a
+//! restart is "silent" for the whole restart. Measured on the detection benchmark: a resume
+//! whose new processes took 90 s to start raised `stale_rank` on the three ranks whose first
+//! report came a moment after rank 1's.
 
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +73,10 @@ pub struct RankActivity {
 pub struct StaleRank {
     config: StaleRankConfig,
     trackers: Trackers<u32>,
+    /// Whether the last observation found every rank silent.
+    quiet: bool,
+    /// When the run last came back from a silence of every rank.
+    resumed_ms: Option<i64>,
 }
 
 impl StaleRank {
@@ -75,6 +86,8 @@ impl StaleRank {
         Ok(StaleRank {
             config,
             trackers: Trackers::new(run, Rule::StaleRank, |rank| (None, None, Some(*rank))),
+            quiet: false,
+            resumed_ms: None,
         })
     }
 }
@@ -92,10 +105,18 @@ impl Detector for StaleRank {
         let freshest = seen().map(|&(_, t)| t).max();
         let lead = seen().map(|&(s, _)| s).max().unwrap_or(0);
         let active = freshest.is_some_and(|t| obs.now_ms.saturating_sub(t) <= c.timeout_ms);
+        if !active {
+            self.quiet = true;
+        } else if self.quiet {
+            self.quiet = false;
+            self.resumed_ms = freshest;
+        }
         let mut changed = Vec::new();
         for (rank, last) in obs.last_seen.iter().enumerate() {
             let rank = rank as u32;
-            let since = last.map_or(obs.run_started_ms, |(_, t)| t);
+            let since = last
+                .map_or(obs.run_started_ms, |(_, t)| t)
+                .max(self.resumed_ms.unwrap_or(i64::MIN));
             let silent = obs.now_ms.saturating_sub(since);
             let lag = last.map_or(lead, |(s, _)| lead.saturating_sub(s));
             let breach = |value: f64, threshold: f64, explanation: String| {
