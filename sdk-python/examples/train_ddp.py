@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rankwatch  # noqa: E402
 from rankwatch_testkit.faults import Fault, Injector  # noqa: E402
+from rankwatch_testkit.faults import check as check_faults  # noqa: E402
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 
 
@@ -155,11 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--on-alert", default="record", choices=["record", "stop"], help="stop: checkpoint and stop all ranks on a critical alert")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (to pace a demo)")
     args = p.parse_args(argv)
-    for f in args.fault:
-        try:
-            Fault.parse(f)
-        except ValueError as e:
-            p.error(str(e))
+    check_faults(args.fault, p.error)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         result = train(args)
         if args.result_dir:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 
 from rankwatch_testkit.faults import Fault, Injector
+from rankwatch_testkit.faults import check as check_faults
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 from rankwatch_testkit.text import SAMPLINGS, SEED_MODES, SOURCES, Windows, corpus, fingerprint, learning_rate, seed_for
 
@@ -173,11 +174,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    for f in args.fault:
-        try:
-            Fault.parse(f)
-        except ValueError as e:
-            p.error(str(e))
+    check_faults(args.fault, p.error)
     if args.resume_at is not None:
         if not 0 < args.resume_at < args.steps:
             p.error(f"--resume-at {args.resume_at} must be inside (0, --steps)")

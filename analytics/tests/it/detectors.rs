@@ -479,6 +479,14 @@ fn run_dp(
     events
 }
 
+/// The first alert that fired, with the step it fired at.
+fn first_firing(events: &[(u64, Alert)]) -> &(u64, Alert) {
+    events
+        .iter()
+        .find(|(_, a)| a.state == AlertState::Firing)
+        .expect("fires")
+}
+
 #[test]
 fn silent_inconsistency_is_silent_on_healthy_workers() {
     for seed in [3, 4, 5] {
@@ -569,10 +577,7 @@ fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline(
     // Rank 3 reads off-task data from the first step: its loss is 2.8 against the others' 2.0.
     // The run-level baseline would learn it as normal; its peers do not.
     let events = run_dp(4, 200, 0..200, Fault::LossOffset(3, 0.8), 31);
-    let (step, a) = events
-        .iter()
-        .find(|(_, a)| a.state == AlertState::Firing)
-        .expect("fires");
+    let (step, a) = first_firing(&events);
     assert!(
         (49..=55).contains(step),
         "fired at {step}: {}",
@@ -637,10 +642,7 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
                 .map(|a| (step, a)),
         );
     }
-    let (step, a) = events
-        .iter()
-        .find(|(_, a)| a.state == AlertState::Firing)
-        .expect("fires");
+    let (step, a) = first_firing(&events);
     // 20 identical steps to breach (step 19), 3 breaching steps to fire.
     assert_eq!(*step, 21, "{}", a.explanation);
     assert_eq!(a.outlier_ranks, vec![0]);
@@ -700,10 +702,7 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
 #[test]
 fn silent_inconsistency_names_a_rank_with_a_scaled_gradient() {
     let events = run_dp(8, 500, 350..420, Fault::ScaleGradient(5, 3.0), 6);
-    let (step, a) = events
-        .iter()
-        .find(|(_, a)| a.state == AlertState::Firing)
-        .expect("fires");
+    let (step, a) = first_firing(&events);
     println!(
         "scaled gradient on rank 5 from step 350: fired at {step}: {}",
         a.explanation
@@ -733,10 +732,7 @@ fn silent_inconsistency_names_a_rank_with_a_scaled_gradient() {
 #[test]
 fn silent_inconsistency_catches_a_flipped_gradient_by_cosine() {
     let events = run_dp(8, 460, 350..460, Fault::FlipGradient(2), 7);
-    let (step, a) = events
-        .iter()
-        .find(|(_, a)| a.state == AlertState::Firing)
-        .expect("fires");
+    let (step, a) = first_firing(&events);
     println!(
         "flipped gradient on rank 2 from step 350: fired at {step}: {}",
         a.explanation
@@ -753,10 +749,7 @@ fn silent_inconsistency_catches_a_flipped_gradient_by_cosine() {
 #[test]
 fn silent_inconsistency_names_a_desynchronised_loss() {
     let events = run_dp(4, 460, 300..460, Fault::LossOffset(0, 0.4), 8);
-    let (step, a) = events
-        .iter()
-        .find(|(_, a)| a.state == AlertState::Firing)
-        .expect("fires");
+    let (step, a) = first_firing(&events);
     // Within a few steps: 3 breaching steps, scored against a baseline of only the 30 steps
     // after `skip_steps`.
     assert!(
@@ -771,10 +764,7 @@ fn silent_inconsistency_names_a_desynchronised_loss() {
 #[test]
 fn two_ranks_detect_but_cannot_name() {
     let events = run_dp(2, 460, 300..460, Fault::ScaleGradient(1, 4.0), 9);
-    let (_, a) = events
-        .iter()
-        .find(|(_, a)| a.state == AlertState::Firing)
-        .expect("fires");
+    let (_, a) = first_firing(&events);
     assert!(
         a.outlier_ranks.is_empty(),
         "no robust z-score with two ranks"

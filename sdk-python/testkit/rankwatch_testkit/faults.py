@@ -27,8 +27,9 @@ corrupted local gradient would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -87,6 +88,16 @@ class Fault:
 
     def applies(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
+
+
+def check(texts: list[str], error: Callable[[str], NoReturn]) -> None:
+    """Parses every ``--fault`` given; calls `error` (an argparse parser's) with the first
+    problem, so a typo stops the example before any process starts."""
+    for text in texts:
+        try:
+            Fault.parse(text)
+        except ValueError as e:
+            error(str(e))
 
 
 class Injector:
