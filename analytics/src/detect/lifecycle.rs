@@ -53,6 +53,20 @@ pub struct Breach {
     pub outlier_ranks: Vec<u32>,
 }
 
+impl Breach {
+    /// One breach reporting both: `other`'s explanation after this one's, and its ranks not
+    /// named yet after this one's; this one's severity, value and threshold.
+    pub fn join(mut self, other: Breach) -> Breach {
+        self.explanation = format!("{}; {}", self.explanation, other.explanation);
+        for r in other.outlier_ranks {
+            if !self.outlier_ranks.contains(&r) {
+                self.outlier_ranks.push(r);
+            }
+        }
+        self
+    }
+}
+
 /// The lifecycle of the alerts on one key.
 #[derive(Debug, Clone)]
 pub struct AlertTracker {

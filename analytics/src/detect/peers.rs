@@ -32,7 +32,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::lifecycle::Breach;
 use super::short;
+use crate::alert::Severity;
 use crate::math::dispersion::median;
 use crate::math::step::RankValues;
 
@@ -55,20 +57,12 @@ enum Quantity {
     Cosine,
 }
 
-/// What a test found at a breach.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct PeerFinding {
-    pub(super) explanation: String,
-    pub(super) ranks: Vec<u32>,
-    /// The share of the window (stand-out) or the steps identical (identical data).
-    pub(super) value: f64,
-    pub(super) threshold: f64,
-}
-
 /// The peers' verdict on one step.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum PeerVerdict {
-    Breach(PeerFinding),
+    /// A warning; its value is the share of the window (stand-out) or the steps identical
+    /// (identical data).
+    Breach(Breach),
     /// Inside the hysteresis band: neither breach nor clear.
     Hold,
     Clear,
@@ -146,14 +140,9 @@ impl Peers {
         };
         match (identical, standout) {
             (Some(a), PeerVerdict::Breach(b)) => {
-                let mut ranks: Vec<u32> = a.ranks.into_iter().chain(b.ranks).collect();
-                ranks.sort_unstable();
-                ranks.dedup();
-                PeerVerdict::Breach(PeerFinding {
-                    explanation: format!("{}; {}", a.explanation, b.explanation),
-                    ranks,
-                    ..a
-                })
+                let mut both = a.join(b);
+                both.outlier_ranks.sort_unstable();
+                PeerVerdict::Breach(both)
             }
             (Some(a), _) => PeerVerdict::Breach(a),
             (None, verdict) => verdict,
@@ -202,11 +191,12 @@ impl Peers {
             .iter()
             .map(|&(rank, n)| format!("rank {rank} stood out from the other {} ranks at {n} of the last {} steps ({})", ranks.len() - 1, c.window, self.how(rank)))
             .collect();
-        PeerVerdict::Breach(PeerFinding {
-            explanation: parts.join("; "),
-            ranks: named.iter().map(|&(r, _)| r).collect(),
+        PeerVerdict::Breach(Breach {
+            severity: Severity::Warning,
             value: top,
             threshold: c.share,
+            explanation: parts.join("; "),
+            outlier_ranks: named.iter().map(|&(r, _)| r).collect(),
         })
     }
 
@@ -280,7 +270,7 @@ impl Peers {
         best.into_iter().flatten().collect()
     }
 
-    fn identical(&mut self, ranks: &[RankValues], needed: u32) -> Option<PeerFinding> {
+    fn identical(&mut self, ranks: &[RankValues], needed: u32) -> Option<Breach> {
         let mut keyed: Vec<((u64, u64), u32)> = ranks
             .iter()
             .filter_map(|r| {
@@ -289,22 +279,17 @@ impl Peers {
                 Some(((loss.to_bits(), grad.to_bits()), r.rank))
             })
             .collect();
-        let reporting: Vec<u32> = {
-            let mut r: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
-            r.sort_unstable();
-            r
-        };
+        // Sorted by values, then rank: each run of equal values is a group, in rank order.
         keyed.sort_unstable();
-        let mut groups: Vec<Vec<u32>> = keyed
-            .chunk_by(|a, b| a.0 == b.0)
-            .filter(|g| g.len() >= 2)
-            .map(|g| {
-                let mut members: Vec<u32> = g.iter().map(|&(_, r)| r).collect();
-                members.sort_unstable();
-                members
-            })
-            .collect();
+        let (mut groups, mut odd): (Vec<Vec<u32>>, Vec<u32>) = (vec![], vec![]);
+        for run in keyed.chunk_by(|a, b| a.0 == b.0) {
+            match run {
+                [(_, alone)] => odd.push(*alone),
+                many => groups.push(many.iter().map(|&(_, r)| r).collect()),
+            }
+        }
         groups.sort_unstable();
+        odd.sort_unstable();
         if groups.is_empty() {
             self.identical = None;
             return None;
@@ -317,16 +302,6 @@ impl Peers {
         if steps < needed {
             return None;
         }
-        let grouped: Vec<u32> = {
-            let mut g: Vec<u32> = groups.iter().flatten().copied().collect();
-            g.sort_unstable();
-            g
-        };
-        let odd: Vec<u32> = reporting
-            .iter()
-            .copied()
-            .filter(|r| grouped.binary_search(r).is_err())
-            .collect();
         let who = match groups.as_slice() {
             [all] if odd.is_empty() => format!("all {} ranks", all.len()),
             [one] => format!("ranks {}", list(one)),
@@ -345,14 +320,15 @@ impl Peers {
             (_, [r]) => format!("; rank {r} alone differs"),
             (_, many) => format!("; ranks {} differ", list(many)),
         };
-        Some(PeerFinding {
+        Some(Breach {
+            severity: Severity::Warning,
+            value: f64::from(steps),
+            threshold: f64::from(needed),
             explanation: format!(
                 "{who} computed the same loss and gradient norm, to the bit, for {steps} steps: they are fed identical batches (a data seed or sampler shared where it must differ){rest}"
             ),
             // The odd ranks when there are some (the ones configured differently), else none.
-            ranks: odd,
-            value: f64::from(steps),
-            threshold: f64::from(needed),
+            outlier_ranks: odd,
         })
     }
 }

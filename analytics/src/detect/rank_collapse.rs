@@ -14,20 +14,22 @@
 //! An absolute band (`band_low`, `band_high`) can be added for models where it has been
 //! calibrated; it is off by default.
 //!
-//! Token cosine is judged against the layer's own history. After the warm-up it breaches when it is at or above `token_cosine_warning` (a warning) or
-//! `token_cosine_critical` (critical) *and* the spread 1 − cosine has shrunk by
-//! `token_cosine_contraction` from its widest since the warm-up. Both conditions, because on
+//! Token cosine is judged against the layer's own history. After the warm-up it breaches when
+//! it is at or above `token_cosine_warning` (a warning) or `token_cosine_critical` (critical)
+//! *and* the spread 1 − cosine has shrunk by `token_cosine_contraction` from its widest since
+//! the warm-up. Both conditions, because on
 //! real text a healthy layer passes through high cosine early (a byte-level GPT on the standard
 //! library's docstrings: 0.92 at step 25, 0.91 at step 75, falling to 0.2 by step 1,000, as it
 //! first learns byte frequencies, then context) and a pretrained model's uncentred cosine sits
 //! high for good (anisotropy); what collapse adds is the token states *converging further*
 //! than the layer has been. At any step, including the warm-up, a collapse far past that
 //! transient is critical: token cosine at the critical level with its spread
-//! `token_cosine_early_contraction` (25) times narrower than its widest since the first probe — a deep GPT with a learning rate 10× too high went
-//! from 0.02 at initialisation to 0.97 at step 3 and 0.999 at step 4 (30- and 500-fold
-//! contractions; the healthy transient above is 12-fold, so 25 leaves it a factor of two). An alert clears only when the ratio is back inside
-//! its bounds shrunk by `exit_margin` and token cosine is below `token_cosine_exit` or its
-//! spread is back above the contracted level widened by `exit_margin` (hysteresis).
+//! `token_cosine_early_contraction` (25) times narrower than its widest since the first probe.
+//! A deep GPT with a learning rate 10× too high went from 0.02 at initialisation to 0.97 at
+//! step 3 and 0.999 at step 4 (30- and 500-fold contractions; the healthy transient above is
+//! 12-fold, so 25 leaves it a factor of two). An alert clears only when the ratio is back
+//! inside its bounds shrunk by `exit_margin` and token cosine is below `token_cosine_exit` or
+//! both contractions are back below their levels narrowed by `exit_margin` (hysteresis).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -63,15 +65,17 @@ pub struct RankCollapseConfig {
     pub trend_horizon: f64,
     /// Minimum |t| of the fitted slope for a trend to count. Default 4.
     pub trend_min_t: f64,
-    /// Token cosine at or above this (after the warm-up, and contracted) is a warning. Default 0.5.
+    /// Token cosine at or above this (after the warm-up, and contracted) is a warning.
+    /// Default 0.5.
     pub token_cosine_warning: f64,
-    /// Token cosine at or above this (after the warm-up, and contracted) is critical. Default 0.9.
+    /// Token cosine at or above this (contracted) is critical. Default 0.9.
     pub token_cosine_critical: f64,
     /// How many times the spread 1 − token cosine must have shrunk from its widest since the
     /// warm-up for a level to count. Default 2.
     pub token_cosine_contraction: f64,
-    /// During the warm-up, the contraction from the widest spread since the first probe at
-    /// which token cosine at or above `token_cosine_critical` is critical. Default 25.
+    /// The contraction from the widest spread since the first probe at which token cosine at
+    /// or above `token_cosine_critical` is critical at any step, the warm-up included.
+    /// Default 25.
     pub token_cosine_early_contraction: f64,
     /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
@@ -319,13 +323,14 @@ impl RankCollapseConfig {
         };
         let early = |tc: f64| contraction(state.widest_spread_early, tc);
         if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
-            let (contracted, since_step) = if late(tc) >= c.token_cosine_contraction {
-                (late(tc), c.warmup_steps)
+            let (late, early) = (late(tc), early(tc));
+            let late_level = late >= c.token_cosine_contraction;
+            let early_critical = early >= c.token_cosine_early_contraction;
+            let (contracted, since_step) = if late_level {
+                (late, c.warmup_steps)
             } else {
-                (early(tc), 0)
+                (early, 0)
             };
-            let early_critical = early(tc) >= c.token_cosine_early_contraction;
-            let late_level = late(tc) >= c.token_cosine_contraction;
             let level = if tc >= c.token_cosine_critical && (late_level || early_critical) {
                 Some((
                     Severity::Critical,

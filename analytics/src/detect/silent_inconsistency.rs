@@ -42,7 +42,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
-use super::peers::{PeerConfig, PeerFinding, PeerVerdict, Peers};
+use super::peers::{PeerConfig, PeerVerdict, Peers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
@@ -379,18 +379,6 @@ impl SilentInconsistencyConfig {
     }
 }
 
-impl PeerFinding {
-    fn into_breach(self) -> Signal {
-        Signal::Breach(Breach {
-            severity: Severity::Warning,
-            value: self.value,
-            threshold: self.threshold,
-            explanation: format!("workers disagree: {}", self.explanation),
-            outlier_ranks: self.ranks,
-        })
-    }
-}
-
 impl SilentInconsistency {
     /// The run-level verdict against the rolling baseline; `None` before it judges (the
     /// skipped steps, the warm-up, a step without usable values). The peers' verdict alone
@@ -424,16 +412,11 @@ impl Detector for SilentInconsistency {
         let peers = self.peers.observe(&obs.ranks, c.peer_config());
         let run_level = self.run_level(obs);
         let signal = match (peers, run_level) {
-            (PeerVerdict::Breach(found), Some(Signal::Breach(mut b))) => {
-                b.explanation = format!("{}; {}", b.explanation, found.explanation);
-                for r in found.ranks {
-                    if !b.outlier_ranks.contains(&r) {
-                        b.outlier_ranks.push(r);
-                    }
-                }
-                Signal::Breach(b)
+            (PeerVerdict::Breach(found), Some(Signal::Breach(b))) => Signal::Breach(b.join(found)),
+            (PeerVerdict::Breach(mut found), _) => {
+                found.explanation = format!("workers disagree: {}", found.explanation);
+                Signal::Breach(found)
             }
-            (PeerVerdict::Breach(found), _) => found.into_breach(),
             (_, Some(breach @ Signal::Breach(_))) => breach,
             (PeerVerdict::Hold, _) => Signal::Hold,
             (PeerVerdict::Clear, Some(signal)) => signal,
