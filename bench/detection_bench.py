@@ -201,11 +201,11 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
         error = f"timed out after {timeout:.0f} s"
     seconds = time.monotonic() - started
     alerts = settle(url, s.name, steps - 1) if error is None else []
-    means = {}
+    means: dict[str, float | None] = {}
     if error is None:
-        for m in (*PAPER_METRICS, *OUR_METRICS):
-            rows = sql(url, f"SELECT avg(value) AS v FROM samples WHERE run = '{s.name}' AND rank IS NULL AND metric = '{m}' AND step >= {FROM_STEP} AND NOT isnan(value)")
-            means[m] = rows[0]["v"] if rows else None
+        names = ", ".join(f"'{m}'" for m in (*PAPER_METRICS, *OUR_METRICS))
+        rows = sql(url, f"SELECT metric, avg(value) AS v FROM samples WHERE run = '{s.name}' AND rank IS NULL AND metric IN ({names}) AND step >= {FROM_STEP} AND NOT isnan(value) GROUP BY metric")
+        means = {m: None for m in (*PAPER_METRICS, *OUR_METRICS)} | {r["metric"]: r["v"] for r in rows}
     losses: list[float] = []
     for f in sorted(where.glob("rank-0-from-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
         losses += json.loads(f.read_text())["losses"]

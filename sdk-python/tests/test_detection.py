@@ -34,10 +34,16 @@ def train(collector: Collector, run: str, tmp: Path, *, steps: int, nproc: int =
     cmd = [sys.executable, str(EXAMPLE), "--nproc", str(nproc), "--steps", str(steps), "--run", run, "--collector", collector.url, "--result-dir", str(out), "--spool-dir", str(tmp / f"spool-{run}"), *SMALL, *extra]
     for f in faults:
         cmd += ["--fault", f]
+    run_example(cmd)
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
+
+
+def run_example(cmd: list[str]) -> None:
+    """Runs a training example to completion (one torch thread per process); fails the test
+    with the end of its stderr if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
 
 
 def settle(collector: Collector, run: str, last_step: int) -> list[dict]:
@@ -121,10 +127,7 @@ CORPUS = HERE.parent.parent / "target" / "corpus"
 def train_text(collector: Collector, run: str, tmp: Path, *, steps: int, extra: tuple[str, ...] = ()) -> None:
     """The real-text harness (a byte-level GPT on the standard library's docstrings, 4 ranks,
     100-step learning-rate warm-up, cosine decay): what `cargo xtask bench detection` runs."""
-    cmd = [sys.executable, str(TEXT_EXAMPLE), "--nproc", "4", "--steps", str(steps), "--run", run, "--collector", collector.url, "--result-dir", str(tmp / run), "--spool-dir", str(tmp / f"spool-{run}"), "--corpus-dir", str(CORPUS), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_example([sys.executable, str(TEXT_EXAMPLE), "--nproc", "4", "--steps", str(steps), "--run", run, "--collector", collector.url, "--result-dir", str(tmp / run), "--spool-dir", str(tmp / f"spool-{run}"), "--corpus-dir", str(CORPUS), *extra])
 
 
 def test_real_text_healthy_run_is_silent_and_rank_faults_need_no_baseline(collector: Collector, tmp_path: Path) -> None:

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -84,8 +86,6 @@ def corpus(source: str, cache_dir: str | os.PathLike[str] | None = None) -> torc
     (default ``~/.cache/rankwatch/corpus``), keyed by the Python version that made it."""
     if source not in SOURCES:
         raise ValueError(f"unknown corpus {source!r}; expected one of {', '.join(SOURCES)}")
-    import sys
-
     cache = Path(cache_dir or Path.home() / ".cache" / "rankwatch" / "corpus")
     path = cache / f"{source}-py{sys.version_info[0]}.{sys.version_info[1]}.bin"
     if not path.exists():
@@ -129,11 +129,13 @@ class Windows:
         self.data = data.long()
         self.batch = batch
         self.seq = seq
+        self.offsets = torch.arange(seq + 1)
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=self.generator)
-        windows = torch.stack([self.data[s : s + self.seq + 1] for s in starts.tolist()])
+        # One gather for the whole batch (this runs every training step).
+        windows = self.data[starts[:, None] + self.offsets]
         return windows[:, :-1], windows[:, 1:]
 
     def state(self) -> torch.Tensor:
@@ -147,7 +149,5 @@ def learning_rate(step: int, *, peak: float, warmup: int, total: int, floor: flo
     """Linear warm-up to `peak` over `warmup` steps, then cosine decay to `floor`·peak at `total`."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    import math
-
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
