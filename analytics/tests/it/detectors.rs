@@ -487,6 +487,17 @@ fn first_firing(events: &[(u64, Alert)]) -> &(u64, Alert) {
         .expect("fires")
 }
 
+/// The first alert that fired, which must have fired at a step within `steps`.
+fn fired_within(events: &[(u64, Alert)], steps: std::ops::RangeInclusive<u64>) -> &Alert {
+    let (step, a) = first_firing(events);
+    assert!(
+        steps.contains(step),
+        "fired at {step}, not in {steps:?}: {}",
+        a.explanation
+    );
+    a
+}
+
 #[test]
 fn silent_inconsistency_is_silent_on_healthy_workers() {
     for seed in [3, 4, 5] {
@@ -577,12 +588,7 @@ fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline(
     // Rank 3 reads off-task data from the first step: its loss is 2.8 against the others' 2.0.
     // The run-level baseline would learn it as normal; its peers do not.
     let events = run_dp(4, 200, 0..200, Fault::LossOffset(3, 0.8), 31);
-    let (step, a) = first_firing(&events);
-    assert!(
-        (49..=55).contains(step),
-        "fired at {step}: {}",
-        a.explanation
-    );
+    let a = fired_within(&events, 49..=55);
     assert_eq!(a.outlier_ranks, vec![3]);
     assert!(
         a.explanation.contains(
@@ -732,12 +738,7 @@ fn silent_inconsistency_names_a_rank_with_a_scaled_gradient() {
 #[test]
 fn silent_inconsistency_catches_a_flipped_gradient_by_cosine() {
     let events = run_dp(8, 460, 350..460, Fault::FlipGradient(2), 7);
-    let (step, a) = first_firing(&events);
-    println!(
-        "flipped gradient on rank 2 from step 350: fired at {step}: {}",
-        a.explanation
-    );
-    assert!((350..=355).contains(step));
+    let a = fired_within(&events, 350..=355);
     assert!(
         a.explanation.contains("worker cosine C_w"),
         "{}",
@@ -749,14 +750,9 @@ fn silent_inconsistency_catches_a_flipped_gradient_by_cosine() {
 #[test]
 fn silent_inconsistency_names_a_desynchronised_loss() {
     let events = run_dp(4, 460, 300..460, Fault::LossOffset(0, 0.4), 8);
-    let (step, a) = first_firing(&events);
     // Within a few steps: 3 breaching steps, scored against a baseline of only the 30 steps
     // after `skip_steps`.
-    assert!(
-        (300..=308).contains(step),
-        "fired at {step}: {}",
-        a.explanation
-    );
+    let a = fired_within(&events, 300..=308);
     assert!(a.explanation.contains("loss CV"), "{}", a.explanation);
     assert_eq!(a.outlier_ranks, vec![0]);
 }
