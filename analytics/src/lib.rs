@@ -11,6 +11,7 @@
 pub mod alert;
 pub mod detect;
 pub mod error;
+pub mod incident;
 pub mod math;
 pub mod record;
 pub mod schema;

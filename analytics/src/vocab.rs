@@ -81,6 +81,9 @@ metrics! {
     AmpSkipped = "amp_skipped", Rank, NONE;
     /// Values `log()` refused on that rank (bad name, type or shape), cumulative.
     Rejected = "rejected", Rank, NONE;
+    /// 1, sent once by a rank's `finish()` at its last step: the rank is done. When every rank of
+    /// the world has sent it, the run is over and its open alerts resolve.
+    Finished = "finished", Rank, NONE;
     /// Milliseconds the gradient probe spent on that rank since its last report (host time in
     /// its hooks and end-of-backward work).
     ProbeMsGrad = "probe_ms.grad", Rank, NONE;

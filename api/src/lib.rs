@@ -18,6 +18,7 @@
 mod alerts;
 mod error;
 mod events;
+mod incidents;
 mod ingest;
 mod layout;
 mod num;
@@ -33,6 +34,9 @@ mod workers;
 pub use alerts::{Alert, AlertFeed, Alerts};
 pub use error::{ErrorBody, ErrorReason};
 pub use events::Event;
+pub use incidents::{
+    AckRequest, Acknowledgement, Incident, Incidents, Matchers, NewSilence, Silence, Silences,
+};
 pub use ingest::{IngestBody, IngestInfo, IngestSample, IngestSketch};
 pub use layout::{AttentionShape, LayerLayout, ModelLayout, Site, SketchKind};
 pub use num::{Num, non_finite};

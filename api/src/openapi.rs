@@ -30,6 +30,8 @@ pub fn schemas(metrics: &[&str]) -> Map<String, Value> {
     requests.subschema_for::<SqlRequest>();
     requests.subschema_for::<RetentionRequest>();
     requests.subschema_for::<SetProbes>();
+    requests.subschema_for::<AckRequest>();
+    requests.subschema_for::<NewSilence>();
     let mut answers = generator(Contract::Serialize);
     answers.subschema_for::<Ack>();
     answers.subschema_for::<Runs>();
@@ -39,6 +41,8 @@ pub fn schemas(metrics: &[&str]) -> Map<String, Value> {
     answers.subschema_for::<Workers>();
     answers.subschema_for::<Alerts>();
     answers.subschema_for::<AlertFeed>();
+    answers.subschema_for::<Incidents>();
+    answers.subschema_for::<Silences>();
     answers.subschema_for::<Event>();
     answers.subschema_for::<SqlAnswer>();
     answers.subschema_for::<RulesAnswer>();

@@ -156,13 +156,15 @@ impl Detector for ActivationOutlier {
             .zip(c.growth_factor)
             .map(|(b, g)| b * g)
             .filter(|l| *l > 0.0);
+        // No outlier ranks: the alert's `rank` grew against its own past, which makes it an
+        // outlier among ranks only if the others did not (the incident tells which).
         let signal = if !v.is_finite() {
             Signal::Breach(Breach {
                 severity: Severity::Critical,
                 value: obs.value,
                 threshold: c.absolute_limit.unwrap_or(f64::MAX),
                 explanation: format!("{}: activation maximum is {}{}", place(), obs.value, on()),
-                outlier_ranks: obs.rank.into_iter().collect(),
+                outlier_ranks: vec![],
             })
         } else if let Some(limit) = c.absolute_limit.filter(|l| v >= *l) {
             Signal::Breach(Breach {
@@ -176,7 +178,7 @@ impl Detector for ActivationOutlier {
                     short(limit),
                     on()
                 ),
-                outlier_ranks: obs.rank.into_iter().collect(),
+                outlier_ranks: vec![],
             })
         } else if let Some(limit) = growth_limit.filter(|l| v >= *l) {
             let b = baseline.unwrap_or(f64::NAN);
@@ -192,7 +194,7 @@ impl Detector for ActivationOutlier {
                     short(b),
                     on()
                 ),
-                outlier_ranks: obs.rank.into_iter().collect(),
+                outlier_ranks: vec![],
             })
         } else {
             let under = |limit: Option<f64>| limit.is_none_or(|l| v < c.exit_ratio * l);
