@@ -59,6 +59,10 @@ pub enum Error {
     #[error("no such endpoint; see /api/v1/openapi.json")]
     NotFound,
 
+    /// A route whose object does not exist (an incident, a silence); the message names it.
+    #[error("{0}")]
+    Missing(String),
+
     /// An agent of another rankwatch release, speaking another wire protocol.
     #[error("{0}")]
     IncompatibleVersion(String),
@@ -137,7 +141,7 @@ impl Error {
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Error::Forbidden(_) => StatusCode::FORBIDDEN,
-            Error::UnknownRun(_) | Error::NotFound => StatusCode::NOT_FOUND,
+            Error::UnknownRun(_) | Error::NotFound | Error::Missing(_) => StatusCode::NOT_FOUND,
             Error::InFlight(_) => StatusCode::CONFLICT,
             Error::Backpressure { .. } | Error::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
             Error::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -164,7 +168,7 @@ impl Error {
             Error::Forbidden(_) => ErrorReason::Forbidden,
             Error::IncompatibleVersion(_) => ErrorReason::IncompatibleVersion,
             Error::UnknownRun(_) => ErrorReason::UnknownRun,
-            Error::NotFound => ErrorReason::NotFound,
+            Error::NotFound | Error::Missing(_) => ErrorReason::NotFound,
             Error::InFlight(_) => ErrorReason::InFlight,
             Error::Backpressure { .. } => ErrorReason::Backpressure,
             Error::Busy(_) => ErrorReason::Busy,

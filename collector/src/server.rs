@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 
 use rankwatch_analytics::detect::DetectorsConfig;
 
+use crate::alerting::actions::AlertActions;
 use crate::alerting::rules::{self, RuleBook};
 use crate::alerting::sinks::{SinkConfig, SinkMetrics, Sinks};
 use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig, EngineMetrics};
@@ -92,6 +93,10 @@ impl Collector {
             wal: wal.clone(),
         };
 
+        let actions = Arc::new(AlertActions::open(
+            Some(config.data_dir.join("alert-actions.json")),
+            store.clock().clone(),
+        )?);
         let engine_metrics = Arc::new(EngineMetrics::default());
         let sink_metrics = Arc::new(SinkMetrics::default());
         let alert_engine = if config.no_alert_engine {
@@ -101,6 +106,7 @@ impl Collector {
                 config,
                 committer.clone(),
                 rule_book.clone(),
+                actions.clone(),
                 engine_metrics.clone(),
                 sink_metrics.clone(),
             );
@@ -152,6 +158,7 @@ impl Collector {
             Alerting {
                 rules: rule_book,
                 engine: handle.clone(),
+                actions,
             },
             config.retention(),
             switches,
@@ -340,6 +347,7 @@ fn start_alert_engine(
     config: &ServeConfig,
     committer: Committer,
     rules: Arc<RuleBook>,
+    actions: Arc<AlertActions>,
     metrics: Arc<EngineMetrics>,
     sink_metrics: Arc<SinkMetrics>,
 ) -> AlertEngine {
@@ -359,11 +367,13 @@ fn start_alert_engine(
         },
         sink_metrics,
         &committer.store.alerts(None),
+        &|alert| actions.is_muted(&alert.into()),
     );
     AlertEngine::start(
         committer,
         rules,
         sinks,
+        actions.clone(),
         EngineConfig {
             align_timeout: config.align_timeout,
             idle_evict: config.idle_evict,

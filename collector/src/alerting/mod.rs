@@ -21,12 +21,13 @@
 //! fault that persists across a restart becomes part of the new baseline, so quiet detectors
 //! are no evidence that it is gone.)
 
+pub mod actions;
 pub mod aligner;
 pub mod rules;
 pub mod sinks;
 pub mod watch;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,12 +45,15 @@ use crate::commit::Committer;
 use crate::entry::Entry;
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
+use actions::AlertActions;
 use rules::RuleBook;
 use sinks::Sinks;
 use watch::{Output, RunWatch};
 
 /// The rank number that marks the aligner's own batches in idempotency keys.
 pub const ALIGNER_RANK: u32 = u32::MAX;
+/// The metric a rank's `finish()` reports.
+const FINISHED: &str = rankwatch_analytics::Metric::Finished.as_str();
 /// The session name of the aligner's batches.
 pub const ALIGNER_SESSION: &str = "aligner";
 
@@ -78,6 +82,10 @@ pub struct EngineMetrics {
     pub suppressed: Family<Labels, Counter>,
     /// States the log's replay raised again for alerts the journal already holds resolved.
     pub replay_echoes: Counter,
+    /// Firing states held back from receivers because a silence matched, by rule.
+    pub silenced: Family<Labels, Counter>,
+    /// Runs retired because every rank reported `finished`.
+    pub runs_finished: Counter,
 }
 
 impl EngineMetrics {
@@ -117,6 +125,16 @@ impl EngineMetrics {
             "alert_replay_echoes",
             "Alert states the log's replay raised again for alerts already resolved before the restart (not raised or told again)",
             self.replay_echoes.clone(),
+        );
+        r.register(
+            "alerts_silenced",
+            "Firing alert states not told to receivers because a silence matched them (told once it ends), by rule",
+            self.silenced.clone(),
+        );
+        r.register(
+            "runs_finished",
+            "Runs whose every rank reported finished: their steps closed and open alerts resolved at once",
+            self.runs_finished.clone(),
         );
         r.register(
             "alert_engine_errors",
@@ -202,6 +220,7 @@ impl AlertEngine {
         writer: Committer,
         rules: Arc<RuleBook>,
         sinks: Sinks,
+        actions: Arc<AlertActions>,
         config: EngineConfig,
         metrics: Arc<EngineMetrics>,
     ) -> AlertEngine {
@@ -211,7 +230,13 @@ impl AlertEngine {
         let mut restored = HashMap::new();
         let mut settled = HashMap::new();
         let mut open: HashMap<RunId, std::collections::HashSet<String>> = HashMap::new();
+        // Firing alerts a silence keeps from the receivers (`Sinks::start` skipped them): told
+        // when it ends.
+        let mut withheld = HashMap::new();
         for alert in writer.store.alerts(None) {
+            if alert.state == AlertState::Firing && actions.is_muted(&(&alert).into()) {
+                withheld.insert(alert.id.clone(), alert.clone());
+            }
             if alert.state == AlertState::Resolved {
                 settled.insert(alert.id.clone(), alert.run.clone());
             } else {
@@ -237,6 +262,9 @@ impl AlertEngine {
             outgoing: Vec::new(),
             started_ms,
             open,
+            actions,
+            withheld,
+            finished: HashMap::new(),
         };
         AlertEngine {
             handle: EngineHandle { tx },
@@ -285,6 +313,12 @@ struct Engine {
     started_ms: i64,
     /// Open (pending or firing) alert ids per run, for the per-run cap.
     open: HashMap<RunId, std::collections::HashSet<String>>,
+    /// Acknowledgements and silences.
+    actions: Arc<AlertActions>,
+    /// Alerts whose firing a silence kept from the receivers, at their latest state.
+    withheld: HashMap<String, Alert>,
+    /// Ranks that reported `finished`, per run; the run retires when all of its world have.
+    finished: HashMap<RunId, BTreeSet<u32>>,
 }
 
 impl Engine {
@@ -300,6 +334,7 @@ impl Engine {
                         self.entry(entry, derived, arrived_ms);
                         if !self.replaying {
                             self.tick_run(&run, false).await;
+                            self.retire_if_finished(&run).await;
                         }
                     }
                     Some(Msg::ReplayDone) => {
@@ -321,6 +356,8 @@ impl Engine {
                     Some(Msg::Forget(run, done)) => {
                         self.runs.remove(&run);
                         self.open.remove(&run);
+                        self.finished.remove(&run);
+                        self.withheld.retain(|_, alert| alert.run != run);
                         self.derived_through.remove(&run);
                         self.restored.retain(|key, _| key.run != run);
                         self.settled.retain(|_, of| *of != run);
@@ -376,8 +413,42 @@ impl Engine {
             self.metrics.errors.inc();
         }
         if let Some(sinks) = &self.sinks {
-            for alert in &alerts {
-                sinks.send(alert);
+            for alert in alerts {
+                if alert.state != AlertState::Resolved && self.actions.is_muted(&(&alert).into()) {
+                    let newly = self
+                        .withheld
+                        .get(&alert.id)
+                        .is_none_or(|held| held.state != AlertState::Firing);
+                    if alert.state == AlertState::Firing && newly {
+                        self.metrics
+                            .silenced
+                            .get_or_create(&vec![("rule", alert.rule.as_str())])
+                            .inc();
+                    }
+                    self.withheld.insert(alert.id.clone(), alert);
+                    continue;
+                }
+                self.withheld.remove(&alert.id);
+                sinks.send(&alert);
+            }
+        }
+    }
+
+    /// Tells the receivers of held-back alerts no silence matches any more (it expired or was
+    /// deleted), at their latest state.
+    fn release_unsilenced(&mut self) {
+        let Some(sinks) = &self.sinks else {
+            return;
+        };
+        let free: Vec<String> = self
+            .withheld
+            .values()
+            .filter(|a| !self.actions.is_muted(&(*a).into()))
+            .map(|a| a.id.clone())
+            .collect();
+        for id in free {
+            if let Some(alert) = self.withheld.remove(&id) {
+                sinks.send(&alert);
             }
         }
     }
@@ -420,8 +491,14 @@ impl Engine {
         let Some(watch) = self.watch(&run, now) else {
             return;
         };
+        let mut finished = Vec::new();
         if let Some(batch) = &entry.samples
             && let Err(e) = samples::try_for_each_row(batch, |row| {
+                if row.metric == FINISHED
+                    && let Some(rank) = row.rank
+                {
+                    finished.push(rank);
+                }
                 alerts.extend(watch.row(row, now));
                 Ok(())
             })
@@ -442,6 +519,42 @@ impl Engine {
         for alert in alerts {
             self.raise(alert);
         }
+        if !finished.is_empty() {
+            self.finished.entry(run).or_default().extend(finished);
+        }
+    }
+
+    /// Retires a run every rank of which reported `finished`: its last steps close and its
+    /// open alerts resolve now, not an `--idle-evict` later (before, a finished run's alerts
+    /// stayed firing for an hour). A run that reports again afterwards (a resume under the
+    /// same name) starts a fresh watch.
+    async fn retire_if_finished(&mut self, run: &RunId) {
+        let Some(world) = self.writer.store.world_size(run) else {
+            return;
+        };
+        if self
+            .finished
+            .get(run)
+            .is_none_or(|done| (done.len() as u32) < world)
+        {
+            return;
+        }
+        self.finished.remove(run);
+        self.metrics.runs_finished.inc();
+        self.retire(run, "the run finished").await;
+    }
+
+    /// Closes a run's open steps, drops its watch and resolves its open alerts, `why`.
+    async fn retire(&mut self, run: &RunId, why: &str) {
+        self.tick_run(run, true).await;
+        let now = self.writer.store.now_ms();
+        if let Some(watch) = self.runs.remove(run) {
+            for mut alert in watch.open_alerts() {
+                alert.resolve(now, Some(why));
+                self.raise(alert);
+            }
+        }
+        self.resolve_restored(run, why);
     }
 
     async fn tick_all(&mut self, all: bool) {
@@ -451,19 +564,17 @@ impl Engine {
             let idle = self.runs.get(&run).is_some_and(|w| {
                 now - w.last_activity_ms > self.config.idle_evict.as_millis() as i64
             });
-            self.tick_run(&run, all || idle).await;
             if idle {
                 // Its open alerts end with it: nothing will ever clear them (before, a run
                 // that stopped with an alert firing left it firing for ever).
-                if let Some(watch) = self.runs.remove(&run) {
-                    for mut alert in watch.open_alerts() {
-                        alert.resolve(now, Some("the run stopped reporting"));
-                        self.raise(alert);
-                    }
-                }
-                self.resolve_restored(&run, "the run went quiet after the collector restarted");
+                self.finished.remove(&run);
+                self.retire(&run, "the run stopped reporting").await;
+            } else {
+                self.tick_run(&run, all).await;
+                self.retire_if_finished(&run).await;
             }
         }
+        self.release_unsilenced();
         // Alerts restored for runs that have not reported since the restart: resolved once
         // the collector has run as long as a watched run may stay quiet (before, they stayed
         // firing for ever). A run that did report is watched, and resolves its own.

@@ -296,8 +296,14 @@ pub struct Sinks {
 
 impl Sinks {
     /// Starts one thread per configured receiver, each reconciled with `alerts` (the store's
-    /// alerts now) against what it was told before the collector last stopped.
-    pub fn start(config: &SinkConfig, telemetry: Arc<SinkMetrics>, alerts: &[Alert]) -> Sinks {
+    /// alerts now) against what it was told before the collector last stopped. Firing alerts
+    /// `muted` picks (silenced) are not announced; the engine tells them when the silence ends.
+    pub fn start(
+        config: &SinkConfig,
+        telemetry: Arc<SinkMetrics>,
+        alerts: &[Alert],
+        muted: &dyn Fn(&Alert) -> bool,
+    ) -> Sinks {
         let mut queues = Vec::new();
         let mut threads = Vec::new();
         let targets = [
@@ -313,7 +319,7 @@ impl Sinks {
                     .map(|dir| dir.join(format!("{}-{:016x}.json", kind.as_str(), fnv1a(url))));
                 let told = record.as_deref().map(load_told).unwrap_or_default();
                 let queue = Arc::new(Queue::default());
-                for alert in reconcile(&told, alerts, config.clock.now_ms()) {
+                for alert in reconcile(&told, alerts, config.clock.now_ms(), muted) {
                     queue.push(alert);
                 }
                 let worker = Worker {
@@ -367,14 +373,19 @@ impl Sinks {
 
 /// What a receiver must hear after a restart: alerts firing it was not told of, and the end of
 /// those it was told fire that are resolved now or gone (their run deleted).
-fn reconcile(told: &BTreeMap<String, Alert>, alerts: &[Alert], now_ms: i64) -> Vec<Alert> {
+fn reconcile(
+    told: &BTreeMap<String, Alert>,
+    alerts: &[Alert],
+    now_ms: i64,
+    muted: &dyn Fn(&Alert) -> bool,
+) -> Vec<Alert> {
     let mut out = Vec::new();
     let mut current: BTreeMap<&str, &Alert> = BTreeMap::new();
     for alert in alerts {
         current.insert(alert.id.as_str(), alert);
         let heard = told.contains_key(&alert.id);
         match alert.state {
-            AlertState::Firing => out.push(alert.clone()),
+            AlertState::Firing if !muted(alert) => out.push(alert.clone()),
             AlertState::Resolved if heard => out.push(alert.clone()),
             _ => {}
         }
@@ -622,7 +633,7 @@ mod tests {
             alert("never-told-resolved", AlertState::Resolved),
             alert("pending", AlertState::Pending),
         ];
-        let mut out: Vec<(String, AlertState)> = reconcile(&told, &now, 99)
+        let mut out: Vec<(String, AlertState)> = reconcile(&told, &now, 99, &|_| false)
             .into_iter()
             .map(|a| (a.id, a.state))
             .collect();

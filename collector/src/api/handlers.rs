@@ -44,7 +44,7 @@ fn declared_length(headers: &HeaderMap) -> Option<usize> {
 }
 
 /// Reads a whole body of at most `limit` bytes, within the collector's body timeout.
-async fn read_body(
+pub(super) async fn read_body(
     state: &AppState,
     body: Body,
     headers: &HeaderMap,
@@ -64,7 +64,7 @@ async fn read_body(
 }
 
 /// Bodies of the small JSON endpoints (rules, probe switches, retention).
-const SMALL_BODY_LIMIT: usize = 2 << 20;
+pub(super) const SMALL_BODY_LIMIT: usize = 2 << 20;
 
 pub(super) async fn ingest(
     State(state): State<AppState>,
@@ -176,7 +176,7 @@ pub(super) struct AlertsQuery {
     state: Option<String>,
 }
 
-fn parse_state(s: &str) -> Result<AlertState> {
+pub(super) fn parse_state(s: &str) -> Result<AlertState> {
     s.parse()
         .map_err(|e: rankwatch_api::UnknownName| Error::bad(e.to_string()))
 }
@@ -484,6 +484,9 @@ pub(super) async fn delete_run(
     // The run's rule override and probe switch go with it (none is fine).
     let _ = state.inner.alerting.rules.clear_override(&run);
     let _ = state.inner.switches.remove(&run);
+    if let Err(e) = state.inner.alerting.actions.forget_run(&run) {
+        tracing::warn!(%run, error = %e, "the deleted run's acknowledgements could not be dropped");
+    }
     Ok(Json(deleted))
 }
 

@@ -13,6 +13,7 @@ mod auth;
 pub mod browser;
 mod extract;
 mod handlers;
+mod incidents;
 pub(crate) mod ui;
 
 use std::sync::Arc;
@@ -78,6 +79,8 @@ pub struct Alerting {
     pub rules: Arc<crate::alerting::rules::RuleBook>,
     /// `None` with `--no-alert-engine`.
     pub engine: Option<crate::alerting::EngineHandle>,
+    /// Acknowledgements and silences (kept with or without the engine).
+    pub actions: Arc<crate::alerting::actions::AlertActions>,
 }
 
 impl AppState {
@@ -185,6 +188,21 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/runs/{run}/heatmap", get(handlers::heatmap))
         .route("/api/v1/runs/{run}/workers", get(handlers::workers))
         .route("/api/v1/alerts", get(handlers::alerts))
+        // Acknowledging and silencing change no data, only who is told: the dashboard's
+        // users do it with the read token, as Alertmanager's UI users do.
+        .route("/api/v1/incidents", get(incidents::incidents))
+        .route(
+            "/api/v1/incidents/{id}/ack",
+            post(incidents::acknowledge).delete(incidents::unacknowledge),
+        )
+        .route(
+            "/api/v1/silences",
+            get(incidents::silences).post(incidents::create_silence),
+        )
+        .route(
+            "/api/v1/silences/{id}",
+            axum::routing::delete(incidents::expire_silence),
+        )
         .route("/api/v1/rules", get(handlers::rules))
         .route("/api/v1/sql", post(handlers::sql))
         .route_layer(axum::middleware::from_fn_with_state(

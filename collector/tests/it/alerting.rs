@@ -37,7 +37,7 @@ pub(crate) fn step_rows(
     rows
 }
 
-async fn announce(c: &Collector, run: &str) {
+pub(crate) async fn announce(c: &Collector, run: &str) {
     let r = post(
         c,
         "/api/v1/ingest?table=runs",
@@ -49,7 +49,7 @@ async fn announce(c: &Collector, run: &str) {
     assert_eq!(r.status, 200, "{}", r.text());
 }
 
-async fn ingest(c: &Collector, run: &str, seq: u64, rows: &[Sample]) {
+pub(crate) async fn ingest(c: &Collector, run: &str, seq: u64, rows: &[Sample]) {
     let key = format!("{run}/0/t/{seq}");
     let r = post(
         c,

@@ -9,6 +9,7 @@ mod common;
 mod crash;
 mod dashboard;
 mod hostile;
+mod incidents;
 mod openapi;
 mod recovery;
 mod rollups;

@@ -1,0 +1,270 @@
+//! Incidents, acknowledgements, silences and finished runs through the real router and a
+//! real webhook receiver: one fault on every rank is one incident; a silence holds its
+//! notifications back until it is deleted; finishing every rank resolves what is open.
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::Request;
+use rankwatch_analytics::simulate::{DataParallelSim, Fault};
+use rankwatch_collector::Collector;
+use serde_json::{Value, json};
+
+use crate::alerting::{announce, ingest, step_rows};
+use crate::common::*;
+
+const WORLD: u32 = 4;
+
+async fn send_json(c: &Collector, method: &str, uri: &str, body: Value) -> Reply {
+    let request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    call(c, request).await
+}
+
+async fn delete(c: &Collector, uri: &str) -> Reply {
+    call(c, Request::delete(uri).body(Body::empty()).unwrap()).await
+}
+
+/// Polls the run's incidents until `pred` holds for the list (10 s at most).
+async fn wait_incidents(c: &Collector, run: &str, pred: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let list = get(c, &format!("/api/v1/incidents?run={run}")).await.json()["incidents"]
+            .as_array()
+            .unwrap()
+            .clone();
+        if pred(&list) {
+            return list;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "incidents never matched: {list:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The webhook deliveries so far: (status, alert id).
+fn heard(got: &std::sync::Mutex<Vec<(String, Value)>>) -> Vec<(String, String)> {
+    got.lock()
+        .unwrap()
+        .iter()
+        .map(|(_, b)| {
+            (
+                b["status"].as_str().unwrap_or("").to_owned(),
+                b["alert"]["id"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_fault_on_every_rank_is_one_incident_silenced_acknowledged_and_resolved_by_finishing() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start(0);
+    let got = receiver.got.clone();
+    let mut config = config(dir.path());
+    config.webhook_urls = vec![format!("{}/hook", receiver.base)];
+    let c = Collector::open(&config).await.unwrap();
+    let run = "incident-1";
+    announce(&c, run).await;
+
+    // Bad silences are refused with their reason; a good one is listed as active.
+    let refused = send_json(
+        &c,
+        "POST",
+        "/api/v1/silences",
+        json!({"matchers": {}, "duration_s": 60, "created_by": "ana"}),
+    )
+    .await;
+    assert_eq!(refused.status, 400);
+    assert!(
+        refused.error().contains("at least one matcher"),
+        "{}",
+        refused.error()
+    );
+    let refused = send_json(
+        &c,
+        "POST",
+        "/api/v1/silences",
+        json!({"matchers": {"rule": "nope"}, "duration_s": 60, "created_by": "ana"}),
+    )
+    .await;
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    let silence = send_json(
+        &c,
+        "POST",
+        "/api/v1/silences",
+        json!({"matchers": {"run": run, "rule": "nonfinite"}, "duration_s": 3600, "created_by": "ana", "comment": "known NaN, fix on its way"}),
+    )
+    .await;
+    assert_eq!(silence.status, 201, "{}", silence.text());
+    let silence = silence.json();
+    assert_eq!(silence["active"], true);
+    let listed = get(&c, "/api/v1/silences").await.json();
+    assert_eq!(listed["silences"][0]["id"], silence["id"]);
+
+    // Every rank's loss turns NaN from step 7: four per-rank alerts, one cause.
+    let mut sim = DataParallelSim::new(WORLD, 64, 5);
+    for step in 0..12u64 {
+        let mut obs = sim.step(step, Fault::None);
+        if step >= 7 {
+            for r in &mut obs.ranks {
+                r.loss = Some(f64::NAN);
+            }
+        }
+        ingest(&c, run, step, &step_rows(run, &obs)).await;
+    }
+    let incidents = wait_incidents(&c, run, |list| {
+        list.len() == 1
+            && list[0]["alerts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|a| a["state"] == "firing")
+                .count()
+                == 4
+    })
+    .await;
+    let incident = &incidents[0];
+    assert_eq!(incident["state"], "firing");
+    assert_eq!(incident["every_rank"], true, "{incident:#}");
+    assert_eq!(incident["ranks"], json!([0, 1, 2, 3]));
+    assert!(
+        incident["summary"]
+            .as_str()
+            .unwrap()
+            .starts_with("nonfinite, every rank of 4"),
+        "{incident:#}"
+    );
+    assert_eq!(incident["silenced_by"], json!([silence["id"]]));
+    assert!(incident["acknowledged"].is_null());
+
+    // Silenced: the receiver heard nothing of them (give the delivery thread a moment).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(heard(&got), vec![], "a silenced alert reached the receiver");
+
+    // Acknowledge: checked, then kept on every alert of the incident.
+    let id = incident["id"].as_str().unwrap().to_owned();
+    let ack_uri = format!("/api/v1/incidents/{id}/ack");
+    let bad = send_json(&c, "POST", &ack_uri, json!({"comment": "who?"})).await;
+    assert_eq!(bad.status, 400);
+    assert!(bad.error().contains("by"), "{}", bad.error());
+    let missing = send_json(
+        &c,
+        "POST",
+        "/api/v1/incidents/incident:nope/ack",
+        json!({"by": "ana"}),
+    )
+    .await;
+    assert_eq!(missing.status, 404);
+    assert!(
+        missing.error().contains("no incident"),
+        "{}",
+        missing.error()
+    );
+    let acked = send_json(
+        &c,
+        "POST",
+        &ack_uri,
+        json!({"by": "ana", "comment": "on it"}),
+    )
+    .await;
+    assert_eq!(acked.status, 200, "{}", acked.text());
+    assert_eq!(acked.json()["acknowledged"]["by"], "ana");
+    let listed = get(&c, &format!("/api/v1/incidents?run={run}"))
+        .await
+        .json();
+    assert_eq!(listed["incidents"][0]["acknowledged"]["comment"], "on it");
+
+    // The silence ends: the held-back alerts reach the receiver, each once.
+    let ended = delete(
+        &c,
+        &format!("/api/v1/silences/{}", silence["id"].as_str().unwrap()),
+    )
+    .await;
+    assert_eq!(ended.status, 200, "{}", ended.text());
+    assert_eq!(ended.json()["active"], false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while heard(&got).len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "held-back alerts not told: {:?}",
+            heard(&got)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        heard(&got).iter().all(|(status, _)| status == "firing"),
+        "{:?}",
+        heard(&got)
+    );
+
+    // Every rank finishes: the incident resolves now, not an idle hour later.
+    let finished: Vec<_> = (0..WORLD)
+        .map(|rank| sample(run, Some(rank), 11, "finished", None, None, 1.0))
+        .collect();
+    ingest(&c, run, 100, &finished).await;
+    let incidents = wait_incidents(&c, run, |list| {
+        list.len() == 1 && list[0]["state"] == "resolved"
+    })
+    .await;
+    for alert in incidents[0]["alerts"].as_array().unwrap() {
+        assert!(
+            alert["explanation"]
+                .as_str()
+                .unwrap()
+                .contains("the run finished"),
+            "{alert:#}"
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while heard(&got).iter().filter(|(s, _)| s == "resolved").count() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "resolutions not told: {:?}",
+            heard(&got)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = get(&c, "/metrics").await.text();
+    assert!(
+        metrics.contains("rankwatch_runs_finished_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("rankwatch_alerts_silenced_total{rule=\"nonfinite\"} 4"),
+        "{metrics}"
+    );
+    // A resolved incident has nothing left to acknowledge.
+    let late = send_json(&c, "POST", &ack_uri, json!({"by": "bo"})).await;
+    assert_eq!(late.status, 400);
+    c.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silences_and_acknowledgements_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open(dir.path()).await;
+    let silence = send_json(
+        &c,
+        "POST",
+        "/api/v1/silences",
+        json!({"matchers": {"rank": 3}, "duration_s": 600, "created_by": "ana"}),
+    )
+    .await;
+    assert_eq!(silence.status, 201, "{}", silence.text());
+    c.shutdown().await.unwrap();
+    let c = open(dir.path()).await;
+    let listed = get(&c, "/api/v1/silences").await.json();
+    assert_eq!(listed["silences"][0]["id"], silence.json()["id"]);
+    assert_eq!(listed["silences"][0]["matchers"], json!({"rank": 3}));
+    let gone = delete(&c, "/api/v1/silences/silence-unknown").await;
+    assert_eq!(gone.status, 404);
+    assert!(gone.error().contains("no silence"), "{}", gone.error());
+    c.shutdown().await.unwrap();
+}
