@@ -702,6 +702,12 @@ class Run:
             except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
                 self._warn("drain", f"rankwatch: could not read back the last report: {e}")
         self.unwatch()
+        # Tells the collector this rank is done: once every rank of the world has, the run's
+        # last steps close and its open alerts resolve now rather than an idle hour later.
+        try:
+            agent.log(self._last_step if self._last_step is not None else 0, {"finished": 1.0})
+        except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
+            self._warn("finished", f"rankwatch: could not report the end of the run: {e}")
         stats = agent.shutdown(timeout)
         if self.mode == "online" and not stats["ever_connected"]:
             where = f" They wait in {self.spool_dir}; send them with rankwatch.sync({str(self.spool_dir)!r})." if stats["spooled_batches"] else ""
