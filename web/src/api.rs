@@ -22,8 +22,9 @@ use futures_util::future::LocalBoxFuture;
 
 use rankwatch_api::ErrorBody;
 pub(crate) use rankwatch_api::{
-    Alert, Alerts, BucketRange, Catalog, Cosine, Heatmap, Num, ProbeSwitch, RulesAnswer,
-    RunSummary, Runs, Series, SeriesAnswer, SetProbes, Workers,
+    AckRequest, Alert, Alerts, BucketRange, Catalog, Cosine, Heatmap, Incident, Incidents,
+    Matchers, NewSilence, Num, ProbeSwitch, RulesAnswer, RunSummary, Runs, Series, SeriesAnswer,
+    SetProbes, Silence, Workers,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -113,6 +114,22 @@ pub(crate) fn set_read_token(token: &str) {
     }
 }
 
+const USER_KEY: &str = "rankwatch.user";
+
+/// The name this browser acknowledges and silences under (asked once, kept).
+pub(crate) fn user_name() -> String {
+    storage()
+        .and_then(|s| s.get_item(USER_KEY).ok().flatten())
+        .filter(|n| !n.trim().is_empty())
+        .unwrap_or_else(|| "dashboard".to_owned())
+}
+
+pub(crate) fn set_user_name(name: &str) {
+    if let Some(s) = storage() {
+        let _ = s.set_item(USER_KEY, name.trim());
+    }
+}
+
 /// Percent-encodes a query value or path segment.
 pub(crate) fn enc(s: &str) -> String {
     String::from(js_sys::encode_uri_component(s))
@@ -170,8 +187,20 @@ fn forget_at_turn_end() -> bool {
 
 /// `PUT path` with a JSON body and parse the JSON answer.
 pub(crate) async fn put<T: DeserializeOwned>(path: &str, body: &impl Serialize) -> ApiResult<T> {
-    let body = serde_json::to_string(body).map_err(|e| ApiError::Unreadable(e.to_string()))?;
-    let text = request_text("PUT", path, Some(body)).await?;
+    send("PUT", path, Some(body)).await
+}
+
+/// A write (`method` with an optional JSON body), and its parsed JSON answer.
+async fn send<T: DeserializeOwned>(
+    method: &str,
+    path: &str,
+    body: Option<&impl Serialize>,
+) -> ApiResult<T> {
+    let body = body
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(|e| ApiError::Unreadable(e.to_string()))?;
+    let text = request_text(method, path, body).await?;
     serde_json::from_str(&text).map_err(|e| ApiError::Unreadable(e.to_string()))
 }
 
@@ -328,6 +357,39 @@ pub(crate) async fn alerts(run: Option<&str>) -> ApiResult<Alerts> {
         Some(run) => get(&format!("/api/v1/alerts?run={}", enc(run))).await,
         None => get("/api/v1/alerts").await,
     }
+}
+
+pub(crate) async fn incidents(run: Option<&str>) -> ApiResult<Incidents> {
+    match run {
+        Some(run) => get(&format!("/api/v1/incidents?run={}", enc(run))).await,
+        None => get("/api/v1/incidents").await,
+    }
+}
+
+pub(crate) async fn acknowledge(id: &str, by: &str) -> ApiResult<Incident> {
+    let body = AckRequest {
+        by: by.to_owned(),
+        comment: String::new(),
+    };
+    send(
+        "POST",
+        &format!("/api/v1/incidents/{}/ack", enc(id)),
+        Some(&body),
+    )
+    .await
+}
+
+pub(crate) async fn unacknowledge(id: &str) -> ApiResult<Incident> {
+    send(
+        "DELETE",
+        &format!("/api/v1/incidents/{}/ack", enc(id)),
+        None::<&()>,
+    )
+    .await
+}
+
+pub(crate) async fn silence(request: &NewSilence) -> ApiResult<Silence> {
+    send("POST", "/api/v1/silences", Some(request)).await
 }
 
 pub(crate) async fn rules(run: &str) -> ApiResult<RulesAnswer> {

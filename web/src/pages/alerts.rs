@@ -1,12 +1,14 @@
-//! Alerts, firing and resolved, with their explanations and links to the layer or worker view
-//! at the alert's step. At `/alerts` it lists every run's; at `/runs/:run/alerts` one run's.
+//! Incidents — alerts grouped by cause (the collector groups them) — with the cause first,
+//! the ranks, layers and sites they touch, acknowledge and silence buttons, and each alert's
+//! explanation and link to the layer or worker view at its step. At `/alerts` every run's; at
+//! `/runs/:run/alerts` one run's.
 
 use leptos::prelude::*;
 use leptos_router::components::A;
 use leptos_router::hooks::use_params_map;
 
 use super::{ErrorBox, RunHeader, RunView};
-use crate::api::{self, Alert};
+use crate::api::{self, Alert, Incident, Matchers, NewSilence};
 use crate::fetch::fetched;
 use crate::format;
 use crate::live::Live;
@@ -114,49 +116,181 @@ fn AlertCard(alert: Alert, show_run: bool) -> impl IntoView {
     }
 }
 
+/// What the incident touches, in a few words.
+fn scope(i: &Incident) -> String {
+    let mut parts = Vec::new();
+    if !i.layers.is_empty() {
+        parts.push(match i.layers.as_slice() {
+            [one] => format!("layer {one}"),
+            many => format!("{} layers", many.len()),
+        });
+    }
+    if i.every_rank {
+        parts.push("every rank".to_owned());
+    } else if !i.ranks.is_empty() {
+        let ranks: Vec<String> = i.ranks.iter().map(u32::to_string).collect();
+        parts.push(format!("rank {}", ranks.join(", ")));
+    }
+    if parts.is_empty() {
+        "whole run".into()
+    } else {
+        parts.join(" · ")
+    }
+}
+
+/// One incident: its cause and scope, acknowledge and silence, and its alerts (cause first).
 #[component]
-fn AlertList(run: Option<Memo<String>>) -> impl IntoView {
+fn IncidentCard(incident: Incident, show_run: bool, changed: RwSignal<u32>) -> impl IntoView {
+    let failed = RwSignal::new(None::<String>);
+    let id = incident.id.clone();
+    let acknowledged = incident.acknowledged.clone();
+    let act = move |what: &'static str| {
+        let id = id.clone();
+        leptos::task::spawn_local(async move {
+            let outcome = match what {
+                "ack" => api::acknowledge(&id, &api::user_name()).await.map(|_| ()),
+                _ => api::unacknowledge(&id).await.map(|_| ()),
+            };
+            match outcome {
+                Ok(()) => {
+                    let _ = failed.try_set(None);
+                    let _ = changed.try_update(|n| *n += 1);
+                }
+                Err(e) => {
+                    let _ = failed.try_set(Some(e.to_string()));
+                }
+            }
+        });
+    };
+    // A silence per rule of the incident, on its run, for an hour.
+    let silence_rules: Vec<(String, Rule)> = incident
+        .rules
+        .iter()
+        .map(|r| (incident.run.clone(), *r))
+        .collect();
+    let silence = move |_| {
+        let rules = silence_rules.clone();
+        leptos::task::spawn_local(async move {
+            for (run, rule) in rules {
+                let request = NewSilence {
+                    matchers: Matchers {
+                        run: Some(run),
+                        rule: Some(rule),
+                        ..Matchers::default()
+                    },
+                    duration_s: 3600,
+                    created_by: api::user_name(),
+                    comment: "silenced from the dashboard".to_owned(),
+                };
+                if let Err(e) = api::silence(&request).await {
+                    let _ = failed.try_set(Some(e.to_string()));
+                    return;
+                }
+            }
+            let _ = failed.try_set(None);
+            let _ = changed.try_update(|n| *n += 1);
+        });
+    };
+    let steps = if incident.first_step == incident.last_step {
+        format!("step {}", incident.first_step)
+    } else {
+        format!("steps {}–{}", incident.first_step, incident.last_step)
+    };
+    let open = incident.state != AlertState::Resolved;
+    let count = incident.alerts.len();
+    let act_ack = act.clone();
+    view! {
+        <section
+            class=format!("incident {} {}", incident.severity, incident.state)
+            data-incident=incident.id.clone()
+            data-state=incident.state.as_str()
+            data-alerts=count.to_string()
+            data-every-rank=incident.every_rank.to_string()
+            data-acknowledged=acknowledged.is_some().to_string()
+            data-silenced=(!incident.silenced_by.is_empty()).to_string()
+        >
+            <header>
+                <span class="sev">{incident.severity.as_str()}</span>
+                <span class="state">{incident.state.as_str()}</span>
+                {show_run.then(|| view! { <span class="run">{format!("run {}", incident.run)}</span> })}
+                <span class="where">{scope(&incident)}</span>
+                <span class="steps">{steps}</span>
+                {acknowledged.clone().map(|a| view! { <span class="ack">{format!("acknowledged by {}", a.by)}</span> })}
+                {(!incident.silenced_by.is_empty()).then(|| view! { <span class="silenced">"silenced"</span> })}
+            </header>
+            <p class="summary">{incident.summary.clone()}</p>
+            {open.then(|| view! {
+                <div class="actions">
+                    {if acknowledged.is_some() {
+                        view! { <button class="unack" on:click=move |_| act("unack")>"Unacknowledge"</button> }.into_any()
+                    } else {
+                        view! { <button class="ack" on:click=move |_| act_ack("ack")>"Acknowledge"</button> }.into_any()
+                    }}
+                    <button class="silence" on:click=silence>"Silence 1 h"</button>
+                </div>
+            })}
+            {move || failed.get().map(|e| view! { <span class="error" role="alert">{e}</span> })}
+            <details open={count == 1}>
+                <summary>{format!("{count} alert{}", if count == 1 { "" } else { "s" })}</summary>
+                {incident.alerts.into_iter().map(|a| view! { <AlertCard alert=a show_run=false /> }).collect_view()}
+            </details>
+        </section>
+    }
+}
+
+#[component]
+fn IncidentList(run: Option<Memo<String>>) -> impl IntoView {
     let live = expect_context::<Live>();
-    let state = RwSignal::new("active".to_owned());
-    let alerts = fetched(move || {
+    let state = RwSignal::new("open".to_owned());
+    let changed = RwSignal::new(0u32);
+    let user = RwSignal::new(api::user_name());
+    let incidents = fetched(move || {
         let run = run.map(|r| r.get());
         live.alerts.track();
-        Some(async move { api::alerts(run.as_deref()).await })
+        changed.track();
+        Some(async move { api::incidents(run.as_deref()).await })
     });
     view! {
         <div class="controls">
             <label>
                 "show "
                 <select class="state-filter" on:change=move |ev| state.set(event_target_value(&ev))>
-                    <option value="active">"firing and resolved"</option>
+                    <option value="open">"open, then resolved"</option>
                     <option value="firing">"firing"</option>
+                    <option value="unacknowledged">"firing, not acknowledged"</option>
                     <option value="resolved">"resolved"</option>
-                    <option value="all">"all, with pending"</option>
                 </select>
             </label>
+            <label>
+                " acting as "
+                <input class="user" prop:value=move || user.get() on:change=move |ev| {
+                    let name = event_target_value(&ev);
+                    api::set_user_name(&name);
+                    user.set(api::user_name());
+                } />
+            </label>
         </div>
-        {move || match alerts.get() {
+        {move || match incidents.get() {
             None => view! { <p class="loading">"Loading…"</p> }.into_any(),
             Some(Err(e)) => view! { <ErrorBox error=e /> }.into_any(),
             Some(Ok(answer)) => {
                 let want = state.get();
-                let mut list: Vec<Alert> = answer
-                    .alerts
+                // The collector orders them: open first, then by severity and onset.
+                let list: Vec<Incident> = answer
+                    .incidents
                     .into_iter()
-                    .filter(|a| match want.as_str() {
-                        "firing" => a.state == AlertState::Firing,
-                        "resolved" => a.state == AlertState::Resolved && a.has_fired(),
-                        "all" => true,
-                        _ => a.state == AlertState::Firing || (a.state == AlertState::Resolved && a.has_fired()),
+                    .filter(|i| match want.as_str() {
+                        "firing" => i.state == AlertState::Firing,
+                        "unacknowledged" => i.state == AlertState::Firing && i.acknowledged.is_none(),
+                        "resolved" => i.state == AlertState::Resolved,
+                        _ => true,
                     })
                     .collect();
-                // Firing first, then the most recent.
-                list.sort_by_key(|a| (a.state != AlertState::Firing, -a.updated_at_ms));
                 if list.is_empty() {
-                    view! { <p class="empty">"No alerts."</p> }.into_any()
+                    view! { <p class="empty">"No incidents."</p> }.into_any()
                 } else {
                     list.into_iter()
-                        .map(|a| view! { <AlertCard alert=a show_run=run.is_none() /> })
+                        .map(|i| view! { <IncidentCard incident=i show_run=run.is_none() changed=changed /> })
                         .collect_view()
                         .into_any()
                 }
@@ -173,13 +307,13 @@ pub(crate) fn AlertsPage() -> impl IntoView {
         let view = RunView::new();
         view! {
             <RunHeader view=view current="alerts" />
-            <AlertList run=Some(view.run) />
+            <IncidentList run=Some(view.run) />
         }
         .into_any()
     } else {
         view! {
             <h1>"Alerts"</h1>
-            <AlertList run=None />
+            <IncidentList run=None />
         }
         .into_any()
     }
