@@ -144,6 +144,19 @@ class AlertFollower:
                 say(f"  resolved  {alert['rule']} at step {alert.get('last_step')}")
 
 
+def show_incidents(url: str, run: str) -> None:
+    """The run's alerts as the alerts page groups them: one line per incident, cause first."""
+    try:
+        answer = get_json(f"{url}/api/v1/incidents?run={urllib.request.quote(run, safe='')}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return
+    incidents = answer.get("incidents", [])  # type: ignore[union-attr]
+    if incidents:
+        say(f"Grouped by cause, they are {len(incidents)} incident(s) (the Alerts page shows the same):")
+    for i in incidents:
+        say(f"  INCIDENT  {i['severity']} {i['state']} from step {i['first_step']}: {i['summary']}")
+
+
 def last_step(url: str, run: str) -> int | None:
     """The run's last step any rank reported (the runs listing)."""
     try:
@@ -275,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         follower.poll()
         rules = sorted({a["rule"] for a in follower.fired.values()})
         say(f"Training finished in {time.monotonic() - started:.0f} s. Alerts fired: {len(follower.fired)} ({', '.join(rules) or 'none'}).")
+        show_incidents(url, run)
         say(f"Story finished. The dashboard stays up at {url}/runs/{run}" + ("" if args.exit else " — Ctrl-C to stop."))
         if not args.exit:
             while collector.poll() is None:

@@ -64,6 +64,13 @@ def test_demo_tells_its_story_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> Non
         assert any(a["rule"] == "silent_inconsistency" and 1 in a["outlier_ranks"] and a["first_step"] >= 240 for a in fired), text[-4000:]
         assert any(a["rule"] == "rank_collapse" and a["layer"] == 1 and a["first_step"] >= 240 for a in fired), text[-4000:]
         assert "ALERT  warning silent_inconsistency" in text and "rank_collapse (layer 1)" in text
+        # Both faults start at one step: one incident holds both rules, and the finished run
+        # leaves nothing open.
+        incidents = requests.get(f"{url}/api/v1/incidents", params={"run": run}, timeout=10).json()["incidents"]
+        caused = [i for i in incidents if {"silent_inconsistency", "rank_collapse"} <= set(i["rules"])]
+        assert caused and len(incidents) < len(fired), incidents
+        assert all(i["state"] == "resolved" for i in incidents), incidents
+        assert "INCIDENT" in text, text[-4000:]
         # Ctrl-C.
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
