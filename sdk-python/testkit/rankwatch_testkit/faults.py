@@ -5,7 +5,8 @@ A fault is written ``KIND@STEP[:key=value...]`` (``--fault`` in the example), e.
 
 * ``data_seed``   — rank ``rank`` (or ``all``: every rank) shuffles the data with another seed:
   desynchronised data order, the "silent inconsistency" of arXiv 2602.14462.
-* ``shuffle_labels`` — rank ``rank`` is fed corrupted data: its targets are permuted.
+* ``shuffle_labels`` — rank ``rank`` is fed corrupted data: its targets are permuted (a share
+  ``rate`` of them, 1 by default, permuted among themselves).
 * ``grad_scale``  — rank ``rank``'s local gradient is multiplied by ``factor`` before the
   all-reduce (a faulty kernel, silent data corruption on one GPU).
 * ``grad_noise``  — noise of relative size ``sigma`` (×‖g‖) is added to the local gradient.
@@ -35,6 +36,7 @@ import torch
 
 KINDS = ("data_seed", "shuffle_labels", "grad_scale", "grad_noise", "grad_flip", "collapse", "act_grow", "nan", "stop_reporting")
 _DEFAULTS: dict[str, dict[str, float]] = {
+    "shuffle_labels": {"rate": 1.0},
     "grad_scale": {"factor": 8.0},
     "grad_noise": {"sigma": 2.0},
     "grad_flip": {"count": 16},
@@ -80,6 +82,8 @@ class Fault:
                 if "unknown option" in str(e):
                     raise
                 raise ValueError(f"fault {text!r}: {key}={value!r} is not a number") from None
+        if kind == "shuffle_labels" and not 0.0 < params["rate"] <= 1.0:
+            raise ValueError(f"fault {text!r}: rate must be in (0, 1]")
         if kind in ("collapse", "act_grow") and layer is None:
             raise ValueError(f"fault {text!r}: {kind} needs layer=N")
         if kind in ("shuffle_labels", "grad_scale", "grad_noise", "grad_flip", "nan", "stop_reporting") and rank is None:
@@ -168,10 +172,18 @@ class Injector:
         return grad
 
     def targets(self, targets: torch.Tensor) -> torch.Tensor:
-        if self.active("shuffle_labels") is None:
+        fault = self.active("shuffle_labels")
+        if fault is None:
             return targets
         flat = targets.flatten()
-        return flat[torch.randperm(flat.numel())].view_as(targets)
+        rate = fault.params["rate"]
+        if rate >= 1.0:
+            return flat[torch.randperm(flat.numel())].view_as(targets)
+        # A share of the positions, their targets permuted among them.
+        picked = torch.randperm(flat.numel())[: round(rate * flat.numel())]
+        out = flat.clone()
+        out[picked] = flat[picked[torch.randperm(picked.numel())]]
+        return out.view_as(targets)
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         fault = self.active("nan")
