@@ -65,6 +65,10 @@ pub enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Judge a stored run again under other rules: its exported rows (`rankwatch export`)
+    /// through the detectors, one JSON line of alerts per rules file (what the detection
+    /// benchmark's threshold sweeps call).
+    Replay(ReplayArgs),
     /// Check the environment a job will run in: torch and CUDA, ptrace rights for attach,
     /// the collector, the spool directory (`python -m rankwatch doctor`).
     #[command(disable_help_flag = true)]
@@ -156,6 +160,30 @@ pub struct ExportArgs {
     /// temporary file first, so a failed download leaves nothing behind.
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
+}
+
+/// Arguments of `rankwatch replay`.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// The run's samples, as `rankwatch export RUN` writes them (Parquet).
+    pub samples: PathBuf,
+
+    /// Its gradient sketches (`rankwatch export RUN --table sketches`), for `cos_pair_mean`.
+    #[arg(long)]
+    pub sketches: Option<PathBuf>,
+
+    /// A rules file (the shape of `serve --rules`); repeatable: the run is judged once per
+    /// file. Without one, the documented defaults.
+    #[arg(long)]
+    pub rules: Vec<PathBuf>,
+
+    /// Ranks of the world (default: the largest rank in the rows, plus one).
+    #[arg(long)]
+    pub world_size: Option<u32>,
+
+    /// As `serve --align-timeout`.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub align_timeout: Duration,
 }
 
 /// Configuration of `rankwatch serve`.

@@ -120,6 +120,7 @@ fn main() -> anyhow::Result<()> {
         Command::Run { .. } | Command::Sync { .. } | Command::Doctor { .. } => {
             anyhow::bail!("this command is handed to python before parsing")
         }
+        Command::Replay(args) => replay(&args),
         Command::Export(args) => {
             let path = rankwatch_collector::client::export(&args)?;
             if path != std::path::Path::new("-") {
@@ -178,4 +179,35 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
             let _ = interrupt.await;
         }
     }
+}
+
+/// `rankwatch replay`: one JSON line `{"rules", "alerts"}` per rules file.
+fn replay(args: &rankwatch_collector::config::ReplayArgs) -> anyhow::Result<()> {
+    use rankwatch_collector::alerting::{replay::StoredRun, replay::read_parquet, rules};
+    use std::io::Write;
+    let samples = read_parquet(&args.samples)?;
+    let sketches = match &args.sketches {
+        Some(path) => read_parquet(path)?,
+        None => Vec::new(),
+    };
+    let run = StoredRun::new(&samples, &sketches, args.world_size)?;
+    let configs = if args.rules.is_empty() {
+        vec![("defaults".to_owned(), Default::default())]
+    } else {
+        args.rules
+            .iter()
+            .map(|p| Ok((p.display().to_string(), rules::load_file(p)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?
+    };
+    let mut out = std::io::stdout().lock();
+    for (name, config) in configs {
+        let alerts = run.replay(config, args.align_timeout.as_millis() as i64)?;
+        let alerts: Vec<rankwatch_api::Alert> = alerts.iter().map(Into::into).collect();
+        serde_json::to_writer(
+            &mut out,
+            &serde_json::json!({ "rules": name, "run": run.run.as_str(), "world_size": run.world_size, "alerts": alerts }),
+        )?;
+        writeln!(out)?;
+    }
+    Ok(())
 }

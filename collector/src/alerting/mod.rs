@@ -23,6 +23,7 @@
 
 pub mod actions;
 pub mod aligner;
+pub mod replay;
 pub mod rules;
 pub mod sinks;
 pub mod watch;

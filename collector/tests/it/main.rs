@@ -12,6 +12,7 @@ mod hostile;
 mod incidents;
 mod openapi;
 mod recovery;
+mod replay;
 mod rollups;
 mod round_trip;
 mod time;
