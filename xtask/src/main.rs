@@ -56,7 +56,9 @@ tasks:
            100,000-step x 64-layer x 8-rank run; `detection` (not in all: hours on
            2 cores): the default rules' false alerts per 1,000 steps over 32 healthy
            real-text runs, with confidence intervals (bench/detection_bench.py; its
-           options follow, e.g. --steps 300 --only tiny-k2)
+           options follow, e.g. --steps 300 --only tiny-k2); `detection --suite faults`:
+           the fault-size sweep, judged under threshold grids by `rankwatch replay`,
+           beside simple baselines, with ROC and delay plots (bench/detection_sweep.py)
   gpu [--dry-run]
            the GPU suite, on a machine with CUDA (never part of `test`): a full step with
            every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
@@ -1058,10 +1060,22 @@ fn bench(extra: &[String]) -> Result<()> {
         let python = ensure_venv()?;
         ensure_native_module(&python, true, false)?;
         build_release_collector()?;
+        // `--suite faults` is the fault-size sweep with its curves, a script of its own.
+        let mut args: Vec<&String> = extra.iter().skip(1).collect();
+        let sweep = args
+            .windows(2)
+            .position(|w| w[0] == "--suite" && w[1] == "faults");
+        let script = match sweep {
+            Some(at) => {
+                args.drain(at..at + 2);
+                "bench/detection_sweep.py"
+            }
+            None => "bench/detection_bench.py",
+        };
         let mut cmd = Command::new(python);
         cmd.current_dir(root())
-            .arg("bench/detection_bench.py")
-            .args(extra.iter().skip(1))
+            .arg(script)
+            .args(args)
             .env("RANKWATCH_BIN", root().join("target/release/rankwatch"));
         run("bench detection", cmd)?;
     }
