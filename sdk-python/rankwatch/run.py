@@ -155,6 +155,7 @@ class Run:
         self._replica_group = replica_group
         self._agent: _native.Agent | None = None
         self._finished = False
+        self._crashed = False
         self._warned: set[str] = set()
         self._reporter: Reporter | None = None
         self._device = torch.device("cpu")
@@ -705,7 +706,8 @@ class Run:
         # Tells the collector this rank is done: once every rank of the world has, the run's
         # last steps close and its open alerts resolve now rather than an idle hour later.
         try:
-            agent.log(self._last_step if self._last_step is not None else 0, {"finished": 1.0})
+            if not self._crashed:
+                agent.log(self._last_step if self._last_step is not None else 0, {"finished": 1.0})
         except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
             self._warn("finished", f"rankwatch: could not report the end of the run: {e}")
         stats = agent.shutdown(timeout)
@@ -740,6 +742,10 @@ class Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # A block left by an exception is a crash, not an end: the collector is not told the
+        # rank finished, so its alerts stay open (a NaN that killed the job must not read as
+        # resolved); they resolve when the run goes quiet.
+        self._crashed = exc[0] is not None
         self.finish()
 
 

@@ -74,11 +74,14 @@ def test_a_firing_alert_appears_live_and_its_link_opens_the_worker_view(live_run
     page.wait_for_selector("[data-link=live]", timeout=20_000)
     assert job.poll() is None, "the job finished before the page was watching"
     # Alerts come grouped into incidents; the one holding the silent-inconsistency alert.
-    incident = page.locator("section.incident", has=page.locator("article[data-rule=silent_inconsistency]")).first
+    # (Firing: an incident shows its pending alerts too, before they fire.)
+    incident = page.locator("section.incident", has=page.locator("article[data-rule=silent_inconsistency][data-state=firing]")).first
     # No reload: the incident must come through the live connection.
     incident.wait_for(timeout=120_000)
     seen_ms = time.time() * 1000
     alert = next(a for a in collector.alerts(RUN) if a["rule"] == "silent_inconsistency" and a["fired_at_ms"])
+    # From here on, the incident that holds this alert, whatever its state becomes.
+    incident = page.locator("section.incident", has=page.locator(f"article[data-alert='{alert['id']}']")).first
     latency_s = (seen_ms - alert["fired_at_ms"]) / 1000
     (REPO / "target").mkdir(exist_ok=True)
     (SHOTS.parent / "ui-alert-latency.json").write_text(json.dumps({"alert_to_page_s": latency_s}))
@@ -93,7 +96,7 @@ def test_a_firing_alert_appears_live_and_its_link_opens_the_worker_view(live_run
     screenshot(page, "alerts")
     if incident.locator("details").get_attribute("open") is None:
         incident.locator("details > summary").click()
-    card = incident.locator("article[data-rule=silent_inconsistency]")
+    card = incident.locator(f"article[data-alert='{alert['id']}']")
     card.first.locator("a.goto").click()
     page.wait_for_url(f"**/runs/{RUN}/workers?step={alert['first_step']}*")
     table = page.locator("table.cosine")

@@ -28,7 +28,7 @@ pub mod rules;
 pub mod sinks;
 pub mod watch;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,8 +53,6 @@ use watch::{Output, RunWatch};
 
 /// The rank number that marks the aligner's own batches in idempotency keys.
 pub const ALIGNER_RANK: u32 = u32::MAX;
-/// The metric a rank's `finish()` reports.
-const FINISHED: &str = rankwatch_analytics::Metric::Finished.as_str();
 /// The session name of the aligner's batches.
 pub const ALIGNER_SESSION: &str = "aligner";
 
@@ -265,7 +263,6 @@ impl AlertEngine {
             open,
             actions,
             withheld,
-            finished: HashMap::new(),
         };
         AlertEngine {
             handle: EngineHandle { tx },
@@ -318,8 +315,6 @@ struct Engine {
     actions: Arc<AlertActions>,
     /// Alerts whose firing a silence kept from the receivers, at their latest state.
     withheld: HashMap<String, Alert>,
-    /// Ranks that reported `finished`, per run; the run retires when all of its world have.
-    finished: HashMap<RunId, BTreeSet<u32>>,
 }
 
 impl Engine {
@@ -357,7 +352,6 @@ impl Engine {
                     Some(Msg::Forget(run, done)) => {
                         self.runs.remove(&run);
                         self.open.remove(&run);
-                        self.finished.remove(&run);
                         self.withheld.retain(|_, alert| alert.run != run);
                         self.derived_through.remove(&run);
                         self.restored.retain(|key, _| key.run != run);
@@ -492,14 +486,8 @@ impl Engine {
         let Some(watch) = self.watch(&run, now) else {
             return;
         };
-        let mut finished = Vec::new();
         if let Some(batch) = &entry.samples
             && let Err(e) = samples::try_for_each_row(batch, |row| {
-                if row.metric == FINISHED
-                    && let Some(rank) = row.rank
-                {
-                    finished.push(rank);
-                }
                 alerts.extend(watch.row(row, now));
                 Ok(())
             })
@@ -520,9 +508,6 @@ impl Engine {
         for alert in alerts {
             self.raise(alert);
         }
-        if !finished.is_empty() {
-            self.finished.entry(run).or_default().extend(finished);
-        }
     }
 
     /// Retires a run every rank of which reported `finished`: its last steps close and its
@@ -533,14 +518,9 @@ impl Engine {
         let Some(world) = self.writer.store.world_size(run) else {
             return;
         };
-        if self
-            .finished
-            .get(run)
-            .is_none_or(|done| (done.len() as u32) < world)
-        {
+        if !self.runs.get(run).is_some_and(|w| w.all_finished(world)) {
             return;
         }
-        self.finished.remove(run);
         self.metrics.runs_finished.inc();
         self.retire(run, "the run finished").await;
     }
@@ -568,7 +548,6 @@ impl Engine {
             if idle {
                 // Its open alerts end with it: nothing will ever clear them (before, a run
                 // that stopped with an alert firing left it firing for ever).
-                self.finished.remove(&run);
                 self.retire(&run, "the run stopped reporting").await;
             } else {
                 self.tick_run(&run, all).await;

@@ -5,13 +5,15 @@
 //! machines over the stream of rows, so a run's exported rows (`rankwatch export`, samples and
 //! sketches) are enough: they are put back in the order they were measured — by time, then
 //! step, then rank — and fed to a fresh [`RunWatch`] exactly as the engine feeds the live
-//! stream: row by row, one batch per (rank, step), a tick each second of the run's own clock,
-//! and every open step closed at the end. The all-ranks statistics the live aligner stored
+//! stream: row by row, one batch per (rank, step), a tick after each batch (the engine ticks
+//! after each batch it takes in), and every open step closed at the end. The all-ranks statistics the live aligner stored
 //! (`loss_cv`, `cos_weighted`, …) are skipped: the replay's aligner computes them again.
 //!
 //! What differs from live: "now" is each row's measurement time, where live it is the
-//! collector's arrival time (later by the agent's batching, about a second), so steps that
-//! live closed on `--align-timeout` and `stale_rank`'s silences are judged a little earlier.
+//! collector's arrival time (later by the agent's batching, about a second), and a live batch
+//! holds many steps where the replay's holds one, so steps that live closed on
+//! `--align-timeout` and `stale_rank`'s silences are judged a little earlier, and a step may
+//! close a batch sooner than it did live.
 //! The test replays a live run under the default rules and finds the alerts it fired.
 
 use std::collections::BTreeMap;
@@ -130,24 +132,18 @@ impl StoredRun {
             }
         };
         let mut batch: Option<(u32, u64)> = None;
-        let mut last_tick = start;
         let mut now = start;
         for event in &self.events {
             let (time_ms, step, rank, _) = event.order();
             now = now.max(time_ms);
             if batch.is_some_and(|b| b != (rank, step)) {
                 keep(watch.end_batch());
+                keep(watch.tick(world, now, false).alerts);
             }
             batch = Some((rank, step));
             match event {
                 Event::Sample(s) => keep(watch.row(row_of(s), now)),
                 Event::Sketch(s) => watch.sketch(s.clone(), now),
-            }
-            if now - last_tick >= 1000 {
-                keep(watch.end_batch());
-                batch = None;
-                keep(watch.tick(world, now, false).alerts);
-                last_tick = now;
             }
         }
         keep(watch.end_batch());

@@ -8,7 +8,7 @@
 //! `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
 //! rank's last report as the collector saw it (its own clock, not the agents').
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rankwatch_analytics::detect::{
     ActivationObservation, ActivationOutlier, CollapseObservation, Detector, DetectorsConfig,
@@ -50,6 +50,8 @@ pub struct RunWatch {
     collapse: BTreeMap<(u64, u32), CollapseObservation>,
     /// The last metric name a row carried and its metric (see `metric_of`).
     last_metric: Option<(Box<str>, Option<Metric>)>,
+    /// Ranks whose latest row was `finished` (their `finish()` was called).
+    finished: BTreeSet<u32>,
 }
 
 impl RunWatch {
@@ -73,7 +75,13 @@ impl RunWatch {
             last_activity_ms: now_ms,
             collapse: BTreeMap::new(),
             last_metric: None,
+            finished: BTreeSet::new(),
         })
+    }
+
+    /// Whether every rank of a world of `world` ranks has finished.
+    pub fn all_finished(&self, world: u32) -> bool {
+        (0..world).all(|r| self.finished.contains(&r))
     }
 
     /// Rows that came after their step had closed, since the last call.
@@ -97,6 +105,13 @@ impl RunWatch {
         self.last_activity_ms = now_ms;
         let metric = self.metric_of(row.metric);
         if let Some(rank) = row.rank {
+            // A rank is finished from its `finished` row until it reports anything else (a
+            // resume under the same run name, or a crashed rank's replacement).
+            if metric == Some(Metric::Finished) {
+                self.finished.insert(rank);
+            } else {
+                self.finished.remove(&rank);
+            }
             // Every row of a rank shows it alive at its step (user metrics too); its step
             // scalars also join the step.
             match metric.and_then(RankScalar::of) {
@@ -187,7 +202,14 @@ impl RunWatch {
             self.closed_step(closed, world_size, &mut out);
         }
         if let Some(world) = world_size.filter(|&w| w >= 2) {
-            let last_seen = (0..world).map(|r| self.aligner.last_seen(r)).collect();
+            let mut last_seen: Vec<_> = (0..world).map(|r| self.aligner.last_seen(r)).collect();
+            // A rank that finished is done, not stale: it counts as up to date with the lead.
+            let lead = last_seen.iter().flatten().map(|&(s, _)| s).max();
+            for (rank, seen) in last_seen.iter_mut().enumerate() {
+                if self.finished.contains(&(rank as u32)) {
+                    *seen = lead.map(|step| (step, now_ms));
+                }
+            }
             out.alerts.extend(self.stale.observe(&RankActivity {
                 now_ms,
                 run_started_ms: self.started_ms,

@@ -268,3 +268,41 @@ async fn silences_and_acknowledgements_survive_a_restart() {
     assert!(gone.error().contains("no silence"), "{}", gone.error());
     c.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_reports_again_after_finishing_keeps_the_run_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open(dir.path()).await;
+    let run = "resumed-1";
+    announce(&c, run).await;
+    let mut sim = DataParallelSim::new(WORLD, 64, 9);
+    for step in 0..5u64 {
+        ingest(&c, run, step, &step_rows(run, &sim.step(step, Fault::None))).await;
+    }
+    let finish = |ranks: std::ops::Range<u32>, step: u64| -> Vec<_> {
+        ranks
+            .map(|rank| sample(run, Some(rank), step, "finished", None, None, 1.0))
+            .collect()
+    };
+    let retired = |text: &str| text.contains("rankwatch_runs_finished_total 1");
+    // Ranks 0–2 finish; rank 0 then trains on (a resume under the same name) before rank 3
+    // finishes: the run is not over.
+    ingest(&c, run, 10, &finish(0..3, 4)).await;
+    let mut again = sim.step(5, Fault::None);
+    again.ranks.truncate(1);
+    ingest(&c, run, 11, &step_rows(run, &again)).await;
+    ingest(&c, run, 12, &finish(3..4, 4)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !retired(&get(&c, "/metrics").await.text()),
+        "retired while rank 0 still trains"
+    );
+    // Rank 0 finishes too: now it is.
+    ingest(&c, run, 13, &finish(0..1, 5)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !retired(&get(&c, "/metrics").await.text()) {
+        assert!(Instant::now() < deadline, "never retired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.shutdown().await.unwrap();
+}
