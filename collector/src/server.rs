@@ -351,6 +351,16 @@ fn start_alert_engine(
     metrics: Arc<EngineMetrics>,
     sink_metrics: Arc<SinkMetrics>,
 ) -> AlertEngine {
+    // Which firing alerts a silence holds back is decided once, for the sinks' reconciliation
+    // and the engine alike (two reads could straddle a silence's end and lose one).
+    let alerts = committer.store.alerts(None);
+    let withheld: std::collections::HashMap<_, _> = alerts
+        .iter()
+        .filter(|a| {
+            a.state == rankwatch_analytics::AlertState::Firing && actions.is_muted(&(*a).into())
+        })
+        .map(|a| (a.id.clone(), a.clone()))
+        .collect();
     let sinks = Sinks::start(
         &SinkConfig {
             webhooks: config.webhook_urls.clone(),
@@ -366,14 +376,15 @@ fn start_alert_engine(
             state_dir: Some(config.data_dir.join("alert-delivery")),
         },
         sink_metrics,
-        &committer.store.alerts(None),
-        &|alert| actions.is_muted(&alert.into()),
+        &alerts,
+        &|alert| withheld.contains_key(&alert.id),
     );
     AlertEngine::start(
         committer,
         rules,
         sinks,
         actions.clone(),
+        withheld,
         EngineConfig {
             align_timeout: config.align_timeout,
             idle_evict: config.idle_evict,

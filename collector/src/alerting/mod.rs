@@ -214,12 +214,14 @@ pub struct AlertEngine {
 
 impl AlertEngine {
     /// Starts the engine task. It writes the statistics it derives through `writer`, which
-    /// never feeds them back to it.
+    /// never feeds them back to it. `withheld`: the firing alerts a silence kept from the
+    /// receivers at start (the same set `Sinks::start` skipped), told when it ends.
     pub fn start(
         writer: Committer,
         rules: Arc<RuleBook>,
         sinks: Sinks,
         actions: Arc<AlertActions>,
+        withheld: HashMap<String, Alert>,
         config: EngineConfig,
         metrics: Arc<EngineMetrics>,
     ) -> AlertEngine {
@@ -229,13 +231,7 @@ impl AlertEngine {
         let mut restored = HashMap::new();
         let mut settled = HashMap::new();
         let mut open: HashMap<RunId, std::collections::HashSet<String>> = HashMap::new();
-        // Firing alerts a silence keeps from the receivers (`Sinks::start` skipped them): told
-        // when it ends.
-        let mut withheld = HashMap::new();
         for alert in writer.store.alerts(None) {
-            if alert.state == AlertState::Firing && actions.is_muted(&(&alert).into()) {
-                withheld.insert(alert.id.clone(), alert.clone());
-            }
             if alert.state == AlertState::Resolved {
                 settled.insert(alert.id.clone(), alert.run.clone());
             } else {

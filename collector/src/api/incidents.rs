@@ -87,12 +87,10 @@ pub(super) async fn acknowledge(
             "incident {id:?} is resolved; there is nothing left to acknowledge"
         )));
     }
-    state
-        .inner
-        .alerting
-        .actions
-        .acknowledge(&found.alerts, request)?;
-    Ok(Json(find(&state, &id)?))
+    let actions = &state.inner.alerting.actions;
+    let mut found = found;
+    found.acknowledged = Some(actions.acknowledge(&found.alerts, request)?);
+    Ok(Json(found))
 }
 
 /// `DELETE /api/v1/incidents/{id}/ack`: takes the acknowledgement back.
@@ -100,9 +98,10 @@ pub(super) async fn unacknowledge(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Incident>> {
-    let found = find(&state, &id)?;
+    let mut found = find(&state, &id)?;
     state.inner.alerting.actions.unacknowledge(&found.alerts)?;
-    Ok(Json(find(&state, &id)?))
+    found.acknowledged = None;
+    Ok(Json(found))
 }
 
 /// `GET /api/v1/silences`: active first, then those ended within a week.
