@@ -178,7 +178,7 @@ def settle(url: str, run: str, last_step: int) -> list[dict]:
     """The run's alerts once the collector has aligned its last step (or after 30 s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rows = sql(url, f"SELECT max(step) AS s FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std'")
+        rows = sql(url, f"SELECT max(step) AS s FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_mean'")
         if rows and rows[0]["s"] is not None and rows[0]["s"] >= last_step:
             break
         time.sleep(0.5)

@@ -47,6 +47,25 @@ def _switch(text: str) -> tuple[int, str]:
     return int(step), source
 
 
+def _ramp(text: str) -> tuple[int, float, int]:
+    parts = text.split(":")
+    try:
+        step, factor, length = int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) > 2 else 100
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STEP:FACTOR[:STEPS]") from None
+    if step < 0 or factor <= 0 or length < 1 or len(parts) > 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: STEP ≥ 0, FACTOR > 0 and STEPS ≥ 1 expected")
+    return step, factor, length
+
+
+def ramp_factor(step: int, ramp: tuple[int, float, int] | None) -> float:
+    """1 before the ramp's start, then rising linearly to its factor over its length."""
+    if ramp is None or step < ramp[0]:
+        return 1.0
+    start, factor, length = ramp
+    return 1.0 + (factor - 1.0) * min(1.0, (step - start + 1) / length)
+
+
 def train(args: argparse.Namespace, first: int, last: int) -> dict:
     """Steps [first, last) of the job on this process's rank, resuming from the checkpoint when
     `first` > 0 and writing one when `last` < the job's length."""
@@ -56,12 +75,16 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
     torch.manual_seed(seed)  # dropout's stream: coupled across ranks as the data seed is
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    config = NanoGPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.layers, n_head=args.heads, n_embd=args.width, dropout=args.dropout, bias=False)
+    config = NanoGPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.layers, n_head=args.heads, n_embd=args.width, dropout=args.dropout, bias=False, post_ln=args.post_ln)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)  # the same initialisation everywhere (DDP broadcasts rank 0's anyway)
         model = NanoGPT(config)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    # Two groups so that --mlp-lr can move the MLPs' learning rate alone (the same optimizer
+    # state either way: AdamW's state is per parameter).
+    mlp = [p for n, p in model.named_parameters() if ".mlp." in n]
+    rest = [p for n, p in model.named_parameters() if ".mlp." not in n]
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": mlp, "mlp": True}], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     faults = Injector([Fault.parse(f) for f in args.fault], rank)
     data_seed = faults.data_seed(seed)
     sources = {s: corpus(s, args.corpus_dir) for s in {args.source, *(s for _, s in args.switch)}}
@@ -87,7 +110,7 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
         if args.fault:
             tags["faults"] = " ".join(args.fault)
         run = rankwatch.init(run=args.run, collector=args.collector, spool_dir=args.spool_dir, tags=tags, every={k: int(v) for k, v in (kv.split("=") for kv in args.cadence)} or None)
-        run.watch(ddp, optimizer)
+        run.watch(ddp, optimizer, spectral_budget=args.spectral_budget)
     losses: list[float] = []
     started = time.perf_counter()
     loss = torch.zeros(())
@@ -98,9 +121,9 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
                 data = windows(source)
                 data.restore(state)
         faults.begin_step(step)
-        lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps)
+        lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps) * ramp_factor(step, args.lr_ramp)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * (ramp_factor(step, args.mlp_lr) if group.get("mlp") else 1.0)
         x, y = data.next()
         y = faults.targets(y)
         _, loss = ddp(x, y)
@@ -164,9 +187,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--post-ln", action="store_true", help="post-LN blocks, x = LN(x + f(x)), instead of pre-LN")
+    p.add_argument("--lr-ramp", type=_ramp, default=None, help="STEP:FACTOR[:STEPS]: from STEP the learning rate rises to FACTOR× the schedule's over STEPS (default 100)")
+    p.add_argument("--mlp-lr", type=_ramp, default=None, help="STEP:FACTOR[:STEPS]: the same ramp for the MLPs' learning rate alone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--fault", action="append", default=[], help="KIND@STEP[:key=value...], see rankwatch_testkit.faults (repeatable)")
+    p.add_argument("--spectral-budget", type=float, default=0.01, help="share of step time the spectral probe may take (1 measures every layer at every call)")
     p.add_argument("--cadence", action="append", default=[], help="probe cadence override, e.g. activations=5 (repeatable)")
     return p
 

@@ -12,6 +12,20 @@ stable rank ‖W‖_F²/σ², and three operator norms that are never formed exp
 
 and the ratios σ_mlp/σ_attn and σ_mlp/σ_OV.
 
+Beside them, from the weights alone, the block's effective rank: the participation ratio
+(Σσᵢ²)²/Σσᵢ⁴ (the order-2 Rényi effective rank, between 1 and the width d) of the block's
+linearised map L = (I + W_down·W_up)(I + W_o·R·W_v) — the residual stream through the attention's
+value path with uniform mixing and through the MLP with its nonlinearity, gate and layer norms
+left out, as σ_mlp leaves them out. It reads how many directions a block keeps: a block whose
+products grow along a few directions (the weight-side picture of rank collapse in the "1:1
+rule" argument) drives it towards 1 without any data. Σσ² = ‖L‖_F² and Σσ⁴ = ‖LᵀL‖_F² are traces
+estimated with `erank_probes` fixed probe vectors u (‖L‖_F² ≈ (d/k)·Σ‖Lu‖², then ‖LᵀL‖_F² from
+Lᵀ applied to the same images): exact when d ≤ `erank_probes` (the probes are then the
+standard basis), otherwise Rademacher vectors drawn once per layer from the probe's seed, so a
+layer's series moves only with its weights. One call costs one pass of L and one of Lᵀ over a
+block of k vectors — about one power iteration's memory traffic. Not reported for experts
+(which expert's MLP would the map use?).
+
 How. Each of those is the norm of a linear operator A given as a chain of stages (matrices and
 the head replication R). Power iteration on AᵀA only needs A·x and Aᵀ·y, which the chain
 applies stage by stage, so a product is never materialised (for MLPs that is the difference
@@ -69,6 +83,7 @@ Work = Generator[torch.Tensor, torch.Tensor, Any]
 # A norm below this is treated as "no direction": the previous vector is kept instead.
 _TINY = 1e-30
 DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_ERANK_PROBES = 64
 
 
 class ShardingError(ValueError):
@@ -119,7 +134,7 @@ class _Matrix:
         the other ranks' parts (a sum over the mesh) when the weight is sharded."""
         if not self.collective:
             return local(v)
-        full = v.new_zeros(v.shape[0], length, 1)
+        full = v.new_zeros(v.shape[0], length, v.shape[2])
         if self.owner:
             b0 = self.offset[0]
             full[b0 : b0 + self.local.shape[0], start : start + count] = local(v)
@@ -154,18 +169,33 @@ class _ReplicateHeads:
     head_dim: int
 
     def forward(self, x: torch.Tensor) -> Work:
-        batch = x.shape[0]
-        heads = x.reshape(batch, self.n_kv_heads, 1, self.head_dim)
-        return heads.expand(batch, self.n_kv_heads, self.group, self.head_dim).reshape(batch, -1, 1)
+        batch, columns = x.shape[0], x.shape[2]
+        heads = x.reshape(batch, self.n_kv_heads, 1, self.head_dim, columns)
+        return heads.expand(batch, self.n_kv_heads, self.group, self.head_dim, columns).reshape(batch, -1, columns)
         yield  # a generator that never needs the mesh
 
     def adjoint(self, y: torch.Tensor) -> Work:
-        batch = y.shape[0]
-        return y.reshape(batch, self.n_kv_heads, self.group, self.head_dim).sum(2).reshape(batch, -1, 1)
+        batch, columns = y.shape[0], y.shape[2]
+        return y.reshape(batch, self.n_kv_heads, self.group, self.head_dim, columns).sum(2).reshape(batch, -1, columns)
         yield
 
 
-_Stage = _Matrix | _ReplicateHeads
+@dataclass(frozen=True)
+class _Residual:
+    """I + A for a chain A that maps a width to itself (a residual branch, linearised)."""
+
+    stages: tuple[_Stage, ...]
+
+    def forward(self, x: torch.Tensor) -> Work:
+        image = yield from _apply(self.stages, x)
+        return x + image
+
+    def adjoint(self, y: torch.Tensor) -> Work:
+        image = yield from _apply_adjoint(self.stages, y)
+        return y + image
+
+
+_Stage = _Matrix | _ReplicateHeads | _Residual
 
 
 def _apply(stages: Sequence[_Stage], x: torch.Tensor) -> Work:
@@ -300,6 +330,7 @@ class SpectralProbe:
         reporter: int = 0,
         reporters: int = 1,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        erank_probes: int = DEFAULT_ERANK_PROBES,
     ) -> None:
         if iters < 1 or cold_iters < 1:
             raise ValueError("iters and cold_iters must be at least 1")
@@ -309,6 +340,8 @@ class SpectralProbe:
             raise ValueError(f"reporter {reporter} is not within {reporters} reporters")
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
+        if erank_probes < 1:
+            raise ValueError("erank_probes must be at least 1")
         self.layout = layout
         self.iters = iters
         self.cold_iters = cold_iters
@@ -317,6 +350,8 @@ class SpectralProbe:
         self.reporter = reporter
         self.reporters = reporters
         self.chunk_bytes = chunk_bytes
+        self.erank_probes = erank_probes
+        self._probes: dict[int, torch.Tensor] = {}
         self._states: dict[tuple[int, str], _VectorState] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._cursor = 0
@@ -389,6 +424,25 @@ class SpectralProbe:
         final = yield from _apply(stages, vector)
         return _batch_norm(final).reshape(batch)
 
+    def _participation(self, layer: int, stages: list[_Stage], width: int, device: torch.device) -> Work:
+        """(Σσ²)²/Σσ⁴ of the chain (width → width), shape (1,), from fixed probe vectors."""
+        probes = self._probes.get(layer)
+        if probes is None or probes.shape[1] != width or probes.device != device:
+            if width <= self.erank_probes:
+                # The standard basis: the traces are exact.
+                probes = torch.eye(width, device=device).unsqueeze(0)
+            else:
+                # The same seeded signs on every rank (sharded operators need identical vectors).
+                signs = torch.randint(0, 2, (1, width, self.erank_probes), generator=self._generator(device), device=device)
+                probes = (signs.float() * 2 - 1) / width**0.5
+            self._probes[layer] = probes
+        scale = width / probes.shape[2]  # unit probes: E[Σ‖Lu‖²] = (k/d)·‖L‖_F²
+        image = yield from _apply(stages, probes)
+        back = yield from _apply_adjoint(stages, image)
+        sum_sq = image.square().sum(dim=(1, 2)) * scale
+        sum_fourth = back.square().sum(dim=(1, 2)) * scale
+        return sum_sq.square() / sum_fourth.clamp_min(_TINY)
+
     def _layers_this_call(self) -> list[int]:
         positions = list(range(len(self.layout.blocks)))
         if not self.collective:
@@ -424,6 +478,7 @@ class SpectralProbe:
     def reset(self) -> None:
         """Forget all singular-vector estimates (the next call cold-starts)."""
         self._states.clear()
+        self._probes.clear()
         self._generators.clear()
         self._cursor = 0
 
@@ -460,7 +515,23 @@ class _LayerPlan:
         if ov is not None:
             w_v = self.matrices["v"]
             out.append(("ov", probe._sigma((self.layer, "ov"), ov, w_v.shape[0], w_v.shape[2], device)))
+        linear = self._linearised(ov)
+        if linear is not None:
+            out.append(("erank", probe._participation(self.layer, linear, self.matrices["up"].shape[2], device)))
         return out
+
+    def _linearised(self, ov: list[_Stage] | None) -> list[_Stage] | None:
+        """(I + W_down·W_up)(I + W_o·R·W_v) as stages, for a dense block whose branches map
+        the residual width to itself; None otherwise (experts, a missing matrix)."""
+        if ov is None or "up" not in self.matrices or "down" not in self.matrices:
+            return None
+        up, down = self.matrices["up"], self.matrices["down"]
+        width = up.shape[2]
+        if any(m.shape[0] != 1 for m in self.matrices.values()) or down.shape[1] != width:
+            return None
+        if self.matrices["v"].shape[2] != width or self.matrices["o"].shape[1] != width:
+            return None
+        return [_Residual(tuple(ov)), _Residual((up, down))]
 
     def _ov_stages(self) -> list[_Stage] | None:
         if "v" not in self.matrices or "o" not in self.matrices:
@@ -497,4 +568,6 @@ class _LayerPlan:
             out.append(("spectral.ov", layer, None, ov))
             if mlp is not None:
                 out.append(("spectral.ratio_ov", layer, None, mlp / ov))
+        if "erank" in values:
+            out.append(("effective_rank", layer, None, values["erank"].reshape(())))
         return out

@@ -245,6 +245,12 @@ def spectral_reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) ->
             reference[f"spectral.sigma/{block.index}/{site}"] = float(torch.linalg.matrix_norm(read().double(), ord=2))
         up, down = block.matrices["up"]().double(), block.matrices["down"]().double()
         reference[f"spectral.mlp/{block.index}/None"] = float(torch.linalg.matrix_norm(down @ up, ord=2))
+        # The effective rank of (I + W_down W_up)(I + W_o W_v) (n_kv = n_heads here): exact,
+        # as the width is within the probe count, so the sharded k-column products are checked.
+        v, o = block.matrices["v"]().double(), block.matrices["o"]().double()
+        eye = torch.eye(up.shape[1], dtype=torch.float64)
+        s = torch.linalg.svdvals((eye + down @ up) @ (eye + o @ v))
+        reference[f"effective_rank/{block.index}/None"] = float(s.square().sum().square() / s.pow(4).sum())
     probe = SpectralProbe(discover(model), cold_iters=300, reporter=dist.get_rank(), reporters=dist.get_world_size())
     fresh = {f"{m}/{layer}/{site}": float(v) for m, layer, site, v in probe.compute()}
     return {"reference": reference, "fresh": fresh, "collective": probe.collective}

@@ -50,7 +50,7 @@ def settle(collector: Collector, run: str, last_step: int) -> list[dict]:
     """Waits until the aligner closed the run's last step (its timeout) and returns its alerts."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rows = collector.sql(f"SELECT max(step) AS s FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std'")
+        rows = collector.sql(f"SELECT max(step) AS s FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_mean'")
         if rows and rows[0]["s"] is not None and rows[0]["s"] >= last_step:
             break
         time.sleep(0.5)
@@ -129,10 +129,10 @@ TEXT_EXAMPLE = HERE.parent / "examples" / "train_text.py"
 CORPUS = HERE.parent.parent / "target" / "corpus"
 
 
-def train_text(collector: Collector, run: str, tmp: Path, *, steps: int, extra: tuple[str, ...] = ()) -> None:
+def train_text(collector: Collector, run: str, tmp: Path, *, steps: int, extra: tuple[str, ...] = (), nproc: int = 4) -> None:
     """The real-text harness (a byte-level GPT on the standard library's docstrings, 4 ranks,
     100-step learning-rate warm-up, cosine decay): what `cargo xtask bench detection` runs."""
-    run_example([sys.executable, str(TEXT_EXAMPLE), "--nproc", "4", "--steps", str(steps), "--run", run, "--collector", collector.url, "--result-dir", str(tmp / run), "--spool-dir", str(tmp / f"spool-{run}"), "--corpus-dir", str(CORPUS), *extra])
+    run_example([sys.executable, str(TEXT_EXAMPLE), "--nproc", str(nproc), "--steps", str(steps), "--run", run, "--collector", collector.url, "--result-dir", str(tmp / run), "--spool-dir", str(tmp / f"spool-{run}"), "--corpus-dir", str(CORPUS), *extra])
 
 
 def test_real_text_healthy_run_is_silent_and_rank_faults_need_no_baseline(collector: Collector, tmp_path: Path) -> None:
@@ -153,6 +153,35 @@ def test_real_text_healthy_run_is_silent_and_rank_faults_need_no_baseline(collec
     assert labels[0]["first_step"] < 230, labels  # before the run-level rule judges anything
     assert seeds and seeds[0]["outlier_ranks"] == [0], seeds
     assert "ranks 1, 2, 3 computed the same loss and gradient norm" in seeds[0]["explanation"], seeds
+
+
+def test_natural_collapse_is_caught_before_the_loss_diverges(collector: Collector, tmp_path: Path) -> None:
+    """The fast subset of the natural-collapse benchmark (docs/detection.md § Collapse lead
+    time, bench/detection_collapse.py, judged by its code): the 4-layer post-LN GPT whose
+    learning rate rises ×100 from step 300 collapses on its own — the alert must fire no later
+    than its loss diverges, and the data-free effective rank must have halved by the onset;
+    its healthy twin raises no `rank_collapse` alert from step 200 on."""
+    sys.path.insert(0, str(HERE.parent.parent / "bench"))
+    import detection_collapse as bench
+
+    for kind in ("lr_ramp", "twin"):
+        args, _ = bench.KINDS[kind]
+        train_text(collector, f"natural-{kind}", tmp_path, steps=bench.STEPS, nproc=1, extra=(*args, *bench.PROBES))
+    judged = {}
+    for kind in ("lr_ramp", "twin"):
+        name = f"natural-{kind}"
+        alerts = settle(collector, name, bench.STEPS - 1)
+        export = requests.get(f"{collector.url}/api/v1/runs/{name}/export", params={"table": "samples"}, timeout=60)
+        export.raise_for_status()
+        (tmp_path / f"{name}.parquet").write_bytes(export.content)
+        result = {"alerts": alerts, "final_loss": None}
+        judged[kind] = bench.judge(bench.Run(name, kind, 0), result, bench.read_series(tmp_path / f"{name}.parquet"))
+    record("natural_collapse", judged)
+    ramp, twin = judged["lr_ramp"], judged["twin"]
+    assert ramp["onset"] is not None and ramp["onset_loss"] is not None, ramp  # it did collapse
+    assert ramp["alert_step"] is not None and ramp["lead_to_loss"] >= 0, ramp
+    assert ramp["onset_rank"] is not None, ramp
+    assert twin["false_alerts"] == 0, twin
 
 
 def first_at_or_above(points: list[dict], level: float) -> int | None:

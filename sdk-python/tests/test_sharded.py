@@ -58,6 +58,8 @@ def check_spectral(ranks: list[dict], layers: int = 2) -> None:
                 assert math.isclose(value, reference[key], rel_tol=0.25), f"rank {rank} reported {key} {value}, weights say {reference[key]}"
         assert last.get("probe_ms.spectral/None/None", 0) > 0, "each rank reports what its spectral calls cost"
     assert owners == {layer: [layer % WORLD] for layer in range(layers)}, f"each layer is reported by one rank: {owners}"
+    measured = {k for r in ranks for k in r["spectral"]["fresh"] if k.startswith("effective_rank/")}
+    assert measured == {f"effective_rank/{layer}/None" for layer in range(layers)}, f"the effective rank of every layer, from the sharded weights: {measured}"
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_accumulation", "hsdp"])

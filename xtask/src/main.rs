@@ -58,7 +58,10 @@ tasks:
            real-text runs, with confidence intervals (bench/detection_bench.py; its
            options follow, e.g. --steps 300 --only tiny-k2); `detection --suite faults`:
            the fault-size sweep, judged under threshold grids by `rankwatch replay`,
-           beside simple baselines, with ROC and delay plots (bench/detection_sweep.py)
+           beside simple baselines, with ROC and delay plots (bench/detection_sweep.py);
+           `detection --suite collapse`: alert lead time on natural collapses (LR ramp,
+           MLP-only LR, deep post-LN without warm-up) with healthy twins
+           (bench/detection_collapse.py)
   gpu [--dry-run]
            the GPU suite, on a machine with CUDA (never part of `test`): a full step with
            every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
@@ -1060,15 +1063,21 @@ fn bench(extra: &[String]) -> Result<()> {
         let python = ensure_venv()?;
         ensure_native_module(&python, true, false)?;
         build_release_collector()?;
-        // `--suite faults` is the fault-size sweep with its curves, a script of its own.
+        // `--suite faults` (the fault-size sweep with its curves) and `--suite collapse` (lead
+        // time on natural collapses) are scripts of their own.
         let mut args: Vec<&String> = extra.iter().skip(1).collect();
-        let sweep = args
+        let own_script = args
             .windows(2)
-            .position(|w| w[0] == "--suite" && w[1] == "faults");
-        let script = match sweep {
+            .position(|w| w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse"));
+        let script = match own_script {
             Some(at) => {
+                let suite = args[at + 1].clone();
                 args.drain(at..at + 2);
-                "bench/detection_sweep.py"
+                if suite == "faults" {
+                    "bench/detection_sweep.py"
+                } else {
+                    "bench/detection_collapse.py"
+                }
             }
             None => "bench/detection_bench.py",
         };

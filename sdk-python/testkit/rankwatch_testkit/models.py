@@ -33,6 +33,9 @@ class NanoGPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    # Post-LN blocks (the original Transformer's x = LN(x + f(x))) instead of nanoGPT's pre-LN;
+    # deep post-LN stacks trained without warm-up are a classic natural collapse.
+    post_ln: bool = False
 
 
 class LayerNorm(nn.Module):
@@ -92,8 +95,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.post_ln = config.post_ln
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_ln:
+            x = self.ln_1(x + self.attn(x))
+            return self.ln_2(x + self.mlp(x))
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 

@@ -137,10 +137,11 @@ fn heat_spec(
 }
 
 /// Per-layer metrics the page offers, in this order, with whether they need a site.
-const METRICS: [&str; 8] = [
+const METRICS: [&str; 9] = [
     "spectral.ratio",
     "spectral.ratio_ov",
     "token_cosine",
+    "effective_rank",
     "act_max",
     "stable_rank",
     "spectral.sigma",
@@ -220,6 +221,9 @@ fn layer_charts(
         })
         .collect::<Vec<_>>();
         out.push(view! { <MetricChart view=view title=format!("Layer {layer}: token cosine") parts=vec![p] levels=levels rules=vec!["rank_collapse"] /> }.into_any());
+    }
+    if let Some(p) = part("effective_rank", "effective rank") {
+        out.push(view! { <MetricChart view=view title=format!("Layer {layer}: effective rank of the linearised block (1 = one direction)") parts=vec![p] rules=vec!["rank_collapse"] /> }.into_any());
     }
     if let Some(p) = part("act_max", "act_max") {
         let levels = rules

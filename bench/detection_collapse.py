@@ -1,0 +1,287 @@
+"""Collapse lead time on natural collapses (`cargo xtask bench detection --suite collapse`).
+
+Nothing here sets the measured quantity: the collapses come from training itself. A 4-layer
+post-LN GPT (width 64) on the real-text harness trains normally for 300 steps, then either its
+learning rate rises ×100 over 100 steps (an LR ramp: a mis-set schedule, a restart at the wrong
+step) or its MLPs' learning rate alone does (the "1:1 rule" scenario: the MLPs outgrow
+attention); each seed has a healthy twin, the same run without the change. A third kind is the
+classic deep post-LN collapse: 8 layers trained without warm-up, which collapse within the first
+tens of steps, before any baseline exists; its twin has the usual 100-step warm-up. Every run
+streams through the real agent (token cosine every 5 steps, spectral metrics for every layer
+every 10) to a real collector under its default rules.
+
+Per run, the collapse onset is the first step, from the change on, with any of
+- token cosine ≥ 0.9 on some layer (the tokens' states are nearly one direction),
+- the data-free effective rank of some layer's linearised map at most half what it was over
+  the 100 steps before the change (from its first value for the no-warm-up kind),
+- loss divergence: the 10-step mean loss 10 % or more above its mean over the 50 steps before
+  the change (not for the no-warm-up kind, whose loss never fell);
+and the alert step is the step the job had reached when the first `rank_collapse` alert whose
+first step is at or after the change fired (`fired_at`, not its first breach). Lead time =
+onset − alert step: positive when the alert came first. Twins count as false alerts every
+`rank_collapse` alert fired from step 200 on; the early-plateau alerts of post-LN models (their
+loss really sits at the unigram level then) are reported apart.
+
+    python bench/detection_collapse.py --seeds 10           # train, then analyse
+    python bench/detection_collapse.py --analyse            # analyse target/bench/detection-collapse again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import requests
+
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from detection_bench import ROOT, Scenario, proportion_interval, schedule, start_collector
+
+STEPS = 600
+CHANGE = 300
+MODEL = ["--layers", "4", "--width", "64", "--heads", "4", "--post-ln", "--lr", "1e-3"]
+DEEP = ["--layers", "8", "--width", "64", "--heads", "4", "--post-ln", "--lr", "1e-3"]
+PROBES = ["--cadence", "activations=5", "--cadence", "spectral=10", "--spectral-budget", "1"]
+KINDS: dict[str, tuple[list[str], int | None]] = {
+    # kind: (arguments, the step the change starts; None for a healthy twin)
+    "lr_ramp": ([*MODEL, "--lr-ramp", f"{CHANGE}:100:100"], CHANGE),
+    "mlp_lr": ([*MODEL, "--mlp-lr", f"{CHANGE}:100:100"], CHANGE),
+    "twin": (MODEL, None),
+    "no_warmup": ([*DEEP, "--warmup", "0"], 0),
+    "deep_twin": (DEEP, None),
+}
+TWIN_FROM = 200  # twins' alerts from here on are false; before it, post-LN's early plateau
+COSINE = 0.9
+RANK_DROP = 0.5
+LOSS_RISE = 1.10
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    kind: str
+    seed: int
+
+    @property
+    def change(self) -> int | None:
+        return KINDS[self.kind][1]
+
+
+def matrix(seeds: int) -> list[Run]:
+    return [Run(f"collapse-{kind.replace('_', '-')}-s{s}", kind, s) for s in range(seeds) for kind in KINDS]
+
+
+def train(runs: list[Run], out: Path, cores: int) -> None:
+    data = Path(tempfile.mkdtemp(prefix="rankwatch-collapse-"))
+    proc, url = start_collector(data, None)
+    try:
+        scenarios = [Scenario(r.name, 1, [*KINDS[r.kind][0], *PROBES, "--seed", str(r.seed)]) for r in runs]
+        results = schedule(scenarios, STEPS, url, out, cores, 900.0, math.inf)
+        exports = out / "exports"
+        exports.mkdir(exist_ok=True)
+        for r in results:
+            if r["error"] is not None:
+                print(f"  {r['name']} failed: {r['error'][-300:]}", flush=True)
+                continue
+            answer = requests.get(f"{url}/api/v1/runs/{r['name']}/export", params={"table": "samples"}, timeout=300)
+            answer.raise_for_status()
+            (exports / f"{r['name']}.samples.parquet").write_bytes(answer.content)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    loss: dict[int, float]
+    cosine: dict[int, dict[int, float]]  # layer -> step -> value
+    erank: dict[int, dict[int, float]]
+    steps: np.ndarray  # loss steps, ascending
+    times: np.ndarray  # their measurement times, ms
+
+    def step_when(self, time_ms: int) -> int:
+        """The step the job had reached at `time_ms`."""
+        i = int(np.searchsorted(self.times, time_ms, side="right")) - 1
+        return int(self.steps[max(i, 0)])
+
+
+def read_series(samples: Path) -> Series:
+    table = pq.read_table(samples, columns=["rank", "step", "time", "metric", "layer", "value"])
+    cols = {c: table.column(c).to_pylist() for c in ("rank", "step", "metric", "layer", "value")}
+    stamps = table.column("time").cast("int64").to_pylist()  # milliseconds, as fired_at_ms
+    loss: dict[int, float] = {}
+    times: dict[int, int] = {}
+    cosine: dict[int, dict[int, float]] = {}
+    erank: dict[int, dict[int, float]] = {}
+    for rank, step, metric, layer, value, stamp in zip(cols["rank"], cols["step"], cols["metric"], cols["layer"], cols["value"], stamps, strict=True):
+        if metric == "loss" and rank == 0:
+            loss[step], times[step] = value, stamp
+        elif metric == "token_cosine" and rank in (0, None):
+            cosine.setdefault(layer, {})[step] = value
+        elif metric == "effective_rank" and rank in (0, None):
+            erank.setdefault(layer, {})[step] = value
+    steps = np.array(sorted(loss))
+    return Series(loss, cosine, erank, steps, np.array([times[s] for s in steps]))
+
+
+def first_cosine(s: Series, start: int) -> int | None:
+    hits = [step for per in s.cosine.values() for step, v in per.items() if step >= start and v >= COSINE]
+    return min(hits, default=None)
+
+
+def first_rank_drop(s: Series, start: int) -> int | None:
+    hits = []
+    for per in s.erank.values():
+        before = [v for step, v in per.items() if start - 100 <= step < start]
+        ref = float(np.median(before)) if before else per[min(per)]
+        hits += [step for step, v in per.items() if step >= max(start, 1) and v <= RANK_DROP * ref]
+    return min(hits, default=None)
+
+
+def first_divergence(s: Series, start: int) -> int | None:
+    if start < 50:
+        return None
+    before = [s.loss[k] for k in range(start - 50, start) if k in s.loss]
+    ref = float(np.mean(before))
+    for step in range(start + 9, STEPS):
+        window = [s.loss[k] for k in range(step - 9, step + 1) if k in s.loss]
+        if window and (not all(map(math.isfinite, window)) or float(np.mean(window)) >= LOSS_RISE * ref):
+            return step
+    return None
+
+
+def judge(run: Run, result: dict, series: Series) -> dict:
+    fired = [a for a in result["alerts"] if a["rule"] == "rank_collapse" and a["fired_at_ms"] is not None]
+    out: dict = {"name": run.name, "kind": run.kind, "seed": run.seed, "final_loss": result["final_loss"]}
+    if run.change is None:
+        late = [a for a in fired if a["first_step"] >= TWIN_FROM]
+        early = [a for a in fired if a["first_step"] < TWIN_FROM]
+        out.update(false_alerts=len(late), plateau_alerts=len(early), plateau_last_step=max((a["last_step"] for a in early), default=None))
+        out["other_alerts"] = sorted({a["rule"] for a in result["alerts"] if a["fired_at_ms"] is not None and a["rule"] != "rank_collapse" and a["first_step"] >= TWIN_FROM})
+        return out
+    start = run.change
+    after = [a for a in fired if a["first_step"] >= start]
+    alert = min((series.step_when(a["fired_at_ms"]) for a in after), default=None)
+    outcomes = {"cosine": first_cosine(series, start), "rank": first_rank_drop(series, start), "loss": first_divergence(series, start)}
+    onset = min((v for v in outcomes.values() if v is not None), default=None)
+    out.update(alert_step=alert, onset=onset, **{f"onset_{k}": v for k, v in outcomes.items()})
+    out["lead"] = None if alert is None or onset is None else onset - alert
+    for k in ("cosine", "rank", "loss"):
+        out[f"lead_to_{k}"] = None if alert is None or outcomes[k] is None else outcomes[k] - alert
+    first = min(after, key=lambda a: a["fired_at_ms"], default=None)
+    out["alert"] = None if first is None else f"{first['severity']} layer {first['layer']}: {first['explanation'][:140]}"
+    return out
+
+
+def analyse(out: Path) -> dict:
+    results = {}
+    for line in (out / "runs.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        results[r["name"]] = r  # a re-run replaces an earlier line
+    judged = []
+    for name, result in sorted(results.items()):
+        kind, seed = name.removeprefix("collapse-").rsplit("-s", 1)
+        run = Run(name, kind.replace("-", "_"), int(seed))
+        samples = out / "exports" / f"{name}.samples.parquet"
+        if result["error"] is not None or not samples.exists():
+            continue
+        judged.append(judge(run, result, read_series(samples)))
+    summary = {}
+    for kind, (_, change) in KINDS.items():
+        rows = [j for j in judged if j["kind"] == kind]
+        if not rows:
+            continue
+        if change is None:
+            with_false = sum(1 for j in rows if j["false_alerts"])
+            summary[kind] = {
+                "runs": len(rows),
+                "runs_with_false_alert": with_false,
+                "runs_with_false_alert_ci": proportion_interval(with_false, len(rows)),
+                "runs_with_plateau_alert": sum(1 for j in rows if j["plateau_alerts"]),
+            }
+            continue
+        collapsed = [j for j in rows if j["onset"] is not None]
+        leads = [j["lead"] for j in collapsed if j["lead"] is not None]
+        summary[kind] = {
+            "runs": len(rows),
+            "collapsed": len(collapsed),
+            "alerted": sum(1 for j in collapsed if j["alert_step"] is not None),
+            "before_onset": sum(1 for v in leads if v > 0),
+            "lead": _quantiles(leads),
+            **{f"lead_to_{k}": _quantiles([j[f"lead_to_{k}"] for j in collapsed if j[f"lead_to_{k}"] is not None]) for k in ("cosine", "rank", "loss")},
+            "first_outcome": {k: sum(1 for j in collapsed if j[f"onset_{k}"] == j["onset"]) for k in ("cosine", "rank", "loss")},
+        }
+    return {"runs": judged, "summary": summary, "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
+
+
+def _quantiles(values: list[int]) -> dict | None:
+    if not values:
+        return None
+    v = np.array(values, dtype=float)
+    return {"n": len(values), "min": float(v.min()), "q25": float(np.percentile(v, 25)), "median": float(np.median(v)), "q75": float(np.percentile(v, 75)), "max": float(v.max())}
+
+
+def report(result: dict) -> str:
+    lines = [f"Natural collapses ({result['machine']}, {result['date']}): lead time = collapse onset − step the first `rank_collapse` alert fired (steps; > 0: warned first)", ""]
+    lines += ["| kind | runs | collapsed | alerted | before onset | lead to onset: min / q25 / median / q75 / max | lead to cosine ≥ 0.9 / eff. rank halved / loss divergence: median (runs) | onset first seen by cosine / eff. rank / loss |", "|---|---|---|---|---|---|---|---|"]
+    for kind, s in result["summary"].items():
+        if "collapsed" not in s:
+            continue
+        lead = s["lead"]
+        spread = " / ".join(f"{lead[k]:g}" for k in ("min", "q25", "median", "q75", "max")) if lead else "—"
+        to_loss = " / ".join(f"{s[f'lead_to_{k}']['median']:g} ({s[f'lead_to_{k}']['n']})" if s[f"lead_to_{k}"] else "—" for k in ("cosine", "rank", "loss"))
+        firsts = " / ".join(str(s["first_outcome"][k]) for k in ("cosine", "rank", "loss"))
+        lines.append(f"| {kind} | {s['runs']} | {s['collapsed']} | {s['alerted']} | {s['before_onset']} | {spread} | {to_loss} | {firsts} |")
+    lines += ["", "| twins | runs | with a `rank_collapse` alert from step 200 (95 % CI) | with one in the early plateau |", "|---|---|---|---|"]
+    for kind, s in result["summary"].items():
+        if "collapsed" in s:
+            continue
+        lo, hi = s["runs_with_false_alert_ci"]
+        lines.append(f"| {kind} | {s['runs']} | {s['runs_with_false_alert']} ({100 * lo:.0f}–{100 * hi:.0f} %) | {s['runs_with_plateau_alert']} |")
+    lines += ["", "| run | alert step | onset (cosine / eff. rank / loss) | lead | first alert |", "|---|---|---|---|---|"]
+    for j in result["runs"]:
+        if "onset" in j:
+            parts = " / ".join("—" if j[f"onset_{k}"] is None else str(j[f"onset_{k}"]) for k in ("cosine", "rank", "loss"))
+            lines.append(f"| {j['name']} | {j['alert_step'] if j['alert_step'] is not None else '—'} | {parts} | {j['lead'] if j['lead'] is not None else '—'} | {(j['alert'] or '—').replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--cores", type=int, default=2, help="runs at once (each is one process)")
+    p.add_argument("--out", type=Path, default=ROOT / "target" / "bench" / "detection-collapse")
+    p.add_argument("--analyse", action="store_true", help="only analyse the runs already under --out")
+    p.add_argument("--figures", type=Path, default=None, help="also copy the summary and raw results here (docs/figures)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.analyse:
+        runs = matrix(args.seeds)
+        print(f"training {len(runs)} runs of {STEPS} steps", flush=True)
+        train(runs, args.out, args.cores)
+    result = analyse(args.out)
+    text = report(result)
+    (args.out / "collapse.json").write_text(json.dumps(result, indent=1))
+    (args.out / "summary.md").write_text(text)
+    if args.figures is not None:
+        args.figures.mkdir(parents=True, exist_ok=True)
+        (args.figures / "detection-collapse.md").write_text(text)
+        (args.figures / "detection-collapse.json").write_text(json.dumps(result, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
