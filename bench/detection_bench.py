@@ -261,6 +261,33 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
     return results
 
 
+def train_and_export(scenarios: list[Scenario], steps: int, out: Path, cores: int, tables: tuple[str, ...], timeout: float = 1800.0) -> list[dict]:
+    """Runs the scenarios against a fresh collector (its default rules) and saves each finished
+    run's `tables` as out/exports/RUN.TABLE.parquet, for analyses and `rankwatch replay`."""
+    data = Path(tempfile.mkdtemp(prefix="rankwatch-bench-"))
+    proc, url = start_collector(data, None)
+    try:
+        results = schedule(scenarios, steps, url, out, cores, timeout, math.inf)
+        exports = out / "exports"
+        exports.mkdir(exist_ok=True)
+        for r in results:
+            if r["error"] is not None:
+                print(f"  {r['name']} failed, not exported: {r['error'][-300:]}", flush=True)
+                continue
+            for table in tables:
+                try:
+                    answer = requests.get(f"{url}/api/v1/runs/{r['name']}/export", params={"table": table}, timeout=300)
+                    answer.raise_for_status()
+                except requests.RequestException as e:
+                    print(f"  {r['name']}: the {table} export failed ({e})", flush=True)
+                    continue
+                (exports / f"{r['name']}.{table}.parquet").write_bytes(answer.content)
+        return results
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 # --- the summary --------------------------------------------------------------------------------
 
 

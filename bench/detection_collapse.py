@@ -6,7 +6,9 @@ learning rate rises ×100 over 100 steps (an LR ramp: a mis-set schedule, a rest
 step) or its MLPs' learning rate alone does (the "1:1 rule" scenario: the MLPs outgrow
 attention); each seed has a healthy twin, the same run without the change. A third kind is the
 classic deep post-LN collapse: 8 layers trained without warm-up, which collapse within the first
-tens of steps, before any baseline exists; its twin has the usual 100-step warm-up. Every run
+tens of steps, before any baseline exists; its twin has the usual 100-step warm-up. A fourth,
+healthy kind is a pre-LN GPT (4 layers × 128, lr 3e-3) probed as finely: what false alerts the
+rules raise on a model without a plateau. Every run
 streams through the real agent (token cosine every 5 steps, spectral metrics for every layer
 every 10) to a real collector under its default rules.
 
@@ -31,25 +33,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
-import tempfile
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import requests
-
-import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from detection_bench import ROOT, Scenario, proportion_interval, schedule, start_collector
+from detection_bench import ROOT, Scenario, proportion_interval, train_and_export
 
 STEPS = 600
 CHANGE = 300
 MODEL = ["--layers", "4", "--width", "64", "--heads", "4", "--post-ln", "--lr", "1e-3"]
 DEEP = ["--layers", "8", "--width", "64", "--heads", "4", "--post-ln", "--lr", "1e-3"]
+PRE_LN = ["--layers", "4", "--width", "128", "--heads", "4", "--lr", "3e-3"]
 PROBES = ["--cadence", "activations=5", "--cadence", "spectral=10", "--spectral-budget", "1"]
 KINDS: dict[str, tuple[list[str], int | None]] = {
     # kind: (arguments, the step the change starts; None for a healthy twin)
@@ -58,8 +60,11 @@ KINDS: dict[str, tuple[list[str], int | None]] = {
     "twin": (MODEL, None),
     "no_warmup": ([*DEEP, "--warmup", "0"], 0),
     "deep_twin": (DEEP, None),
+    "pre_ln": (PRE_LN, None),
 }
-TWIN_FROM = 200  # twins' alerts from here on are false; before it, post-LN's early plateau
+# Healthy runs' alerts from this step on are false; before it, post-LN models sit in a real
+# early plateau (loss at the unigram level, token cosine ~1). Pre-LN models have none.
+FALSE_FROM = {"twin": 200, "deep_twin": 200, "pre_ln": 0}
 COSINE = 0.9
 RANK_DROP = 0.5
 LOSS_RISE = 1.10
@@ -81,23 +86,8 @@ def matrix(seeds: int) -> list[Run]:
 
 
 def train(runs: list[Run], out: Path, cores: int) -> None:
-    data = Path(tempfile.mkdtemp(prefix="rankwatch-collapse-"))
-    proc, url = start_collector(data, None)
-    try:
-        scenarios = [Scenario(r.name, 1, [*KINDS[r.kind][0], *PROBES, "--seed", str(r.seed)]) for r in runs]
-        results = schedule(scenarios, STEPS, url, out, cores, 900.0, math.inf)
-        exports = out / "exports"
-        exports.mkdir(exist_ok=True)
-        for r in results:
-            if r["error"] is not None:
-                print(f"  {r['name']} failed: {r['error'][-300:]}", flush=True)
-                continue
-            answer = requests.get(f"{url}/api/v1/runs/{r['name']}/export", params={"table": "samples"}, timeout=300)
-            answer.raise_for_status()
-            (exports / f"{r['name']}.samples.parquet").write_bytes(answer.content)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    scenarios = [Scenario(r.name, 1, [*KINDS[r.kind][0], *PROBES, "--seed", str(r.seed)]) for r in runs]
+    train_and_export(scenarios, STEPS, out, cores, ("samples",), timeout=900.0)
 
 
 # --- one run ------------------------------------------------------------------------------------
@@ -166,10 +156,11 @@ def judge(run: Run, result: dict, series: Series) -> dict:
     fired = [a for a in result["alerts"] if a["rule"] == "rank_collapse" and a["fired_at_ms"] is not None]
     out: dict = {"name": run.name, "kind": run.kind, "seed": run.seed, "final_loss": result["final_loss"]}
     if run.change is None:
-        late = [a for a in fired if a["first_step"] >= TWIN_FROM]
-        early = [a for a in fired if a["first_step"] < TWIN_FROM]
+        start = FALSE_FROM[run.kind]
+        late = [a for a in fired if a["first_step"] >= start]
+        early = [a for a in fired if a["first_step"] < start]
         out.update(false_alerts=len(late), plateau_alerts=len(early), plateau_last_step=max((a["last_step"] for a in early), default=None))
-        out["other_alerts"] = sorted({a["rule"] for a in result["alerts"] if a["fired_at_ms"] is not None and a["rule"] != "rank_collapse" and a["first_step"] >= TWIN_FROM})
+        out["other_alerts"] = sorted({a["rule"] for a in result["alerts"] if a["fired_at_ms"] is not None and a["rule"] != "rank_collapse" and a["first_step"] >= start})
         return out
     start = run.change
     after = [a for a in fired if a["first_step"] >= start]
@@ -185,7 +176,15 @@ def judge(run: Run, result: dict, series: Series) -> dict:
     return out
 
 
-def analyse(out: Path) -> dict:
+def replayed_alerts(binary: str, samples: Path) -> list[dict]:
+    """The run's alerts under the binary's default rules, by `rankwatch replay`."""
+    done = subprocess.run([binary, "replay", str(samples)], check=True, capture_output=True, text=True)
+    return list(json.loads(done.stdout.splitlines()[0])["alerts"])
+
+
+def analyse(out: Path, replay: str | None = None) -> dict:
+    """Judges every exported run: by the alerts the live collector raised, or with `replay`
+    (a rankwatch binary) by the alerts its rules raise on the same rows."""
     results = {}
     for line in (out / "runs.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -197,6 +196,8 @@ def analyse(out: Path) -> dict:
         samples = out / "exports" / f"{name}.samples.parquet"
         if result["error"] is not None or not samples.exists():
             continue
+        if replay is not None:
+            result = {**result, "alerts": replayed_alerts(replay, samples)}
         judged.append(judge(run, result, read_series(samples)))
     summary = {}
     for kind, (_, change) in KINDS.items():
@@ -210,6 +211,7 @@ def analyse(out: Path) -> dict:
                 "runs_with_false_alert": with_false,
                 "runs_with_false_alert_ci": proportion_interval(with_false, len(rows)),
                 "runs_with_plateau_alert": sum(1 for j in rows if j["plateau_alerts"]),
+                "other_alerts": {rule: sum(1 for j in rows if rule in j["other_alerts"]) for rule in sorted({r for j in rows for r in j["other_alerts"]})},
             }
             continue
         collapsed = [j for j in rows if j["onset"] is not None]
@@ -223,7 +225,7 @@ def analyse(out: Path) -> dict:
             **{f"lead_to_{k}": _quantiles([j[f"lead_to_{k}"] for j in collapsed if j[f"lead_to_{k}"] is not None]) for k in ("cosine", "rank", "loss")},
             "first_outcome": {k: sum(1 for j in collapsed if j[f"onset_{k}"] == j["onset"]) for k in ("cosine", "rank", "loss")},
         }
-    return {"runs": judged, "summary": summary, "machine": f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
+    return {"runs": judged, "summary": summary, "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs", "judged_by": "replay" if replay else "live", "date": time.strftime("%Y-%m-%d")}
 
 
 def _quantiles(values: list[int]) -> dict | None:
@@ -244,12 +246,13 @@ def report(result: dict) -> str:
         to_loss = " / ".join(f"{s[f'lead_to_{k}']['median']:g} ({s[f'lead_to_{k}']['n']})" if s[f"lead_to_{k}"] else "—" for k in ("cosine", "rank", "loss"))
         firsts = " / ".join(str(s["first_outcome"][k]) for k in ("cosine", "rank", "loss"))
         lines.append(f"| {kind} | {s['runs']} | {s['collapsed']} | {s['alerted']} | {s['before_onset']} | {spread} | {to_loss} | {firsts} |")
-    lines += ["", "| twins | runs | with a `rank_collapse` alert from step 200 (95 % CI) | with one in the early plateau |", "|---|---|---|---|"]
+    lines += ["", "| healthy runs | runs | with a false `rank_collapse` alert (95 % CI) | with one in the early plateau | other rules fired |", "|---|---|---|---|---|"]
     for kind, s in result["summary"].items():
         if "collapsed" in s:
             continue
         lo, hi = s["runs_with_false_alert_ci"]
-        lines.append(f"| {kind} | {s['runs']} | {s['runs_with_false_alert']} ({100 * lo:.0f}–{100 * hi:.0f} %) | {s['runs_with_plateau_alert']} |")
+        others = ", ".join(f"{rule} ×{n}" for rule, n in s["other_alerts"].items()) or "none"
+        lines.append(f"| {kind} (false from step {FALSE_FROM[kind]}) | {s['runs']} | {s['runs_with_false_alert']} ({100 * lo:.0f}–{100 * hi:.0f} %) | {s['runs_with_plateau_alert']} | {others} |")
     lines += ["", "| run | alert step | onset (cosine / eff. rank / loss) | lead | first alert |", "|---|---|---|---|---|"]
     for j in result["runs"]:
         if "onset" in j:
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=2, help="runs at once (each is one process)")
     p.add_argument("--out", type=Path, default=ROOT / "target" / "bench" / "detection-collapse")
     p.add_argument("--analyse", action="store_true", help="only analyse the runs already under --out")
+    p.add_argument("--replay", action="store_true", help="with --analyse: judge the saved rows again with `rankwatch replay` ($RANKWATCH_BIN) instead of the live alerts")
     p.add_argument("--figures", type=Path, default=None, help="also copy the summary and raw results here (docs/figures)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = matrix(args.seeds)
         print(f"training {len(runs)} runs of {STEPS} steps", flush=True)
         train(runs, args.out, args.cores)
-    result = analyse(args.out)
+    binary = os.environ.get("RANKWATCH_BIN") or str(ROOT / "target" / "release" / "rankwatch")
+    result = analyse(args.out, binary if args.replay else None)
     text = report(result)
     (args.out / "collapse.json").write_text(json.dumps(result, indent=1))
     (args.out / "summary.md").write_text(text)

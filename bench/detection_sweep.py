@@ -33,14 +33,12 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from detection_bench import (
@@ -49,8 +47,7 @@ from detection_bench import (
     Scenario,
     poisson_interval,
     proportion_interval,
-    schedule,
-    start_collector,
+    train_and_export,
 )
 
 STEPS = 600
@@ -99,27 +96,7 @@ def scenario(run: Run) -> Scenario:
 
 
 def train(runs: list[Run], out: Path, cores: int) -> None:
-    data = Path(tempfile.mkdtemp(prefix="rankwatch-sweep-"))
-    proc, url = start_collector(data, None)
-    try:
-        results = schedule([scenario(r) for r in runs], STEPS, url, out, cores, 1800.0, math.inf)
-        exports = out / "exports"
-        exports.mkdir(exist_ok=True)
-        for r in results:
-            if r["error"] is not None:
-                print(f"  {r['name']} failed, not exported: {r['error'][-300:]}", flush=True)
-                continue
-            for table in ("samples", "sketches"):
-                try:
-                    answer = requests.get(f"{url}/api/v1/runs/{r['name']}/export", params={"table": table}, timeout=300)
-                    answer.raise_for_status()
-                except requests.RequestException as e:
-                    print(f"  {r['name']}: the {table} export failed ({e})", flush=True)
-                    continue
-                (exports / f"{r['name']}.{table}.parquet").write_bytes(answer.content)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    train_and_export([scenario(r) for r in runs], STEPS, out, cores, ("samples", "sketches"))
 
 
 # --- one run's rows ---------------------------------------------------------------------------

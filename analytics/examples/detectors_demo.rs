@@ -73,6 +73,7 @@ fn main() -> Result<()> {
                     layer,
                     ratio: Some(ratio),
                     token_cosine: Some(token_cosine),
+                    effective_rank: None,
                 }));
             }
         }

@@ -1,50 +1,12 @@
 //! A series' own baseline: where a rule judges a value against where that series settled
-//! rather than a fixed threshold. [`Baseline`] is learned once (its first finite values until
-//! there are enough, then their median: `rank_collapse`'s log ratio, which must remember where
-//! it started to see a slow drift); [`TrailingMedian`] follows the series (the median of its
-//! values over the last so many steps: `activation_outlier`'s maxima, which grow tenfold in
-//! healthy training long after any warm-up).
+//! rather than a fixed threshold. [`TrailingMedian`] follows the series (the median of
+//! its values over the last so many steps: `activation_outlier`'s maxima, which grow tenfold
+//! in healthy training long after any warm-up, and `rank_collapse`'s ratio and effective
+//! rank, which drift several-fold over a healthy run).
 
 use std::collections::VecDeque;
 
 use crate::math::dispersion::median;
-
-#[derive(Debug, Clone)]
-pub(super) enum Baseline {
-    Learning(Vec<f64>),
-    Learned(f64),
-}
-
-impl Default for Baseline {
-    fn default() -> Self {
-        Baseline::Learning(Vec::new())
-    }
-}
-
-impl Baseline {
-    /// The learned value, after folding in `value` if still learning (non-finite values are
-    /// skipped).
-    pub(super) fn update(&mut self, value: f64, needed: usize) -> Option<f64> {
-        if let Baseline::Learning(early) = self {
-            if value.is_finite() {
-                early.push(value);
-            }
-            if early.len() >= needed {
-                *self = Baseline::Learned(median(early));
-            }
-            return None;
-        }
-        self.learned()
-    }
-
-    /// The learned value, if there is one yet.
-    pub(super) fn learned(&self) -> Option<f64> {
-        match self {
-            Baseline::Learned(b) => Some(*b),
-            Baseline::Learning(_) => None,
-        }
-    }
-}
 
 /// The median of a series' finite values over its last `span` steps, every value counted (so
 /// it cannot latch on a level it will never see again), and at most the last
@@ -69,10 +31,27 @@ impl TrailingMedian {
         span: u64,
         needed: usize,
     ) -> Option<f64> {
-        while self
-            .values
-            .front()
-            .is_some_and(|&(s, _)| s.saturating_add(span) < step)
+        self.update_keeping(step, value, span, needed, 0)
+    }
+
+    /// As [`TrailingMedian::update`], but values older than `span` are dropped only while more
+    /// than `keep` remain: a series probed rarely (a spectral cadence of hundreds of steps) is
+    /// still judged against its last `keep` values. Steps at or after `step` (a resume that
+    /// went back) leave the window.
+    pub(super) fn update_keeping(
+        &mut self,
+        step: u64,
+        value: f64,
+        span: u64,
+        needed: usize,
+        keep: usize,
+    ) -> Option<f64> {
+        self.values.retain(|&(s, _)| s < step);
+        while self.values.len() > keep
+            && self
+                .values
+                .front()
+                .is_some_and(|&(s, _)| s.saturating_add(span) < step)
         {
             self.values.pop_front();
         }
@@ -87,5 +66,10 @@ impl TrailingMedian {
             }
         }
         baseline
+    }
+
+    /// The values in the window, oldest first (the latest included).
+    pub(super) fn values(&self) -> impl Iterator<Item = (u64, f64)> + '_ {
+        self.values.iter().copied()
     }
 }

@@ -6,13 +6,20 @@
 //!
 //! Measured on real training (docs/detection.md), the published 0.5–2 band is not a healthy
 //! range in general: every model starts near 0.3 (initialisation, not learning), and healthy
-//! small GPTs settle anywhere between 1 and 25. So by default the ratio is judged against the
-//! layer's *own* baseline: the median of its first `baseline_observations` probes after
-//! `warmup_steps`. It breaches when it moves `drift_factor` away from that baseline (either
-//! way), or when a least-squares fit of log(ratio) over the last `trend_window` probes has a
-//! slope with t-statistic ≥ `trend_min_t` that projects it out within `trend_horizon` probes.
-//! An absolute band (`band_low`, `band_high`) can be added for models where it has been
-//! calibrated; it is off by default.
+//! small GPTs settle anywhere between 1 and 25, drifting several-fold over a run (a healthy
+//! 4-layer GPT's layer 3 went from 1.2 at step 90 to 29 at step 990). So by default the ratio
+//! is judged against the layer's *own recent* level: the median of its probes over the last
+//! `ratio_window_steps` (200) steps after `warmup_steps` (or its last 4 probes, where a coarse
+//! cadence leaves fewer in the window). It breaches when it is `drift_factor` away from that
+//! median (either way), or when a least-squares fit of log(ratio) against the step over the
+//! same window has a slope with t-statistic ≥ `trend_min_t` that projects it out within
+//! `trend_horizon_steps`. Windows and horizons are in steps, not probes, so the rule means the
+//! same at any probe cadence. (The first version learned the baseline once from the first 5
+//! probes after step 50 and counted the trend in probes: at a probe every 10 steps that
+//! baseline came from steps 50–90 and three healthy runs drifted ×4–24 past it; on natural
+//! collapses the ratio jumps ×5–80 within 50 steps while healthy layers stayed within ×3.4 of
+//! their trailing median over 3 probes in a row.) An absolute band (`band_low`, `band_high`)
+//! can be added for models where it has been calibrated; it is off by default.
 //!
 //! Token cosine is judged against the layer's own history. After the warm-up it breaches when
 //! it is at or above `token_cosine_warning` (a warning) or `token_cosine_critical` (critical)
@@ -24,18 +31,38 @@
 //! high for good (anisotropy); what collapse adds is the token states *converging further*
 //! than the layer has been. At any step, including the warm-up, a collapse far past that
 //! transient is critical: token cosine at the critical level with its spread
-//! `token_cosine_early_contraction` (25) times narrower than its widest since the first probe.
-//! A deep GPT with a learning rate 10× too high went from 0.02 at initialisation to 0.97 at
-//! step 3 and 0.999 at step 4 (30- and 500-fold contractions; the healthy transient above is
-//! 12-fold, so 25 leaves it a factor of two). An alert clears only when the ratio is back
+//! `token_cosine_early_contraction` (25) times narrower than its widest since the first probe,
+//! held at every probe for `token_cosine_early_persist_steps` (50) steps. The persistence is
+//! what tells a collapse from a healthy transient: on real text, healthy pre-LN GPTs at lr 3e-3
+//! pass through 0.96–0.99 (26- to 133-fold contractions) at steps 10–30 and are out of it
+//! within 10–30 steps, as is a deep GPT with a learning rate 10× too high (0.97 at step 3,
+//! below 0.9 by step 9); an 8-layer post-LN GPT without warm-up reaches 0.9 at step 10 and
+//! stays there for hundreds of steps. (The first version fired at once on a 25-fold
+//! contraction; at a token-cosine probe every 5 steps that raised a critical alert on every
+//! healthy run above.) An alert clears only when the ratio is back
 //! inside its bounds shrunk by `exit_margin` and token cosine is below `token_cosine_exit` or
 //! both contractions are back below their levels narrowed by `exit_margin` (hysteresis).
+//!
+//! The block's effective rank — the participation ratio of its linearised map
+//! (I + W_down·W_up)(I + W_o·W_v), measured from the weights by the spectral probe — can be
+//! judged against its own recent past, opt-in (`effective_rank_drop`, off by default): a
+//! warning when it falls that many times below its median over the last
+//! `effective_rank_window` (100) steps, from step `effective_rank_skip_steps` (200) on. Why
+//! opt-in, from docs/detection.md § 2c: on post-LN models it led every natural collapse
+//! (halved 10–50 steps before token cosine or the ratio breached, down to 2–4 % of its
+//! trailing median, while healthy twins never went below 52 %), but a healthy pre-LN model
+//! (4 layers × 128, lr 3e-3) drove it from 127 to ~1.3 in its deeper blocks while its loss
+//! fell steadily: the linearisation leaves out the layer norm that, in a pre-LN block, shrinks
+//! the branches as the residual stream grows, so a small value there says nothing about the
+//! tokens. The window is in steps, not probes, so the test means the same at any cadence; it
+//! absorbs a new level within about half a window, so the alert cannot latch. It clears once
+//! the fall is back under `effective_rank_drop` narrowed by `exit_margin`.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::baseline::Baseline;
+use super::baseline::TrailingMedian;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
@@ -49,9 +76,10 @@ pub struct RankCollapseConfig {
     /// Steps at the start of training whose ratio is not judged (the initialisation transient),
     /// nor token cosine below the critical level. Default 50.
     pub warmup_steps: u64,
-    /// Probes after the warm-up whose median is the layer's baseline ratio. Default 5.
-    pub baseline_observations: usize,
-    /// How far (as a factor, either way) the ratio may move from its baseline. Default 4.
+    /// Steps of history (after the warm-up) whose median ratio the current one is judged
+    /// against, and over which its trend is fitted; at least the last 4 probes. Default 200.
+    pub ratio_window_steps: u64,
+    /// How far (as a factor, either way) the ratio may move from that median. Default 4.
     pub drift_factor: f64,
     /// Optional absolute lower edge of the healthy ratio band (the "1:1 rule" says 0.5). Off.
     pub band_low: Option<f64>,
@@ -59,10 +87,9 @@ pub struct RankCollapseConfig {
     pub band_high: Option<f64>,
     /// To clear, the ratio must be inside its bounds shrunk by the factor 1+m. Default 0.05.
     pub exit_margin: f64,
-    /// Probes in the trend fit (0 disables the trend test). Default 8.
-    pub trend_window: usize,
-    /// How far ahead, in probes, the trend may project out of the bounds. Default 10.
-    pub trend_horizon: f64,
+    /// How far ahead, in steps, the fitted trend may project out of the bounds (0 disables
+    /// the trend test). Default 100.
+    pub trend_horizon_steps: f64,
     /// Minimum |t| of the fitted slope for a trend to count. Default 4.
     pub trend_min_t: f64,
     /// Token cosine at or above this (after the warm-up, and contracted) is a warning.
@@ -77,8 +104,19 @@ pub struct RankCollapseConfig {
     /// or above `token_cosine_critical` is critical at any step, the warm-up included.
     /// Default 25.
     pub token_cosine_early_contraction: f64,
+    /// Steps the early contraction must have held, at every probe, before it is critical.
+    /// Default 50.
+    pub token_cosine_early_persist_steps: u64,
     /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
+    /// How many times the effective rank must fall below its trailing median for a warning;
+    /// 0 (the default) turns the test off. 4 separated collapse from health on post-LN
+    /// models; pre-LN models drive the value down while healthy (see the module docs).
+    pub effective_rank_drop: f64,
+    /// Steps of history whose median the effective rank is compared with. Default 100.
+    pub effective_rank_window: u64,
+    /// Steps at the start of training whose effective rank is not judged. Default 200.
+    pub effective_rank_skip_steps: u64,
     /// Default: fire after 3 breaching observations, resolve after 3 clear ones.
     pub lifecycle: LifecycleConfig,
 }
@@ -87,19 +125,22 @@ impl Default for RankCollapseConfig {
     fn default() -> Self {
         RankCollapseConfig {
             warmup_steps: 50,
-            baseline_observations: 5,
+            ratio_window_steps: 200,
             drift_factor: 4.0,
             band_low: None,
             band_high: None,
             exit_margin: 0.05,
-            trend_window: 8,
-            trend_horizon: 10.0,
+            trend_horizon_steps: 100.0,
             trend_min_t: 4.0,
             token_cosine_warning: 0.5,
             token_cosine_critical: 0.9,
             token_cosine_contraction: 2.0,
             token_cosine_early_contraction: 25.0,
+            token_cosine_early_persist_steps: 50,
             token_cosine_exit: 0.4,
+            effective_rank_drop: 0.0,
+            effective_rank_window: 100,
+            effective_rank_skip_steps: 200,
             lifecycle: LifecycleConfig {
                 pending_for: 3,
                 resolve_after: 3,
@@ -119,21 +160,23 @@ impl RankCollapseConfig {
         };
         let ok = band_ok
             && self.exit_margin >= 0.0
-            && self.baseline_observations >= 1
+            && self.ratio_window_steps >= 1
             && self.drift_factor > margin * margin
-            && (self.trend_window == 0 || self.trend_window >= 3)
-            && self.trend_horizon >= 0.0
+            && self.trend_horizon_steps >= 0.0
             && self.trend_min_t > 0.0
             && self.token_cosine_contraction >= 1.0
             && self.token_cosine_early_contraction >= 1.0
             && self.token_cosine_exit <= self.token_cosine_warning
-            && self.token_cosine_warning <= self.token_cosine_critical;
+            && self.token_cosine_warning <= self.token_cosine_critical
+            && (self.effective_rank_drop == 0.0 || self.effective_rank_drop > margin)
+            && self.effective_rank_window >= 1;
         if !ok {
             return Err(Error::Config(format!(
                 "rank_collapse: need band_low and band_high both set (0 < band_low < band_high, \
-                 with room for exit_margin) or both unset, baseline_observations ≥ 1, \
-                 drift_factor > (1 + exit_margin)², trend_window 0 or ≥ 3, trend_min_t > 0, \
-                 token_cosine_contraction ≥ 1, token_cosine_early_contraction ≥ 1 and token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical; got {self:?}"
+                 with room for exit_margin) or both unset, ratio_window_steps ≥ 1, \
+                 drift_factor > (1 + exit_margin)², trend_horizon_steps ≥ 0, trend_min_t > 0, \
+                 token_cosine_contraction ≥ 1, token_cosine_early_contraction ≥ 1, token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical, \
+                 effective_rank_drop 0 or > 1 + exit_margin and effective_rank_window ≥ 1; got {self:?}"
             )));
         }
         self.lifecycle.validate("rank_collapse")
@@ -148,6 +191,9 @@ pub struct CollapseObservation {
     pub layer: u32,
     pub ratio: Option<f64>,
     pub token_cosine: Option<f64>,
+    /// The block's data-free effective rank (`effective_rank`).
+    #[serde(default)]
+    pub effective_rank: Option<f64>,
 }
 
 /// Which values arrived with the current observation.
@@ -155,13 +201,15 @@ pub struct CollapseObservation {
 struct Fresh {
     ratio: bool,
     token_cosine: bool,
+    effective_rank: bool,
 }
 
 #[derive(Debug, Clone, Default)]
 struct LayerState {
-    log_ratios: VecDeque<f64>,
-    /// Of log(ratio), over the first probes after the warm-up.
-    log_baseline: Baseline,
+    /// log(ratio) over the trailing window after the warm-up.
+    log_ratios: TrailingMedian,
+    /// The median ratio of the window before the latest probe.
+    ratio_reference: Option<f64>,
     ratio: Option<f64>,
     token_cosine: Option<f64>,
     previous_token_cosine: Option<f64>,
@@ -169,6 +217,13 @@ struct LayerState {
     widest_spread: Option<f64>,
     /// The widest spread seen since the first probe.
     widest_spread_early: Option<f64>,
+    /// The step since which every token-cosine probe met the early critical condition.
+    early_since: Option<u64>,
+    /// The effective ranks within the trailing window.
+    effective_ranks: TrailingMedian,
+    effective_rank: Option<f64>,
+    /// The median of the window before the latest effective rank (two values at least).
+    effective_rank_reference: Option<f64>,
 }
 
 /// The healthy range of one layer's ratio: the band, if set, within the drift bounds around
@@ -179,10 +234,13 @@ struct Bounds {
     high: f64,
 }
 
+/// Probes a window keeps however old, so a coarse cadence is still judged.
+const MIN_PROBES: usize = 4;
+
 impl LayerState {
-    /// The layer's settled ratio, once learned.
+    /// The layer's recent ratio: the median of its trailing window.
     fn baseline(&self) -> Option<f64> {
-        self.log_baseline.learned().map(f64::exp)
+        self.ratio_reference
     }
 
     fn bounds(&self, c: &RankCollapseConfig) -> Option<Bounds> {
@@ -214,7 +272,12 @@ impl LayerState {
                 } else {
                     baseline / ratio
                 };
-                format!("{}× {side} its baseline {}", short(factor), short(baseline))
+                format!(
+                    "{}× {side} its median {} over the last {} steps",
+                    short(factor),
+                    short(baseline),
+                    c.ratio_window_steps
+                )
             }
             _ => format!(
                 "{side} band {}–{}",
@@ -245,26 +308,36 @@ impl RankCollapse {
     }
 }
 
-/// Slope per observation of a least-squares line through `ys`, with its t-statistic.
-fn fitted_trend(ys: &VecDeque<f64>) -> Option<(f64, f64, f64)> {
-    let n = ys.len() as f64;
-    if ys.len() < 3 {
+/// Slope per step of a least-squares line through `points` (step, value), with its
+/// t-statistic and the fitted value at the last step; `None` under `MIN_PROBES` points.
+fn fitted_trend(points: &[(u64, f64)]) -> Option<(f64, f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < MIN_PROBES {
         return None;
     }
-    let x_mean = (n - 1.0) / 2.0;
-    let y_mean = ys.iter().sum::<f64>() / n;
-    let sxx: f64 = (0..ys.len()).map(|i| (i as f64 - x_mean).powi(2)).sum();
-    let sxy: f64 = ys
+    let last = points.last()?.0;
+    // Steps before the last, so the numbers stay small.
+    let xs: Vec<f64> = points
         .iter()
-        .enumerate()
-        .map(|(i, y)| (i as f64 - x_mean) * (y - y_mean))
+        .map(|&(s, _)| s as f64 - last as f64)
+        .collect();
+    let x_mean = xs.iter().sum::<f64>() / n;
+    let y_mean = points.iter().map(|&(_, y)| y).sum::<f64>() / n;
+    let sxx: f64 = xs.iter().map(|x| (x - x_mean).powi(2)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let sxy: f64 = xs
+        .iter()
+        .zip(points)
+        .map(|(x, &(_, y))| (x - x_mean) * (y - y_mean))
         .sum();
     let slope = sxy / sxx;
     let intercept = y_mean - slope * x_mean;
-    let sse: f64 = ys
+    let sse: f64 = xs
         .iter()
-        .enumerate()
-        .map(|(i, y)| (y - intercept - slope * i as f64).powi(2))
+        .zip(points)
+        .map(|(x, &(_, y))| (y - intercept - slope * x).powi(2))
         .sum();
     let se = (sse / (n - 2.0) / sxx).sqrt();
     let t = if se > 0.0 {
@@ -274,8 +347,8 @@ fn fitted_trend(ys: &VecDeque<f64>) -> Option<(f64, f64, f64)> {
     } else {
         f64::INFINITY.copysign(slope)
     };
-    let last_fit = intercept + slope * (n - 1.0);
-    Some((slope, t, last_fit))
+    // x = 0 at the last step.
+    Some((slope, t, intercept))
 }
 
 impl RankCollapseConfig {
@@ -325,7 +398,10 @@ impl RankCollapseConfig {
         if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
             let (late, early) = (late(tc), early(tc));
             let late_level = late >= c.token_cosine_contraction;
-            let early_critical = early >= c.token_cosine_early_contraction;
+            let early_critical = early >= c.token_cosine_early_contraction
+                && state.early_since.is_some_and(|since| {
+                    step.saturating_sub(since) >= c.token_cosine_early_persist_steps
+                });
             let (contracted, since_step) = if late_level {
                 (late, c.warmup_steps)
             } else {
@@ -363,6 +439,33 @@ impl RankCollapseConfig {
                 });
             }
         }
+        let rank_fall = match (state.effective_rank, state.effective_rank_reference) {
+            (Some(er), Some(reference))
+                if c.effective_rank_drop > 0.0 && step >= c.effective_rank_skip_steps =>
+            {
+                Some((er, reference, reference / er.max(1e-12)))
+            }
+            _ => None,
+        };
+        if let Some((er, reference, fall)) = rank_fall.filter(|_| fresh.effective_rank)
+            && fall >= c.effective_rank_drop
+        {
+            return Signal::Breach(Breach {
+                severity: Severity::Warning,
+                value: er,
+                threshold: reference / c.effective_rank_drop,
+                explanation: format!(
+                    "layer {layer}: effective rank {} of its linearised map, {}× below its median {} over the last {} steps: the block keeps fewer and fewer directions{}{}",
+                    short(er),
+                    short(fall),
+                    short(reference),
+                    c.effective_rank_window,
+                    ratio_note(),
+                    cosine_note()
+                ),
+                outlier_ranks: vec![],
+            });
+        }
         let bounds = state.bounds(c).filter(|_| warm);
         if let (Some(ratio), Some(bounds)) = (state.ratio.filter(|_| fresh.ratio), bounds) {
             let steps = step.saturating_sub(since);
@@ -382,7 +485,8 @@ impl RankCollapseConfig {
                 || (late(tc) * margin < c.token_cosine_contraction
                     && early(tc) * margin < c.token_cosine_early_contraction)
         });
-        if inside && calm {
+        let rank_calm = rank_fall.is_none_or(|(_, _, fall)| fall * margin < c.effective_rank_drop);
+        if inside && calm && rank_calm {
             Signal::Clear
         } else {
             Signal::Hold
@@ -418,12 +522,12 @@ impl RankCollapseConfig {
                 outlier_ranks: vec![],
             });
         }
-        if c.trend_window >= 3
-            && state.log_ratios.len() == c.trend_window
-            && let Some((slope, t, last_fit)) = fitted_trend(&state.log_ratios)
+        let points: Vec<(u64, f64)> = state.log_ratios.values().collect();
+        if c.trend_horizon_steps > 0.0
+            && let Some((slope, t, last_fit)) = fitted_trend(&points)
             && t.abs() >= c.trend_min_t
         {
-            let projected = (last_fit + slope * c.trend_horizon).exp();
+            let projected = (last_fit + slope * c.trend_horizon_steps).exp();
             let leaving =
                 (slope > 0.0 && projected > bounds.high) || (slope < 0.0 && projected < bounds.low);
             if leaving {
@@ -433,13 +537,13 @@ impl RankCollapseConfig {
                     value: ratio,
                     threshold: edge,
                     explanation: format!(
-                        "layer {layer}: MLP/attention spectral ratio {} trending {} ({:+.1}% per probe), projected to leave {}–{} within {} probes{}",
+                        "layer {layer}: MLP/attention spectral ratio {} trending {} ({:+.1}% per 10 steps), projected to leave {}–{} within {} steps{}",
                         short(ratio),
                         if slope > 0.0 { "up" } else { "down" },
-                        (slope.exp() - 1.0) * 100.0,
+                        ((slope * 10.0).exp() - 1.0) * 100.0,
                         short(bounds.low),
                         short(bounds.high),
-                        short(c.trend_horizon),
+                        short(c.trend_horizon_steps),
                         cosine_note()
                     ),
                     outlier_ranks: vec![],
@@ -454,23 +558,18 @@ impl Detector for RankCollapse {
     type Observation = CollapseObservation;
 
     fn observe(&mut self, obs: &CollapseObservation) -> Vec<Alert> {
-        let window = self.config.trend_window;
+        let c = &self.config;
         let state = self.layers.entry(obs.layer).or_default();
         // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
         let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
         if let Some(r) = fresh_ratio {
             state.ratio = Some(r);
             // Warm-up probes count for nothing: neither the baseline nor the trend.
-            if obs.step >= self.config.warmup_steps && r.is_finite() && r > 0.0 {
-                state
-                    .log_baseline
-                    .update(r.ln(), self.config.baseline_observations);
-                if window >= 3 {
-                    state.log_ratios.push_back(r.ln());
-                    while state.log_ratios.len() > window {
-                        state.log_ratios.pop_front();
-                    }
-                }
+            if obs.step >= c.warmup_steps && r.is_finite() && r > 0.0 {
+                state.ratio_reference = state
+                    .log_ratios
+                    .update_keeping(obs.step, r.ln(), c.ratio_window_steps, 2, MIN_PROBES)
+                    .map(f64::exp);
             }
         }
         let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
@@ -480,19 +579,40 @@ impl Detector for RankCollapse {
             let spread = 1.0 - tc;
             let widen = |w: Option<f64>| Some(w.map_or(spread, |w: f64| w.max(spread)));
             state.widest_spread_early = widen(state.widest_spread_early);
-            if obs.step >= self.config.warmup_steps {
+            if obs.step >= c.warmup_steps {
                 state.widest_spread = widen(state.widest_spread);
             }
+            let early = state
+                .widest_spread_early
+                .map_or(1.0, |w| w / spread.max(1e-12));
+            let held = tc >= c.token_cosine_critical && early >= c.token_cosine_early_contraction;
+            state.early_since = if held {
+                state.early_since.or(Some(obs.step))
+            } else {
+                None
+            };
         }
-        if fresh_ratio.is_none() && fresh_tc.is_none() {
+        let fresh_rank = obs.effective_rank.filter(|e| e.is_finite() && *e > 0.0);
+        if let Some(e) = fresh_rank {
+            state.effective_rank_reference = state.effective_ranks.update_keeping(
+                obs.step,
+                e,
+                c.effective_rank_window,
+                2,
+                MIN_PROBES,
+            );
+            state.effective_rank = Some(e);
+        }
+        if fresh_ratio.is_none() && fresh_tc.is_none() && fresh_rank.is_none() {
             return vec![];
         }
         let fresh = Fresh {
             ratio: fresh_ratio.is_some(),
             token_cosine: fresh_tc.is_some(),
+            effective_rank: fresh_rank.is_some(),
         };
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
-        let signal = self.config.signal(obs.layer, state, fresh, since, obs.step);
+        let signal = c.signal(obs.layer, state, fresh, since, obs.step);
         self.trackers.observe(
             &obs.layer,
             obs.step,

@@ -28,6 +28,7 @@ fn collapse_obs(step: u64, layer: u32, ratio: f64, tc: f64) -> CollapseObservati
         layer,
         ratio: Some(ratio),
         token_cosine: Some(tc),
+        effective_rank: None,
     }
 }
 
@@ -49,7 +50,7 @@ fn band_from_step_0() -> RankCollapseConfig {
 }
 
 #[test]
-fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_baseline() {
+fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_recent_median() {
     // Shaped like the real runs of docs/detection.md: the ratio starts near 0.3 (init), settles
     // at 3 (outside the 0.5–2 band, and healthy), then layer 1 is pushed down 5% per probe.
     let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
@@ -79,7 +80,8 @@ fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_b
     assert_eq!(firing.len(), 1, "{firing:#?}");
     let (step, a) = firing[0];
     assert_eq!((a.layer, a.severity), (Some(1), Severity::Warning));
-    // Out of a ×4 drift (ratio 0.75) at probe 20 + ln 4 / 0.05 ≈ 48; the trend says it sooner.
+    // Falling 5 % a probe, it leaves ×4 of its trailing median some 30 probes in; the trend
+    // says it sooner.
     assert!(
         *step > 100 && *step < 240,
         "fired at {step}: {}",
@@ -92,7 +94,7 @@ fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_b
         a.explanation
     );
     assert!(a.explanation.contains("trending down"), "{}", a.explanation);
-    // An abrupt fall is named against the baseline.
+    // An abrupt fall is named against the recent median.
     let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
     let drop: Vec<Alert> = (10..25u64)
         .flat_map(|i| {
@@ -106,7 +108,7 @@ fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_b
         .collect();
     assert_eq!(
         fired(&drop)[0].explanation,
-        "layer 0: MLP/attention spectral ratio 0.5 6× below its baseline 3 for 10 steps; token cosine 0.05"
+        "layer 0: MLP/attention spectral ratio 0.5 6× below its median 3 over the last 200 steps for 10 steps; token cosine 0.05"
     );
 }
 
@@ -122,6 +124,7 @@ fn rank_collapse_token_cosine_judges_convergence_against_the_layers_own_spread()
                     layer: 4,
                     ratio: None,
                     token_cosine: Some(tc),
+                    effective_rank: None,
                 })
             })
             .collect::<Vec<Alert>>()
@@ -139,7 +142,7 @@ fn rank_collapse_token_cosine_judges_convergence_against_the_layers_own_spread()
         .is_empty()
     );
     // The same transient measured from initialisation (0.03 → 0.92: a 12-fold contraction) is
-    // not a collapse; a learning rate 10× too high is (0.02 → 0.999 by step 4, 980-fold).
+    // not a collapse.
     assert!(
         fired(&tc_run(&[
             (0, 0.03),
@@ -150,17 +153,23 @@ fn rank_collapse_token_cosine_judges_convergence_against_the_layers_own_spread()
         ]))
         .is_empty()
     );
-    let hot = tc_run(&[
-        (0, 0.02),
-        (1, 0.6),
-        (2, 0.9),
-        (3, 0.97),
-        (4, 0.999),
-        (5, 0.999),
-        (6, 0.998),
-    ]);
+    // Nor is a far stronger one that passes within 50 steps: healthy pre-LN GPTs on real text
+    // at lr 3e-3 go 0.02 → 0.99 (a 100-fold contraction) at step 10 and are out of it by 30.
+    let transient: Vec<(u64, f64)> = [(0, 0.02), (5, 0.6), (10, 0.99), (15, 0.995), (20, 0.98)]
+        .into_iter()
+        .chain((5..20).map(|i| (i * 5, 0.3)))
+        .collect();
+    assert!(fired(&tc_run(&transient)).is_empty());
+    // A collapse that stays is critical once it has held for 50 steps (0.97 at step 5: from
+    // there on every probe is ≥ 0.9 and 25-fold narrower than at step 0).
+    let stays: Vec<(u64, f64)> = [(0, 0.02), (5, 0.97)]
+        .into_iter()
+        .chain((2..20).map(|i| (i * 5, 0.999)))
+        .collect();
+    let hot = tc_run(&stays);
     assert_eq!(fired(&hot)[0].severity, Severity::Critical);
-    assert_eq!(fired(&hot)[0].first_step, 3, "{hot:#?}"); // 0.97: 33-fold
+    // Breaching from step 55 (50 steps after 5), firing on its third breaching probe.
+    assert_eq!(fired(&hot)[0].first_step, 55, "{hot:#?}");
     assert!(
         fired(&hot)[0]
             .explanation
@@ -180,6 +189,7 @@ fn rank_collapse_token_cosine_judges_convergence_against_the_layers_own_spread()
             layer: 4,
             ratio: None,
             token_cosine: Some(tc),
+            effective_rank: None,
         });
     }
     let open = d.open_alerts();
@@ -242,7 +252,13 @@ fn rank_collapse_silent_on_healthy_layers() {
 
 #[test]
 fn rank_collapse_trend_fires_before_the_band_is_crossed_then_escalates_and_resolves() {
-    let mut d = RankCollapse::new(run(), published_band()).unwrap();
+    // Probes every 50 steps drifting 3 % each: a 500-step horizon (ten probes) sees the band
+    // edge coming; the default 100 steps would see two probes ahead.
+    let config = RankCollapseConfig {
+        trend_horizon_steps: 500.0,
+        ..published_band()
+    };
+    let mut d = RankCollapse::new(run(), config).unwrap();
     let mut noise = Noise::new(2);
     let mut events: Vec<(u64, Alert)> = vec![];
     let mut crossed_at = None;
@@ -384,6 +400,7 @@ fn rank_collapse_counts_each_probe_once_across_cadences() {
             layer: 0,
             ratio,
             token_cosine: Some(0.3),
+            effective_rank: None,
         };
         events.extend(d.observe(&obs));
     }
@@ -399,6 +416,7 @@ fn rank_collapse_counts_each_probe_once_across_cadences() {
                 layer: 0,
                 ratio,
                 token_cosine: Some(0.3),
+                effective_rank: None,
             })
         })
         .collect();
@@ -440,6 +458,7 @@ fn rank_collapse_zero_and_infinite_ratios_breach_and_token_cosine_alone_resolves
                 layer: 2,
                 ratio: None,
                 token_cosine: Some(tc),
+                effective_rank: None,
             })
         })
         .collect();
@@ -1107,8 +1126,8 @@ fn rules_file_overrides_only_what_it_names() {
     assert_eq!(c.rank_collapse.drift_factor, 3.0);
     assert_eq!(c.rank_collapse.lifecycle.pending_for, 5);
     assert_eq!(
-        c.rank_collapse.trend_window,
-        RankCollapseConfig::default().trend_window
+        c.rank_collapse.ratio_window_steps,
+        RankCollapseConfig::default().ratio_window_steps
     );
     assert_eq!(c.stale_rank.timeout_ms, 30_000);
     assert_eq!(c.loss_spike, LossSpikeConfig::default());
@@ -1132,4 +1151,85 @@ fn rules_file_overrides_only_what_it_names() {
             "{rule} missing from\n{defaults}"
         );
     }
+}
+
+/// The spectral probe's view of one layer: the ratio and the effective rank at one step.
+fn rank_obs(step: u64, effective_rank: f64) -> CollapseObservation {
+    CollapseObservation {
+        step,
+        time_ms: step as i64 * 100,
+        layer: 3,
+        ratio: Some(3.0),
+        token_cosine: None,
+        effective_rank: Some(effective_rank),
+    }
+}
+
+#[test]
+fn rank_collapse_fires_on_a_fall_of_the_effective_rank_and_absorbs_a_new_level() {
+    // Shaped like docs/detection.md § 2c, probes every 10 steps, the test switched on as for a
+    // post-LN model: a 7-fold early fall (before step 200, not judged), a slow healthy decline
+    // 50 → 40, then the LR ramp's collapse from step 310 to 2 % of the trailing median, then a
+    // long stay at the new level.
+    let config = RankCollapseConfig {
+        effective_rank_drop: 4.0,
+        ..Default::default()
+    };
+    let mut d = RankCollapse::new(run(), config).unwrap();
+    let value = |step: u64| match step {
+        0..50 => 60.0,
+        50..200 => 9.0,
+        200..310 => 50.0 - (step - 200) as f64 / 11.0,
+        310..340 => [20.0, 6.0, 2.0][((step - 310) / 10) as usize],
+        _ => 1.0,
+    };
+    let events: Vec<Alert> = (0..60u64)
+        .flat_map(|i| d.observe(&rank_obs(i * 10, value(i * 10))))
+        .collect();
+    let firing = fired(&events);
+    assert_eq!(firing.len(), 1, "{events:#?}");
+    let alert = firing[0];
+    // 20 is 2.3× below the trailing median (not yet 4×); 6, 2 and 1 are the three breaches.
+    assert_eq!(
+        (alert.first_step, alert.last_step),
+        (320, 340),
+        "{alert:#?}"
+    );
+    assert_eq!(alert.severity, Severity::Warning);
+    assert_eq!(alert.layer, Some(3));
+    assert!(
+        alert
+            .explanation
+            .contains("effective rank 1 of its linearised map")
+            && alert.explanation.contains("the block keeps fewer"),
+        "{}",
+        alert.explanation
+    );
+    // The trailing window absorbs the new level: the alert resolves within the window.
+    let resolved: Vec<&Alert> = events
+        .iter()
+        .filter(|a| a.state == AlertState::Resolved)
+        .collect();
+    assert_eq!(resolved.len(), 1, "{events:#?}");
+    assert!(resolved[0].last_step <= 340 + 100, "{:#?}", resolved[0]);
+}
+
+#[test]
+fn rank_collapse_effective_rank_test_is_off_by_default_and_rejects_an_incoherent_drop() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let events: Vec<Alert> = (20..40u64)
+        .flat_map(|i| d.observe(&rank_obs(i * 10, if i < 30 { 50.0 } else { 1.0 })))
+        .collect();
+    assert!(events.is_empty(), "{events:#?}");
+    let incoherent = RankCollapseConfig {
+        effective_rank_drop: 1.0,
+        ..Default::default()
+    };
+    let error = RankCollapse::new(run(), incoherent)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("effective_rank_drop 0 or > 1 + exit_margin"),
+        "{error}"
+    );
 }

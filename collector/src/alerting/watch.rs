@@ -136,6 +136,10 @@ impl RunWatch {
                 self.collapse_probe(row, layer).token_cosine = Some(row.value);
                 Vec::new()
             }
+            (Some(Metric::EffectiveRank), Some(layer)) => {
+                self.collapse_probe(row, layer).effective_rank = Some(row.value);
+                Vec::new()
+            }
             (Some(Metric::ActMax), layer) => match row.site.and_then(|s| s.parse::<Site>().ok()) {
                 Some(site) => self.activations.observe(&ActivationObservation {
                     step: row.step,
@@ -174,6 +178,7 @@ impl RunWatch {
                 layer,
                 ratio: None,
                 token_cosine: None,
+                effective_rank: None,
             });
         probe.time_ms = probe.time_ms.max(row.time_ms);
         probe

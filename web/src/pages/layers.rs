@@ -33,7 +33,8 @@ fn band(metric: &str, rules: Option<&RulesAnswer>) -> (Option<Band>, String) {
             _ => (
                 None,
                 format!(
-                    "no fixed band is configured: rank_collapse judges each layer against its own settled ratio and fires on a ×{} drift",
+                    "no fixed band is configured: rank_collapse judges each layer against the median of its own ratio over the last {} steps and fires on a ×{} drift",
+                    format::num(n("rank_collapse", "ratio_window_steps")),
                     format::num(n("rank_collapse", "drift_factor"))
                 ),
             ),
