@@ -16,9 +16,9 @@
 //! `trend_horizon_steps`. Windows and horizons are in steps, not probes, so the rule means the
 //! same at any probe cadence. (The first version learned the baseline once from the first 5
 //! probes after step 50 and counted the trend in probes: at a probe every 10 steps that
-//! baseline came from steps 50–90 and three healthy runs drifted ×4–24 past it; on natural
-//! collapses the ratio jumps ×5–80 within 50 steps while healthy layers stayed within ×3.4 of
-//! their trailing median over 3 probes in a row.) An absolute band (`band_low`, `band_high`)
+//! baseline came from steps 50–90 and two healthy runs drifted ×4–24 past it. Against a
+//! trailing median, natural collapses moved the ratio ×7.5–78 within 100 steps, while healthy
+//! layers stayed within ×3.4 of it over 3 probes in a row.) An absolute band (`band_low`, `band_high`)
 //! can be added for models where it has been calibrated; it is off by default.
 //!
 //! Token cosine is judged against the layer's own history. After the warm-up it breaches when
