@@ -173,6 +173,7 @@ def judge(run: Run, result: dict, series: Series) -> dict:
         out[f"lead_to_{k}"] = None if alert is None or outcomes[k] is None else outcomes[k] - alert
     first = min(after, key=lambda a: a["fired_at_ms"], default=None)
     out["alert"] = None if first is None else f"{first['severity']} layer {first['layer']}: {first['explanation'][:140]}"
+    out["alert_first_step"] = None if first is None else first["first_step"]
     return out
 
 

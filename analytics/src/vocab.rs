@@ -108,7 +108,8 @@ metrics! {
     /// Mean pairwise cosine of token states in the residual stream after a block.
     TokenCosine = "token_cosine", Layer, NONE;
     /// Participation ratio (Σσ²)²/Σσ⁴ of a block's linearised map
-    /// (I + W_down·W_up)(I + W_o·W_v), from the weights alone: how many directions it keeps.
+    /// (I + W_down·W_up)(I + W_o·R·W_v) (R: GQA's head replication), from the weights alone:
+    /// how many directions it keeps.
     EffectiveRank = "effective_rank", Layer, NONE;
     /// max|a| at a hook point.
     ActMax = "act_max", Layer, &Site::ACTIVATIONS;

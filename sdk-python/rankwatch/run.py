@@ -253,6 +253,7 @@ class Run:
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         scaler: torch.amp.GradScaler | None = None,
         spectral_budget: float = 0.01,
+        effective_rank_probes: int = 64,
     ) -> Run:
         """Finds the model's blocks and installs the probes.
 
@@ -271,7 +272,8 @@ class Run:
         optimizer steps — pass `optimizer`. FSDP1, DeepSpeed ZeRO and tensor-parallel
         gradients are refused here with a message saying what is supported. The spectral probe
         keeps its amortised cost under `spectral_budget` (a fraction of step time) by covering
-        fewer layers per call.
+        fewer layers per call. `effective_rank_probes` sets how many probe vectors estimate each
+        block's `effective_rank` (exact up to that width; 0 turns the metric off).
         """
         if self._gradients is not None or self._activations is not None or self._spectral is not None:
             raise RuntimeError("rankwatch.watch: this run already watches a model; call finish() first")
@@ -312,7 +314,7 @@ class Run:
         agent = self._connect()
         self._reporter = Reporter(agent, self._device, self._remember)
         if want_spectral and layout.blocks:
-            self._watch_spectral(layout, optimizer, spectral_budget)
+            self._watch_spectral(layout, optimizer, spectral_budget, effective_rank_probes)
         if activations and self.cadence.activations > 0:
             from .activations import ActivationProbe
 
@@ -340,13 +342,13 @@ class Run:
             self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: probe.new_step())
         return self
 
-    def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float) -> None:
+    def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
         """The spectral probe: layers shared out over the ranks, under a time budget."""
         from .budget import SharedSums, SpectralBudget, SpectralTimer
         from .spectral import ShardingError, SpectralProbe
 
         try:
-            probe = SpectralProbe(layout, reporter=self.rank, reporters=self.world_size)
+            probe = SpectralProbe(layout, reporter=self.rank, reporters=self.world_size, erank_probes=erank_probes)
         except ShardingError as e:
             raise ValueError(f"rankwatch.watch: the spectral probe cannot measure this model's weights exactly: {e}. Pass every={{'spectral': 0}} to rankwatch.init to watch the rest.") from e
         shared = None
@@ -792,6 +794,7 @@ class NoopRun(Run):
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         scaler: torch.amp.GradScaler | None = None,
         spectral_budget: float = 0.01,
+        effective_rank_probes: int = 64,
     ) -> Run:
         return self
 

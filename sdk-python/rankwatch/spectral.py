@@ -21,10 +21,15 @@ products grow along a few directions (the weight-side picture of rank collapse i
 rule" argument) drives it towards 1 without any data. Σσ² = ‖L‖_F² and Σσ⁴ = ‖LᵀL‖_F² are traces
 estimated with `erank_probes` fixed probe vectors u (‖L‖_F² ≈ (d/k)·Σ‖Lu‖², then ‖LᵀL‖_F² from
 Lᵀ applied to the same images): exact when d ≤ `erank_probes` (the probes are then the
-standard basis), otherwise Rademacher vectors drawn once per layer from the probe's seed, so a
-layer's series moves only with its weights. One call costs one pass of L and one of Lᵀ over a
-block of k vectors — about one power iteration's memory traffic. Not reported for experts
-(which expert's MLP would the map use?).
+standard basis), otherwise Rademacher vectors drawn from a generator seeded by the probe's seed
+and the width alone — the same on every rank, after a restart and whatever the order layers
+are measured in — so a layer's series moves only with its weights. One call costs one pass of
+L and one of Lᵀ over a block of k vectors: about one power iteration's weight traffic, but
+k vectors of the widest dimension as buffers (k·4·d_ff bytes a layer; 7 MB at d_ff 28,672 and
+k = 64). Those blocks run a few layers at a time, as many as fit in `chunk_bytes`, after the
+other operators, so under sharding the vectors summed over the mesh per step stay within that
+bound too. `erank_probes=0` turns the metric off. Not reported for experts (which expert's MLP
+would the map use?).
 
 How. Each of those is the norm of a linear operator A given as a chain of stages (matrices and
 the head replication R). Power iteration on AᵀA only needs A·x and Aᵀ·y, which the chain
@@ -39,7 +44,8 @@ Sharded weights (FSDP2, tensor parallelism, both). A DTensor weight is used wher
 rank multiplies by its own block of the matrix and writes the result into a zero vector of the
 full length; summing those vectors over the device mesh gives W·x (and Wᵀ·y the same way), so
 per stage and iteration the ranks exchange one vector of the matrix's width — kilobytes — and
-never gather a weight. Replicated mesh dimensions contribute only from their first coordinate,
+never gather a weight (the effective rank exchanges blocks of `erank_probes` such vectors,
+grouped within `chunk_bytes`, below). Replicated mesh dimensions contribute only from their first coordinate,
 so a replicated block is counted once. Every operator of a call is a generator that yields the
 vectors it needs summed; the probe runs all of them in lockstep and sums everything one step
 yields with one all-reduce per mesh dimension. Every rank has the same layers, operators and
@@ -51,8 +57,9 @@ Device discipline: `compute` never reads a value back to the host. Results are 0
 tensors on the weights' device; degenerate cases (a zero or non-finite iterate) are handled with
 `torch.where`, not Python branches, and keep the previous estimate so one bad step does not
 poison the state. Everything runs in float32, but a weight is never copied whole: bf16/fp16
-weights are upcast `chunk_bytes` at a time (rows of the matrix), so the temporary memory of a
-call is bounded whatever the model's width.
+weights are upcast `chunk_bytes` at a time (rows of the matrix), and the effective rank's
+probe blocks run in groups within `chunk_bytes`, so the temporary memory of a call is bounded
+by that budget plus one layer's probe block.
 
 Mixture of experts: 3-D (experts, out, in) weights are batched with `bmm`, one singular vector
 per expert. Per-matrix σ and σ_mlp report the MAX over experts (the expert closest to blowing
@@ -340,8 +347,8 @@ class SpectralProbe:
             raise ValueError(f"reporter {reporter} is not within {reporters} reporters")
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
-        if erank_probes < 1:
-            raise ValueError("erank_probes must be at least 1")
+        if erank_probes < 0:
+            raise ValueError(f"erank_probes (watch's effective_rank_probes) must be 0 (off) or more, got {erank_probes}")
         self.layout = layout
         self.iters = iters
         self.cold_iters = cold_iters
@@ -351,7 +358,7 @@ class SpectralProbe:
         self.reporters = reporters
         self.chunk_bytes = chunk_bytes
         self.erank_probes = erank_probes
-        self._probes: dict[int, torch.Tensor] = {}
+        self._probes: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._states: dict[tuple[int, str], _VectorState] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._cursor = 0
@@ -424,18 +431,28 @@ class SpectralProbe:
         final = yield from _apply(stages, vector)
         return _batch_norm(final).reshape(batch)
 
-    def _participation(self, layer: int, stages: list[_Stage], width: int, device: torch.device) -> Work:
-        """(Σσ²)²/Σσ⁴ of the chain (width → width), shape (1,), from fixed probe vectors."""
-        probes = self._probes.get(layer)
-        if probes is None or probes.shape[1] != width or probes.device != device:
+    def _erank_probes(self, width: int, device: torch.device) -> torch.Tensor:
+        """The (1, width, k) probe block for this width, shared by the layers that have it."""
+        probes = self._probes.get((width, device))
+        if probes is None:
             if width <= self.erank_probes:
                 # The standard basis: the traces are exact.
                 probes = torch.eye(width, device=device).unsqueeze(0)
             else:
-                # The same seeded signs on every rank (sharded operators need identical vectors).
-                signs = torch.randint(0, 2, (1, width, self.erank_probes), generator=self._generator(device), device=device)
+                # Signs from the seed and the width alone: identical on every rank (sharded
+                # operators need identical vectors), after a restart, in any layer order.
+                generator = None
+                if device.type != "meta":
+                    generator = torch.Generator(device=device)
+                    generator.manual_seed(self.seed * 1_000_003 + width)
+                signs = torch.randint(0, 2, (1, width, self.erank_probes), generator=generator, device=device)
                 probes = (signs.float() * 2 - 1) / width**0.5
-            self._probes[layer] = probes
+            self._probes[(width, device)] = probes
+        return probes
+
+    def _participation(self, stages: list[_Stage], width: int, device: torch.device) -> Work:
+        """(Σσ²)²/Σσ⁴ of the chain (width → width), shape (1,), from fixed probe vectors."""
+        probes = self._erank_probes(width, device)
         scale = width / probes.shape[2]  # unit probes: E[Σ‖Lu‖²] = (k/d)·‖L‖_F²
         image = yield from _apply(stages, probes)
         back = yield from _apply_adjoint(stages, image)
@@ -465,15 +482,32 @@ class SpectralProbe:
             plan = _LayerPlan(self, position)
             plans.append(plan)
             jobs.extend((len(plans) - 1, name, work) for name, work in plan.works())
-        results = run_lockstep([w for _, _, w in jobs], self._mesh.reduce if self._mesh is not None else _no_reduce)
+        reduce = self._mesh.reduce if self._mesh is not None else _no_reduce
         by_plan: list[dict[str, torch.Tensor]] = [{} for _ in plans]
-        for (index, name, _), value in zip(jobs, results, strict=True):
-            by_plan[index][name] = value
+        # Vectors first, all layers in lockstep; then the effective rank's k-vector blocks a
+        # few layers at a time, so what one step holds (and sums over the mesh) stays within
+        # chunk_bytes. Every rank has the same layers and shapes, so the same groups.
+        for group in self._groups(jobs, plans):
+            results = run_lockstep([w for _, _, w in group], reduce)
+            for (index, name, _), value in zip(group, results, strict=True):
+                by_plan[index][name] = value
         out: list[Metric] = []
         for plan, values in zip(plans, by_plan, strict=True):
             if plan.position % self.reporters == self.reporter:
                 out.extend(plan.metrics(values))
         return out
+
+    def _groups(self, jobs: list[tuple[int, str, Work]], plans: list[_LayerPlan]) -> list[list[tuple[int, str, Work]]]:
+        groups: list[list[tuple[int, str, Work]]] = [[job for job in jobs if job[1] != "erank"]]
+        size = 0
+        for job in (job for job in jobs if job[1] == "erank"):
+            cost = plans[job[0]].erank_bytes
+            if len(groups) == 1 or (size + cost > self.chunk_bytes and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(job)
+            size += cost
+        return [group for group in groups if group]
 
     def reset(self) -> None:
         """Forget all singular-vector estimates (the next call cold-starts)."""
@@ -496,6 +530,7 @@ class _LayerPlan:
         self.position = position
         self.layer = block.index
         self.attention = block.attention
+        self.erank_bytes = 0
         # One stage per matrix per call (views of the parameters), shared by all operators.
         self.matrices = {site: _as_matrix(block.matrices[site](), probe.chunk_bytes, f"layer {block.index} {site}")[0] for site in MATRIX_SITES if site in block.matrices}
 
@@ -515,9 +550,12 @@ class _LayerPlan:
         if ov is not None:
             w_v = self.matrices["v"]
             out.append(("ov", probe._sigma((self.layer, "ov"), ov, w_v.shape[0], w_v.shape[2], device)))
-        linear = self._linearised(ov)
+        linear = self._linearised(ov) if probe.erank_probes > 0 else None
         if linear is not None:
-            out.append(("erank", probe._participation(self.layer, linear, self.matrices["up"].shape[2], device)))
+            width = self.matrices["up"].shape[2]
+            widest = max(max(m.shape[1], m.shape[2]) for m in self.matrices.values())
+            self.erank_bytes = 4 * widest * min(width, probe.erank_probes)
+            out.append(("erank", probe._participation(linear, width, device)))
         return out
 
     def _linearised(self, ov: list[_Stage] | None) -> list[_Stage] | None:

@@ -253,7 +253,15 @@ def spectral_reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) ->
         reference[f"effective_rank/{block.index}/None"] = float(s.square().sum().square() / s.pow(4).sum())
     probe = SpectralProbe(discover(model), cold_iters=300, reporter=dist.get_rank(), reporters=dist.get_world_size())
     fresh = {f"{m}/{layer}/{site}": float(v) for m, layer, site, v in probe.compute()}
-    return {"reference": reference, "fresh": fresh, "collective": probe.collective}
+    # Fewer probes than the width: Rademacher signs, which every rank must draw alike. The
+    # sharded estimate must equal the same estimate on the gathered weights.
+    def estimates(layout: object, **kw: int) -> dict[str, float]:
+        calls = SpectralProbe(layout, cold_iters=2, erank_probes=8, **kw).compute()  # type: ignore[arg-type]
+        return {f"{m}/{layer}": float(v) for m, layer, _, v in calls if m == "effective_rank"}
+
+    sharded_estimate = estimates(discover(model), reporter=dist.get_rank(), reporters=dist.get_world_size())
+    plain_estimate = estimates(discover(plain))
+    return {"reference": reference, "fresh": fresh, "collective": probe.collective, "estimate": sharded_estimate, "estimate_plain": plain_estimate}
 
 
 if __name__ == "__main__":

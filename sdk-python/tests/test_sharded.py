@@ -58,6 +58,11 @@ def check_spectral(ranks: list[dict], layers: int = 2) -> None:
                 assert math.isclose(value, reference[key], rel_tol=0.25), f"rank {rank} reported {key} {value}, weights say {reference[key]}"
         assert last.get("probe_ms.spectral/None/None", 0) > 0, "each rank reports what its spectral calls cost"
     assert owners == {layer: [layer % WORLD] for layer in range(layers)}, f"each layer is reported by one rank: {owners}"
+    for rank, result in enumerate(ranks):
+        for key, value in result["spectral"]["estimate"].items():
+            want = result["spectral"]["estimate_plain"][key]
+            assert math.isclose(value, want, rel_tol=1e-4), f"rank {rank} {key}: sharded estimate {value} != {want} on the gathered weights"
+    assert {k for r in ranks for k in r["spectral"]["estimate"]} == {f"effective_rank/{layer}" for layer in range(layers)}
     measured = {k for r in ranks for k in r["spectral"]["fresh"] if k.startswith("effective_rank/")}
     assert measured == {f"effective_rank/{layer}/None" for layer in range(layers)}, f"the effective rank of every layer, from the sharded weights: {measured}"
 

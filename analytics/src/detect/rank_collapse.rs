@@ -9,12 +9,16 @@
 //! small GPTs settle anywhere between 1 and 25, drifting several-fold over a run (a healthy
 //! 4-layer GPT's layer 3 went from 1.2 at step 90 to 29 at step 990). So by default the ratio
 //! is judged against the layer's *own recent* level: the median of its probes over the last
-//! `ratio_window_steps` (200) steps after `warmup_steps` (or its last 4 probes, where a coarse
-//! cadence leaves fewer in the window). It breaches when it is `drift_factor` away from that
+//! `ratio_window_steps` (200) steps after `warmup_steps` (or its last 2·`pending_for` + 1 = 7
+//! probes, where a coarse cadence leaves fewer in the window, so a lasting shift stays out of
+//! the median long enough to fire). It breaches when it is `drift_factor` away from that
 //! median (either way), or when a least-squares fit of log(ratio) against the step over the
 //! same window has a slope with t-statistic ≥ `trend_min_t` that projects it out within
-//! `trend_horizon_steps`. Windows and horizons are in steps, not probes, so the rule means the
-//! same at any probe cadence. (The first version learned the baseline once from the first 5
+//! `trend_horizon_steps`. Windows and horizons are in steps, not probes, so a finer cadence
+//! does not make the rule touchier. Because the median takes in a new level, the test judges
+//! how fast the ratio moves, not how far it is from where it started: a shift that lasts
+//! resolves once the window holds it (token cosine holds the alert where the tokens really
+//! collapsed). (The first version learned the baseline once from the first 5
 //! probes after step 50 and counted the trend in probes: at a probe every 10 steps that
 //! baseline came from steps 50–90 and two healthy runs drifted ×4–24 past it. Against a
 //! trailing median, natural collapses moved the ratio ×7.5–78 within 100 steps, while healthy
@@ -234,8 +238,17 @@ struct Bounds {
     high: f64,
 }
 
-/// Probes a window keeps however old, so a coarse cadence is still judged.
+/// Points a trend fit needs.
 const MIN_PROBES: usize = 4;
+
+impl RankCollapseConfig {
+    /// Probes a trailing window keeps however old they are: enough that a lasting shift stays
+    /// out of the median for `pending_for` probes, so it can fire at any cadence (with 4, a ×6
+    /// step probed every 50 steps was absorbed after two breaches and never fired).
+    fn window_floor(&self) -> usize {
+        (2 * self.lifecycle.pending_for as usize + 1).max(MIN_PROBES)
+    }
+}
 
 impl LayerState {
     /// The layer's recent ratio: the median of its trailing window.
@@ -568,7 +581,7 @@ impl Detector for RankCollapse {
             if obs.step >= c.warmup_steps && r.is_finite() && r > 0.0 {
                 state.ratio_reference = state
                     .log_ratios
-                    .update_keeping(obs.step, r.ln(), c.ratio_window_steps, 2, MIN_PROBES)
+                    .update_keeping(obs.step, r.ln(), c.ratio_window_steps, 2, c.window_floor())
                     .map(f64::exp);
             }
         }
@@ -587,7 +600,11 @@ impl Detector for RankCollapse {
                 .map_or(1.0, |w| w / spread.max(1e-12));
             let held = tc >= c.token_cosine_critical && early >= c.token_cosine_early_contraction;
             state.early_since = if held {
-                state.early_since.or(Some(obs.step))
+                // A resume that went back starts the count again.
+                state
+                    .early_since
+                    .filter(|&s| s <= obs.step)
+                    .or(Some(obs.step))
             } else {
                 None
             };
@@ -599,7 +616,7 @@ impl Detector for RankCollapse {
                 e,
                 c.effective_rank_window,
                 2,
-                MIN_PROBES,
+                c.window_floor(),
             );
             state.effective_rank = Some(e);
         }

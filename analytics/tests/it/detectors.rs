@@ -1233,3 +1233,37 @@ fn rank_collapse_effective_rank_test_is_off_by_default_and_rejects_an_incoherent
         "{error}"
     );
 }
+
+#[test]
+fn rank_collapse_a_lasting_ratio_shift_fires_at_the_default_spectral_cadence() {
+    // A probe every 50 steps (the SDK's default) puts 4 probes in the 200-step window: the
+    // window keeps the last 7 instead, so a ×6 step stays out of the median for the 3
+    // breaching probes that fire it — and the window absorbs it later, resolving the alert.
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let events: Vec<Alert> = (1..40u64)
+        .flat_map(|i| {
+            let step = i * 50;
+            let ratio = if step < 1000 { 3.0 } else { 18.0 };
+            d.observe(&CollapseObservation {
+                step,
+                time_ms: step as i64,
+                layer: 0,
+                ratio: Some(ratio),
+                token_cosine: Some(0.2),
+                effective_rank: None,
+            })
+        })
+        .collect();
+    let firing = fired(&events);
+    assert_eq!(firing.len(), 1, "{events:#?}");
+    assert_eq!((firing[0].first_step, firing[0].last_step), (1000, 1100));
+    assert!(
+        firing[0].explanation.contains("6× above its median 3"),
+        "{}",
+        firing[0].explanation
+    );
+    assert!(
+        events.iter().any(|a| a.state == AlertState::Resolved),
+        "{events:#?}"
+    );
+}

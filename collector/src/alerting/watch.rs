@@ -4,8 +4,8 @@
 //! nonfinite) and sketches go to the [`StepAligner`]; when a step closes, its all-ranks
 //! statistics become samples (rank = all) and the step feeds `silent_inconsistency`,
 //! `loss_spike` (the averaged loss) and `nonfinite` (per rank). Per-layer probes go straight to
-//! their detectors as they arrive: `spectral.ratio` and `token_cosine` to `rank_collapse`,
-//! `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
+//! their detectors as they arrive: `spectral.ratio`, `token_cosine` and `effective_rank` to
+//! `rank_collapse`, `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
 //! rank's last report as the collector saw it (its own clock, not the agents').
 
 use std::collections::{BTreeMap, BTreeSet};
