@@ -163,15 +163,15 @@ def judge(run: Run, result: dict, series: Series) -> dict:
         out["other_alerts"] = sorted({a["rule"] for a in result["alerts"] if a["fired_at_ms"] is not None and a["rule"] != "rank_collapse" and a["first_step"] >= start})
         return out
     start = run.change
-    after = [a for a in fired if a["first_step"] >= start]
-    alert = min((series.step_when(a["fired_at_ms"]) for a in after), default=None)
+    # The first alert to fire after the change (step_when grows with time: its step is the earliest).
+    first = min((a for a in fired if a["first_step"] >= start), key=lambda a: a["fired_at_ms"], default=None)
+    alert = None if first is None else series.step_when(first["fired_at_ms"])
     outcomes = {"cosine": first_cosine(series, start), "rank": first_rank_drop(series, start), "loss": first_divergence(series, start)}
     onset = min((v for v in outcomes.values() if v is not None), default=None)
     out.update(alert_step=alert, onset=onset, **{f"onset_{k}": v for k, v in outcomes.items()})
     out["lead"] = None if alert is None or onset is None else onset - alert
     for k in ("cosine", "rank", "loss"):
         out[f"lead_to_{k}"] = None if alert is None or outcomes[k] is None else outcomes[k] - alert
-    first = min(after, key=lambda a: a["fired_at_ms"], default=None)
     out["alert"] = None if first is None else f"{first['severity']} layer {first['layer']}: {first['explanation'][:140]}"
     out["alert_first_step"] = None if first is None else first["first_step"]
     return out

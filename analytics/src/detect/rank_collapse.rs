@@ -251,15 +251,10 @@ impl RankCollapseConfig {
 }
 
 impl LayerState {
-    /// The layer's recent ratio: the median of its trailing window.
-    fn baseline(&self) -> Option<f64> {
-        self.ratio_reference
-    }
-
     fn bounds(&self, c: &RankCollapseConfig) -> Option<Bounds> {
         let band = c.band_low.zip(c.band_high);
         let drift = self
-            .baseline()
+            .ratio_reference
             .map(|b| (b / c.drift_factor, b * c.drift_factor));
         match (band, drift) {
             (None, None) => None,
@@ -278,7 +273,7 @@ impl LayerState {
         let side = if above { "above" } else { "below" };
         let edge = if above { bounds.high } else { bounds.low };
         let band_edge = if above { c.band_high } else { c.band_low };
-        match self.baseline() {
+        match self.ratio_reference {
             Some(baseline) if band_edge != Some(edge) => {
                 let factor = if above {
                     ratio / baseline
