@@ -25,6 +25,15 @@ use serde::{Deserialize, Serialize};
 use super::baseline::TrailingMedian;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
+
+/// A growth factor: one decimal (10.7×), in powers of ten past a million.
+fn growth(x: f64) -> String {
+    if x.is_finite() && x.abs() < 1e6 {
+        format!("{x:.1}")
+    } else {
+        short(x)
+    }
+}
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
 use crate::validate::RunId;
@@ -187,10 +196,10 @@ impl Detector for ActivationOutlier {
                 value: v,
                 threshold: limit,
                 explanation: format!(
-                    "{}: activation maximum {} grew {:.1}× over its baseline {}{}",
+                    "{}: activation maximum {} grew {}× over its baseline {}{}",
                     place(),
                     short(v),
-                    v / b,
+                    growth(v / b),
                     short(b),
                     on()
                 ),

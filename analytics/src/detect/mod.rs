@@ -51,6 +51,11 @@ pub(crate) fn short(x: f64) -> String {
     if !x.is_finite() {
         return x.to_string();
     }
+    // Three decimals read well between 0.001 and a million; outside it they print a bit-flipped
+    // weight's 2e36 with 37 digits, or a small gradient norm as 0.
+    if x != 0.0 && !(1e-3..1e6).contains(&x.abs()) {
+        return format!("{x:.2e}");
+    }
     let s = format!("{x:.3}");
     let s = s.trim_end_matches('0').trim_end_matches('.');
     if s == "-0" {
@@ -69,5 +74,9 @@ mod tests {
         assert_eq!(super::short(2.0), "2");
         assert_eq!(super::short(0.81234), "0.812");
         assert_eq!(super::short(f64::NAN), "NaN");
+        assert_eq!(super::short(0.0), "0");
+        assert_eq!(super::short(999_999.0), "999999");
+        assert_eq!(super::short(1.966e36), "1.97e36");
+        assert_eq!(super::short(-2.5e-5), "-2.50e-5");
     }
 }

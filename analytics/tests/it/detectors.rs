@@ -885,6 +885,59 @@ fn loss_spike_fires_on_a_spike_not_on_noise_or_decay() {
     assert!(quiet.is_empty(), "{quiet:#?}");
 }
 
+/// A loss cycling 2.9, 3.0, 3.1 (median 3, MAD 0.1) with `spikes` replacing some steps; the
+/// firing alerts of `loss_spike` with its defaults.
+fn loss_spike_fired(spikes: &[(u64, f64)]) -> Vec<Alert> {
+    let mut d = LossSpike::new(run(), LossSpikeConfig::default()).unwrap();
+    let sigma = 1.4826 * 0.1;
+    (0..200u64)
+        .flat_map(|step| {
+            let z = spikes.iter().find(|(s, _)| *s == step).map(|(_, z)| *z);
+            let loss = z.map_or(2.9 + 0.1 * (step % 3) as f64, |z| 3.0 + z * sigma);
+            d.observe(&LossObservation {
+                step,
+                time_ms: step as i64,
+                rank: None,
+                loss,
+            })
+        })
+        .filter(|a| a.state == AlertState::Firing)
+        .collect()
+}
+
+#[test]
+fn loss_spike_lets_one_hard_batch_pass_but_not_a_loss_that_stays_up_or_a_big_jump() {
+    // One batch at z 8, twice in a run: the loss falls back at once, nothing fires.
+    assert!(loss_spike_fired(&[(100, 8.0), (150, 8.0)]).is_empty());
+    // Two in a row: fires on the second, the alert starting at the first.
+    let fired = loss_spike_fired(&[(100, 8.0), (101, 7.0)]);
+    assert_eq!(fired.len(), 1, "{fired:#?}");
+    assert_eq!((fired[0].first_step, fired[0].last_step), (100, 101));
+    // Between the two, a step that is up but under the z_threshold does not clear the breach.
+    let fired = loss_spike_fired(&[(100, 8.0), (101, 4.0), (102, 8.0)]);
+    assert_eq!(fired.len(), 1, "{fired:#?}");
+    assert_eq!(fired[0].last_step, 102);
+    // One step at z 12 or more is far outside a batch's noise: it fires on that step.
+    let fired = loss_spike_fired(&[(100, 13.0)]);
+    assert_eq!(fired.len(), 1, "{fired:#?}");
+    assert_eq!((fired[0].first_step, fired[0].last_step), (100, 100));
+    assert!(
+        fired[0].explanation.contains("z=13.0"),
+        "{}",
+        fired[0].explanation
+    );
+}
+
+#[test]
+fn loss_spike_refuses_an_immediate_z_below_its_threshold() {
+    let config = LossSpikeConfig {
+        immediate_z: 5.0,
+        ..LossSpikeConfig::default()
+    };
+    let err = LossSpike::new(run(), config).unwrap_err().to_string();
+    assert!(err.contains("z_threshold ≤ immediate_z"), "{err}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // activation_outlier
 
