@@ -2,16 +2,20 @@
 
 Each fault that `silent_inconsistency` exists for is injected into the real-text harness at
 several sizes — one rank's gradient scaled ×1.05 … ×8, gradient noise of relative size
-0.1 … 3, a share 0.1 … 1 of one rank's labels shuffled — from step 300 of a 600-step, 4-rank
-run, beside healthy twins of the same configuration. Every run streams through the real agent
-to a real collector, and its rows are exported.
+0.1 … 3, a share 0.1 … 1 of one rank's labels shuffled, a bit of one element of one rank's
+gradient flipped every step (bits 26, 29, 30 of a float32: ×/÷2^8, ×/÷2^64, ×/÷2^128), a bit
+of one element of one rank's weights flipped once (the same bits), one rank computing its
+gradient on weights 1, 4 or 16 updates old — from step 300 of a 600-step, 4-rank run, beside
+healthy twins of the same configuration. Every run streams through the real agent to a real
+collector, and its rows are exported.
 
 The runs are then judged offline under many thresholds: `rankwatch replay` feeds a run's
 exported rows through the detectors exactly as the engine feeds the live stream, once per
 rules file, so a threshold grid costs seconds instead of a training run per point. Beside
 the rule's two tests (the run-level robust z-score, the per-rank stand-out test) three simple
 baselines see the same rows: a spike of the averaged loss, a per-rank loss z-score across
-ranks, and a per-rank gradient-norm threshold.
+ranks, and a per-rank gradient-norm threshold. "Any rule" counts an alert of every rule as it
+ships (a bit flip that turns the loss NaN is `nonfinite`'s to report, not this rule's).
 
 For each detector and threshold: detection probability per fault size, delay from the fault
 to the alert firing (in steps), and false alerts per 1,000 steps (healthy twins, and fault
@@ -58,7 +62,11 @@ SIZES = {
     "grad_scale": ("factor", (1.05, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)),
     "grad_noise": ("sigma", (0.1, 0.3, 1.0, 3.0)),
     "shuffle_labels": ("rate", (0.1, 0.3, 1.0)),
+    "grad_bit_flip": ("bit", (26, 29, 30)),
+    "weight_bit_flip": ("bit", (26, 29, 30)),
+    "stale_weights": ("steps", (1, 4, 16)),
 }
+ANY_RULE = "any rule, defaults"
 TUNING_KINDS = ("grad_scale",)
 WINDOW = 100  # steps after the fault within which an alert counts as its detection
 PERSIST = 3  # steps in a row a baseline must breach before it fires (the rule's pending_for)
@@ -276,6 +284,9 @@ def analyse(out: Path, binary: str) -> dict:
         for (family, value, _), alerts in zip(files, replay(binary, samples, files)):
             steps = [rows.step_at(a["fired_at_ms"]) for a in alerts if a["rule"] == "silent_inconsistency" and a["fired_at_ms"] is not None]
             fired.setdefault(family, {}).setdefault(value, {})[r.name] = sorted(steps)
+            if family == "rule: defaults":
+                every = [rows.step_at(a["fired_at_ms"]) for a in alerts if a["fired_at_ms"] is not None]
+                fired.setdefault(ANY_RULE, {}).setdefault(value, {})[r.name] = sorted(every)
         for family, (fn, values) in BASELINES.items():
             for value in values:
                 fired.setdefault(family, {}).setdefault(value, {})[r.name] = fn(rows, value)
@@ -298,7 +309,7 @@ def report(result: dict, runs: int) -> str:
     lines = [
         f"Fault sweep: {runs} runs of {STEPS} steps, {WORLD} ranks, faults on rank {RANK} from step {FAULT_STEP} ({result.get('machine')})",
         "",
-        "Tuned on gradient-scale runs and healthy seed 0 (the most sensitive threshold without a false alert there); reported on the held-out kinds (gradient noise, label shuffles) and healthy seeds.",
+        "Tuned on gradient-scale runs and healthy seed 0 (the most sensitive threshold without a false alert there); reported on the held-out kinds (gradient noise, label shuffles, bit flips, stale weights) and healthy seeds.",
         "",
         "| detector | tuned threshold | held-out detection | held-out median delay (steps) | held-out false alerts / 1,000 steps (95 % CI) | all runs: detection (by chance), false / 1,000 |",
         "|---|---|---|---|---|---|",
@@ -321,13 +332,11 @@ def report(result: dict, runs: int) -> str:
         lines.append(f"| {family} | {d['tuned']:g} | {detection} | {delay} | {false} | {a['detected']}/{a['fault_runs']} ({a['chance_detections']:.1f}), {a['false_per_1000']:.2f} |")
     lines += ["", "Detection by fault size at the tuned threshold (share of seeds detected):", ""]
     sizes = sorted({k for d in result["detectors"].values() for p in d["points"].values() for k in p["all"]["per_size"]}, key=lambda k: (k.split()[0], float(k.split()[1])))
-    lines.append("| detector | " + " | ".join(sizes) + " |")
-    lines.append("|---|" + "---|" * len(sizes))
-    for family, d in result["detectors"].items():
-        if d["tuned"] is None:
-            continue
-        per = d["points"][str(d["tuned"])]["all"]["per_size"]
-        lines.append(f"| {family} | " + " | ".join(f"{per[k]:.0%}" if k in per else "—" for k in sizes) + " |")
+    tuned = {family: d["points"][str(d["tuned"])]["all"]["per_size"] for family, d in result["detectors"].items() if d["tuned"] is not None}
+    lines.append("| fault | " + " | ".join(tuned) + " |")
+    lines.append("|---|" + "---|" * len(tuned))
+    for k in sizes:
+        lines.append(f"| {k} | " + " | ".join(f"{per[k]:.0%}" if k in per else "—" for per in tuned.values()) + " |")
     return "\n".join(lines)
 
 

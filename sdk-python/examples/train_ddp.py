@@ -95,6 +95,7 @@ def train(args: argparse.Namespace) -> dict:
         loss = faults.loss(loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        faults.end_backward()
         # As torch.amp's GradScaler does: a step whose averaged gradient is not finite is
         # skipped (the same on every rank, since the gradient is the all-reduced one).
         grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -130,6 +130,7 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
         loss = faults.loss(loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        faults.end_backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         if run is not None and faults.reporting():

@@ -1,6 +1,8 @@
 """The fault injector's own promises, on which the detection benchmark's sweeps rest: a label
 shuffle of rate r corrupts about that share of one rank's targets and no other rank's, keeping
-the batch's labels (only their positions move); bad fault texts are refused with the reason."""
+the batch's labels (only their positions move); a bit flip changes exactly the bit it names, of
+one element, on its rank, at its steps; a stale rank's gradient is the one its weights of k
+updates ago give; bad fault texts are refused with the reason."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import re
 
 import pytest
 import torch
-from rankwatch_testkit.faults import Fault, Injector
+from rankwatch_testkit.faults import Fault, Injector, flip_bit
 
 
 @pytest.mark.parametrize("rate", [0.05, 0.3, 1.0])
@@ -37,8 +39,103 @@ def test_a_partial_label_shuffle_moves_about_its_share_of_targets_on_its_rank_on
         ("shuffle_labels@3:rate=0.5", "needs rank=N"),
         ("grad_scale@3:rank=1:rate=2", "unknown option 'rate'"),
         ("grad_scale@x:rank=1", "non-negative integer step"),
+        ("grad_bit_flip@3:rank=1:bit=32", "bit must be an integer from 0 to 31"),
+        ("weight_bit_flip@3:rank=1:bit=2.5", "bit must be an integer from 0 to 31"),
+        ("grad_bit_flip@3:rank=1:every=0", "every must be a positive integer"),
+        ("stale_weights@3:rank=1:steps=0", "steps must be a positive integer"),
+        ("stale_weights@3", "needs rank=N"),
     ],
 )
 def test_bad_fault_texts_are_refused_with_the_reason(text: str, reason: str) -> None:
     with pytest.raises(ValueError, match=re.escape(reason)):
         Fault.parse(text)
+
+
+def test_flip_bit_flips_exactly_one_bit_of_one_element() -> None:
+    values = torch.tensor([0.5, -3.0, 1e-3, 2.0])
+    flip_bit(values, 0, 30)  # 0.5's exponent 126 → 254: 2^127
+    assert values[0].item() == 2.0**127
+    flip_bit(values, 1, 31)  # the sign
+    assert values[1].item() == 3.0
+    flip_bit(values, 2, 23)  # the exponent's lowest bit: ×2 or ÷2
+    assert values[2].item() in (torch.tensor(2e-3).item(), torch.tensor(5e-4).item())
+    assert values[3].item() == 2.0, "other elements untouched"
+    halves = torch.tensor([1.5, 1.5], dtype=torch.bfloat16)
+    flip_bit(halves, 1, 15)
+    assert halves.tolist() == [1.5, -1.5]
+    with pytest.raises(ValueError, match="cannot flip bit 16 of a torch.bfloat16"):
+        flip_bit(halves, 0, 16)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def _grads(model: torch.nn.Module, injector: Injector, step: int, x: torch.Tensor) -> list[torch.Tensor]:
+    injector.begin_step(step)
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    injector.end_backward()
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.int32)
+
+
+def test_a_gradient_bit_flip_changes_one_bit_of_one_element_on_its_rank_at_its_steps() -> None:
+    x = torch.randn(4, 6)
+    fault = Fault.parse("grad_bit_flip@2:rank=1:bit=26:every=2")
+    healthy, faulty = _model(), _model()
+    clean, hit = Injector([fault], rank=0), Injector([fault], rank=1)
+    clean.attach(healthy)
+    hit.attach(faulty)
+    state = torch.random.get_rng_state()
+    changed = []
+    for step in range(6):
+        a, b = _grads(healthy, clean, step, x), _grads(faulty, hit, step, x)
+        diff = torch.cat([(_bits(u) ^ _bits(v)) for u, v in zip(a, b)])
+        changed.append(int((diff != 0).sum()))
+        if changed[-1]:
+            assert diff[diff != 0].tolist() == [1 << 26], "one element, bit 26 alone"
+    assert changed == [0, 0, 1, 0, 1, 0], "from step 2, every 2nd step, one element"
+    assert torch.equal(torch.random.get_rng_state(), state), "the global random stream is not drawn from"
+
+
+def test_a_weight_bit_flip_corrupts_one_element_once_and_it_stays() -> None:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    injector = Injector([Fault.parse("weight_bit_flip@1:rank=0:bit=30")], rank=0)
+    injector.attach(model)
+    injector.begin_step(0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    injector.begin_step(1)
+    diff = torch.cat([(_bits(p) ^ _bits(q)) for p, q in zip(model.parameters(), before)])
+    assert diff[diff != 0].tolist() == [1 << 30]
+    injector.begin_step(2)
+    diff2 = torch.cat([(_bits(p) ^ _bits(q)) for p, q in zip(model.parameters(), before)])
+    assert torch.equal(diff, diff2), "flipped once, not again"
+
+
+def test_stale_weights_compute_the_gradient_on_the_weights_of_k_updates_ago() -> None:
+    x = torch.randn(4, 6)
+    model = _model()
+    injector = Injector([Fault.parse("stale_weights@3:rank=0:steps=2")], rank=0)
+    injector.attach(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weights: list[list[torch.Tensor]] = []
+    for step in range(6):
+        weights.append([p.detach().clone() for p in model.parameters()])
+        grads = _grads(model, injector, step, x)
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights[-1])), "current weights are back after the backward"
+        # The gradient a healthy replica would compute on the weights of `used` steps ago.
+        used = weights[step - 2] if step >= 3 else weights[step]
+        reference = _model()
+        with torch.no_grad():
+            for p, w in zip(reference.parameters(), used):
+                p.copy_(w)
+        reference(x).square().sum().backward()
+        assert all(torch.allclose(g, p.grad, rtol=0, atol=0) for g, p in zip(grads, reference.parameters())), step  # type: ignore[arg-type]
+        optimizer.step()
+    assert not torch.equal(weights[3][0], weights[1][0]), "the weights moved, so the test can tell stale from fresh"
