@@ -24,8 +24,15 @@ onset − alert step: positive when the alert came first. Twins count as false a
 `rank_collapse` alert fired from step 200 on; the early-plateau alerts of post-LN models (their
 loss really sits at the unigram level then) are reported apart.
 
+`--thresholds` replays the saved rows under a grid of `rank_collapse`'s `drift_factor` and
+`activation_outlier`'s `growth_factor` (each rule alone, the rest at its defaults): the share
+of collapses alerted, the lead, and the healthy runs with a false alert per value, tuned on the
+LR-ramp runs and the 4-layer twins (the most sensitive value with no false alert there) and
+reported on the held-out kinds (MLP-only LR, no warm-up, 8-layer twins, pre-LN).
+
     python bench/detection_collapse.py --seeds 10           # train, then analyse
     python bench/detection_collapse.py --analyse            # analyse target/bench/detection-collapse again
+    python bench/detection_collapse.py --analyse --thresholds   # and the threshold grids
 """
 
 from __future__ import annotations
@@ -177,26 +184,41 @@ def judge(run: Run, result: dict, series: Series) -> dict:
     return out
 
 
+# Threshold grids: (key, values); each rules file sets one value of one rule.
+GRIDS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "rank_collapse": ("drift_factor", (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)),
+    "activation_outlier": ("growth_factor", (3.0, 5.0, 10.0, 20.0, 50.0)),
+}
+TUNING = ("lr_ramp", "twin")
+DEFAULTS = {"rank_collapse": 4.0, "activation_outlier": 10.0}
+
+
 def replayed_alerts(binary: str, samples: Path) -> list[dict]:
     """The run's alerts under the binary's default rules, by `rankwatch replay`."""
     done = subprocess.run([binary, "replay", str(samples)], check=True, capture_output=True, text=True)
     return list(json.loads(done.stdout.splitlines()[0])["alerts"])
 
 
-def analyse(out: Path, replay: str | None = None) -> dict:
-    """Judges every exported run: by the alerts the live collector raised, or with `replay`
-    (a rankwatch binary) by the alerts its rules raise on the same rows."""
+def saved_runs(out: Path) -> list[tuple[Run, dict, Path]]:
+    """Every finished, exported run under `out`: the run, its result line, its samples."""
     results = {}
     for line in (out / "runs.jsonl").read_text().splitlines():
         r = json.loads(line)
         results[r["name"]] = r  # a re-run replaces an earlier line
-    judged = []
+    saved = []
     for name, result in sorted(results.items()):
         kind, seed = name.removeprefix("collapse-").rsplit("-s", 1)
-        run = Run(name, kind.replace("-", "_"), int(seed))
         samples = out / "exports" / f"{name}.samples.parquet"
-        if result["error"] is not None or not samples.exists():
-            continue
+        if result["error"] is None and samples.exists():
+            saved.append((Run(name, kind.replace("-", "_"), int(seed)), result, samples))
+    return saved
+
+
+def analyse(out: Path, replay: str | None = None) -> dict:
+    """Judges every exported run: by the alerts the live collector raised, or with `replay`
+    (a rankwatch binary) by the alerts its rules raise on the same rows."""
+    judged = []
+    for run, result, samples in saved_runs(out):
         if replay is not None:
             result = {**result, "alerts": replayed_alerts(replay, samples)}
         judged.append(judge(run, result, read_series(samples)))
@@ -227,6 +249,87 @@ def analyse(out: Path, replay: str | None = None) -> dict:
             "first_outcome": {k: sum(1 for j in collapsed if j[f"onset_{k}"] == j["onset"]) for k in ("cosine", "rank", "loss")},
         }
     return {"runs": judged, "summary": summary, "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs", "judged_by": "replay" if replay else "live", "date": time.strftime("%Y-%m-%d")}
+
+
+def threshold_sweep(out: Path, binary: str) -> dict:
+    """Replays every saved run once per grid value (`GRIDS`) and scores each value: for
+    `rank_collapse`, collapses alerted after their change and the lead (as `judge` does), and
+    healthy runs with a false alert; for `activation_outlier`, LR-ramp and MLP-LR runs alerted
+    after the change (their activations grow with the step size) and healthy runs with an alert
+    from `FALSE_FROM` on. Tuned on `TUNING`, reported on the other kinds."""
+    folder = out / "rules"
+    folder.mkdir(exist_ok=True)
+    files: list[tuple[str, float, Path]] = []
+    for rule, (key, values) in GRIDS.items():
+        for v in values:
+            path = folder / f"{rule}-{v:g}.toml"
+            path.write_text(f"[{rule}]\n{key} = {v}\n")
+            files.append((rule, v, path))
+    # outcome[rule][value] = list of (kind, alerted or None, lead or None, false alert or None)
+    outcome: dict[str, dict[float, list[tuple[str, bool | None, int | None, bool | None]]]] = {}
+    for run, result, samples in saved_runs(out):
+        series = read_series(samples)
+        cmd = [binary, "replay", str(samples)] + [a for _, _, path in files for a in ("--rules", str(path))]
+        lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()
+        for (rule, v, _), line in zip(files, lines, strict=True):
+            alerts = json.loads(line)["alerts"]
+            if rule == "rank_collapse":
+                j = judge(run, {**result, "alerts": alerts}, series)
+                if run.change is None:
+                    row = (run.kind, None, None, j["false_alerts"] > 0)
+                else:
+                    row = (run.kind, j["alert_step"] is not None, j["lead"], None)
+            else:
+                fired = [a for a in alerts if a["rule"] == rule and a["fired_at_ms"] is not None]
+                if run.change is None:
+                    row = (run.kind, None, None, any(a["first_step"] >= FALSE_FROM[run.kind] for a in fired))
+                elif run.kind in ("lr_ramp", "mlp_lr"):
+                    row = (run.kind, any(a["first_step"] >= run.change for a in fired), None, None)
+                else:
+                    continue
+            outcome.setdefault(rule, {}).setdefault(v, []).append(row)
+    result: dict = {}
+    for rule, by_value in outcome.items():
+        points = {}
+        for v, rows in by_value.items():
+            point = {}
+            for split, kinds in (("tuning", lambda k: k in TUNING), ("held_out", lambda k: k not in TUNING)):
+                part = [r for r in rows if kinds(r[0])]
+                faults = [r for r in part if r[1] is not None]
+                healthy = [r for r in part if r[3] is not None]
+                leads = [r[2] for r in faults if r[2] is not None]
+                point[split] = {
+                    "alerted": sum(1 for r in faults if r[1]),
+                    "collapses": len(faults),
+                    "median_lead": float(np.median(leads)) if leads else None,
+                    "healthy_with_false": sum(1 for r in healthy if r[3]),
+                    "healthy": len(healthy),
+                }
+            point["per_kind"] = {k: sum(1 for r in rows if r[0] == k and (r[1] or r[3])) for k in sorted({r[0] for r in rows})}
+            points[v] = point
+        quiet = [v for v, p in points.items() if p["tuning"]["healthy_with_false"] == 0]
+        tuned = max(quiet, key=lambda v: (points[v]["tuning"]["alerted"], -v)) if quiet else None
+        result[rule] = {"key": GRIDS[rule][0], "points": {str(v): p for v, p in points.items()}, "tuned": tuned, "default": DEFAULTS[rule]}
+    return result
+
+
+def threshold_report(sweep: dict) -> str:
+    lines = [
+        "Threshold grids (each value replayed on every saved run; tuned on the LR-ramp runs and the 4-layer twins, the most sensitive value with no false alert there; held out: MLP-only LR, no warm-up, 8-layer twins, pre-LN):",
+        "",
+        "| rule | value | tuning: alerted / faults | tuning: median lead to onset | tuning: healthy with a false alert | held out: alerted / faults | held out: median lead to onset | held out: healthy with a false alert (95 % CI) | per kind: runs alerted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rule, d in sweep.items():
+        for v, p in d["points"].items():
+            t, h = p["tuning"], p["held_out"]
+            lo, hi = proportion_interval(h["healthy_with_false"], h["healthy"]) if h["healthy"] else (0.0, 1.0)
+            mark = " (tuned)" if d["tuned"] is not None and float(v) == d["tuned"] else ""
+            mark += " (default)" if float(v) == d["default"] else ""
+            lead, tuning_lead = ("—" if x["median_lead"] is None else f"{x['median_lead']:g}" for x in (h, t))
+            kinds = ", ".join(f"{k} {n}" for k, n in p["per_kind"].items())
+            lines.append(f"| {rule} | {d['key']} = {float(v):g}{mark} | {t['alerted']}/{t['collapses']} | {tuning_lead} | {t['healthy_with_false']}/{t['healthy']} | {h['alerted']}/{h['collapses']} | {lead} | {h['healthy_with_false']}/{h['healthy']} ({100 * lo:.0f}–{100 * hi:.0f} %) | {kinds} |")
+    return "\n".join(lines) + "\n"
 
 
 def _quantiles(values: list[int]) -> dict | None:
@@ -269,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "target" / "bench" / "detection-collapse")
     p.add_argument("--analyse", action="store_true", help="only analyse the runs already under --out")
     p.add_argument("--replay", action="store_true", help="with --analyse: judge the saved rows again with `rankwatch replay` ($RANKWATCH_BIN) instead of the live alerts")
+    p.add_argument("--thresholds", action="store_true", help="also replay the saved rows under threshold grids of rank_collapse and activation_outlier ($RANKWATCH_BIN)")
     p.add_argument("--figures", type=Path, default=None, help="also copy the summary and raw results here (docs/figures)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -279,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     binary = os.environ.get("RANKWATCH_BIN") or str(ROOT / "target" / "release" / "rankwatch")
     result = analyse(args.out, binary if args.replay else None)
     text = report(result)
+    if args.thresholds:
+        result["thresholds"] = threshold_sweep(args.out, binary)
+        text += "\n" + threshold_report(result["thresholds"])
     (args.out / "collapse.json").write_text(json.dumps(result, indent=1))
     (args.out / "summary.md").write_text(text)
     if args.figures is not None:

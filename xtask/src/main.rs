@@ -60,8 +60,9 @@ tasks:
            the fault-size sweep, judged under threshold grids by `rankwatch replay`,
            beside simple baselines, with ROC and delay plots (bench/detection_sweep.py);
            `detection --suite collapse`: alert lead time on natural collapses (LR ramp,
-           MLP-only LR, deep post-LN without warm-up) with healthy twins
-           (bench/detection_collapse.py)
+           MLP-only LR, deep post-LN without warm-up) with healthy twins; with
+           --thresholds, rank_collapse's and activation_outlier's threshold grids replayed
+           on the same runs (bench/detection_collapse.py)
   gpu [--dry-run]
            the GPU suite, on a machine with CUDA (never part of `test`): a full step with
            every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
