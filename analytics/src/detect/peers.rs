@@ -89,9 +89,16 @@ pub(super) struct Peers {
 type Getter = fn(&RankValues) -> Option<f64>;
 
 /// For each rank (by index), its own value of `get` and the median of the other ranks' values,
-/// where it has a finite value and at least two others do. One sort: removing one value from
-/// a sorted column shifts the median by at most one place.
+/// where it has a value and at least two others do. Nothing when some rank's value is not
+/// finite: that rank is `nonfinite`'s to report, and the others measured without it are a
+/// different set of ranks, moved by what the fault does to training (one rank's overflowing
+/// gradient stalls every update; with 4 ranks, the 3 left make each a stand-out against the
+/// other two). One sort: removing one value from a sorted column shifts the median by at most
+/// one place.
 fn against_others(ranks: &[RankValues], get: Getter) -> Vec<Option<(f64, f64)>> {
+    if ranks.iter().filter_map(get).any(|v| !v.is_finite()) {
+        return vec![None; ranks.len()];
+    }
     let mut sorted: Vec<(f64, usize)> = ranks
         .iter()
         .enumerate()

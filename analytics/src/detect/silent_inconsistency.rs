@@ -180,12 +180,20 @@ struct Signals {
 }
 
 impl Signals {
+    /// A step where some rank's loss (or gradient norm) is not finite is not judged on the loss
+    /// (or gradient) signals: that rank is `nonfinite`'s to report, and the dispersion of the
+    /// others is of a different set of ranks that moves with what the fault does to training —
+    /// a rank whose gradient norm overflowed stalls every update (clipping zeroes them), the
+    /// finite ranks drift apart, and one of them was named the outlier (the fault sweep's
+    /// gradient bit flips, docs/detection.md).
     fn of(stats: &StepStats) -> Self {
         let finite = |x: Option<f64>| x.filter(|x| x.is_finite());
+        let judged = |d: &Dispersion| d.count >= 2 && d.nonfinite == 0;
+        let grads_finite = stats.grad_norm.is_none_or(|d| d.nonfinite == 0);
         Signals {
-            loss_cv: finite(stats.loss.filter(|d| d.count >= 2).and_then(|d| d.cv)),
-            grad_cv: finite(stats.grad_norm.filter(|d| d.count >= 2).and_then(|d| d.cv)),
-            cos: finite(stats.cos_weighted),
+            loss_cv: finite(stats.loss.filter(judged).and_then(|d| d.cv)),
+            grad_cv: finite(stats.grad_norm.filter(judged).and_then(|d| d.cv)),
+            cos: finite(stats.cos_weighted.filter(|_| grads_finite)),
         }
     }
     fn is_empty(&self) -> bool {

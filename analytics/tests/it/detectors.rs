@@ -625,6 +625,33 @@ fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline(
     );
 }
 
+#[test]
+fn silent_inconsistency_leaves_a_rank_with_a_non_finite_gradient_to_nonfinite() {
+    // Rank 1's gradient norm overflows from step 300 (a flipped exponent bit) and training
+    // stalls: the finite ranks drift apart, rank 0 the most. That is the overflow's doing, not
+    // rank 0's; `nonfinite` names rank 1. Once rank 1 is finite again at step 400, rank 0 still
+    // standing out ×3 is judged, and named.
+    let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
+    let mut sim = DataParallelSim::new(4, 1024, 8);
+    let mut events = vec![];
+    for step in 0..500u64 {
+        let mut obs = sim.step(step, Fault::None);
+        if step >= 300 {
+            for r in &mut obs.ranks {
+                match r.rank {
+                    0 => r.grad_norm = r.grad_norm.map(|g| 3.0 * g),
+                    1 if step < 400 => r.grad_norm = Some(f64::INFINITY),
+                    _ => {}
+                }
+            }
+        }
+        events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
+    }
+    let (step, a) = first_firing(&events);
+    assert!(*step >= 400, "fired at {step} while rank 1 was not finite: {}", a.explanation);
+    assert_eq!(a.outlier_ranks, vec![0], "{}", a.explanation);
+}
+
 fn identical_ranks(step: u64, values: [(f64, f64); 4]) -> StepObservation {
     StepObservation {
         step,
