@@ -10,7 +10,8 @@
 //! report before the gap: otherwise every rank slower than the first to report after a
 //! restart is "silent" for the whole restart. Measured on the detection benchmark: a resume
 //! whose new processes took 90 s to start raised `stale_rank` on the three ranks whose first
-//! report came a moment after rank 1's.
+//! report came a moment after rank 1's. A rank never heard from (in a run the collector
+//! watches afresh after a restart) is judged by its silence only, never by a step lag.
 
 use serde::{Deserialize, Serialize};
 
@@ -118,7 +119,10 @@ impl Detector for StaleRank {
                 .map_or(obs.run_started_ms, |(_, t)| t)
                 .max(self.resumed_ms.unwrap_or(i64::MIN));
             let silent = obs.now_ms.saturating_sub(since);
-            let lag = last.map_or(lead, |(s, _)| lead.saturating_sub(s));
+            // A rank not heard from has no step to lag by: it is judged by its silence alone.
+            // Counting it at step 0 made every rank slower to report than the first, after a
+            // resume at step 1,200, "1,219 steps behind" within seconds of the restart.
+            let lag = last.map_or(0, |(s, _)| lead.saturating_sub(s));
             let breach = |value: f64, threshold: f64, explanation: String| {
                 Signal::Breach(Breach {
                     severity: Severity::Warning,

@@ -1182,6 +1182,28 @@ fn stale_rank_by_step_lag_and_never_seen() {
     );
 }
 
+#[test]
+fn stale_rank_judges_a_rank_not_heard_from_by_its_silence_not_a_step_lag() {
+    // A run resumed at step 1,200 and watched afresh: rank 2's first reports arrive while the
+    // other ranks' are still on their way. They are not "1,219 steps behind"; they are silent
+    // for 5 s, under the timeout.
+    let mut d = StaleRank::new(run(), StaleRankConfig::default()).unwrap();
+    let events = d.observe(&RankActivity {
+        now_ms: 5_000,
+        run_started_ms: 0,
+        last_seen: vec![None, None, Some((1219, 4_900)), None],
+    });
+    assert!(events.is_empty(), "{events:#?}");
+    // Still silent past the timeout: stale, as never reported.
+    let events = d.observe(&RankActivity {
+        now_ms: 61_000,
+        run_started_ms: 0,
+        last_seen: vec![Some((1500, 60_900)), Some((1500, 60_950)), Some((1500, 60_990)), None],
+    });
+    assert_eq!(events.len(), 1, "{events:#?}");
+    assert_eq!(events[0].explanation, "rank 3 silent for 61 s (never reported)");
+}
+
 // ---------------------------------------------------------------------------------------------
 // configuration
 
