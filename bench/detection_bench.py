@@ -7,7 +7,9 @@ the real agent to one real collector running its default rules (or `--rules FILE
 matrix varies what changes healthy statistics in practice: model size, number of ranks K,
 uniform sampling against per-rank contiguous shards, a data-mix switch part-way, a checkpoint
 resume (a fresh set of processes under the same run name), dropout, a higher learning rate,
-seeds. Every alert that fires on one of them is a false alert.
+seeds — and a fine-tune of a pretrained model (sdk-python/examples/finetune_minilm.py:
+MiniLM's 6 BERT layers on the same text, masked-LM). Every alert that fires on one of them is
+a false alert.
 
 Reported per rule: false alerts per 1,000 steps with an exact Poisson 95 % interval (steps are
 counted once per run, not per rank), and the share of runs with at least one, with a
@@ -16,6 +18,8 @@ Clopper-Pearson 95 % interval. "0 of 5 runs" allows up to 52 % of runs; 0 of 32 
 Runs are scheduled so their ranks never outnumber the cores (one is kept for the collector);
 each run's alerts and losses are written under `--out` as it finishes (runs.jsonl), so a
 benchmark cut short still reports what it ran. `summary.md` and `summary.json` hold the table.
+Each finished run's samples are exported to `--out/exports/RUN.samples.parquet`, so the same
+rows can be judged again under other rules (`rankwatch replay`) without training again.
 
     python bench/detection_bench.py                      # the full matrix, 2,000 steps a run
     python bench/detection_bench.py --steps 300 --only tiny-k2   # a quick look
@@ -42,6 +46,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "sdk-python" / "examples" / "train_text.py"
+FINETUNE = ROOT / "sdk-python" / "examples" / "finetune_minilm.py"
 RULES = ("rank_collapse", "silent_inconsistency", "loss_spike", "activation_outlier", "nonfinite", "stale_rank")
 TINY = ["--layers", "2", "--width", "64", "--heads", "4"]
 SMALL = ["--layers", "4", "--width", "128", "--heads", "4"]
@@ -52,6 +57,7 @@ class Scenario:
     name: str
     nproc: int
     args: list[str] = field(default_factory=list)
+    script: Path = EXAMPLE  # the training script; it takes train_text.py's run options
 
 
 def healthy_matrix(steps: int) -> list[Scenario]:
@@ -80,6 +86,9 @@ def healthy_matrix(steps: int) -> list[Scenario]:
     add("small-k4", 4, range(2, 3), *SMALL)
     add("tiny-k8", 8, range(1, 2), *TINY)
     add("tiny-k4-dropout", 4, range(2, 3), *TINY, "--dropout", "0.1")
+    # A fine-tune of a pretrained model (MiniLM, 6 BERT layers): ratios of 4–23 and high token
+    # cosine from the first step. Last: at ~0.5 s a step on one core, it is the slowest.
+    out.extend(Scenario(f"minilm-ft-k2-s{s}", 2, ["--seed", str(s)], FINETUNE) for s in range(2))
     return out
 
 
@@ -191,7 +200,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     where = out / "runs" / s.name
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
-    cmd = [sys.executable, str(EXAMPLE), "--nproc", str(s.nproc), "--steps", str(steps), "--run", s.name, "--collector", url, "--result-dir", str(where), "--spool-dir", str(where / "spool"), "--corpus-dir", str(out / "corpus"), *s.args]
+    cmd = [sys.executable, str(s.script), "--nproc", str(s.nproc), "--steps", str(steps), "--run", s.name, "--collector", url, "--result-dir", str(where), "--spool-dir", str(where / "spool"), "--corpus-dir", str(out / "corpus"), *s.args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     started = time.monotonic()
     try:
@@ -261,13 +270,29 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
     return results
 
 
-def train_and_export(scenarios: list[Scenario], steps: int, out: Path, cores: int, tables: tuple[str, ...], timeout: float = 1800.0) -> list[dict]:
-    """Runs the scenarios against a fresh collector (its default rules) and saves each finished
-    run's `tables` as out/exports/RUN.TABLE.parquet, for analyses and `rankwatch replay`."""
-    data = Path(tempfile.mkdtemp(prefix="rankwatch-bench-"))
-    proc, url = start_collector(data, None)
+def train_and_export(
+    scenarios: list[Scenario],
+    steps: int,
+    out: Path,
+    cores: int,
+    tables: tuple[str, ...],
+    timeout: float = 1800.0,
+    rules: str | None = None,
+    deadline: float = math.inf,
+    data: Path | None = None,
+) -> list[dict]:
+    """Runs the scenarios against a fresh collector (`rules`, or its defaults) and saves each
+    finished run's `tables` as out/exports/RUN.TABLE.parquet, for analyses and `rankwatch
+    replay` (which judges the same rows again under other rules). The collector's data lives
+    in `data` (kept) or in a temporary directory (removed)."""
+    keep = data is not None
+    if data is None:
+        data = Path(tempfile.mkdtemp(prefix="rankwatch-bench-"))
+    else:
+        shutil.rmtree(data, ignore_errors=True)
+    proc, url = start_collector(data, rules)
     try:
-        results = schedule(scenarios, steps, url, out, cores, timeout, math.inf)
+        results = schedule(scenarios, steps, url, out, cores, timeout, deadline)
         exports = out / "exports"
         exports.mkdir(exist_ok=True)
         for r in results:
@@ -286,6 +311,8 @@ def train_and_export(scenarios: list[Scenario], steps: int, out: Path, cores: in
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if not keep:
+            shutil.rmtree(data, ignore_errors=True)
 
 
 # --- the summary --------------------------------------------------------------------------------
@@ -382,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=1800.0)
     p.add_argument("--time-limit", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--out", default=str(ROOT / "target" / "bench" / "detection"))
-    p.add_argument("--keep-data", action="store_true", help="keep the collector's data directory (under --out) instead of a temporary one")
+    p.add_argument("--keep-data", action="store_true", help="keep the collector's data directory (under --out) instead of a temporary one (each run's samples are exported under --out/exports either way)")
     p.add_argument("--summarise", nargs="+", metavar="RUNS_JSONL", help="only print the table of runs already made (runs.jsonl files, e.g. from several machines)")
     args = p.parse_args(argv)
     if args.summarise:
@@ -404,18 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = scenarios[int(index) :: int(count)][: args.limit]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
     print(f"detection bench ({args.suite}): {len(scenarios)} runs of {args.steps} steps, {args.cores} ranks at once ({machine})", flush=True)
-    data = out / "collector-data" if args.keep_data else Path(tempfile.mkdtemp(prefix="rankwatch-detection-"))
-    if args.keep_data:
-        shutil.rmtree(data, ignore_errors=True)
-    proc, url = start_collector(data, args.rules)
     deadline = time.monotonic() + (args.time_limit if args.time_limit is not None else math.inf)
-    try:
-        results = schedule(scenarios, args.steps, url, out, args.cores, args.run_timeout, deadline)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        if not args.keep_data:
-            shutil.rmtree(data, ignore_errors=True)
+    data = out / "collector-data" if args.keep_data else None
+    results = train_and_export(scenarios, args.steps, out, args.cores, ("samples",), args.run_timeout, args.rules, deadline, data)
     summary = summarise(results)
     summary["machine"] = machine
     summary["shard"] = args.shard

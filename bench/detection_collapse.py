@@ -28,7 +28,8 @@ loss really sits at the unigram level then) are reported apart.
 `activation_outlier`'s `growth_factor` (each rule alone, the rest at its defaults): the share
 of collapses alerted, the lead, and the healthy runs with a false alert per value, tuned on the
 LR-ramp runs and the 4-layer twins (the most sensitive value with no false alert there) and
-reported on the held-out kinds (MLP-only LR, no warm-up, 8-layer twins, pre-LN).
+reported on the held-out kinds (MLP-only LR, and no warm-up for `rank_collapse`; 8-layer twins
+and pre-LN for false alerts). Ties in detection go to the most sensitive value.
 
     python bench/detection_collapse.py --seeds 10           # train, then analyse
     python bench/detection_collapse.py --analyse            # analyse target/bench/detection-collapse again
@@ -315,7 +316,7 @@ def threshold_sweep(out: Path, binary: str) -> dict:
 
 def threshold_report(sweep: dict) -> str:
     lines = [
-        "Threshold grids (each value replayed on every saved run; tuned on the LR-ramp runs and the 4-layer twins, the most sensitive value with no false alert there; held out: MLP-only LR, no warm-up, 8-layer twins, pre-LN):",
+        "Threshold grids (each value replayed on every saved run; tuned on the LR-ramp runs and the 4-layer twins, the most sensitive value with no false alert there, ties to the most sensitive; held out: MLP-only LR (and no warm-up, for rank_collapse), 8-layer twins, pre-LN). The last column counts, per kind, the runs alerted: detections for collapse kinds, false alerts for healthy ones:",
         "",
         "| rule | value | tuning: alerted / faults | tuning: median lead to onset | tuning: healthy with a false alert | held out: alerted / faults | held out: median lead to onset | held out: healthy with a false alert (95 % CI) | per kind: runs alerted |",
         "|---|---|---|---|---|---|---|---|---|",

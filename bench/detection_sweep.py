@@ -21,7 +21,7 @@ For each detector and threshold: detection probability per fault size, delay fro
 to the alert firing (in steps), and false alerts per 1,000 steps (healthy twins, and fault
 runs before their fault). Thresholds are tuned on the gradient-scale runs and healthy seed 0
 (the most sensitive threshold with no false alert there) and reported on the held-out kinds
-(noise, labels) and healthy seeds. Writes sweep.json, summary.md and two SVG plots (ROC,
+(noise, labels, bit flips, stale weights) and healthy seeds. Writes sweep.json, summary.md and two SVG plots (ROC,
 delay against false alerts) under --out; `--analyse` redoes the analysis from saved runs.
 
     python bench/detection_sweep.py                 # train the sweep, then analyse
@@ -329,7 +329,8 @@ def report(result: dict, runs: int) -> str:
             lo, hi = poisson_interval(h["false_alerts"])
             false = f"{h['false_per_1000']:.2f} ({1000 * lo / h['steps']:.2f}–{1000 * hi / h['steps']:.2f})"
         delay = "—" if h["median_delay"] is None else f"{h['median_delay']:g}"
-        lines.append(f"| {family} | {d['tuned']:g} | {detection} | {delay} | {false} | {a['detected']}/{a['fault_runs']} ({a['chance_detections']:.1f}), {a['false_per_1000']:.2f} |")
+        tuned = "—" if len(d["points"]) == 1 else f"{d['tuned']:g}"  # a single point is no tuning
+        lines.append(f"| {family} | {tuned} | {detection} | {delay} | {false} | {a['detected']}/{a['fault_runs']} ({a['chance_detections']:.1f}), {a['false_per_1000']:.2f} |")
     lines += ["", "Detection by fault size at the tuned threshold (share of seeds detected):", ""]
     sizes = sorted({k for d in result["detectors"].values() for p in d["points"].values() for k in p["all"]["per_size"]}, key=lambda k: (k.split()[0], float(k.split()[1])))
     tuned = {family: d["points"][str(d["tuned"])]["all"]["per_size"] for family, d in result["detectors"].items() if d["tuned"] is not None}

@@ -57,9 +57,14 @@ def test_flip_bit_flips_exactly_one_bit_of_one_element() -> None:
     assert values[0].item() == 2.0**127
     flip_bit(values, 1, 31)  # the sign
     assert values[1].item() == 3.0
-    flip_bit(values, 2, 23)  # the exponent's lowest bit: ×2 or ÷2
-    assert values[2].item() in (torch.tensor(2e-3).item(), torch.tensor(5e-4).item())
+    flip_bit(values, 2, 23)  # the exponent's lowest bit: 1e-3's exponent is odd (-10 + 127), so ÷2
+    assert values[2].item() == torch.tensor(5e-4).item()
     assert values[3].item() == 2.0, "other elements untouched"
+    # A transposed (non-contiguous) tensor: element 1 in logical order is [0, 1] = 3.0.
+    base = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    transposed = base.t()
+    flip_bit(transposed, 1, 31)
+    assert transposed.tolist() == [[1.0, -3.0], [2.0, 4.0]] and base[1, 0].item() == -3.0, "in place, in logical order"
     halves = torch.tensor([1.5, 1.5], dtype=torch.bfloat16)
     flip_bit(halves, 1, 15)
     assert halves.tolist() == [1.5, -1.5]

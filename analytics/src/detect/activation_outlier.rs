@@ -26,6 +26,11 @@ use super::baseline::TrailingMedian;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::{Detector, short};
 
+use crate::alert::{Alert, Rule, Severity};
+use crate::error::{Error, Result};
+use crate::validate::RunId;
+use crate::vocab::Site;
+
 /// A growth factor: one decimal (10.7×), in powers of ten past a million.
 fn growth(x: f64) -> String {
     if x.is_finite() && x.abs() < 1e6 {
@@ -34,10 +39,6 @@ fn growth(x: f64) -> String {
         short(x)
     }
 }
-use crate::alert::{Alert, Rule, Severity};
-use crate::error::{Error, Result};
-use crate::validate::RunId;
-use crate::vocab::Site;
 
 /// The largest finite value of FP8 E4M3.
 pub const FP8_E4M3_MAX: f64 = 448.0;

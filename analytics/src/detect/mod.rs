@@ -46,7 +46,8 @@ pub trait Detector {
     fn open_alerts(&self) -> Vec<Alert>;
 }
 
-/// A number for an explanation: at most three decimals, trailing zeros dropped ("2.7").
+/// A number for an explanation: at most three decimals, trailing zeros dropped ("2.7"); in
+/// powers of ten with three significant digits outside [0.001, 10⁶) ("2.07e36").
 pub(crate) fn short(x: f64) -> String {
     if !x.is_finite() {
         return x.to_string();

@@ -648,7 +648,11 @@ fn silent_inconsistency_leaves_a_rank_with_a_non_finite_gradient_to_nonfinite() 
         events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
     }
     let (step, a) = first_firing(&events);
-    assert!(*step >= 400, "fired at {step} while rank 1 was not finite: {}", a.explanation);
+    assert!(
+        *step >= 400,
+        "fired at {step} while rank 1 was not finite: {}",
+        a.explanation
+    );
     assert_eq!(a.outlier_ranks, vec![0], "{}", a.explanation);
 }
 
@@ -956,13 +960,36 @@ fn loss_spike_lets_one_hard_batch_pass_but_not_a_loss_that_stays_up_or_a_big_jum
 }
 
 #[test]
-fn loss_spike_refuses_an_immediate_z_below_its_threshold() {
-    let config = LossSpikeConfig {
-        immediate_z: 5.0,
+fn loss_spike_immediate_z_at_or_below_the_threshold_fires_every_breach_at_once() {
+    // A rules file that raises z_threshold past the default immediate_z still loads, and then
+    // every breach fires on its first step, as the rule did before it asked for a repeat.
+    let config: DetectorsConfig = toml::from_str("[loss_spike]\nz_threshold = 15.0\n").unwrap();
+    let mut d = LossSpike::new(run(), config.loss_spike).unwrap();
+    let sigma = 1.4826 * 0.1;
+    let fired: Vec<Alert> = (0..200u64)
+        .flat_map(|step| {
+            let loss = if step == 100 {
+                3.0 + 16.0 * sigma
+            } else {
+                2.9 + 0.1 * (step % 3) as f64
+            };
+            d.observe(&LossObservation {
+                step,
+                time_ms: step as i64,
+                rank: None,
+                loss,
+            })
+        })
+        .filter(|a| a.state == AlertState::Firing)
+        .collect();
+    assert_eq!(fired.len(), 1, "{fired:#?}");
+    assert_eq!(fired[0].first_step, 100);
+    let bad = LossSpikeConfig {
+        immediate_z: 0.0,
         ..LossSpikeConfig::default()
     };
-    let err = LossSpike::new(run(), config).unwrap_err().to_string();
-    assert!(err.contains("z_threshold ≤ immediate_z"), "{err}");
+    let err = LossSpike::new(run(), bad).unwrap_err().to_string();
+    assert!(err.contains("immediate_z > 0"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1198,10 +1225,18 @@ fn stale_rank_judges_a_rank_not_heard_from_by_its_silence_not_a_step_lag() {
     let events = d.observe(&RankActivity {
         now_ms: 61_000,
         run_started_ms: 0,
-        last_seen: vec![Some((1500, 60_900)), Some((1500, 60_950)), Some((1500, 60_990)), None],
+        last_seen: vec![
+            Some((1500, 60_900)),
+            Some((1500, 60_950)),
+            Some((1500, 60_990)),
+            None,
+        ],
     });
     assert_eq!(events.len(), 1, "{events:#?}");
-    assert_eq!(events[0].explanation, "rank 3 silent for 61 s (never reported)");
+    assert_eq!(
+        events[0].explanation,
+        "rank 3 silent for 61 s (never reported)"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -146,8 +146,11 @@ def flip_bit(values: torch.Tensor, index: int, bit: int) -> None:
     mask = 1 << bit
     if bit == width - 1:
         mask -= 1 << width  # the sign bit, as a signed integer of that width
-    flat = values.detach().view(-1).view(ints)
-    flat[index] ^= mask
+    # A same-size dtype view keeps the strides, so this writes the tensor's own memory even
+    # when it is not contiguous (a transposed weight); `index` counts in logical order.
+    bits = values.detach().view(ints)
+    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), values.shape))
+    bits[at] ^= mask
 
 
 class Injector:
