@@ -20,18 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 
+from rankwatch_testkit.spawn import spawn_ranks
 from rankwatch_testkit.text import SOURCES, corpus, learning_rate
 
 import rankwatch
@@ -147,17 +146,10 @@ def train(args: argparse.Namespace) -> dict:
     return {"rank": rank, "first_step": 0, "losses": losses, "seconds": seconds}
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, args: argparse.Namespace) -> None:
     result = train(args)
     if args.result_dir:
         Path(args.result_dir, f"rank-{rank}-from-0.json").write_text(json.dumps(result))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -189,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.result_dir:
         Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     tokenised(args.source, args.corpus_dir, Path(args.corpus_dir or Path.home() / ".cache" / "rankwatch" / "corpus"))  # once, here
-    mp.spawn(_worker, args=(args, _free_port()), nprocs=args.nproc, join=True)
+    spawn_ranks(_worker, args.nproc, args)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 from rankwatch_testkit.faults import Fault, Injector
 from rankwatch_testkit.faults import check as check_faults
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
+from rankwatch_testkit.spawn import spawn_ranks
 from rankwatch_testkit.text import SAMPLINGS, SEED_MODES, SOURCES, Windows, corpus, fingerprint, learning_rate, seed_for
 
 import rankwatch
@@ -150,17 +149,10 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
     return {"rank": rank, "first_step": first, "losses": losses, "seconds": seconds, "corpus": {s: fingerprint(d) for s, d in sources.items()}}
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, first: int, last: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, args: argparse.Namespace, first: int, last: int) -> None:
     result = train(args, first, last)
     if args.result_dir:
         Path(args.result_dir, f"rank-{rank}-from-{first}.json").write_text(json.dumps(result))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -217,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         corpus(s, args.corpus_dir)  # built once here, not by every rank at once
     halves = [(0, args.steps)] if args.resume_at is None else [(0, args.resume_at), (args.resume_at, args.steps)]
     for first, last in halves:
-        mp.spawn(_worker, args=(args, _free_port(), first, last), nprocs=args.nproc, join=True)
+        spawn_ranks(_worker, args.nproc, args, first, last)
 
 
 if __name__ == "__main__":

@@ -484,16 +484,32 @@ fn run_dp(
     fault: Fault,
     seed: u32,
 ) -> Vec<(u64, Alert)> {
+    let injected = |step| {
+        if fault_window.contains(&step) {
+            fault
+        } else {
+            Fault::None
+        }
+    };
+    run_dp_edited(world, steps, seed, injected, |_, _| {})
+}
+
+/// `silent_inconsistency` with its defaults over a simulated job: `fault(step)` is injected by
+/// the simulator, then `edit(step, observation)` changes what the detector is shown.
+fn run_dp_edited(
+    world: u32,
+    steps: u64,
+    seed: u32,
+    fault: impl Fn(u64) -> Fault,
+    mut edit: impl FnMut(u64, &mut StepObservation),
+) -> Vec<(u64, Alert)> {
     let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
     let mut sim = DataParallelSim::new(world, 1024, seed);
     let mut events = vec![];
     for step in 0..steps {
-        let f = if fault_window.contains(&step) {
-            fault
-        } else {
-            Fault::None
-        };
-        events.extend(d.observe(&sim.step(step, f)).into_iter().map(|a| (step, a)));
+        let mut obs = sim.step(step, fault(step));
+        edit(step, &mut obs);
+        events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
     }
     events
 }
@@ -631,11 +647,7 @@ fn silent_inconsistency_leaves_a_rank_with_a_non_finite_gradient_to_nonfinite() 
     // stalls: the finite ranks drift apart, rank 0 the most. That is the overflow's doing, not
     // rank 0's; `nonfinite` names rank 1. Once rank 1 is finite again at step 400, rank 0 still
     // standing out ×3 is judged, and named.
-    let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
-    let mut sim = DataParallelSim::new(4, 1024, 8);
-    let mut events = vec![];
-    for step in 0..500u64 {
-        let mut obs = sim.step(step, Fault::None);
+    let stalled = |step: u64, obs: &mut StepObservation| {
         if step >= 300 {
             for r in &mut obs.ranks {
                 match r.rank {
@@ -645,8 +657,8 @@ fn silent_inconsistency_leaves_a_rank_with_a_non_finite_gradient_to_nonfinite() 
                 }
             }
         }
-        events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
-    }
+    };
+    let events = run_dp_edited(4, 500, 8, |_| Fault::None, stalled);
     let (step, a) = first_firing(&events);
     assert!(
         *step >= 400,
