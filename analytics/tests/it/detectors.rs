@@ -931,7 +931,12 @@ fn loss_spike_fires_on_a_spike_not_on_noise_or_decay() {
 /// A loss cycling 2.9, 3.0, 3.1 (median 3, MAD 0.1) with `spikes` replacing some steps; the
 /// firing alerts of `loss_spike` with its defaults.
 fn loss_spike_fired(spikes: &[(u64, f64)]) -> Vec<Alert> {
-    let mut d = LossSpike::new(run(), LossSpikeConfig::default()).unwrap();
+    loss_spike_fired_under(LossSpikeConfig::default(), spikes)
+}
+
+/// As `loss_spike_fired`, under `config`; a spike at z is 3 + z·1.4826·0.1.
+fn loss_spike_fired_under(config: LossSpikeConfig, spikes: &[(u64, f64)]) -> Vec<Alert> {
+    let mut d = LossSpike::new(run(), config).unwrap();
     let sigma = 1.4826 * 0.1;
     (0..200u64)
         .flat_map(|step| {
@@ -976,24 +981,7 @@ fn loss_spike_immediate_z_at_or_below_the_threshold_fires_every_breach_at_once()
     // A rules file that raises z_threshold past the default immediate_z still loads, and then
     // every breach fires on its first step, as the rule did before it asked for a repeat.
     let config: DetectorsConfig = toml::from_str("[loss_spike]\nz_threshold = 15.0\n").unwrap();
-    let mut d = LossSpike::new(run(), config.loss_spike).unwrap();
-    let sigma = 1.4826 * 0.1;
-    let fired: Vec<Alert> = (0..200u64)
-        .flat_map(|step| {
-            let loss = if step == 100 {
-                3.0 + 16.0 * sigma
-            } else {
-                2.9 + 0.1 * (step % 3) as f64
-            };
-            d.observe(&LossObservation {
-                step,
-                time_ms: step as i64,
-                rank: None,
-                loss,
-            })
-        })
-        .filter(|a| a.state == AlertState::Firing)
-        .collect();
+    let fired = loss_spike_fired_under(config.loss_spike, &[(100, 16.0)]);
     assert_eq!(fired.len(), 1, "{fired:#?}");
     assert_eq!(fired[0].first_step, 100);
     let bad = LossSpikeConfig {
