@@ -9,6 +9,10 @@
 3. Spectral accuracy in bf16: σ of random 4096×14336 and 14336×4096 bf16 weights (Llama-3-8B
    MLP shapes) and σ_mlp of the pair, by the probe (30 cold iterations, then 5 warm calls)
    against `torch.linalg.matrix_norm(ord=2)` of the same bf16 values in float32.
+3c. The effective rank in bf16: the probe's estimate (64 Rademacher probes, 3 seeds) of the
+   participation ratio of a Llama-3-8B-shaped block's linearised map (d 4096, d_ff 14336,
+   GQA 32/8 heads) against the float64 SVD of the map formed explicitly from the same bf16
+   values, and the GPU time of one probe call with and without it.
 3b. The fused Triton sketch (rankwatch/_sketch_triton.py) against the reference definition
    on sizes, dtypes, dimensions and shard coordinates, and both timed on 100M coordinates.
 4. Per-probe step overhead and max_memory_allocated (bench/probe_costs.py) on GPT-2-small in
@@ -134,6 +138,67 @@ def spectral_accuracy(device: str, dry_run: bool) -> str:
     return "\n".join(rows)
 
 
+def effective_rank_accuracy(device: str, dry_run: bool) -> str:
+    """The effective rank's estimate against float64 singular values, and its GPU time."""
+    import torch
+
+    from rankwatch.discovery import AttentionShape, Block, Layout
+    from rankwatch.spectral import SpectralProbe
+
+    d, f, heads, kv, head_dim = (256, 896, 8, 2, 32) if dry_run else (4096, 14336, 32, 8, 128)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+
+    def weight(out: int, inp: int, spike: float) -> torch.Tensor:
+        # Gaussian bulk at a trained scale plus a few larger directions (see spectral_accuracy).
+        bulk = torch.randn(out, inp, generator=generator) * (0.5 / inp**0.5)
+        u = torch.linalg.qr(torch.randn(out, 4, generator=generator))[0]
+        v = torch.linalg.qr(torch.randn(inp, 4, generator=generator))[0]
+        return (bulk + spike * u @ torch.diag(torch.tensor([1.0, 0.7, 0.5, 0.3])) @ v.T).to(device, torch.bfloat16)
+
+    w = {"q": weight(heads * head_dim, d, 1.0), "k": weight(kv * head_dim, d, 1.0), "v": weight(kv * head_dim, d, 2.0),
+         "o": weight(d, heads * head_dim, 2.0), "up": weight(f, d, 2.0), "down": weight(d, f, 4.0)}
+    block = Block(index=0, module=torch.nn.Identity(), matrices={s: (lambda t=t: t) for s, t in w.items()},
+                  attention=AttentionShape(n_heads=heads, n_kv_heads=kv, head_dim=head_dim))
+    # Reference: L = (I + W_down W_up)(I + W_o R W_v) formed in float64 from the same bf16 values.
+    w64 = {s: t.double() for s, t in w.items()}
+    replicated_v = w64["v"].reshape(kv, head_dim, d).repeat_interleave(heads // kv, dim=0).reshape(heads * head_dim, d)
+    eye = torch.eye(d, dtype=torch.float64, device=device)
+    linear = (eye + w64["down"] @ w64["up"]) @ (eye + w64["o"] @ replicated_v)
+    s = torch.linalg.svdvals(linear)
+    want = float(s.square().sum().square() / s.pow(4).sum())
+    del linear, w64, eye
+    rows = [f"float64 SVD of the {d}×{d} map: effective rank {want:.2f}\n",
+            "| probes | seed | estimate | relative error |", "|---|---|---|---|"]
+    errors = []
+    for seed in range(3):
+        probe = SpectralProbe(Layout("bench", [block]), seed=seed)
+        got = next(float(v) for m, _, _, v in probe.compute() if m == "effective_rank")
+        errors.append(abs(got / want - 1))
+        rows.append(f"| {probe.erank_probes} | {seed} | {got:.2f} | {errors[-1]:.2e} |")
+    timings = {}
+    for label, probes in [("with effective rank (64 probes)", 64), ("without (effective_rank_probes=0)", 0)]:
+        probe = SpectralProbe(Layout("bench", [block]), erank_probes=probes)
+        probe.compute()  # the cold start
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                probe.compute()
+            end.record()
+            torch.cuda.synchronize()
+            timings[label] = (start.elapsed_time(end) / 5, (torch.cuda.max_memory_allocated() - base) / 2**20)
+        else:
+            started = time.perf_counter()
+            probe.compute()
+            timings[label] = ((time.perf_counter() - started) * 1e3, float("nan"))
+    rows.append("\n| one warm probe call, one block | ms (GPU time, mean of 5) | peak temporary memory MB |\n|---|---|---|")
+    rows += [f"| {label} | {ms:.2f} | {mb:.1f} |" for label, (ms, mb) in timings.items()]
+    return "\n".join(rows)
+
+
 def fused_sketch() -> str:
     """The fused Triton sketch against the reference (hashed coordinates, then index_add_ in
     float64), on sizes, dtypes, dimensions and shard coordinates a run meets; then both timed
@@ -191,6 +256,8 @@ def main() -> None:
     if args.dry_run:
         print("## spectral accuracy (dry run, CPU, 256x896)\n")
         print(spectral_accuracy("cpu", True))
+        print("\n## effective rank (dry run, CPU)\n")
+        print(effective_rank_accuracy("cpu", True))
         print(table(measure("tiny", "cpu", "float32", 2, 1, 1), "per-probe cost (dry run)"))
         return
     if not torch.cuda.is_available():
@@ -200,6 +267,7 @@ def main() -> None:
         ("1. host syncs under set_sync_debug_mode('error')", sync_debug),
         ("2. CUDA sanitizer (TORCH_CUDA_SANITIZER=1)", sanitizer),
         ("3. spectral accuracy, bf16 Llama-3-8B MLP shapes", lambda: spectral_accuracy("cuda", False)),
+        ("3c. effective rank in bf16, Llama-3-8B block shapes", lambda: effective_rank_accuracy("cuda", False)),
         ("3b. fused sketch kernel against the reference", fused_sketch),
         ("4a. per-probe cost, GPT-2-small float32 on CUDA", lambda: table(measure("gpt2-small", "cuda", "float32", args.steps, 5, 3), "per-probe cost")),
         ("4b. per-probe cost, ~1B Llama bf16 on CUDA", lambda: table(measure("llama-1b", "cuda", "bfloat16", args.steps, 5, 3), "per-probe cost")),

@@ -54,9 +54,12 @@ CONFIGS: dict[str, dict[str, int]] = {
     "grad+sketch": {**OFF, "grad": 1, "sketch": 1},
     "activations": {**OFF, "activations": 1},
     "spectral": {**OFF, "spectral": 1},
+    "spectral, no effective rank": {**OFF, "spectral": 1},
 }
+# watch() arguments beyond the cadence, per configuration.
+WATCH_OPTIONS: dict[str, dict[str, int]] = {"spectral, no effective rank": {"effective_rank_probes": 0}}
 # The default cadence (rankwatch.run.Cadence): steps between measurements.
-DEFAULT_EVERY = {"grad": 1, "grad+dot": 10, "grad+sketch": 10, "activations": 25, "spectral": 50}
+DEFAULT_EVERY = {"grad": 1, "grad+dot": 10, "grad+sketch": 10, "activations": 25, "spectral": 50, "spectral, no effective rank": 50}
 # The dot and the sketch ride on the gradient probe: their own cost is the difference.
 ON_TOP_OF_GRAD = {"grad+dot": "exact dot (on top of grad)", "grad+sketch": "sketch (on top of grad)"}
 
@@ -148,7 +151,7 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
         run = None
         if config != "none":
             run = rankwatch.init(run=f"probe-costs-{config}-{step}", mode="offline", spool_dir=spool, every=every)
-            run.watch(ddp, optimizer, spectral=every["spectral"] > 0, activations=every["activations"] > 0)
+            run.watch(ddp, optimizer, spectral=every["spectral"] > 0, activations=every["activations"] > 0, **WATCH_OPTIONS.get(config, {}))
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -224,7 +227,8 @@ def table(rows: list[dict], title: str) -> str:
         every = DEFAULT_EVERY[r["config"]]
         # On CPU the agent's own time is the cost; on a GPU only the step time says it.
         share = (difference if cuda else inside) / every / step
-        total += share
+        # The spectral probe without its effective rank is an alternative, not a further cost.
+        total += 0.0 if r["config"] in WATCH_OPTIONS else share
         label = ON_TOP_OF_GRAD.get(r["config"], r["config"])
         lines.append(f"| {label} | {every} | {inside:+.1f} | {difference:+.1f} | {100 * share:+.2f} % | {held:+.0f} |")
     basis = "step-time differences" if cuda else "the time inside the agent"
