@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,8 +234,10 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     }
 
 
-def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float) -> list[dict]:
-    """Runs scenarios in order, as many at once as `cores` allow; none starts after `deadline`."""
+def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float, finished: Callable[[dict], None] = lambda r: None) -> list[dict]:
+    """Runs scenarios in order, as many at once as `cores` allow; none starts after `deadline`.
+    `finished` is called with each run's result as soon as it ends (so a bench killed later
+    keeps what it had)."""
     results: list[dict] = []
     lock = threading.Condition()
     busy = 0
@@ -243,6 +246,7 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
     def worker(s: Scenario) -> None:
         nonlocal busy
         result = run_one(s, steps, url, out, timeout)
+        finished(result)
         with lock:
             results.append(result)
             log.write(json.dumps(result) + "\n")
@@ -282,8 +286,8 @@ def train_and_export(
     data: Path | None = None,
 ) -> list[dict]:
     """Runs the scenarios against a fresh collector (`rules`, or its defaults) and saves each
-    finished run's `tables` as out/exports/RUN.TABLE.parquet, for analyses and `rankwatch
-    replay` (which judges the same rows again under other rules). The collector's data lives
+    finished run's `tables` as out/exports/RUN.TABLE.parquet as soon as it ends, for analyses
+    and `rankwatch replay` (which judges the same rows again under other rules). The collector's data lives
     in `data` (kept) or in a temporary directory (removed)."""
     keep = data is not None
     if data is None:
@@ -292,13 +296,13 @@ def train_and_export(
         shutil.rmtree(data, ignore_errors=True)
     proc, url = start_collector(data, rules)
     try:
-        results = schedule(scenarios, steps, url, out, cores, timeout, deadline)
         exports = out / "exports"
         exports.mkdir(exist_ok=True)
-        for r in results:
+
+        def export(r: dict) -> None:
             if r["error"] is not None:
                 print(f"  {r['name']} failed, not exported: {r['error'][-300:]}", flush=True)
-                continue
+                return
             for table in tables:
                 try:
                     answer = requests.get(f"{url}/api/v1/runs/{r['name']}/export", params={"table": table}, timeout=300)
@@ -306,7 +310,13 @@ def train_and_export(
                 except requests.RequestException as e:
                     print(f"  {r['name']}: the {table} export failed ({e})", flush=True)
                     continue
-                (exports / f"{r['name']}.{table}.parquet").write_bytes(answer.content)
+                # Written whole under a temporary name, then renamed: a killed bench leaves no
+                # truncated file for replay to trip over.
+                partial = exports / f".{r['name']}.{table}.parquet.partial"
+                partial.write_bytes(answer.content)
+                partial.replace(exports / f"{r['name']}.{table}.parquet")
+
+        results = schedule(scenarios, steps, url, out, cores, timeout, deadline, export)
         return results
     finally:
         proc.terminate()
