@@ -127,6 +127,14 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// A stored file at `path` that does not read as it must.
+    pub(crate) fn corrupt(path: &std::path::Path, reason: impl Into<String>) -> Error {
+        Error::Corrupt {
+            what: path.display().to_string(),
+            reason: reason.into(),
+        }
+    }
+
     /// The HTTP status this error maps to.
     pub fn status(&self) -> StatusCode {
         match self {

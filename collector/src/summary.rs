@@ -97,11 +97,21 @@ impl Cell {
         if self.count == 0 || self.last_values.is_empty() {
             return None;
         }
-        if let [only] = self.last_values.as_slice() {
+        let values = self.last_values.as_slice();
+        if let [only] = values {
             return Some(*only);
         }
-        let values = self.last_values();
-        Some(values.iter().sum::<f64>() / values.len() as f64)
+        // Sorted on the stack when they fit (a heatmap asks this of every cell).
+        let mut buffer = [0f64; 16];
+        let sorted: &[f64] = match buffer.get_mut(..values.len()) {
+            Some(small) => {
+                small.copy_from_slice(values);
+                small.sort_unstable_by(f64::total_cmp);
+                small
+            }
+            None => &self.last_values(),
+        };
+        Some(sorted.iter().sum::<f64>() / sorted.len() as f64)
     }
 }
 

@@ -4,10 +4,14 @@
 //! batches, consistent with each other), scans both with the same filter — pushed down into
 //! Parquet, where row-group and page statistics on the sort columns skip everything else — and
 //! unions them. The endpoints then shape the rows in Rust (downsampling, grids, matrices),
-//! which keeps non-finite handling explicit. Runs and catalogs come from the run index.
+//! which keeps non-finite handling explicit. Runs and catalogs come from the run index. The
+//! dashboard's two hottest reads, series and heatmaps, read local parts without DataFusion:
+//! [`plan`] picks rollup windows and raw step ranges, [`parts`] reads those rows straight
+//! from each part through a cached series index.
 
 pub mod downsample;
 pub mod json;
+mod parts;
 mod plan;
 pub mod views;
 
@@ -38,6 +42,9 @@ pub struct Queries {
     memory: usize,
     /// Whether downsampled reads use the rollups (see [`plan`]); off only to compare.
     rollups: bool,
+    /// Whether they read local parts directly ([`parts`]); off only to compare.
+    point_reads: bool,
+    parts: Arc<parts::PartIndexes>,
 }
 
 impl std::fmt::Debug for Queries {
@@ -90,6 +97,7 @@ impl Queries {
         if let Some((url, object_store)) = store.backend().object_store() {
             runtime.register_object_store(url, object_store);
         }
+        let builds = store.metrics().part_index_builds.clone();
         Ok(Queries {
             ctx: session(runtime),
             store,
@@ -97,6 +105,8 @@ impl Queries {
             sql_max_rows,
             memory,
             rollups: true,
+            point_reads: true,
+            parts: Arc::new(parts::PartIndexes::new(parts::DEFAULT_BUDGET_BYTES, builds)),
         })
     }
 
@@ -105,6 +115,15 @@ impl Queries {
     pub fn without_rollups(&self) -> Queries {
         Queries {
             rollups: false,
+            ..self.clone()
+        }
+    }
+
+    /// The same queries reading every part through DataFusion: the reference the point reads
+    /// are checked against.
+    pub fn without_point_reads(&self) -> Queries {
+        Queries {
+            point_reads: false,
             ..self.clone()
         }
     }

@@ -11,9 +11,11 @@
 //! merge into the same [`Cell`]s, so the answer is the raw one exactly (the property test in
 //! `collector/tests/it/rollups.rs` checks this over random runs, parts and grids).
 //!
-//! Every scan is DataFusion's, with the filter pushed into Parquet (page statistics on the
-//! sorted columns skip other metrics, levels and steps), streamed batch by batch into the
-//! cells: the rows are never gathered first.
+//! Local parts are read directly through their cached series index ([`super::parts`]: the
+//! matching rows' pages only, no query plan); parts in object storage and the hot buffer are
+//! scanned by DataFusion, with the filter pushed into Parquet (page statistics on the sorted
+//! columns skip other metrics, levels and steps). Either way rows stream batch by batch into
+//! the cells: they are never gathered first.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -24,11 +26,14 @@ use arrow_array::{Array, RecordBatch};
 use datafusion::prelude::{DataFrame, Expr, ParquetReadOptions, SessionContext, col, lit};
 use futures_util::StreamExt;
 use rankwatch_analytics::RunId;
+use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::Queries;
 use super::downsample::{Buckets, Cell};
+use super::parts::{PointRead, Selector};
 use crate::entry::Table;
 use crate::error::{Error, Result};
+use crate::store::backend::Backend;
 use crate::store::{files, rollup};
 
 /// Cells per key (a series, a heatmap row), each a row of buckets.
@@ -76,12 +81,12 @@ impl<K: Ord + Clone> Grid<K> {
     }
 }
 
-/// What to read: rows of `filter` (on the columns samples and rollups share: metric, layer,
+/// What to read: rows of `select` (on the columns samples and rollups share: metric, layer,
 /// site, rank), grouped by `key_columns` (read by `key` from the first columns of a batch);
 /// `pooled` when the cells pool every rank (a heatmap without `rank`), so the rank-pooled
 /// rollups answer.
 pub(crate) struct Read<'a, K> {
-    pub filter: Expr,
+    pub select: Selector,
     pub buckets: Buckets,
     pub pooled: bool,
     pub key_columns: &'a [&'a str],
@@ -176,8 +181,29 @@ impl Queries {
             }
         }
         let ctx = &self.ctx;
+        let filter = read.select.expr();
+        // Local parts are read directly; the rest (object storage) through DataFusion.
+        let local = match self.store().backend() {
+            Backend::Local(dir) if self.point_reads => Some(dir.clone()),
+            _ => None,
+        };
+        let (mut raw_rows, mut rollup_rows) = (0u64, 0u64);
+        let mut columns: Vec<&str> = read.key_columns.to_vec();
+        columns.extend(["step", "value"]);
         let mut frames = Vec::new();
         for (ranges, parts) in raw {
+            if let Some(dir) = &local {
+                let point = PointRead {
+                    select: &read.select,
+                    level: 0,
+                    pooled: false,
+                    columns: &columns,
+                    steps: ("step", &ranges),
+                };
+                raw_rows +=
+                    self.point_reads(dir, &parts, &point, &mut |b| add_rows(grid, b, &read))?;
+                continue;
+            }
             let steps = ranges
                 .iter()
                 .map(|&(a, b)| in_range(a, b))
@@ -186,19 +212,16 @@ impl Queries {
             frames.push(
                 self.parquet(ctx, &parts, files::file_schema(Table::Samples))
                     .await?
-                    .filter(read.filter.clone().and(steps))?,
+                    .filter(filter.clone().and(steps))?,
             );
         }
         if !view.hot.is_empty() {
             frames.push(
                 ctx.read_batches(view.hot)?
-                    .filter(read.filter.clone().and(in_range(from, to)))?,
+                    .filter(filter.clone().and(in_range(from, to)))?,
             );
         }
-        let mut columns: Vec<&str> = read.key_columns.to_vec();
-        columns.extend(["step", "value"]);
         let planned = started.elapsed();
-        let (mut raw_rows, mut rollup_rows) = (0u64, 0u64);
         for frame in frames {
             let mut stream = frame.select_columns(&columns)?.execute_stream().await?;
             while let Some(batch) = stream.next().await {
@@ -220,8 +243,19 @@ impl Queries {
                 "last",
             ]);
             for ((first, last), parts) in tiled {
-                let filter = read
-                    .filter
+                if let Some(dir) = &local {
+                    let point = PointRead {
+                        select: &read.select,
+                        level: l as u8,
+                        pooled: read.pooled,
+                        columns: &columns,
+                        steps: ("start", &[(first, last)]),
+                    };
+                    rollup_rows += self
+                        .point_reads(dir, &parts, &point, &mut |b| add_rollups(grid, b, &read))?;
+                    continue;
+                }
+                let filter = filter
                     .clone()
                     .and(col("level").eq(lit(l as u8)))
                     .and(col("pooled").eq(lit(read.pooled)))
@@ -255,6 +289,33 @@ impl Queries {
             "downsampled read"
         );
         Ok(())
+    }
+
+    /// Point reads of local `parts` (relative to `dir`), each batch handed to `each`: file
+    /// reads and decoding, so off the async workers where the runtime allows it.
+    fn point_reads(
+        &self,
+        dir: &std::path::Path,
+        parts: &[PathBuf],
+        read: &PointRead<'_>,
+        each: &mut dyn FnMut(&RecordBatch) -> Result<()>,
+    ) -> Result<u64> {
+        let mut work = || -> Result<u64> {
+            let mut rows = 0;
+            for part in parts {
+                rows += self.parts.read(&dir.join(part), read, each)?;
+            }
+            Ok(rows)
+        };
+        let rows = match Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+            _ => work(),
+        }?;
+        self.store()
+            .metrics()
+            .point_read_parts
+            .inc_by(parts.len() as u64);
+        Ok(rows)
     }
 
     async fn parquet(

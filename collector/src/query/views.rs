@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, UInt32Type};
 use arrow_array::{Array, RecordBatch};
-use datafusion::prelude::{Expr, col, lit};
+use datafusion::prelude::{col, lit};
 use rankwatch_analytics::math::cosine::{cos_pair_mean, sketch_cosine_matrix};
 use rankwatch_analytics::{MetricName, RunId, Site};
 use rankwatch_api::{
@@ -16,6 +16,7 @@ use serde::Deserialize;
 
 use super::Queries;
 use super::downsample::{Buckets, Cell, render};
+use super::parts::{Pick, Selector};
 use super::plan::{Grid, Read};
 use crate::entry::Table;
 use crate::error::{Error, Result};
@@ -77,14 +78,6 @@ fn points(p: Option<usize>) -> Result<usize> {
 }
 
 /// Rows of `metric`, of one rank when given.
-fn of_metric(metric: &MetricName, rank: Option<u32>) -> Expr {
-    let filter = col("metric").eq(lit(metric.as_str()));
-    match rank {
-        Some(r) => filter.and(col("rank").eq(lit(r))),
-        None => filter,
-    }
-}
-
 fn site(s: Option<&str>) -> Result<Option<Site>> {
     Ok(s.map(str::parse::<Site>)
         .transpose()
@@ -122,13 +115,12 @@ impl Queries {
         let site = site(q.site.as_deref())?;
         let points = points(q.points)?;
         let (from, to) = self.range(&run, q.from, q.to)?;
-        let mut filter = of_metric(&metric, q.rank);
-        if let Some(l) = q.layer {
-            filter = filter.and(col("layer").eq(lit(l)));
-        }
-        if let Some(s) = site {
-            filter = filter.and(col("site").eq(lit(s.as_str())));
-        }
+        let select = Selector {
+            metric: metric.to_string(),
+            layer: q.layer.map_or(Pick::Any, Pick::Is),
+            site: site.map_or(Pick::Any, |s| Pick::Is(s.as_str().to_owned())),
+            rank: q.rank.map_or(Pick::Any, Pick::Is),
+        };
         let buckets = Buckets::new(from, to, points as u64);
         let key = |b: &RecordBatch, i: usize| -> SeriesId {
             let layer = b.column(0).as_primitive::<UInt32Type>();
@@ -148,7 +140,7 @@ impl Queries {
             )),
         );
         let read = Read {
-            filter,
+            select,
             buckets,
             pooled: false,
             key_columns: &["layer", "site", "rank"],
@@ -181,16 +173,17 @@ impl Queries {
         let site = site(q.site.as_deref())?;
         let points = points(q.points)?;
         let (from, to) = self.range(&run, q.from, q.to)?;
-        let filter = of_metric(&metric, q.rank).and(col("layer").is_not_null());
-        let filter = match site {
-            Some(s) => filter.and(col("site").eq(lit(s.as_str()))),
-            None => filter.and(col("site").is_null()),
+        let select = Selector {
+            metric: metric.to_string(),
+            layer: Pick::NotNull,
+            site: site.map_or(Pick::Null, |s| Pick::Is(s.as_str().to_owned())),
+            rank: q.rank.map_or(Pick::Any, Pick::Is),
         };
         let buckets = Buckets::new(from, to, points as u64);
         let key = |b: &RecordBatch, i: usize| b.column(0).as_primitive::<UInt32Type>().value(i);
         let mut grid = Grid::new(&buckets, None);
         let read = Read {
-            filter,
+            select,
             buckets,
             pooled: q.rank.is_none(),
             key_columns: &["layer"],

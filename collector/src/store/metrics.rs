@@ -27,6 +27,9 @@ pub struct StoreMetrics {
     /// Rows the series and heatmap reads took from raw samples and from rollups.
     pub downsampled_raw_rows: Counter,
     pub downsampled_rollup_rows: Counter,
+    /// Parts those reads read directly (`query::parts`), and the part indexes built for it.
+    pub point_read_parts: Counter,
+    pub part_index_builds: Counter,
 }
 
 impl Default for StoreMetrics {
@@ -46,6 +49,8 @@ impl Default for StoreMetrics {
             idempotency_sessions: Gauge::default(),
             downsampled_raw_rows: Counter::default(),
             downsampled_rollup_rows: Counter::default(),
+            point_read_parts: Counter::default(),
+            part_index_builds: Counter::default(),
         }
     }
 }
@@ -122,6 +127,16 @@ impl StoreMetrics {
             "downsampled_rollup_rows",
             "Rollup rows (one per series and window of 2^k steps) read by series and heatmap queries",
             self.downsampled_rollup_rows.clone(),
+        );
+        r.register(
+            "point_read_parts",
+            "Local parts series and heatmap queries read through their cached series index, without a DataFusion plan",
+            self.point_read_parts.clone(),
+        );
+        r.register(
+            "part_index_builds",
+            "Series indexes built for point reads (one per part read, unless evicted from the cache)",
+            self.part_index_builds.clone(),
         );
     }
 }

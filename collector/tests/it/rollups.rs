@@ -134,13 +134,16 @@ fn same_answer<T: serde::Serialize>(
     assert_eq!(json(planned), json(raw), "{what}");
 }
 
-/// Every read of the planner equals the raw read; returns the rollup rows the planner used.
+/// Every read of the planner equals the raw read, and so does every raw read made through the
+/// parts' series indexes (point reads) instead of DataFusion; returns the rollup rows the
+/// planner used.
 async fn answers_agree(
     c: &rankwatch_collector::Collector,
     grids: &[(Option<u64>, Option<u64>, usize)],
 ) -> u64 {
     let planned = c.state().queries().clone();
-    let raw = planned.without_rollups();
+    let raw = planned.without_rollups().without_point_reads();
+    let raw_point_reads = planned.without_rollups();
     let used = || c.store().metrics().downsampled_rollup_rows.get();
     let before = used();
     for &(from, to, points) in grids {
@@ -158,12 +161,18 @@ async fn answers_agree(
                 to,
                 points: Some(points),
             };
+            let what = format!(
+                "series {metric} {layer:?} {site:?} {rank:?} over {from:?}..{to:?} in {points}"
+            );
             same_answer(
                 planned.series("rp", q()).await,
                 raw.series("rp", q()).await,
-                &format!(
-                    "series {metric} {layer:?} {site:?} {rank:?} over {from:?}..{to:?} in {points}"
-                ),
+                &what,
+            );
+            same_answer(
+                raw_point_reads.series("rp", q()).await,
+                raw.series("rp", q()).await,
+                &format!("point reads: {what}"),
             );
         }
         for (metric, site, rank) in [
@@ -179,10 +188,17 @@ async fn answers_agree(
                 to,
                 points: Some(points),
             };
+            let what =
+                format!("heatmap {metric} {site:?} {rank:?} over {from:?}..{to:?} in {points}");
             same_answer(
                 planned.heatmap("rp", q()).await,
                 raw.heatmap("rp", q()).await,
-                &format!("heatmap {metric} {site:?} {rank:?} over {from:?}..{to:?} in {points}"),
+                &what,
+            );
+            same_answer(
+                raw_point_reads.heatmap("rp", q()).await,
+                raw.heatmap("rp", q()).await,
+                &format!("point reads: {what}"),
             );
         }
     }
@@ -287,6 +303,13 @@ async fn an_overview_reads_rollups_not_rows() {
     // ends, so the cut last window comes from the rollups too: no raw row at all.
     assert!((4 * 79..=4 * 81).contains(&tiles), "{tiles} rollup rows");
     assert_eq!(raw, 0, "raw rows read");
+    // Local parts are read through their series indexes, built on a part's first read only.
+    assert_eq!(
+        m.point_read_parts.get(),
+        3,
+        "the three rollup parts, read directly"
+    );
+    assert_eq!(m.part_index_builds.get(), 3);
     // A narrower range cuts windows of parts that have rows beyond it: those steps are raw.
     let (raw0, tiles0) = (
         m.downsampled_raw_rows.get(),
@@ -305,6 +328,9 @@ async fn an_overview_reads_rollups_not_rows() {
     );
     // 100..=127 and 3,968..=4,000 raw, for 4 layers × 4 ranks.
     assert_eq!(raw, (28 + 33) * 16, "raw rows read");
+    // The three rollup parts again (cached) and the two samples parts cut by the ends (new).
+    assert_eq!(m.point_read_parts.get(), 3 + 5);
+    assert_eq!(m.part_index_builds.get(), 3 + 2);
     assert!(tiles > 0 && tiles < 4 * 64, "{tiles} rollup rows");
     assert!(answers_agree(&c, &[(None, None, 100), (Some(3), Some(4_000), 37)]).await > 0);
     c.shutdown().await.unwrap();

@@ -1,0 +1,796 @@
+//! Point reads: the rows of a few series from sorted local parts, without a DataFusion plan.
+//!
+//! # Design
+//!
+//! A dashboard read wants a handful of series — one rank of one layer, or every layer's
+//! rank-pooled rollup rows — out of parts sorted by series. DataFusion finds them through
+//! page statistics, but it plans every query afresh, opens and reads each file's footer, and
+//! hops to its blocking pool: about 3 ms before the first row on a 2-core machine, most of a
+//! series read and the whole difference to a DuckDB scan of a small run. Parts never change once
+//! written, so this module keeps, per part, what a read needs to go straight to its rows:
+//!
+//! - the Parquet footer with its page index (`ArrowReaderMetadata`), read once;
+//! - the part's series index: every distinct series key — (level, pooled, metric, layer, site,
+//!   rank) for rollups, (metric, layer, site, rank) for samples — with the rows it occupies.
+//!   A sorted part holds each series in one contiguous range; the index does not rely on it
+//!   (a key met twice gets two ranges), so an unsorted part is read correctly, only slower.
+//!
+//! A read matches its [`Selector`] against the index, turns the matching ranges into a
+//! `RowSelection` — with the page index, only the pages holding those rows are decompressed —
+//! decodes only the columns asked for, and drops the rows outside its step ranges. What it
+//! returns is what the DataFusion scan returned for the same filter, in the same order (the
+//! part's), which `collector/tests/it/rollups.rs` checks over random runs.
+//!
+//! The index is built on a part's first read (one pass over its key columns, about as costly
+//! as one scan of the part) and kept in a cache bounded in bytes, least recently used out. An
+//! entry is keyed by the part's path, length and modification time, so a file replaced under
+//! the same name is never read through a stale index; a part removed by compaction or
+//! retention is not asked for again and ages out. Parts in object storage and the hot buffer
+//! are still read through DataFusion ([`super::plan`]).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{UInt8Type, UInt32Type, UInt64Type};
+use arrow_array::{Array, BooleanArray, RecordBatch};
+use datafusion::prelude::{Expr, col, lit};
+use parquet::arrow::ProjectionMask;
+use parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder, RowSelection,
+};
+use parquet::file::metadata::PageIndexPolicy;
+
+use crate::error::{Error, Result};
+
+/// The cache's default size: about 800,000 series keys across all cached parts.
+pub(crate) const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+
+/// Rows decoded at a time.
+const BATCH_ROWS: usize = 8192;
+
+/// One condition on a nullable key column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Pick<T> {
+    Any,
+    Null,
+    NotNull,
+    Is(T),
+}
+
+impl<T> Pick<T> {
+    fn admits<U>(&self, value: Option<&U>) -> bool
+    where
+        T: std::borrow::Borrow<U>,
+        U: PartialEq + ?Sized,
+    {
+        match self {
+            Pick::Any => true,
+            Pick::Null => value.is_none(),
+            Pick::NotNull => value.is_some(),
+            Pick::Is(want) => value == Some(want.borrow()),
+        }
+    }
+}
+
+impl<T: Clone + datafusion::logical_expr::Literal> Pick<T> {
+    fn expr(&self, column: &str) -> Option<Expr> {
+        match self {
+            Pick::Any => None,
+            Pick::Null => Some(col(column).is_null()),
+            Pick::NotNull => Some(col(column).is_not_null()),
+            Pick::Is(v) => Some(col(column).eq(lit(v.clone()))),
+        }
+    }
+}
+
+/// Which series a read wants: conditions on the columns samples and rollups share.
+#[derive(Debug, Clone)]
+pub(crate) struct Selector {
+    pub metric: String,
+    pub layer: Pick<u32>,
+    pub site: Pick<String>,
+    pub rank: Pick<u32>,
+}
+
+impl Selector {
+    /// The same conditions as a DataFusion filter.
+    pub(crate) fn expr(&self) -> Expr {
+        [
+            self.layer.expr("layer"),
+            self.site.expr("site"),
+            self.rank.expr("rank"),
+        ]
+        .into_iter()
+        .flatten()
+        .fold(col("metric").eq(lit(self.metric.clone())), Expr::and)
+    }
+}
+
+/// One series of a part, its strings as positions in the part's name tables. Samples parts
+/// have level 0 and `pooled` false throughout. Ordered by level, pooling and metric first, so
+/// one binary search finds a read's candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct SeriesKey {
+    level: u8,
+    pooled: bool,
+    metric: u32,
+    layer: Option<u32>,
+    site: Option<u32>,
+    rank: Option<u32>,
+}
+
+/// A run of rows holding one series: 40 bytes, so a cache of 64 MiB holds 1.6 M of them.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    key: SeriesKey,
+    start: u32,
+    len: u32,
+}
+
+/// What a point read of one part needs: its footer and where each series lies.
+#[derive(Debug)]
+struct PartIndex {
+    metadata: ArrowReaderMetadata,
+    /// The part's distinct metric and site names; keys refer to them by position.
+    metrics: Vec<Box<str>>,
+    sites: Vec<Box<str>>,
+    /// Sorted by key (not by row).
+    entries: Vec<Entry>,
+}
+
+/// Positions of names, the previous one tried first (rows of a sorted part repeat it).
+#[derive(Default)]
+struct Names {
+    names: Vec<Box<str>>,
+    positions: HashMap<Box<str>, u32>,
+    last: Option<u32>,
+}
+
+impl Names {
+    fn position(&mut self, name: &str) -> Result<u32> {
+        if let Some(p) = self.last
+            && *self.names[p as usize] == *name
+        {
+            return Ok(p);
+        }
+        let p = match self.positions.get(name) {
+            Some(&p) => p,
+            None => {
+                let p = u32::try_from(self.names.len()).map_err(|_| {
+                    Error::Unavailable("a part names over 4 G distinct strings".into())
+                })?;
+                self.names.push(name.into());
+                self.positions.insert(name.into(), p);
+                p
+            }
+        };
+        self.last = Some(p);
+        Ok(p)
+    }
+}
+
+impl PartIndex {
+    /// Reads `path`'s footer and page offsets, then its key columns once.
+    fn build(path: &Path) -> Result<PartIndex> {
+        let file = File::open(path)?;
+        // The offset index (where each page starts) is what lets a row selection skip pages;
+        // the column index (per-page min/max) is not needed once the series index exists.
+        let options = ArrowReaderOptions::new().with_offset_index_policy(PageIndexPolicy::Optional);
+        let metadata = ArrowReaderMetadata::load(&file, options)?;
+        let rows = usize::try_from(metadata.metadata().file_metadata().num_rows())
+            .ok()
+            .filter(|&r| u32::try_from(r).is_ok())
+            .ok_or_else(|| Error::corrupt(path, "a row count outside 0..2^32 in the footer"))?;
+        let schema = metadata.schema().clone();
+        let wanted = ["level", "pooled", "metric", "layer", "site", "rank"];
+        let roots: Vec<usize> = wanted
+            .iter()
+            .filter_map(|name| schema.index_of(name).ok())
+            .collect();
+        let mask = ProjectionMask::roots(metadata.parquet_schema(), roots);
+        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata.clone())
+            .with_projection(mask)
+            .with_batch_size(64 * 1024)
+            .build()?;
+        let (mut metrics, mut sites) = (Names::default(), Names::default());
+        let mut entries: Vec<Entry> = Vec::new();
+        let mut row = 0u32;
+        for batch in reader {
+            let batch = batch.map_err(|e| Error::corrupt(path, e.to_string()))?;
+            let columns = KeyColumns::of(&batch, path)?;
+            for i in 0..batch.num_rows() {
+                let key = SeriesKey {
+                    level: columns.level.map_or(0, |c| c.value(i)),
+                    pooled: columns.pooled.is_some_and(|c| c.value(i)),
+                    metric: metrics.position(columns.metric.value(i))?,
+                    layer: columns.layer.is_valid(i).then(|| columns.layer.value(i)),
+                    site: columns
+                        .site
+                        .is_valid(i)
+                        .then(|| sites.position(columns.site.value(i)))
+                        .transpose()?,
+                    rank: columns.rank.is_valid(i).then(|| columns.rank.value(i)),
+                };
+                match entries.last_mut() {
+                    Some(e) if e.key == key && e.start + e.len == row => e.len += 1,
+                    _ => entries.push(Entry {
+                        key,
+                        start: row,
+                        len: 1,
+                    }),
+                }
+                row += 1;
+            }
+        }
+        if row as usize != rows {
+            return Err(Error::corrupt(
+                path,
+                format!("{row} rows read, the footer says {rows}"),
+            ));
+        }
+        // Stable: a key met in several runs (an unsorted part) keeps its runs in row order.
+        entries.sort_by_key(|e| e.key);
+        entries.shrink_to_fit();
+        Ok(PartIndex {
+            metadata,
+            metrics: metrics.names,
+            sites: sites.names,
+            entries,
+        })
+    }
+
+    /// Roughly the bytes this index holds (the footer counted by its column chunks).
+    fn bytes(&self) -> usize {
+        let footer = self.metadata.metadata().num_row_groups()
+            * self.metadata.parquet_schema().num_columns()
+            * 512;
+        let names: usize = self
+            .metrics
+            .iter()
+            .chain(&self.sites)
+            .map(|n| n.len() + 32)
+            .sum();
+        footer + names + self.entries.len() * std::mem::size_of::<Entry>()
+    }
+
+    /// The row groups holding any of `ranges` (ascending, disjoint rows of the whole part), and
+    /// the ranges as a selection over those groups' rows alone. A reader sets up every column
+    /// of every row group it is given, skipped or not — with zstd that is a compression and a
+    /// decompression context per column chunk, 60 % of a one-series read before this — so the
+    /// groups a read does not touch are left out entirely.
+    fn row_groups(&self, ranges: &[Range<usize>]) -> (Vec<usize>, RowSelection) {
+        let (mut groups, mut local) = (Vec::new(), Vec::new());
+        let (mut start, mut kept) = (0usize, 0usize);
+        let mut next = ranges.iter().peekable();
+        for (g, group) in self.metadata.metadata().row_groups().iter().enumerate() {
+            let end = start + usize::try_from(group.num_rows()).unwrap_or(0);
+            let mut hit = false;
+            while let Some(r) = next.peek() {
+                if r.start >= end {
+                    break;
+                }
+                let (a, b) = (r.start.max(start), r.end.min(end));
+                if a < b {
+                    local.push(a - start + kept..b - start + kept);
+                    hit = true;
+                }
+                if r.end > end {
+                    break; // the range goes on into the next group
+                }
+                next.next();
+            }
+            if hit {
+                groups.push(g);
+                kept += end - start;
+            }
+            start = end;
+        }
+        (
+            groups,
+            RowSelection::from_consecutive_ranges(local.into_iter(), kept),
+        )
+    }
+
+    /// The row ranges of the series `select` admits at (`level`, `pooled`), ascending and
+    /// disjoint.
+    fn ranges(&self, select: &Selector, level: u8, pooled: bool) -> Vec<Range<usize>> {
+        let position = |names: &[Box<str>], name: &str| names.iter().position(|n| **n == *name);
+        let Some(metric) = position(&self.metrics, &select.metric) else {
+            return Vec::new();
+        };
+        let site = match &select.site {
+            Pick::Any => Pick::Any,
+            Pick::Null => Pick::Null,
+            Pick::NotNull => Pick::NotNull,
+            Pick::Is(name) => match position(&self.sites, name) {
+                Some(p) => Pick::Is(p as u32),
+                None => return Vec::new(),
+            },
+        };
+        let prefix = (level, pooled, metric as u32);
+        let lo = self
+            .entries
+            .partition_point(|e| (e.key.level, e.key.pooled, e.key.metric) < prefix);
+        let hi = lo
+            + self.entries[lo..]
+                .partition_point(|e| (e.key.level, e.key.pooled, e.key.metric) == prefix);
+        let mut ranges: Vec<Range<usize>> = self.entries[lo..hi]
+            .iter()
+            .filter(|e| {
+                select.layer.admits(e.key.layer.as_ref())
+                    && site.admits(e.key.site.as_ref())
+                    && select.rank.admits(e.key.rank.as_ref())
+            })
+            .map(|e| e.start as usize..(e.start + e.len) as usize)
+            .collect();
+        ranges.sort_unstable_by_key(|r| r.start);
+        ranges
+    }
+}
+
+/// The key columns of one batch of an index build.
+struct KeyColumns<'a> {
+    level: Option<&'a arrow_array::PrimitiveArray<UInt8Type>>,
+    pooled: Option<&'a BooleanArray>,
+    metric: &'a arrow_array::StringArray,
+    layer: &'a arrow_array::PrimitiveArray<UInt32Type>,
+    site: &'a arrow_array::StringArray,
+    rank: &'a arrow_array::PrimitiveArray<UInt32Type>,
+}
+
+impl<'a> KeyColumns<'a> {
+    fn of(batch: &'a RecordBatch, path: &Path) -> Result<KeyColumns<'a>> {
+        let column = |name: &str| {
+            batch
+                .column_by_name(name)
+                .ok_or_else(|| Error::corrupt(path, format!("no `{name}` column")))
+        };
+        let wrong =
+            |name: &str| Error::corrupt(path, format!("the `{name}` column has the wrong type"));
+        Ok(KeyColumns {
+            level: batch
+                .column_by_name("level")
+                .map(|c| {
+                    c.as_primitive_opt::<UInt8Type>()
+                        .ok_or_else(|| wrong("level"))
+                })
+                .transpose()?,
+            pooled: batch
+                .column_by_name("pooled")
+                .map(|c| c.as_boolean_opt().ok_or_else(|| wrong("pooled")))
+                .transpose()?,
+            metric: column("metric")?
+                .as_string_opt::<i32>()
+                .ok_or_else(|| wrong("metric"))?,
+            layer: column("layer")?
+                .as_primitive_opt::<UInt32Type>()
+                .ok_or_else(|| wrong("layer"))?,
+            site: column("site")?
+                .as_string_opt::<i32>()
+                .ok_or_else(|| wrong("site"))?,
+            rank: column("rank")?
+                .as_primitive_opt::<UInt32Type>()
+                .ok_or_else(|| wrong("rank"))?,
+        })
+    }
+}
+
+/// What identifies a version of a file on disk.
+type Version = (u64, Option<SystemTime>);
+
+#[derive(Debug, Default)]
+struct Cache {
+    entries: HashMap<PathBuf, (Version, Arc<PartIndex>, usize, u64)>,
+    bytes: usize,
+    tick: u64,
+}
+
+/// The per-part indexes, shared by every query of a collector.
+#[derive(Debug)]
+pub(crate) struct PartIndexes {
+    cache: Mutex<Cache>,
+    budget: usize,
+    builds: prometheus_client::metrics::counter::Counter,
+}
+
+/// One point read: which rows of a part, which columns, which steps.
+pub(crate) struct PointRead<'a> {
+    pub select: &'a Selector,
+    /// Rollup level and pooling; (0, false) for a samples part.
+    pub level: u8,
+    pub pooled: bool,
+    /// Columns of the batches handed on, in this order.
+    pub columns: &'a [&'a str],
+    /// The step-like column (`step`, or a rollup's `start`) and the inclusive ranges kept.
+    pub steps: (&'a str, &'a [(u64, u64)]),
+}
+
+impl PartIndexes {
+    pub(crate) fn new(budget: usize, builds: prometheus_client::metrics::counter::Counter) -> Self {
+        PartIndexes {
+            cache: Mutex::new(Cache::default()),
+            budget,
+            builds,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+        // A panic while holding the lock leaves a consistent map (every change is one insert
+        // or remove), so a poisoned lock is used as it is.
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The index of the part at `path`, built now unless cached for this version of it.
+    fn index(&self, path: &Path) -> Result<Arc<PartIndex>> {
+        let stat = std::fs::metadata(path)?;
+        let version: Version = (stat.len(), stat.modified().ok());
+        {
+            let mut cache = self.lock();
+            cache.tick += 1;
+            let tick = cache.tick;
+            if let Some((v, index, _, used)) = cache.entries.get_mut(path)
+                && *v == version
+            {
+                *used = tick;
+                return Ok(index.clone());
+            }
+        }
+        let index = Arc::new(PartIndex::build(path)?);
+        self.builds.inc();
+        let bytes = index.bytes();
+        let mut cache = self.lock();
+        let tick = cache.tick;
+        if let Some((_, _, old, _)) = cache
+            .entries
+            .insert(path.to_owned(), (version, index.clone(), bytes, tick))
+        {
+            cache.bytes -= old;
+        }
+        cache.bytes += bytes;
+        // Least recently used out, never the part just read.
+        while cache.bytes > self.budget && cache.entries.len() > 1 {
+            let Some(oldest) = cache
+                .entries
+                .iter()
+                .filter(|(p, _)| p.as_path() != path)
+                .min_by_key(|(_, e)| e.3)
+                .map(|(p, _)| p.clone())
+            else {
+                break;
+            };
+            if let Some((_, _, freed, _)) = cache.entries.remove(&oldest) {
+                cache.bytes -= freed;
+            }
+        }
+        Ok(index)
+    }
+
+    /// Hands `each` the batches of `read` from the part at `path`; returns the rows handed on.
+    pub(crate) fn read(
+        &self,
+        path: &Path,
+        read: &PointRead<'_>,
+        each: &mut dyn FnMut(&RecordBatch) -> Result<()>,
+    ) -> Result<u64> {
+        let index = self.index(path)?;
+        let ranges = index.ranges(read.select, read.level, read.pooled);
+        if ranges.is_empty() {
+            return Ok(0);
+        }
+        let schema = index.metadata.schema().clone();
+        let mut wanted: Vec<usize> = read
+            .columns
+            .iter()
+            .chain(std::iter::once(&read.steps.0))
+            .map(|name| {
+                schema
+                    .index_of(name)
+                    .map_err(|_| Error::corrupt(path, format!("no `{name}` column")))
+            })
+            .collect::<Result<_>>()?;
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mask = ProjectionMask::roots(index.metadata.parquet_schema(), wanted);
+        let (groups, selection) = index.row_groups(&ranges);
+        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
+            File::open(path)?,
+            index.metadata.clone(),
+        )
+        .with_projection(mask)
+        .with_row_groups(groups)
+        .with_row_selection(selection)
+        .with_batch_size(BATCH_ROWS)
+        .build()?;
+        let mut handed = 0u64;
+        // Errors past this point are the part's (or this module's), never the request's.
+        let broken = |e: arrow_schema::ArrowError| Error::corrupt(path, e.to_string());
+        for batch in reader {
+            let batch = batch.map_err(broken)?;
+            let steps = batch
+                .column_by_name(read.steps.0)
+                .and_then(|c| c.as_primitive_opt::<UInt64Type>())
+                .ok_or_else(|| {
+                    Error::corrupt(path, format!("no integer `{}` column", read.steps.0))
+                })?;
+            let keep: BooleanArray = steps
+                .values()
+                .iter()
+                .map(|s| Some(read.steps.1.iter().any(|&(a, b)| a <= *s && *s <= b)))
+                .collect();
+            let order: Vec<usize> = read
+                .columns
+                .iter()
+                .map(|name| batch.schema().index_of(name))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(broken)?;
+            let batch = batch.project(&order).map_err(broken)?;
+            let batch = if keep.true_count() == keep.len() {
+                batch
+            } else {
+                arrow_select::filter::filter_record_batch(&batch, &keep).map_err(broken)?
+            };
+            if batch.num_rows() > 0 {
+                handed += batch.num_rows() as u64;
+                each(&batch)?;
+            }
+        }
+        Ok(handed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{ArrayRef, Float64Array, StringArray, UInt32Array, UInt64Array};
+    use parquet::arrow::ArrowWriter;
+    use parquet::file::properties::WriterProperties;
+
+    /// (layer, site, rank, step) of a row read back.
+    type ReadRow = (Option<u32>, Option<String>, Option<u32>, u64);
+    type Row = (
+        &'static str,
+        Option<u32>,
+        Option<&'static str>,
+        Option<u32>,
+        u64,
+    );
+
+    /// A samples-like part of `rows`, in the order given, in row groups of 4 rows and pages of 3.
+    fn part(dir: &Path, name: &str, rows: &[Row]) -> PathBuf {
+        let columns: Vec<(&str, ArrayRef)> = vec![
+            (
+                "metric",
+                Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.0))),
+            ),
+            (
+                "layer",
+                Arc::new(UInt32Array::from_iter(rows.iter().map(|r| r.1))),
+            ),
+            (
+                "site",
+                Arc::new(StringArray::from_iter(rows.iter().map(|r| r.2))),
+            ),
+            (
+                "rank",
+                Arc::new(UInt32Array::from_iter(rows.iter().map(|r| r.3))),
+            ),
+            (
+                "step",
+                Arc::new(UInt64Array::from_iter_values(rows.iter().map(|r| r.4))),
+            ),
+            (
+                "value",
+                Arc::new(Float64Array::from_iter_values(
+                    rows.iter().map(|r| r.4 as f64 / 2.0),
+                )),
+            ),
+        ];
+        let batch = RecordBatch::try_from_iter(columns).unwrap();
+        let path = dir.join(name);
+        // Row groups of 4 rows: reads pick groups, and ranges cross their edges.
+        let properties = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(4))
+            .set_data_page_row_count_limit(3)
+            .set_write_batch_size(3)
+            .build();
+        let mut writer = ArrowWriter::try_new(
+            File::create(&path).unwrap(),
+            batch.schema(),
+            Some(properties),
+        )
+        .unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+        path
+    }
+
+    /// (layer, site, rank, step) of every row a read hands on, in order.
+    fn read_all(
+        indexes: &PartIndexes,
+        path: &Path,
+        select: &Selector,
+        steps: &[(u64, u64)],
+    ) -> Vec<ReadRow> {
+        let read = PointRead {
+            select,
+            level: 0,
+            pooled: false,
+            columns: &["layer", "site", "rank", "step"],
+            steps: ("step", steps),
+        };
+        let mut out = Vec::new();
+        indexes
+            .read(path, &read, &mut |b| {
+                let layer = b.column(0).as_primitive::<UInt32Type>();
+                let site = b.column(1).as_string::<i32>();
+                let rank = b.column(2).as_primitive::<UInt32Type>();
+                let step = b.column(3).as_primitive::<UInt64Type>();
+                for i in 0..b.num_rows() {
+                    out.push((
+                        layer.is_valid(i).then(|| layer.value(i)),
+                        site.is_valid(i).then(|| site.value(i).to_owned()),
+                        rank.is_valid(i).then(|| rank.value(i)),
+                        step.value(i),
+                    ));
+                }
+                Ok(())
+            })
+            .unwrap();
+        out
+    }
+
+    const ROWS: &[Row] = &[
+        ("loss", None, None, Some(0), 1),
+        ("spectral.ratio", Some(1), None, None, 1),
+        ("loss", None, None, Some(0), 2),
+        ("act_max", Some(0), Some("mlp_out"), Some(1), 1),
+        ("spectral.ratio", Some(0), None, None, 1),
+        ("spectral.ratio", Some(1), None, None, 2),
+        ("act_max", Some(0), Some("attn_out"), Some(1), 1),
+        ("spectral.ratio", Some(0), None, None, 2),
+        ("loss", None, None, Some(1), 1),
+        ("spectral.ratio", Some(1), None, None, 3),
+    ];
+
+    /// The rows a filter over every row keeps, in file order: what DataFusion would return.
+    fn expected(select: &Selector, steps: &[(u64, u64)]) -> Vec<ReadRow> {
+        ROWS.iter()
+            .filter(|r| {
+                r.0 == select.metric
+                    && select.layer.admits(r.1.as_ref())
+                    && select.site.admits::<str>(r.2)
+                    && select.rank.admits(r.3.as_ref())
+                    && steps.iter().any(|&(a, b)| a <= r.4 && r.4 <= b)
+            })
+            .map(|r| (r.1, r.2.map(str::to_owned), r.3, r.4))
+            .collect()
+    }
+
+    #[test]
+    fn an_unsorted_part_is_read_exactly_as_a_filter_over_every_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = part(dir.path(), "unsorted.parquet", ROWS);
+        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, Default::default());
+        let selectors = [
+            Selector {
+                metric: "spectral.ratio".into(),
+                layer: Pick::NotNull,
+                site: Pick::Null,
+                rank: Pick::Any,
+            },
+            Selector {
+                metric: "spectral.ratio".into(),
+                layer: Pick::Is(1),
+                site: Pick::Any,
+                rank: Pick::Null,
+            },
+            Selector {
+                metric: "loss".into(),
+                layer: Pick::Any,
+                site: Pick::Any,
+                rank: Pick::Is(0),
+            },
+            Selector {
+                metric: "act_max".into(),
+                layer: Pick::Is(0),
+                site: Pick::Is("attn_out".into()),
+                rank: Pick::Any,
+            },
+            Selector {
+                metric: "act_max".into(),
+                layer: Pick::Any,
+                site: Pick::Is("no such site".into()),
+                rank: Pick::Any,
+            },
+            Selector {
+                metric: "no such metric".into(),
+                layer: Pick::Any,
+                site: Pick::Any,
+                rank: Pick::Any,
+            },
+        ];
+        for select in &selectors {
+            for steps in [&[(0, 10)][..], &[(2, 2)], &[(1, 1), (3, 3)], &[]] {
+                assert_eq!(
+                    read_all(&indexes, &path, select, steps),
+                    expected(select, steps),
+                    "{select:?} {steps:?}"
+                );
+            }
+        }
+        assert!(
+            !expected(&selectors[0], &[(0, 10)]).is_empty(),
+            "the cases read something"
+        );
+        assert_eq!(indexes.builds.get(), 1, "one index for the part, reused");
+    }
+
+    #[test]
+    fn a_read_sets_up_only_the_row_groups_it_touches() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = PartIndex::build(&part(dir.path(), "groups.parquet", ROWS)).unwrap();
+        // Groups of rows 0..4, 4..8, 8..10.
+        let (groups, selection) = index.row_groups(&[1..2, 3..5]);
+        assert_eq!(groups, vec![0, 1]);
+        assert_eq!(
+            (selection.row_count(), selection.skipped_row_count()),
+            (3, 5)
+        );
+        let (groups, selection) = index.row_groups(&[9..10, 10..10]);
+        assert_eq!(groups, vec![2]);
+        assert_eq!(
+            (selection.row_count(), selection.skipped_row_count()),
+            (1, 1)
+        );
+        let (groups, selection) = index.row_groups(&[0..5, 5..10]);
+        assert_eq!(groups, vec![0, 1, 2]);
+        assert_eq!(selection.row_count(), 10);
+        let (groups, selection) = index.row_groups(&[2..3, 8..9]);
+        assert_eq!(groups, vec![0, 2]);
+        assert_eq!(
+            (selection.row_count(), selection.skipped_row_count()),
+            (2, 4)
+        );
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_budget_and_rebuilds_what_it_evicted() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths: Vec<PathBuf> = (0..3)
+            .map(|i| part(dir.path(), &format!("p{i}.parquet"), ROWS))
+            .collect();
+        let one = PartIndex::build(&paths[0]).unwrap().bytes();
+        // Room for two indexes.
+        let indexes = PartIndexes::new(2 * one + one / 2, Default::default());
+        let select = Selector {
+            metric: "loss".into(),
+            layer: Pick::Any,
+            site: Pick::Any,
+            rank: Pick::Any,
+        };
+        let want = expected(&select, &[(0, 10)]);
+        for path in paths.iter().chain(&paths) {
+            assert_eq!(read_all(&indexes, path, &select, &[(0, 10)]), want);
+            assert!(indexes.lock().bytes <= 2 * one + one / 2);
+        }
+        assert_eq!(indexes.lock().entries.len(), 2);
+        // Each of the three read twice with room for two, least recently used out: six builds.
+        assert_eq!(indexes.builds.get(), 6);
+        // A part rewritten under the same name is indexed again, not read through the old index.
+        std::fs::remove_file(&paths[2]).unwrap();
+        part(dir.path(), "p2.parquet", &ROWS[..4]);
+        let before = indexes.builds.get();
+        // Its first four rows hold the first two `loss` rows (the length differs, so the
+        // version does even within the modification time's resolution).
+        assert_eq!(
+            read_all(&indexes, &paths[2], &select, &[(0, 10)]),
+            want[..2].to_vec()
+        );
+        assert_eq!(indexes.builds.get(), before + 1);
+    }
+}
