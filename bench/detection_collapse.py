@@ -65,6 +65,11 @@ KINDS: dict[str, tuple[list[str], int | None]] = {
     # kind: (arguments, the step the change starts; None for a healthy twin)
     "lr_ramp": ([*MODEL, "--lr-ramp", f"{CHANGE}:100:100"], CHANGE),
     "mlp_lr": ([*MODEL, "--mlp-lr", f"{CHANGE}:100:100"], CHANGE),
+    # Graded: the same ramps to ×10 and ×30 (the issue's range), where a collapse may not come.
+    "lr_ramp_x10": ([*MODEL, "--lr-ramp", f"{CHANGE}:10:100"], CHANGE),
+    "lr_ramp_x30": ([*MODEL, "--lr-ramp", f"{CHANGE}:30:100"], CHANGE),
+    "mlp_lr_x10": ([*MODEL, "--mlp-lr", f"{CHANGE}:10:100"], CHANGE),
+    "mlp_lr_x30": ([*MODEL, "--mlp-lr", f"{CHANGE}:30:100"], CHANGE),
     "twin": (MODEL, None),
     "no_warmup": ([*DEEP, "--warmup", "0"], 0),
     "deep_twin": (DEEP, None),
@@ -76,6 +81,10 @@ FALSE_FROM = {"twin": 200, "deep_twin": 200, "pre_ln": 0}
 COSINE = 0.9
 RANK_DROP = 0.5
 LOSS_RISE = 1.10
+# The simple baseline beside the rule: token cosine alone, an alert once some layer's token
+# cosine has been at or above the level on this many probes in a row (the rule's persistence).
+COSINE_ALONE = (0.5, 0.7)
+COSINE_ALONE_PROBES = 3
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,8 @@ class Run:
         return KINDS[self.kind][1]
 
 
-def matrix(seeds: int) -> list[Run]:
-    return [Run(f"collapse-{kind.replace('_', '-')}-s{s}", kind, s) for s in range(seeds) for kind in KINDS]
+def matrix(seeds: int, kinds: list[str] | None = None) -> list[Run]:
+    return [Run(f"collapse-{kind.replace('_', '-')}-s{s}", kind, s) for s in range(seeds) for kind in KINDS if not kinds or kind in kinds]
 
 
 def train(runs: list[Run], out: Path, cores: int) -> None:
@@ -148,6 +157,20 @@ def first_rank_drop(s: Series, start: int) -> int | None:
     return min(hits, default=None)
 
 
+def cosine_alone(s: Series, start: int, level: float) -> int | None:
+    """The step token cosine alone would alert at: the first probe from `start` that ends
+    `COSINE_ALONE_PROBES` probes in a row at or above `level` on one layer."""
+    hits = []
+    for per in s.cosine.values():
+        run = 0
+        for step in sorted(per):
+            run = run + 1 if per[step] >= level else 0
+            if run >= COSINE_ALONE_PROBES and step >= start:
+                hits.append(step)
+                break
+    return min(hits, default=None)
+
+
 def first_divergence(s: Series, start: int) -> int | None:
     if start < 50:
         return None
@@ -169,6 +192,7 @@ def judge(run: Run, result: dict, series: Series) -> dict:
         early = [a for a in fired if a["first_step"] < start]
         out.update(false_alerts=len(late), plateau_alerts=len(early), plateau_last_step=max((a["last_step"] for a in early), default=None))
         out["other_alerts"] = sorted({a["rule"] for a in result["alerts"] if a["fired_at_ms"] is not None and a["rule"] != "rank_collapse" and a["first_step"] >= start})
+        out["cosine_alone_false"] = {str(level): cosine_alone(series, start, level) is not None for level in COSINE_ALONE}
         return out
     start = run.change
     # The first alert to fire after the change (step_when grows with time: its step is the earliest).
@@ -180,6 +204,10 @@ def judge(run: Run, result: dict, series: Series) -> dict:
     out["lead"] = None if alert is None or onset is None else onset - alert
     for k in ("cosine", "rank", "loss"):
         out[f"lead_to_{k}"] = None if alert is None or outcomes[k] is None else outcomes[k] - alert
+    for level in COSINE_ALONE:
+        step = cosine_alone(series, start, level)
+        out[f"cosine_alone_{level}"] = step
+        out[f"cosine_alone_{level}_lead"] = None if step is None or onset is None else onset - step
     out["alert"] = None if first is None else f"{first['severity']} layer {first['layer']}: {first['explanation'][:140]}"
     out["alert_first_step"] = None if first is None else first["first_step"]
     return out
@@ -236,6 +264,7 @@ def analyse(out: Path, replay: str | None = None) -> dict:
                 "runs_with_false_alert_ci": proportion_interval(with_false, len(rows)),
                 "runs_with_plateau_alert": sum(1 for j in rows if j["plateau_alerts"]),
                 "other_alerts": {rule: sum(1 for j in rows if rule in j["other_alerts"]) for rule in sorted({r for j in rows for r in j["other_alerts"]})},
+                "cosine_alone_false": {str(level): sum(1 for j in rows if j["cosine_alone_false"][str(level)]) for level in COSINE_ALONE},
             }
             continue
         collapsed = [j for j in rows if j["onset"] is not None]
@@ -248,6 +277,17 @@ def analyse(out: Path, replay: str | None = None) -> dict:
             "lead": _quantiles(leads),
             **{f"lead_to_{k}": _quantiles([j[f"lead_to_{k}"] for j in collapsed if j[f"lead_to_{k}"] is not None]) for k in ("cosine", "rank", "loss")},
             "first_outcome": {k: sum(1 for j in collapsed if j[f"onset_{k}"] == j["onset"]) for k in ("cosine", "rank", "loss")},
+            # Runs that did not collapse: what the rule and the baseline said about them anyway.
+            "not_collapsed_alerted": sum(1 for j in rows if j["onset"] is None and j["alert_step"] is not None),
+            "cosine_alone": {
+                str(level): {
+                    "alerted": sum(1 for j in collapsed if j[f"cosine_alone_{level}"] is not None),
+                    "before_onset": sum(1 for j in collapsed if (j[f"cosine_alone_{level}_lead"] or 0) > 0),
+                    "lead": _quantiles([j[f"cosine_alone_{level}_lead"] for j in collapsed if j[f"cosine_alone_{level}_lead"] is not None]),
+                    "not_collapsed_alerted": sum(1 for j in rows if j["onset"] is None and j[f"cosine_alone_{level}"] is not None),
+                }
+                for level in COSINE_ALONE
+            },
         }
     return {"runs": judged, "summary": summary, "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs", "judged_by": "replay" if replay else "live", "date": time.strftime("%Y-%m-%d")}
 
@@ -284,7 +324,7 @@ def threshold_sweep(out: Path, binary: str) -> dict:
                 fired = [a for a in alerts if a["rule"] == rule and a["fired_at_ms"] is not None]
                 if run.change is None:
                     row = (run.kind, None, None, any(a["first_step"] >= FALSE_FROM[run.kind] for a in fired))
-                elif run.kind in ("lr_ramp", "mlp_lr"):
+                elif run.kind.startswith(("lr_ramp", "mlp_lr")):
                     row = (run.kind, any(a["first_step"] >= run.change for a in fired), None, None)
                 else:
                     continue
@@ -351,13 +391,25 @@ def report(result: dict) -> str:
         to_loss = " / ".join(f"{s[f'lead_to_{k}']['median']:g} ({s[f'lead_to_{k}']['n']})" if s[f"lead_to_{k}"] else "—" for k in ("cosine", "rank", "loss"))
         firsts = " / ".join(str(s["first_outcome"][k]) for k in ("cosine", "rank", "loss"))
         lines.append(f"| {kind} | {s['runs']} | {s['collapsed']} | {s['alerted']} | {s['before_onset']} | {spread} | {to_loss} | {firsts} |")
-    lines += ["", "| healthy runs | runs | with a false `rank_collapse` alert (95 % CI) | with one in the early plateau | other rules fired |", "|---|---|---|---|---|"]
+    levels = " / ".join(f"{level:g}" for level in COSINE_ALONE)
+    lines += ["", f"Against token cosine alone (an alert once some layer's token cosine stayed ≥ {levels} for {COSINE_ALONE_PROBES} probes in a row), on the same runs:", "",
+              f"| kind | collapsed | `rank_collapse`: alerted, before onset, median lead | cosine alone ≥ {levels}: alerted, before onset, median lead | runs that did not collapse, alerted by `rank_collapse` / cosine alone ≥ {levels} |", "|---|---|---|---|---|"]
+    for kind, s in result["summary"].items():
+        if "collapsed" not in s:
+            continue
+        rule = f"{s['alerted']}, {s['before_onset']}, {s['lead']['median']:g}" if s["lead"] else f"{s['alerted']}, {s['before_onset']}, —"
+        alone = " / ".join(f"{c['alerted']}, {c['before_onset']}, {c['lead']['median']:g}" if c["lead"] else f"{c['alerted']}, {c['before_onset']}, —" for c in s["cosine_alone"].values())
+        quiet = s["runs"] - s["collapsed"]
+        never = f"{s['not_collapsed_alerted']} / " + " / ".join(str(c["not_collapsed_alerted"]) for c in s["cosine_alone"].values()) + f" of {quiet}" if quiet else "—"
+        lines.append(f"| {kind} | {s['collapsed']} of {s['runs']} | {rule} | {alone} | {never} |")
+    lines += ["", "| healthy runs | runs | with a false `rank_collapse` alert (95 % CI) | with one in the early plateau | other rules fired | false alerts of cosine alone ≥ " + levels + " |", "|---|---|---|---|---|---|"]
     for kind, s in result["summary"].items():
         if "collapsed" in s:
             continue
         lo, hi = s["runs_with_false_alert_ci"]
         others = ", ".join(f"{rule} ×{n}" for rule, n in s["other_alerts"].items()) or "none"
-        lines.append(f"| {kind} (false from step {FALSE_FROM[kind]}) | {s['runs']} | {s['runs_with_false_alert']} ({100 * lo:.0f}–{100 * hi:.0f} %) | {s['runs_with_plateau_alert']} | {others} |")
+        alone = " / ".join(str(n) for n in s["cosine_alone_false"].values())
+        lines.append(f"| {kind} (false from step {FALSE_FROM[kind]}) | {s['runs']} | {s['runs_with_false_alert']} ({100 * lo:.0f}–{100 * hi:.0f} %) | {s['runs_with_plateau_alert']} | {others} | {alone} |")
     lines += ["", "| run | alert step | onset (cosine / eff. rank / loss) | lead | first alert |", "|---|---|---|---|---|"]
     for j in result["runs"]:
         if "onset" in j:
@@ -369,6 +421,7 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--kinds", nargs="+", choices=list(KINDS), default=None, help="train only these kinds (the analysis reads every run under --out)")
     p.add_argument("--cores", type=int, default=2, help="runs at once (each is one process)")
     p.add_argument("--out", type=Path, default=ROOT / "target" / "bench" / "detection-collapse")
     p.add_argument("--analyse", action="store_true", help="only analyse the runs already under --out")
@@ -378,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.analyse:
-        runs = matrix(args.seeds)
+        runs = matrix(args.seeds, args.kinds)
         print(f"training {len(runs)} runs of {STEPS} steps", flush=True)
         train(runs, args.out, args.cores)
     binary = os.environ.get("RANKWATCH_BIN") or str(ROOT / "target" / "release" / "rankwatch")

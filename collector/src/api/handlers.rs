@@ -155,7 +155,8 @@ impl<T: serde::Serialize> IntoResponse for LargeJson<T> {
         let mut body = Vec::with_capacity(64 * 1024);
         match serde_json::to_writer(&mut body, &self.0) {
             Ok(()) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
-            Err(e) => Error::from(e).into_response(),
+            // Our own answer failing to serialise is the server's fault, not the request's.
+            Err(e) => Error::Io(std::io::Error::other(e)).into_response(),
         }
     }
 }

@@ -25,15 +25,18 @@
 //! as one scan of the part) and kept in a cache bounded in bytes, least recently used out. An
 //! entry is keyed by the part's path, length and modification time, so a file replaced under
 //! the same name is never read through a stale index; a part removed by compaction or
-//! retention is not asked for again and ages out. Parts in object storage and the hot buffer
-//! are still read through DataFusion ([`super::plan`]).
+//! retention is not asked for again and ages out. A part whose index would take over a quarter
+//! of the cache (a rollup of hundreds of thousands of series) is remembered as such and read
+//! through DataFusion instead, as are parts in object storage and the hot buffer
+//! ([`super::plan`]). A read checks the query's deadline between parts and batches, so the
+//! query timeout still ends it.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{UInt8Type, UInt32Type, UInt64Type};
@@ -47,11 +50,32 @@ use parquet::file::metadata::PageIndexPolicy;
 
 use crate::error::{Error, Result};
 
-/// The cache's default size: about 800,000 series keys across all cached parts.
+/// The cache's default size: about 1.6 M series keys across all cached parts. One part's
+/// index larger than a quarter of it is not kept: that part is read through DataFusion.
 pub(crate) const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
 
 /// Rows decoded at a time.
 const BATCH_ROWS: usize = 8192;
+
+/// When a read gives up: the query's timeout, checked between parts and batches (a blocking
+/// read is never interrupted by the future's timeout around it).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    pub at: Instant,
+    pub after: std::time::Duration,
+}
+
+impl Deadline {
+    pub(crate) fn check(&self) -> Result<()> {
+        if Instant::now() > self.at {
+            return Err(Error::Unavailable(format!(
+                "query cancelled after {:?}; narrow the step range",
+                self.after
+            )));
+        }
+        Ok(())
+    }
+}
 
 /// One condition on a nullable key column.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,9 +199,15 @@ impl Names {
 }
 
 impl PartIndex {
-    /// Reads `path`'s footer and page offsets, then its key columns once.
-    fn build(path: &Path) -> Result<PartIndex> {
-        let file = File::open(path)?;
+    /// Reads the footer and page offsets of `file` (at `path`), then its key columns once,
+    /// giving up past `deadline`.
+    /// None when it would hold more than `max_entries` keys.
+    fn build(
+        path: &Path,
+        file: File,
+        deadline: Deadline,
+        max_entries: usize,
+    ) -> Result<Option<PartIndex>> {
         // The offset index (where each page starts) is what lets a row selection skip pages;
         // the column index (per-page min/max) is not needed once the series index exists.
         let options = ArrowReaderOptions::new().with_offset_index_policy(PageIndexPolicy::Optional);
@@ -201,6 +231,7 @@ impl PartIndex {
         let mut entries: Vec<Entry> = Vec::new();
         let mut row = 0u32;
         for batch in reader {
+            deadline.check()?;
             let batch = batch.map_err(|e| Error::corrupt(path, e.to_string()))?;
             let columns = KeyColumns::of(&batch, path)?;
             for i in 0..batch.num_rows() {
@@ -218,13 +249,23 @@ impl PartIndex {
                 };
                 match entries.last_mut() {
                     Some(e) if e.key == key && e.start + e.len == row => e.len += 1,
-                    _ => entries.push(Entry {
-                        key,
-                        start: row,
-                        len: 1,
-                    }),
+                    _ => {
+                        if entries.len() == max_entries {
+                            return Ok(None); // too large to keep: not built further
+                        }
+                        entries.push(Entry {
+                            key,
+                            start: row,
+                            len: 1,
+                        });
+                    }
                 }
-                row += 1;
+                row = row
+                    .checked_add(1)
+                    .filter(|&r| r as usize <= rows)
+                    .ok_or_else(|| {
+                        Error::corrupt(path, format!("more rows than the footer's {rows}"))
+                    })?;
             }
         }
         if row as usize != rows {
@@ -236,19 +277,17 @@ impl PartIndex {
         // Stable: a key met in several runs (an unsorted part) keeps its runs in row order.
         entries.sort_by_key(|e| e.key);
         entries.shrink_to_fit();
-        Ok(PartIndex {
+        Ok(Some(PartIndex {
             metadata,
             metrics: metrics.names,
             sites: sites.names,
             entries,
-        })
+        }))
     }
 
-    /// Roughly the bytes this index holds (the footer counted by its column chunks).
+    /// Roughly the bytes this index holds.
     fn bytes(&self) -> usize {
-        let footer = self.metadata.metadata().num_row_groups()
-            * self.metadata.parquet_schema().num_columns()
-            * 512;
+        let footer = self.metadata.metadata().memory_size();
         let names: usize = self
             .metrics
             .iter()
@@ -383,9 +422,13 @@ impl<'a> KeyColumns<'a> {
 /// What identifies a version of a file on disk.
 type Version = (u64, Option<SystemTime>);
 
+/// A cached part: its version, its index (None: too large to keep, read through DataFusion),
+/// the bytes counted for it, and when it was last used.
+type Cached = (Version, Option<Arc<PartIndex>>, usize, u64);
+
 #[derive(Debug, Default)]
 struct Cache {
-    entries: HashMap<PathBuf, (Version, Arc<PartIndex>, usize, u64)>,
+    entries: HashMap<PathBuf, Cached>,
     bytes: usize,
     tick: u64,
 }
@@ -425,9 +468,15 @@ impl PartIndexes {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The index of the part at `path`, built now unless cached for this version of it.
-    fn index(&self, path: &Path) -> Result<Arc<PartIndex>> {
-        let stat = std::fs::metadata(path)?;
+    /// The index of `file` (the part at `path`), built now unless cached for this version of
+    /// it; None for a part whose index is too large to keep.
+    fn index(
+        &self,
+        path: &Path,
+        file: &File,
+        deadline: Deadline,
+    ) -> Result<Option<Arc<PartIndex>>> {
+        let stat = file.metadata()?;
         let version: Version = (stat.len(), stat.modified().ok());
         {
             let mut cache = self.lock();
@@ -440,9 +489,12 @@ impl PartIndexes {
                 return Ok(index.clone());
             }
         }
-        let index = Arc::new(PartIndex::build(path)?);
+        // Two queries meeting the same cold part both build it; the second insert replaces
+        // the first (both are the same index), and the count says so.
+        let max_entries = self.budget / 4 / std::mem::size_of::<Entry>();
+        let index = PartIndex::build(path, file.try_clone()?, deadline, max_entries)?.map(Arc::new);
         self.builds.inc();
-        let bytes = index.bytes();
+        let bytes = index.as_ref().map_or(64, |i| i.bytes());
         let mut cache = self.lock();
         let tick = cache.tick;
         if let Some((_, _, old, _)) = cache
@@ -470,17 +522,24 @@ impl PartIndexes {
         Ok(index)
     }
 
-    /// Hands `each` the batches of `read` from the part at `path`; returns the rows handed on.
+    /// Hands `each` the batches of `read` from the part at `path`; returns the rows handed on,
+    /// or None when the part has no index to read it by (too large: DataFusion's to read).
     pub(crate) fn read(
         &self,
         path: &Path,
         read: &PointRead<'_>,
+        deadline: Deadline,
         each: &mut dyn FnMut(&RecordBatch) -> Result<()>,
-    ) -> Result<u64> {
-        let index = self.index(path)?;
+    ) -> Result<Option<u64>> {
+        // One handle for the version check, the index and the read: a part replaced in
+        // between is never decoded with another file's footer.
+        let file = File::open(path)?;
+        let Some(index) = self.index(path, &file, deadline)? else {
+            return Ok(None);
+        };
         let ranges = index.ranges(read.select, read.level, read.pooled);
         if ranges.is_empty() {
-            return Ok(0);
+            return Ok(Some(0));
         }
         let schema = index.metadata.schema().clone();
         let mut wanted: Vec<usize> = read
@@ -497,19 +556,18 @@ impl PartIndexes {
         wanted.dedup();
         let mask = ProjectionMask::roots(index.metadata.parquet_schema(), wanted);
         let (groups, selection) = index.row_groups(&ranges);
-        let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
-            File::open(path)?,
-            index.metadata.clone(),
-        )
-        .with_projection(mask)
-        .with_row_groups(groups)
-        .with_row_selection(selection)
-        .with_batch_size(BATCH_ROWS)
-        .build()?;
+        let reader =
+            ParquetRecordBatchReaderBuilder::new_with_metadata(file, index.metadata.clone())
+                .with_projection(mask)
+                .with_row_groups(groups)
+                .with_row_selection(selection)
+                .with_batch_size(BATCH_ROWS)
+                .build()?;
         let mut handed = 0u64;
         // Errors past this point are the part's (or this module's), never the request's.
         let broken = |e: arrow_schema::ArrowError| Error::corrupt(path, e.to_string());
         for batch in reader {
+            deadline.check()?;
             let batch = batch.map_err(broken)?;
             let steps = batch
                 .column_by_name(read.steps.0)
@@ -539,7 +597,7 @@ impl PartIndexes {
                 each(&batch)?;
             }
         }
-        Ok(handed)
+        Ok(Some(handed))
     }
 }
 
@@ -625,7 +683,7 @@ mod tests {
         };
         let mut out = Vec::new();
         indexes
-            .read(path, &read, &mut |b| {
+            .read(path, &read, far(), &mut |b| {
                 let layer = b.column(0).as_primitive::<UInt32Type>();
                 let site = b.column(1).as_string::<i32>();
                 let rank = b.column(2).as_primitive::<UInt32Type>();
@@ -640,8 +698,24 @@ mod tests {
                 }
                 Ok(())
             })
-            .unwrap();
+            .unwrap()
+            .expect("an index small enough to keep");
         out
+    }
+
+    /// A deadline no test reaches.
+    fn far() -> Deadline {
+        let after = std::time::Duration::from_secs(3600);
+        Deadline {
+            at: Instant::now() + after,
+            after,
+        }
+    }
+
+    fn build(path: &Path) -> PartIndex {
+        PartIndex::build(path, File::open(path).unwrap(), far(), usize::MAX)
+            .unwrap()
+            .unwrap()
     }
 
     const ROWS: &[Row] = &[
@@ -733,7 +807,7 @@ mod tests {
     #[test]
     fn a_read_sets_up_only_the_row_groups_it_touches() {
         let dir = tempfile::tempdir().unwrap();
-        let index = PartIndex::build(&part(dir.path(), "groups.parquet", ROWS)).unwrap();
+        let index = build(&part(dir.path(), "groups.parquet", ROWS));
         // Groups of rows 0..4, 4..8, 8..10.
         let (groups, selection) = index.row_groups(&[1..2, 3..5]);
         assert_eq!(groups, vec![0, 1]);
@@ -764,7 +838,7 @@ mod tests {
         let paths: Vec<PathBuf> = (0..3)
             .map(|i| part(dir.path(), &format!("p{i}.parquet"), ROWS))
             .collect();
-        let one = PartIndex::build(&paths[0]).unwrap().bytes();
+        let one = build(&paths[0]).bytes();
         // Room for two indexes.
         let indexes = PartIndexes::new(2 * one + one / 2, Default::default());
         let select = Selector {
@@ -792,5 +866,69 @@ mod tests {
             want[..2].to_vec()
         );
         assert_eq!(indexes.builds.get(), before + 1);
+    }
+
+    #[test]
+    fn a_part_whose_index_is_too_large_is_left_to_datafusion_and_remembered() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = part(dir.path(), "wide.parquet", ROWS);
+        // Room for a quarter-budget of 2 keys; the part has 7 distinct series.
+        let indexes = PartIndexes::new(4 * 2 * std::mem::size_of::<Entry>(), Default::default());
+        let select = Selector {
+            metric: "loss".into(),
+            layer: Pick::Any,
+            site: Pick::Any,
+            rank: Pick::Any,
+        };
+        let read = PointRead {
+            select: &select,
+            level: 0,
+            pooled: false,
+            columns: &["step"],
+            steps: ("step", &[(0, 10)]),
+        };
+        for _ in 0..2 {
+            let got = indexes
+                .read(&path, &read, far(), &mut |_| panic!("nothing is read"))
+                .unwrap();
+            assert_eq!(got, None);
+        }
+        assert_eq!(
+            indexes.builds.get(),
+            1,
+            "the verdict is cached like an index"
+        );
+    }
+
+    #[test]
+    fn a_read_past_its_deadline_is_cancelled_with_the_query_timeout_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = part(dir.path(), "late.parquet", ROWS);
+        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, Default::default());
+        let select = Selector {
+            metric: "loss".into(),
+            layer: Pick::Any,
+            site: Pick::Any,
+            rank: Pick::Any,
+        };
+        let read = PointRead {
+            select: &select,
+            level: 0,
+            pooled: false,
+            columns: &["step"],
+            steps: ("step", &[(0, 10)]),
+        };
+        let past = Deadline {
+            at: Instant::now() - std::time::Duration::from_millis(1),
+            after: std::time::Duration::from_secs(30),
+        };
+        let err = indexes
+            .read(&path, &read, past, &mut |_| Ok(()))
+            .unwrap_err();
+        assert!(matches!(err, Error::Unavailable(_)), "{err}");
+        assert!(
+            err.to_string().contains("query cancelled after 30s"),
+            "{err}"
+        );
     }
 }

@@ -30,7 +30,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::Queries;
 use super::downsample::{Buckets, Cell};
-use super::parts::{PointRead, Selector};
+use super::parts::{Deadline, PointRead, Selector};
 use crate::entry::Table;
 use crate::error::{Error, Result};
 use crate::store::backend::Backend;
@@ -191,7 +191,11 @@ impl Queries {
         let mut columns: Vec<&str> = read.key_columns.to_vec();
         columns.extend(["step", "value"]);
         let mut frames = Vec::new();
-        for (ranges, parts) in raw {
+        let deadline = Deadline {
+            at: started + self.timeout,
+            after: self.timeout,
+        };
+        for (ranges, mut parts) in raw {
             if let Some(dir) = &local {
                 let point = PointRead {
                     select: &read.select,
@@ -200,9 +204,14 @@ impl Queries {
                     columns: &columns,
                     steps: ("step", &ranges),
                 };
-                raw_rows +=
-                    self.point_reads(dir, &parts, &point, &mut |b| add_rows(grid, b, &read))?;
-                continue;
+                let (rows, rest) = self.point_reads(dir, &parts, &point, deadline, &mut |b| {
+                    add_rows(grid, b, &read)
+                })?;
+                raw_rows += rows;
+                if rest.is_empty() {
+                    continue;
+                }
+                parts = rest;
             }
             let steps = ranges
                 .iter()
@@ -242,7 +251,7 @@ impl Queries {
                 "last_step",
                 "last",
             ]);
-            for ((first, last), parts) in tiled {
+            for ((first, last), mut parts) in tiled {
                 if let Some(dir) = &local {
                     let point = PointRead {
                         select: &read.select,
@@ -251,9 +260,15 @@ impl Queries {
                         columns: &columns,
                         steps: ("start", &[(first, last)]),
                     };
-                    rollup_rows += self
-                        .point_reads(dir, &parts, &point, &mut |b| add_rollups(grid, b, &read))?;
-                    continue;
+                    let (rows, rest) =
+                        self.point_reads(dir, &parts, &point, deadline, &mut |b| {
+                            add_rollups(grid, b, &read)
+                        })?;
+                    rollup_rows += rows;
+                    if rest.is_empty() {
+                        continue;
+                    }
+                    parts = rest;
                 }
                 let filter = filter
                     .clone()
@@ -292,30 +307,36 @@ impl Queries {
     }
 
     /// Point reads of local `parts` (relative to `dir`), each batch handed to `each`: file
-    /// reads and decoding, so off the async workers where the runtime allows it.
+    /// reads and decoding, so off the async workers where the runtime allows it. Returns the
+    /// rows handed on and the parts that have no index to read them by (DataFusion's to read).
     fn point_reads(
         &self,
         dir: &std::path::Path,
         parts: &[PathBuf],
         read: &PointRead<'_>,
+        deadline: Deadline,
         each: &mut dyn FnMut(&RecordBatch) -> Result<()>,
-    ) -> Result<u64> {
-        let mut work = || -> Result<u64> {
-            let mut rows = 0;
+    ) -> Result<(u64, Vec<PathBuf>)> {
+        let mut work = || -> Result<(u64, Vec<PathBuf>)> {
+            let (mut rows, mut rest) = (0, Vec::new());
             for part in parts {
-                rows += self.parts.read(&dir.join(part), read, each)?;
+                deadline.check()?;
+                match self.parts.read(&dir.join(part), read, deadline, each)? {
+                    Some(n) => rows += n,
+                    None => rest.push(part.clone()),
+                }
             }
-            Ok(rows)
+            Ok((rows, rest))
         };
-        let rows = match Handle::try_current().map(|h| h.runtime_flavor()) {
+        let (rows, rest) = match Handle::try_current().map(|h| h.runtime_flavor()) {
             Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
             _ => work(),
         }?;
         self.store()
             .metrics()
             .point_read_parts
-            .inc_by(parts.len() as u64);
-        Ok(rows)
+            .inc_by((parts.len() - rest.len()) as u64);
+        Ok((rows, rest))
     }
 
     async fn parquet(

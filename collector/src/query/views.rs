@@ -77,7 +77,7 @@ fn points(p: Option<usize>) -> Result<usize> {
     Ok(p)
 }
 
-/// Rows of `metric`, of one rank when given.
+/// The `site` parameter, parsed.
 fn site(s: Option<&str>) -> Result<Option<Site>> {
     Ok(s.map(str::parse::<Site>)
         .transpose()

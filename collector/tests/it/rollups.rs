@@ -134,14 +134,15 @@ fn same_answer<T: serde::Serialize>(
     assert_eq!(json(planned), json(raw), "{what}");
 }
 
-/// Every read of the planner equals the raw read, and so does every raw read made through the
-/// parts' series indexes (point reads) instead of DataFusion; returns the rollup rows the
-/// planner used.
+/// Every read of the planner equals the raw read through DataFusion, whether the planner reads
+/// local parts directly (point reads, the default) or through DataFusion (as for object
+/// storage), and so does every raw read made by point reads; returns the rollup rows used.
 async fn answers_agree(
     c: &rankwatch_collector::Collector,
     grids: &[(Option<u64>, Option<u64>, usize)],
 ) -> u64 {
     let planned = c.state().queries().clone();
+    let planned_datafusion = planned.without_point_reads();
     let raw = planned.without_rollups().without_point_reads();
     let raw_point_reads = planned.without_rollups();
     let used = || c.store().metrics().downsampled_rollup_rows.get();
@@ -174,6 +175,11 @@ async fn answers_agree(
                 raw.series("rp", q()).await,
                 &format!("point reads: {what}"),
             );
+            same_answer(
+                planned_datafusion.series("rp", q()).await,
+                raw.series("rp", q()).await,
+                &format!("rollups through DataFusion: {what}"),
+            );
         }
         for (metric, site, rank) in [
             ("spectral.ratio", None, None),
@@ -199,6 +205,11 @@ async fn answers_agree(
                 raw_point_reads.heatmap("rp", q()).await,
                 raw.heatmap("rp", q()).await,
                 &format!("point reads: {what}"),
+            );
+            same_answer(
+                planned_datafusion.heatmap("rp", q()).await,
+                raw.heatmap("rp", q()).await,
+                &format!("rollups through DataFusion: {what}"),
             );
         }
     }
