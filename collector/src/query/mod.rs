@@ -6,8 +6,8 @@
 //! unions them. The endpoints then shape the rows in Rust (downsampling, grids, matrices),
 //! which keeps non-finite handling explicit. Runs and catalogs come from the run index. The
 //! dashboard's two hottest reads, series and heatmaps, read local parts without DataFusion:
-//! [`plan`] picks rollup windows and raw step ranges, [`parts`] reads those rows straight
-//! from each part through a cached series index.
+//! the planner (`plan`) picks rollup windows and raw step ranges, and the point reader
+//! (`parts`) reads those rows straight from each part through a cached series index.
 
 pub mod downsample;
 pub mod json;

@@ -841,12 +841,7 @@ mod tests {
         let one = build(&paths[0]).bytes();
         // Room for two indexes.
         let indexes = PartIndexes::new(2 * one + one / 2, Default::default());
-        let select = Selector {
-            metric: "loss".into(),
-            layer: Pick::Any,
-            site: Pick::Any,
-            rank: Pick::Any,
-        };
+        let select = every_loss();
         let want = expected(&select, &[(0, 10)]);
         for path in paths.iter().chain(&paths) {
             assert_eq!(read_all(&indexes, path, &select, &[(0, 10)]), want);
@@ -868,25 +863,35 @@ mod tests {
         assert_eq!(indexes.builds.get(), before + 1);
     }
 
+    /// Every `loss` series.
+    fn every_loss() -> Selector {
+        Selector {
+            metric: "loss".into(),
+            layer: Pick::Any,
+            site: Pick::Any,
+            rank: Pick::Any,
+        }
+    }
+
+    /// The steps 0..=10 of `select`'s series.
+    fn steps_of(select: &Selector) -> PointRead<'_> {
+        PointRead {
+            select,
+            level: 0,
+            pooled: false,
+            columns: &["step"],
+            steps: ("step", &[(0, 10)]),
+        }
+    }
+
     #[test]
     fn a_part_whose_index_is_too_large_is_left_to_datafusion_and_remembered() {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "wide.parquet", ROWS);
         // Room for a quarter-budget of 2 keys; the part has 7 distinct series.
         let indexes = PartIndexes::new(4 * 2 * std::mem::size_of::<Entry>(), Default::default());
-        let select = Selector {
-            metric: "loss".into(),
-            layer: Pick::Any,
-            site: Pick::Any,
-            rank: Pick::Any,
-        };
-        let read = PointRead {
-            select: &select,
-            level: 0,
-            pooled: false,
-            columns: &["step"],
-            steps: ("step", &[(0, 10)]),
-        };
+        let select = every_loss();
+        let read = steps_of(&select);
         for _ in 0..2 {
             let got = indexes
                 .read(&path, &read, far(), &mut |_| panic!("nothing is read"))
@@ -905,19 +910,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "late.parquet", ROWS);
         let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, Default::default());
-        let select = Selector {
-            metric: "loss".into(),
-            layer: Pick::Any,
-            site: Pick::Any,
-            rank: Pick::Any,
-        };
-        let read = PointRead {
-            select: &select,
-            level: 0,
-            pooled: false,
-            columns: &["step"],
-            steps: ("step", &[(0, 10)]),
-        };
+        let select = every_loss();
+        let read = steps_of(&select);
         let past = Deadline {
             at: Instant::now() - std::time::Duration::from_millis(1),
             after: std::time::Duration::from_secs(30),
