@@ -566,6 +566,14 @@ impl PartIndexes {
         let mut handed = 0u64;
         // Errors past this point are the part's (or this module's), never the request's.
         let broken = |e: arrow_schema::ArrowError| Error::corrupt(path, e.to_string());
+        // Every batch has the reader's schema: the asked-for order is found once.
+        let schema = arrow_array::RecordBatchReader::schema(&reader);
+        let order: Vec<usize> = read
+            .columns
+            .iter()
+            .map(|name| schema.index_of(name))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(broken)?;
         for batch in reader {
             deadline.check()?;
             let batch = batch.map_err(broken)?;
@@ -580,12 +588,6 @@ impl PartIndexes {
                 .iter()
                 .map(|s| Some(read.steps.1.iter().any(|&(a, b)| a <= *s && *s <= b)))
                 .collect();
-            let order: Vec<usize> = read
-                .columns
-                .iter()
-                .map(|name| batch.schema().index_of(name))
-                .collect::<std::result::Result<_, _>>()
-                .map_err(broken)?;
             let batch = batch.project(&order).map_err(broken)?;
             let batch = if keep.true_count() == keep.len() {
                 batch
