@@ -318,35 +318,39 @@ impl RankCollapse {
 
 /// Slope per step of a least-squares line through `points` (step, value), with its
 /// t-statistic and the fitted value at the last step; `None` under `MIN_PROBES` points.
-fn fitted_trend(points: &[(u64, f64)]) -> Option<(f64, f64, f64)> {
+/// Read straight from the window (every observation of a layer fits its whole window, so
+/// copying it first showed in the collector's profile); sums run in window order.
+fn fitted_trend<I>(points: I) -> Option<(f64, f64, f64)>
+where
+    I: ExactSizeIterator<Item = (u64, f64)> + Clone,
+{
     let n = points.len() as f64;
     if points.len() < MIN_PROBES {
         return None;
     }
-    let last = points.last()?.0;
+    let last = points.clone().last()?.0;
     // Steps before the last, so the numbers stay small.
-    let xs: Vec<f64> = points
-        .iter()
-        .map(|&(s, _)| s as f64 - last as f64)
-        .collect();
-    let x_mean = xs.iter().sum::<f64>() / n;
-    let y_mean = points.iter().map(|&(_, y)| y).sum::<f64>() / n;
-    let sxx: f64 = xs.iter().map(|x| (x - x_mean).powi(2)).sum();
+    let xy = || {
+        points
+            .clone()
+            .map(move |(s, y)| (s as f64 - last as f64, y))
+    };
+    // Sums that share a pass are still each added in window order from -0.0, as
+    // `Iterator::sum` adds: the same bits as one pass per sum.
+    let (x_sum, y_sum) = xy().fold((-0.0, -0.0), |(sx, sy), (x, y)| (sx + x, sy + y));
+    let (x_mean, y_mean) = (x_sum / n, y_sum / n);
+    let (sxx, sxy) = xy().fold((-0.0, -0.0), |(sxx, sxy), (x, y)| {
+        (
+            sxx + (x - x_mean).powi(2),
+            sxy + (x - x_mean) * (y - y_mean),
+        )
+    });
     if sxx <= 0.0 {
         return None;
     }
-    let sxy: f64 = xs
-        .iter()
-        .zip(points)
-        .map(|(x, &(_, y))| (x - x_mean) * (y - y_mean))
-        .sum();
     let slope = sxy / sxx;
     let intercept = y_mean - slope * x_mean;
-    let sse: f64 = xs
-        .iter()
-        .zip(points)
-        .map(|(x, &(_, y))| (y - intercept - slope * x).powi(2))
-        .sum();
+    let sse: f64 = xy().map(|(x, y)| (y - intercept - slope * x).powi(2)).sum();
     let se = (sse / (n - 2.0) / sxx).sqrt();
     let t = if se > 0.0 {
         slope / se
@@ -530,9 +534,8 @@ impl RankCollapseConfig {
                 outlier_ranks: vec![],
             });
         }
-        let points: Vec<(u64, f64)> = state.log_ratios.values().collect();
         if c.trend_horizon_steps > 0.0
-            && let Some((slope, t, last_fit)) = fitted_trend(&points)
+            && let Some((slope, t, last_fit)) = fitted_trend(state.log_ratios.values())
             && t.abs() >= c.trend_min_t
         {
             let projected = (last_fit + slope * c.trend_horizon_steps).exp();
@@ -636,5 +639,77 @@ impl Detector for RankCollapse {
 
     fn open_alerts(&self) -> Vec<Alert> {
         self.trackers.open()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The fit as it was written before the sums shared passes: one collected pass per sum.
+    fn fitted_trend_one_sum_a_pass(points: &[(u64, f64)]) -> Option<(f64, f64, f64)> {
+        let n = points.len() as f64;
+        if points.len() < MIN_PROBES {
+            return None;
+        }
+        let last = points.last()?.0;
+        let xs: Vec<f64> = points
+            .iter()
+            .map(|&(s, _)| s as f64 - last as f64)
+            .collect();
+        let x_mean = xs.iter().sum::<f64>() / n;
+        let y_mean = points.iter().map(|&(_, y)| y).sum::<f64>() / n;
+        let sxx: f64 = xs.iter().map(|x| (x - x_mean).powi(2)).sum();
+        if sxx <= 0.0 {
+            return None;
+        }
+        let sxy: f64 = xs
+            .iter()
+            .zip(points)
+            .map(|(x, &(_, y))| (x - x_mean) * (y - y_mean))
+            .sum();
+        let slope = sxy / sxx;
+        let intercept = y_mean - slope * x_mean;
+        let sse: f64 = xs
+            .iter()
+            .zip(points)
+            .map(|(x, &(_, y))| (y - intercept - slope * x).powi(2))
+            .sum();
+        let se = (sse / (n - 2.0) / sxx).sqrt();
+        let t = if se > 0.0 {
+            slope / se
+        } else if slope == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY.copysign(slope)
+        };
+        Some((slope, t, intercept))
+    }
+
+    proptest! {
+        /// Fitting straight from the window gives the same bits as the one-pass-per-sum fit,
+        /// flat, signed-zero and repeated-step windows included.
+        #[test]
+        fn the_fused_fit_is_bit_for_bit_the_plain_one(
+            points in prop::collection::vec(
+                (0..50u64, prop_oneof![4 => -3.0..3.0f64, 1 => Just(0.0), 1 => Just(-0.0)]),
+                0..300,
+            ),
+        ) {
+            let mut step = 0;
+            let points: Vec<(u64, f64)> = points
+                .into_iter()
+                .map(|(gap, y)| {
+                    step += gap;
+                    (step, y)
+                })
+                .collect();
+            let bits = |fit: Option<(f64, f64, f64)>| fit.map(|(a, b, c)| (a.to_bits(), b.to_bits(), c.to_bits()));
+            prop_assert_eq!(
+                bits(fitted_trend(points.iter().copied())),
+                bits(fitted_trend_one_sum_a_pass(&points))
+            );
+        }
     }
 }

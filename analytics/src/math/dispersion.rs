@@ -77,6 +77,14 @@ pub fn median(values: &mut [f64]) -> f64 {
         return f64::NAN;
     }
     values.sort_by(f64::total_cmp);
+    median_of_sorted(values)
+}
+
+/// The median of values already sorted ascending (NaN when there are none).
+pub fn median_of_sorted(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
     let mid = values.len() / 2;
     if values.len().is_multiple_of(2) {
         (values[mid - 1] + values[mid]) / 2.0
