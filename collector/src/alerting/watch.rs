@@ -47,7 +47,9 @@ pub struct RunWatch {
     pub(crate) last_activity_ms: i64,
     /// Collapse probes of the batch being fed, merged per (step, layer) so a ratio and a token
     /// cosine measured at the same step count as one observation.
-    collapse: BTreeMap<(u64, u32), CollapseObservation>,
+    /// Hashed, not ordered, while a batch is read (a lookup per row; a batch carries a few
+    /// thousand); sorted once when it ends.
+    collapse: foldhash::HashMap<(u64, u32), CollapseObservation>,
     /// The last metric name a row carried and its metric (see `metric_of`).
     last_metric: Option<(Box<str>, Option<Metric>)>,
     /// Ranks whose latest row was `finished` (their `finish()` was called).
@@ -73,7 +75,7 @@ impl RunWatch {
             aligner: StepAligner::new(align_timeout_ms),
             started_ms: now_ms,
             last_activity_ms: now_ms,
-            collapse: BTreeMap::new(),
+            collapse: Default::default(),
             last_metric: None,
             finished: BTreeSet::new(),
         })
@@ -192,10 +194,11 @@ impl RunWatch {
 
     /// Ends a batch: feeds the collapse probes it carried, in step order.
     pub fn end_batch(&mut self) -> Vec<Alert> {
-        let probes = std::mem::take(&mut self.collapse);
+        let mut probes: Vec<_> = std::mem::take(&mut self.collapse).into_iter().collect();
+        probes.sort_unstable_by_key(|(key, _)| *key);
         probes
-            .into_values()
-            .flat_map(|probe| self.rank_collapse.observe(&probe))
+            .into_iter()
+            .flat_map(|(_, probe)| self.rank_collapse.observe(&probe))
             .collect()
     }
 

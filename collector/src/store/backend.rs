@@ -159,18 +159,18 @@ impl Backend {
         }
     }
 
-    /// Writes one part durably; returns its size.
+    /// Writes one part (the rows of `batches`, in order) durably; returns its size.
     pub fn write(
         &self,
         layout: files::Layout,
-        batch: &RecordBatch,
+        batches: &[RecordBatch],
         relative: &Path,
     ) -> Result<u64> {
         match self {
-            Backend::Local(dir) => files::write(layout, batch, &dir.join(relative)),
+            Backend::Local(dir) => files::write(layout, batches, &dir.join(relative)),
             Backend::Remote(r) => {
                 let staged = r.staging.join(relative);
-                let size = files::write(layout, batch, &staged)?;
+                let size = files::write(layout, batches, &staged)?;
                 let uploaded = r.upload(&staged, relative);
                 let _ = std::fs::remove_file(&staged);
                 uploaded.map(|()| size)
@@ -697,7 +697,7 @@ mod tests {
             let run = rankwatch_analytics::RunId::new("r1").unwrap();
             let part = super::super::manifest::file_path("samples", &run, b.node(), 7);
             let size = b
-                .write(files::Layout::UNSORTED, &batch(0..100), &part)
+                .write(files::Layout::UNSORTED, &[batch(0..100)], &part)
                 .unwrap();
             let read = b.read(&part).unwrap();
             let manifest = Manifest {

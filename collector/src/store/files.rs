@@ -62,12 +62,14 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
     if keys.is_empty() || rows < 2 {
         return arrow_select::concat::concat_batches(&schema, batches).map_err(Error::Arrow);
     }
-    // The sort is most of a flush's CPU, so it is done in two cheap parts: the leading key
-    // columns (the series: metric, layer, site, rank) become byte-comparable rows
-    // (arrow-row), each distinct one gets its rank among the few distinct values, and the rows
-    // are then sorted by (series rank, last key, arrival) as plain integers. The sorted batch
-    // is gathered from the batches as they are: concatenating them first copied every row
-    // once more (and, for a flush of millions of rows, faulted in that much fresh memory).
+    // The sort is most of a flush's CPU, so it is done without comparing rows. The leading
+    // key columns (the series: metric, layer, site, rank) become byte-comparable rows
+    // (arrow-row) and each distinct one gets its rank among the few distinct values; a
+    // counting sort by that rank then puts each series' rows together in arrival order,
+    // and only a series whose last key (the step) does not already ascend is sorted further.
+    // The key columns of the output are taken from the distinct keys by rank (sequential,
+    // from a table that fits in cache); only the other columns are gathered from the batches
+    // as they are: concatenating them first copied every row once more.
     let (series_keys, last_key) = keys.split_at(keys.len() - 1);
     let column = |batch: &RecordBatch, name: &str| {
         batch
@@ -117,6 +119,9 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
     for (rank, (_, id)) in distinct.iter().enumerate() {
         rank_of[*id as usize] = rank as u32;
     }
+    let distinct_keys = converter
+        .convert_rows(distinct.iter().map(|(row, _)| *row))
+        .map_err(Error::Arrow)?;
     let mut last: Vec<u64> = Vec::with_capacity(rows);
     for batch in batches {
         let values = column(batch, last_key[0])?;
@@ -139,29 +144,67 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
             }
         }
     }
-    let mut order: Vec<(u32, u64, u32)> = (0..rows)
-        .map(|i| (rank_of[series[i] as usize], last[i], i as u32))
-        .collect();
-    order.sort_unstable();
-    // Arrival index -> (batch, row).
-    let starts: Vec<usize> = batches
-        .iter()
-        .scan(0, |at, b| {
-            let start = *at;
-            *at += b.num_rows();
-            Some(start)
-        })
-        .collect();
+    // Counting sort by series rank: where each series' rows start in the output.
+    let mut starts = vec![0usize; distinct.len() + 1];
+    for &id in &series {
+        starts[rank_of[id as usize] as usize + 1] += 1;
+    }
+    for i in 1..starts.len() {
+        starts[i] += starts[i - 1];
+    }
+    let mut next = starts.clone();
+    // (last key, batch, row) of each output row; arrival order within a series.
+    let mut order: Vec<(u64, u32, u32)> = vec![(0, 0, 0); rows];
+    let mut arrival = 0usize;
+    for (b, batch) in batches.iter().enumerate() {
+        for row in 0..batch.num_rows() {
+            let rank = rank_of[series[arrival] as usize] as usize;
+            order[next[rank]] = (last[arrival], b as u32, row as u32);
+            next[rank] += 1;
+            arrival += 1;
+        }
+    }
+    for range in starts.windows(2) {
+        let run = &mut order[range[0]..range[1]];
+        if !run.is_sorted_by_key(|o| o.0) {
+            // Stable: equal steps keep their arrival order.
+            run.sort_by_key(|o| o.0);
+        }
+    }
     let indices: Vec<(usize, usize)> = order
-        .into_iter()
-        .map(|(_, _, i)| {
-            let i = i as usize;
-            let batch = starts.partition_point(|&s| s <= i) - 1;
-            (batch, i - starts[batch])
-        })
+        .iter()
+        .map(|&(_, b, row)| (b as usize, row as usize))
         .collect();
-    let sources: Vec<&RecordBatch> = batches.iter().collect();
-    arrow_select::interleave::interleave_record_batch(&sources, &indices).map_err(Error::Arrow)
+    // The distinct key of each output row, by rank: runs of equal ranks, ascending.
+    let ranks = arrow_array::UInt32Array::from_iter_values(
+        starts
+            .windows(2)
+            .enumerate()
+            .flat_map(|(rank, range)| std::iter::repeat_n(rank as u32, range[1] - range[0])),
+    );
+    let out_schema = batches[0].schema();
+    let out_columns = out_schema
+        .fields()
+        .iter()
+        .map(|field| {
+            let name = field.name();
+            match series_keys.iter().position(|k| k == name) {
+                Some(k) => {
+                    arrow_select::take::take(&distinct_keys[k], &ranks, None).map_err(Error::Arrow)
+                }
+                None => {
+                    let sources = batches
+                        .iter()
+                        .map(|batch| column(batch, name))
+                        .collect::<Result<Vec<_>>>()?;
+                    let sources: Vec<&dyn arrow_array::Array> =
+                        sources.iter().map(|a| a.as_ref()).collect();
+                    arrow_select::interleave::interleave(&sources, &indices).map_err(Error::Arrow)
+                }
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    RecordBatch::try_new(out_schema, out_columns).map_err(Error::Arrow)
 }
 
 /// Step range of a file-schema batch.
@@ -249,18 +292,27 @@ fn properties(layout: Layout, schema: &SchemaRef) -> WriterProperties {
         .build()
 }
 
-/// Writes `batch` (already sorted as `layout` says, which the file records) to `path`
-/// durably: a temporary file, fsync, rename, directory fsync. Returns the file's size.
-pub fn write(layout: Layout, batch: &RecordBatch, path: &Path) -> Result<u64> {
+/// Writes `batches` (one schema, together already sorted as `layout` says, which the file
+/// records) to `path` durably: a temporary file, fsync, rename, directory fsync. Returns the
+/// file's size. Several batches are written one after the other, not concatenated first.
+pub fn write(layout: Layout, batches: &[RecordBatch], path: &Path) -> Result<u64> {
+    let Some(first) = batches.first() else {
+        return Err(Error::Corrupt {
+            what: format!("a write of {}", path.display()),
+            reason: "it has no batch".into(),
+        });
+    };
     if let Some(dir) = path.parent() {
         fs::create_dir_all(dir)?;
         sync_parent(dir)?;
     }
     let tmp = path.with_extension("tmp");
     let file = File::create(&tmp)?;
-    let schema = batch.schema();
+    let schema = first.schema();
     let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(properties(layout, &schema)))?;
-    writer.write(batch)?;
+    for batch in batches {
+        writer.write(batch)?;
+    }
     let file = writer.into_inner()?;
     file.sync_all()?;
     let size = file.metadata()?.len();
@@ -411,7 +463,12 @@ mod tests {
         let batch = sorted(Table::Samples, &[batch]).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("part-0.parquet");
-        write(Layout::of(Table::Samples), &batch, &path).unwrap();
+        write(
+            Layout::of(Table::Samples),
+            std::slice::from_ref(&batch),
+            &path,
+        )
+        .unwrap();
 
         let reader =
             parquet::file::reader::SerializedFileReader::new(File::open(&path).unwrap()).unwrap();

@@ -181,29 +181,58 @@ impl RunSummary {
     }
 }
 
-fn site_at(site: &arrow_array::StringArray, i: usize) -> Option<Site> {
-    site.is_valid(i)
-        .then(|| site.value(i).parse::<Site>().ok())
-        .flatten()
-}
-
 /// A series key borrowed from a batch: metric, layer, site, rank.
 type BorrowedKey<'a> = (&'a str, Option<u32>, Option<Site>, Option<u32>);
 
-/// The distinct series of a batch (file schema), borrowed from it: one hash per row, none
-/// for a row repeating the one before.
+/// A series key with its metric named by position in a batch's vocabulary.
+type NumberedKey = (u32, Option<u32>, Option<Site>, Option<u32>);
+
+/// The distinct series of a batch (file schema), borrowed from it. Ingest asks this twice of
+/// every batch (admission, then apply), so rows are hashed as integers: metric names and sites
+/// come in runs of equal values, so each is compared with the row before and named by its
+/// position in a small vocabulary (a site parsed once per run, not per row); a row repeating
+/// the one before is not hashed at all.
 fn distinct_keys(batch: &RecordBatch) -> HashSet<BorrowedKey<'_>> {
     let rank = batch.column(0).as_primitive::<UInt32Type>();
     let metric = batch.column(3).as_string::<i32>();
     let layer = batch.column(4).as_primitive::<UInt32Type>();
     let site = batch.column(5).as_string::<i32>();
-    let mut keys = HashSet::default();
+    let mut names: Vec<&str> = Vec::new();
+    let mut ids: HashMap<&str, u32> = HashMap::default();
+    let mut current_name: Option<(&str, u32)> = None;
+    let mut current_site: Option<(&str, Option<Site>)> = None;
+    let mut keys: HashSet<NumberedKey> = HashSet::default();
     let mut previous = None;
     for i in 0..batch.num_rows() {
+        let name = metric.value(i);
+        let name_id = match current_name {
+            Some((last, id)) if last == name => id,
+            _ => {
+                let id = *ids.entry(name).or_insert_with(|| {
+                    names.push(name);
+                    names.len() as u32 - 1
+                });
+                current_name = Some((name, id));
+                id
+            }
+        };
+        let site = if site.is_valid(i) {
+            let text = site.value(i);
+            match current_site {
+                Some((last, parsed)) if last == text => parsed,
+                _ => {
+                    let parsed = text.parse::<Site>().ok();
+                    current_site = Some((text, parsed));
+                    parsed
+                }
+            }
+        } else {
+            None
+        };
         let key = (
-            metric.value(i),
+            name_id,
             layer.is_valid(i).then(|| layer.value(i)),
-            site_at(site, i),
+            site,
             rank.is_valid(i).then(|| rank.value(i)),
         );
         if previous != Some(key) {
@@ -211,5 +240,49 @@ fn distinct_keys(batch: &RecordBatch) -> HashSet<BorrowedKey<'_>> {
             previous = Some(key);
         }
     }
-    keys
+    keys.into_iter()
+        .map(|(name, layer, site, rank)| (names[name as usize], layer, site, rank))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rankwatch_analytics::schema::samples;
+    use rankwatch_analytics::{MetricName, RunId, Sample};
+
+    proptest! {
+        /// The distinct keys are those of every row taken one by one, whatever the order of
+        /// the rows and however names and sites repeat.
+        #[test]
+        fn distinct_keys_are_every_rows_key(
+            rows in prop::collection::vec(
+                (0usize..4, prop::option::of(0u32..3), prop::option::of(0usize..3), prop::option::of(0u32..3)),
+                0..120,
+            ),
+        ) {
+            let names = ["loss", "spectral.ratio", "user/a", "act_max"];
+            let sites = [Site::Up, Site::Down, Site::Q];
+            let samples: Vec<Sample> = rows
+                .iter()
+                .map(|&(m, layer, site, rank)| Sample {
+                    run: RunId::new("r").unwrap(),
+                    rank,
+                    step: 1,
+                    time_ms: 0,
+                    metric: MetricName::new(names[m]).unwrap(),
+                    layer,
+                    site: site.map(|s| sites[s]),
+                    value: 0.0,
+                })
+                .collect();
+            let batch = crate::store::files::without_run(&samples::to_batch(&samples).unwrap()).unwrap();
+            let want: HashSet<BorrowedKey<'_>> = rows
+                .iter()
+                .map(|&(m, layer, site, rank)| (names[m], layer, site.map(|s| sites[s]), rank))
+                .collect();
+            prop_assert_eq!(distinct_keys(&batch), want);
+        }
+    }
 }

@@ -777,7 +777,7 @@ impl Store {
                 files::Layout::UNSORTED,
                 &info.run,
                 next_part,
-                &batch,
+                std::slice::from_ref(&batch),
             )?);
             next_part += 1;
         }
@@ -792,7 +792,7 @@ impl Store {
                 files::Layout::UNSORTED,
                 run,
                 next_part,
-                &batch,
+                std::slice::from_ref(&batch),
             )?);
             next_part += 1;
         }
@@ -818,7 +818,13 @@ impl Store {
         part: u64,
         batch: &RecordBatch,
     ) -> Result<Vec<FileMeta>> {
-        let meta = self.write_file(table.as_str(), files::Layout::of(table), run, part, batch)?;
+        let meta = self.write_file(
+            table.as_str(),
+            files::Layout::of(table),
+            run,
+            part,
+            std::slice::from_ref(batch),
+        )?;
         let rollup = if table == Table::Samples {
             self.write_rollup(&meta, batch)?
         } else {
@@ -846,24 +852,26 @@ impl Store {
         Ok(Some(meta))
     }
 
-    /// Writes one file in `layout`.
+    /// Writes one file in `layout` holding the rows of `batches`, in order.
     fn write_file(
         &self,
         name: &str,
         layout: files::Layout,
         run: &RunId,
         part: u64,
-        batch: &RecordBatch,
+        batches: &[RecordBatch],
     ) -> Result<FileMeta> {
         let node = self.backend.node();
         let relative = manifest::file_path(name, run, node, part);
-        let bytes = self.backend.write(layout, batch, &relative)?;
-        let (min_step, max_step) = files::step_range(batch);
+        let bytes = self.backend.write(layout, batches, &relative)?;
+        let ranges = batches.iter().map(files::step_range);
+        let min_step = ranges.clone().filter_map(|r| r.0).min();
+        let max_step = ranges.filter_map(|r| r.1).max();
         Ok(FileMeta {
             table: name.to_owned(),
             run: run.clone(),
             part,
-            rows: batch.num_rows() as u64,
+            rows: batches.iter().map(|b| b.num_rows() as u64).sum(),
             bytes,
             min_step,
             max_step,

@@ -145,7 +145,7 @@ impl Out {
             self.min.append_option(cell.min);
             self.max.append_option(cell.max);
             self.last_step.append_value(cell.last_step);
-            self.last.values().append_slice(&cell.last_values());
+            cell.with_last_values(|values| self.last.values().append_slice(values));
             self.last.append(true);
         }
     }
@@ -202,9 +202,11 @@ fn each_level(
 /// a few steps each) is such a part; compaction merges them into parts long enough.
 pub const MIN_ROWS_PER_SERIES: usize = 64;
 
-/// The rollup part of a samples part (file schema, sorted by metric, layer, site, rank, step),
-/// or `None` when its series are too short to be worth one ([`MIN_ROWS_PER_SERIES`]).
-pub fn summarise(samples: &RecordBatch) -> Result<Option<RecordBatch>> {
+/// The rollup part of a samples part (file schema, sorted by metric, layer, site, rank, step)
+/// as batches to write in order (one per level and pooling; concatenating them copied every
+/// rollup row once more), or `None` when its series are too short to be worth one
+/// ([`MIN_ROWS_PER_SERIES`]).
+pub fn summarise(samples: &RecordBatch) -> Result<Option<Vec<RecordBatch>>> {
     let column = |name: &str| {
         samples
             .column_by_name(name)
@@ -283,9 +285,7 @@ pub fn summarise(samples: &RecordBatch) -> Result<Option<RecordBatch>> {
     for ((level, pooled), rows) in out {
         batches.push(rows.finish(level, pooled, &keys)?);
     }
-    arrow_select::concat::concat_batches(&schema(), &batches)
-        .map(Some)
-        .map_err(Error::Arrow)
+    Ok(Some(batches))
 }
 
 #[cfg(test)]
@@ -331,6 +331,7 @@ mod tests {
         let batch = files::without_run(&samples::to_batch(&rows).unwrap()).unwrap();
         let sorted = files::sorted(crate::entry::Table::Samples, &[batch]).unwrap();
         let r = summarise(&sorted).unwrap().expect("200 steps per series");
+        let r = arrow_select::concat::concat_batches(&schema(), &r).unwrap();
         let level = r.column(0).as_primitive::<arrow_array::types::UInt8Type>();
         let pooled = r.column(1).as_boolean();
         let rank = r.column(5).as_primitive::<UInt32Type>();
