@@ -11,6 +11,9 @@
 3. Storage: one 2 M-sample run through a collector on local disk and one on
    `--storage s3://` (moto's S3 server from PyPI): ingest rate, final flush, restart, and a
    series query reading the parts back.
+   `ingest-ab OLD NEW` runs the sustained case only, for two collector binaries and
+   VictoriaMetrics' remote write interleaved (RANKWATCH_BENCH_AB_ROUNDS rounds, 3 by default):
+   a change to ingest measured side by side in one run.
 4. Memory: 1,024 simulated ranks x 200 metrics, each rank posting its own batch once a second
    as the agent does; RSS over time, p50/p99 ingest latency, refusals. Ten minutes by default
    (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
@@ -52,8 +55,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_collector(data: Path, *extra: str, cpus: str | None = "0") -> tuple[subprocess.Popen, str]:
-    cmd = [BIN, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data), *extra]
+def start_collector(data: Path, *extra: str, cpus: str | None = "0", binary: str | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [binary or BIN, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data), *extra]
     if cpus and shutil.which("taskset"):
         cmd = ["taskset", "-c", cpus, *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -214,9 +217,9 @@ def victoria_metrics_rate(path: str, bodies: list, clients: int, samples: int) -
     return samples / secs
 
 
-def rankwatch_rate(bodies: list, clients: int, samples: int) -> float:
+def rankwatch_rate(bodies: list, clients: int, samples: int, binary: str | None = None) -> float:
     with tempfile.TemporaryDirectory() as d:
-        proc, url = start_collector(Path(d) / "data")
+        proc, url = start_collector(Path(d) / "data", binary=binary)
         try:
             secs = post_all(f"{url}/api/v1/ingest", bodies, clients)
             stored = requests.get(f"{url}/metrics", timeout=30).text
@@ -281,6 +284,38 @@ def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000)
                    lambda x: f"{x:g}")
         print(f"plot: {plot}")
     return rates
+
+
+def bench_ingest_ab(old: str, new: str, rows: int = 10_000, sustained: int = 1_000) -> None:
+    """The sustained ingest case for two collector binaries and VictoriaMetrics, interleaved
+    round by round so that a machine whose speed drifts affects all three alike."""
+    others = set(range(os.cpu_count() or 1)) - {0}
+    if others and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, others)
+    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
+    tables = [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(sustained)]
+    arrow = [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
+    vm = Path(shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics")
+    remote = None
+    if vm.exists():
+        remote = [(remote_write_body(by_series(t)), {"content-type": "application/x-protobuf", "content-encoding": "snappy",
+                                                     "x-prometheus-remote-write-version": "0.1.0"}) for t in tables]
+    samples = sustained * rows
+    print(f"\n# sustained ingest, side by side: {samples / 1e6:g} M samples, 8 clients, each server pinned to CPU 0; "
+          f"samples/s per round")
+    print(f"{'round':>5} {'old':>14} {'new':>14} {'VictoriaMetrics':>16}")
+    results: dict[str, list[float]] = {"old": [], "new": [], "vm": []}
+    for r in range(rounds):
+        results["old"].append(rankwatch_rate(arrow, 8, samples, binary=old))
+        results["new"].append(rankwatch_rate(arrow, 8, samples, binary=new))
+        if remote is not None:
+            results["vm"].append(victoria_metrics_rate("/api/v1/write", remote, 8, samples))
+        vm_text = f"{results['vm'][-1]:>16,.0f}" if results["vm"] else f"{'-':>16}"
+        print(f"{r + 1:>5} {results['old'][-1]:>14,.0f} {results['new'][-1]:>14,.0f} {vm_text}", flush=True)
+    print(f"old: {old}\nnew: {new}")
+    print(f"new / old, median: {statistics.median(results['new']) / statistics.median(results['old']):.2f}")
+    if results["vm"]:
+        print(f"new / VictoriaMetrics remote write, median: {statistics.median(results['new']) / statistics.median(results['vm']):.2f}")
 
 
 def p50(fn, n: int = 25) -> float:
@@ -549,6 +584,11 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
 def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
     which = sys.argv[1:] or ["ingest", "queries", "storage", "memory"]
+    if which[0] == "ingest-ab":
+        if len(which) != 3:
+            sys.exit("usage: collector_bench.py ingest-ab OLD_BINARY NEW_BINARY")
+        bench_ingest_ab(which[1], which[2])
+        return
     if "ingest" in which:
         bench_ingest()
     if "queries" in which:
