@@ -83,7 +83,8 @@ impl Cell {
         }
     }
 
-    /// The values at the last step, in a fixed order (ascending, NaN last).
+    /// The values at the last step, in a fixed order (`f64::total_cmp`: ascending, a NaN last
+    /// unless its sign bit is set, then first).
     pub fn last_values(&self) -> SmallVec<[f64; 2]> {
         let mut values = self.last_values.clone();
         values.sort_by(f64::total_cmp);

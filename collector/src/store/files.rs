@@ -62,11 +62,12 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
     if keys.is_empty() || rows < 2 {
         return arrow_select::concat::concat_batches(&schema, batches).map_err(Error::Arrow);
     }
-    // The sort is most of a flush's CPU, so it is done without comparing rows. The leading
-    // key columns (the series: metric, layer, site, rank) become byte-comparable rows
-    // (arrow-row) and each distinct one gets its rank among the few distinct values; a
-    // counting sort by that rank then puts each series' rows together in arrival order,
-    // and only a series whose last key (the step) does not already ascend is sorted further.
+    // The sort is most of a flush's CPU, so it is done without comparing rows. The sort
+    // columns but the last (for samples the series: metric, layer, site, rank; for sketches
+    // the step) become byte-comparable rows (arrow-row) and each distinct one gets its rank
+    // among the distinct values; a counting sort by that rank then puts the rows of each
+    // together in arrival order, and only a group whose last sort column (the step; a
+    // sketch's rank) does not already ascend is sorted further, stably.
     // The key columns of the output are taken from the distinct keys by rank (sequential,
     // from a table that fits in cache); only the other columns are gathered from the batches
     // as they are: concatenating them first copied every row once more.
@@ -348,8 +349,9 @@ mod tests {
     use arrow_array::types::{Float64Type, UInt32Type};
     use parquet::basic::Encoding;
     use proptest::prelude::*;
-    use rankwatch_analytics::schema::samples;
-    use rankwatch_analytics::{MetricName, RunId, Sample, Site};
+    use rankwatch_analytics::math::SketchKind;
+    use rankwatch_analytics::schema::{samples, sketches};
+    use rankwatch_analytics::{MetricName, RunId, Sample, Site, SketchRecord};
 
     type Key = (String, Option<u32>, Option<String>, Option<u32>, u64);
 
@@ -426,6 +428,53 @@ mod tests {
                 from = cut;
             }
             let got = keys(&sorted(Table::Samples, &parts).unwrap());
+            prop_assert_eq!(&got, &want);
+            // An empty batch first (its schema is the output's).
+            parts.insert(0, batch.slice(0, 0));
+            prop_assert_eq!(keys(&sorted(Table::Samples, &parts).unwrap()), want);
+        }
+
+        /// Sketches are sorted by (step, rank), equal keys in arrival order, their vectors
+        /// carried along.
+        #[test]
+        fn sketch_parts_are_sorted_by_step_then_rank(
+            rows in proptest::collection::vec((0u64..5, 0u32..4), 0..120),
+            cut in 0usize..120,
+        ) {
+            let records: Vec<SketchRecord> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, &(step, rank))| SketchRecord {
+                    run: RunId::new("r").unwrap(),
+                    rank,
+                    step,
+                    time_ms: 0,
+                    kind: SketchKind::Rademacher,
+                    seed: 1,
+                    norm: i as f64,
+                    vector: vec![i as f32; 3],
+                })
+                .collect();
+            let batch = without_run(&sketches::to_batch(&records).unwrap()).unwrap();
+            let cut = cut.min(batch.num_rows());
+            let parts = [batch.slice(0, cut), batch.slice(cut, batch.num_rows() - cut)];
+            let out = sorted(Table::Sketches, &parts).unwrap();
+            let step = out.column_by_name("step").unwrap().as_primitive::<UInt64Type>();
+            let rank = out.column_by_name("rank").unwrap().as_primitive::<UInt32Type>();
+            let norm = out.column_by_name("norm").unwrap().as_primitive::<Float64Type>();
+            let vector = out.column_by_name("vector").unwrap().as_list::<i32>();
+            let got: Vec<(u64, u32, usize)> = (0..out.num_rows())
+                .map(|i| {
+                    let arrival = norm.value(i) as usize;
+                    let v = vector.value(i);
+                    let v = v.as_primitive::<arrow_array::types::Float32Type>();
+                    assert!(v.values().iter().all(|&x| x == arrival as f32), "row {i}'s vector");
+                    (step.value(i), rank.value(i), arrival)
+                })
+                .collect();
+            let mut want: Vec<(u64, u32, usize)> =
+                rows.iter().enumerate().map(|(i, &(s, r))| (s, r, i)).collect();
+            want.sort_by_key(|&(s, r, _)| (s, r));
             prop_assert_eq!(got, want);
         }
     }

@@ -245,7 +245,8 @@ pub fn summarise(samples: &RecordBatch) -> Result<Option<Vec<RecordBatch>>> {
         .filter(|&i| i == 0 || key(i - 1) != key(i) || rank_of(i - 1) != rank_of(i))
         .collect();
     let series = bounds.len();
-    if n < series * MIN_ROWS_PER_SERIES {
+    // An empty part has nothing to summarise (and a file needs at least one batch).
+    if n == 0 || n < series * MIN_ROWS_PER_SERIES {
         return Ok(None);
     }
     bounds.push(n);
@@ -322,6 +323,10 @@ mod tests {
         assert!(
             summarise(&sorted).unwrap().is_none(),
             "20 steps per series: too short"
+        );
+        assert!(
+            summarise(&sorted.slice(0, 0)).unwrap().is_none(),
+            "an empty part has no rollup (a file needs a batch)"
         );
         for rank in 0..2 {
             for step in 20..200 {
