@@ -231,29 +231,51 @@ def rankwatch_rate(bodies: list, clients: int, samples: int, binary: str | None 
     return samples / secs
 
 
+REMOTE_WRITE_HEADERS = {"content-type": "application/x-protobuf", "content-encoding": "snappy",
+                        "x-prometheus-remote-write-version": "0.1.0"}
+
+
+def pin_off_cpu0() -> set[int]:
+    """Moves this process (the clients) off CPU 0, where the servers run; returns its CPUs."""
+    others = set(range(os.cpu_count() or 1)) - {0}
+    if others and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, others)
+    return others
+
+
+def ingest_tables(count: int, rows: int) -> list[pa.Table]:
+    """`count` batches of `rows` samples, steps continuing from batch to batch."""
+    return [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(count)]
+
+
+def arrow_bodies(tables: list[pa.Table]) -> list[tuple[bytes, dict]]:
+    """rankwatch's ingest requests for `tables`, each with its idempotency key."""
+    return [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
+
+
+def victoria_metrics_installed() -> bool:
+    return Path(shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics").exists()
+
+
 def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000) -> dict:
     """Samples/s per system and number of concurrent clients, median of INGEST_REPEATS fresh
     servers each, the server pinned to CPU 0 and this client to the other CPUs; then one
     sustained run of `sustained` batches at 8 clients, long enough that each system's
     background work (rankwatch's Parquet flushes and rollups, VictoriaMetrics' part merges)
     runs several times within it."""
-    others = set(range(os.cpu_count() or 1)) - {0}
-    if others and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, others)
+    others = pin_off_cpu0()
     print(f"\n# ingest: {batches} batches x {rows:,} samples (8 ranks x 64 layers; {batches * rows / 1e6:g} M), each server pinned to CPU 0 "
           f"and started afresh, the clients on CPU {','.join(map(str, sorted(others))) or '0'}; "
           f"samples/s, median of {INGEST_REPEATS}", flush=True)
-    tables = [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(max(batches, sustained))]
-    arrow = [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
+    tables = ingest_tables(max(batches, sustained), rows)
+    arrow = arrow_bodies(tables)
     systems: dict[str, tuple] = {
         "rankwatch": ("Arrow IPC + zstd; acknowledged after the WAL's fsync",
                       lambda bodies, c: rankwatch_rate(bodies, c, len(bodies) * rows), arrow),
     }
-    vm = Path(shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics")
-    if vm.exists():
+    if victoria_metrics_installed():
         grouped = [by_series(t) for t in tables]
-        remote = [(remote_write_body(g), {"content-type": "application/x-protobuf", "content-encoding": "snappy",
-                                          "x-prometheus-remote-write-version": "0.1.0"}) for g in grouped]
+        remote = [(remote_write_body(g), REMOTE_WRITE_HEADERS) for g in grouped]
         lines = [(json_lines_body(g), {"content-type": "application/json"}) for g in grouped]
         systems["VictoriaMetrics, remote write"] = (
             "Prometheus remote write (protobuf + snappy); acknowledged before it reaches disk",
@@ -289,17 +311,13 @@ def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000)
 def bench_ingest_ab(old: str, new: str, rows: int = 10_000, sustained: int = 1_000) -> None:
     """The sustained ingest case for two collector binaries and VictoriaMetrics, interleaved
     round by round so that a machine whose speed drifts affects all three alike."""
-    others = set(range(os.cpu_count() or 1)) - {0}
-    if others and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, others)
+    pin_off_cpu0()
     rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
-    tables = [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(sustained)]
-    arrow = [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
-    vm = Path(shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics")
+    tables = ingest_tables(sustained, rows)
+    arrow = arrow_bodies(tables)
     remote = None
-    if vm.exists():
-        remote = [(remote_write_body(by_series(t)), {"content-type": "application/x-protobuf", "content-encoding": "snappy",
-                                                     "x-prometheus-remote-write-version": "0.1.0"}) for t in tables]
+    if victoria_metrics_installed():
+        remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables]
     samples = sustained * rows
     print(f"\n# sustained ingest, side by side: {samples / 1e6:g} M samples, 8 clients, each server pinned to CPU 0; "
           f"samples/s per round")
