@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,6 +33,7 @@ import rankwatch  # noqa: E402
 from rankwatch_testkit.faults import Fault, Injector  # noqa: E402
 from rankwatch_testkit.faults import check as check_faults  # noqa: E402
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
+from rankwatch_testkit.spawn import spawn_ranks  # noqa: E402
 
 
 def bigram_corpus(sequences: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
@@ -126,8 +126,7 @@ def train(args: argparse.Namespace) -> dict:
     return {"rank": rank, "final_loss": float(loss.detach()), "step_times": step_times, "stats": stats, "alerts": alerts, "stopped_at": stopped_at, "skipped_steps": skipped}
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, args: argparse.Namespace) -> None:
     result = train(args)
     if args.result_dir:
         Path(args.result_dir, f"rank-{rank}.json").write_text(json.dumps(result))
@@ -163,12 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.result_dir:
             Path(args.result_dir, f"rank-{result['rank']}.json").write_text(json.dumps(result))
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args, port), nprocs=args.nproc, join=True)
+    spawn_ranks(_worker, args.nproc, args)
 
 
 if __name__ == "__main__":
