@@ -1,0 +1,67 @@
+"""The test kit's rank launcher: it forks only where that is safe, and a forked job trains
+exactly as a spawned one does (the suites' jobs are forked to save each rank a fresh import of
+torch; that must not change what they train)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from rankwatch_testkit.spawn import start_method
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+TESTKIT = Path(__file__).resolve().parent.parent / "testkit"
+
+
+def fresh_start_method(**env: str) -> str:
+    """`start_method()` as a fresh Python sees it after importing torch with one OpenMP thread
+    (with more, importing torch starts a thread already)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "from rankwatch_testkit.spawn import start_method; print(start_method())"],
+        env={**os.environ, "PYTHONPATH": str(TESTKIT), "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forking is chosen on Linux only")
+def test_a_single_threaded_launcher_forks_and_the_environment_can_say_otherwise() -> None:
+    assert fresh_start_method() == "fork"
+    assert fresh_start_method(RANKWATCH_START_METHOD="spawn") == "spawn"
+    # torch's OpenMP pool, started at import: a forked child would inherit a pool without threads.
+    assert fresh_start_method(OMP_NUM_THREADS="2") == "spawn"
+
+
+def test_a_launcher_with_another_thread_spawns() -> None:
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        assert start_method() == "spawn"
+    finally:
+        stop.set()
+        other.join(timeout=10)
+
+
+def test_forked_and_spawned_ranks_train_the_same_job_bit_for_bit(tmp_path: Path) -> None:
+    losses = {}
+    for method in ("fork", "spawn"):
+        out = tmp_path / method
+        out.mkdir()
+        cmd = [sys.executable, str(EXAMPLE), "--monitor", "off", "--nproc", "2", "--steps", "12", "--result-dir", str(out),
+               "--layers", "2", "--width", "32", "--seq", "16", "--batch", "4", "--vocab", "64", "--corpus", "256"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANKWATCH_START_METHOD": method}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-4000:]
+        losses[method] = [json.loads((out / f"rank-{r}.json").read_text())["final_loss"] for r in range(2)]
+    assert losses["fork"] == losses["spawn"], losses
+    # Two ranks on different shards: the comparison is of two real, different losses.
+    assert losses["fork"][0] != losses["fork"][1], losses
