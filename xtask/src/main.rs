@@ -814,22 +814,37 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     )?;
     // Two lanes, since much of each suite waits (on a flush, a timeout, a page, a paced job)
     // rather than computing: the SDK's suite, the longest, on this thread; the static checks,
-    // the collector's suites, the browser tests, the demo and the API docs on a side thread.
+    // the collector's suites, the browser tests, the demo, the SDK's attach tests and the API
+    // docs on a side thread. The attach tests are mostly paced jobs waiting for a switch (two
+    // minutes of sleeping); beside the SDK suite's CPU-bound detection runs they cost little,
+    // and at its end they made the main lane the longer by that much.
     let side_python = python.to_path_buf();
     let side_binary = binary.clone();
     let side = std::thread::Builder::new()
-        .name("checks, collector, browser, demo and docs".into())
+        .name("checks, collector, browser, demo, attach and docs".into())
         .spawn(move || {
             let mut tally = Tally::default();
             let outcome = sdk_static_checks(&side_python)
                 .and_then(|()| {
                     collector_browser_and_demo_suites(&side_python, &side_binary, &mut tally)
                 })
+                .and_then(|()| {
+                    let mut attach =
+                        pytest(&side_python, &root().join("sdk-python"), SIDE_SDK_TESTS);
+                    attach.env("RANKWATCH_BIN", &side_binary);
+                    run_counting(
+                        "python sdk suite: attach tests",
+                        attach,
+                        Some(&mut tally),
+                        Tally::add_pytest_line,
+                    )
+                })
                 .and_then(|()| rustdoc());
             (outcome, tally)
         })?;
     let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
-    sdk.env("RANKWATCH_BIN", &binary)
+    sdk.arg(format!("--ignore={SIDE_SDK_TESTS}"))
+        .env("RANKWATCH_BIN", &binary)
         .env("RANKWATCH_DIST", &dist);
     let sdk_outcome = run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line);
     let (side_outcome, side_tally) = side
@@ -838,6 +853,9 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     tally.merge(side_tally);
     sdk_outcome.and(side_outcome)
 }
+
+/// The SDK tests that run on the side lane (relative to `sdk-python`), not in the main suite.
+const SIDE_SDK_TESTS: &str = "tests/test_attach.py";
 
 /// The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject).
 fn sdk_static_checks(python: &Path) -> Result<()> {
