@@ -13,7 +13,8 @@
    series query reading the parts back.
    `ingest-ab OLD NEW` runs the sustained case only, for two collector binaries and
    VictoriaMetrics' remote write interleaved (RANKWATCH_BENCH_AB_ROUNDS rounds, 3 by default):
-   a change to ingest measured side by side in one run.
+   a change to ingest measured side by side in one run. `ingest-fsync` runs the collector with
+   and without its fsyncs (libeatmydata) beside VictoriaMetrics: what the durability costs.
 4. Memory: 1,024 simulated ranks x 200 metrics, each rank posting its own batch once a second
    as the agent does; RSS over time, p50/p99 ingest latency, refusals. Ten minutes by default
    (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
@@ -55,12 +56,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_collector(data: Path, *extra: str, cpus: str | None = "0", binary: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_collector(data: Path, *extra: str, cpus: str | None = "0", binary: str | None = None,
+                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [binary or BIN, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data), *extra]
     if cpus and shutil.which("taskset"):
         cmd = ["taskset", "-c", cpus, *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "RANKWATCH_LOG": "warn"})
+                            env={**os.environ, "RANKWATCH_LOG": "warn", **(env or {})})
     line = proc.stdout.readline()
     assert line.startswith("rankwatch listening on"), line
     return proc, line.strip().rsplit(" ", 1)[1]
@@ -217,11 +219,23 @@ def victoria_metrics_rate(path: str, bodies: list, clients: int, samples: int) -
     return samples / secs
 
 
-def rankwatch_rate(bodies: list, clients: int, samples: int, binary: str | None = None) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rankwatch_rate(bodies: list, clients: int, samples: int, binary: str | None = None,
+                   env: dict[str, str] | None = None, busy: list[float] | None = None) -> float:
+    """Samples/s; `busy`, if given, gets the server's CPU time over the wall time of the sends."""
     with tempfile.TemporaryDirectory() as d:
-        proc, url = start_collector(Path(d) / "data", binary=binary)
+        proc, url = start_collector(Path(d) / "data", binary=binary, env=env)
         try:
+            # taskset execs the collector, which execs itself once more: one process id.
+            cpu_before = cpu_seconds(proc.pid)
             secs = post_all(f"{url}/api/v1/ingest", bodies, clients)
+            if busy is not None:
+                busy.append((cpu_seconds(proc.pid) - cpu_before) / secs)
             stored = requests.get(f"{url}/metrics", timeout=30).text
             ingested = sum(float(line.split()[-1]) for line in stored.splitlines()
                            if line.startswith('rankwatch_ingest_rows_total{table="samples"'))
@@ -334,6 +348,42 @@ def bench_ingest_ab(old: str, new: str, rows: int = 10_000, sustained: int = 1_0
     print(f"new / old, median: {statistics.median(results['new']) / statistics.median(results['old']):.2f}")
     if results["vm"]:
         print(f"new / VictoriaMetrics remote write, median: {statistics.median(results['new']) / statistics.median(results['vm']):.2f}")
+
+
+EATMYDATA = Path("/usr/lib/x86_64-linux-gnu/libeatmydata.so")
+
+
+def bench_ingest_fsync(rows: int = 10_000, bursts: int = 200, sustained: int = 1_000) -> None:
+    """What acknowledging after the fsync costs: the collector as it is, the same binary with
+    every fsync made a no-op (libeatmydata, Debian package `eatmydata`: what acknowledging
+    before disk would give), and VictoriaMetrics' remote write, interleaved round by round;
+    with the collector's CPU time over the wall time of each run (1.0: one core busy
+    throughout, so the rate is its CPU cost per sample, not waiting)."""
+    if not EATMYDATA.exists():
+        sys.exit(f"{EATMYDATA} is missing: apt-get install eatmydata")
+    pin_off_cpu0()
+    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
+    tables = ingest_tables(sustained, rows)
+    arrow = arrow_bodies(tables)
+    remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables] if victoria_metrics_installed() else None
+    cases = [("1 client, 2 M", 1, bursts), ("8 clients, 2 M", 8, bursts), ("8 clients, 10 M sustained", 8, sustained)]
+    systems = [("rankwatch, fsync before the ack", {}), ("rankwatch, fsync a no-op", {"LD_PRELOAD": str(EATMYDATA)})]
+    rates: dict[tuple[str, str], list[float]] = {}
+    busy: dict[tuple[str, str], list[float]] = {}
+    print(f"\n# ingest with and without fsync: {rows:,}-sample batches, each server pinned to CPU 0, {rounds} rounds; samples/s")
+    for r in range(rounds):
+        for case, clients, count in cases:
+            for name, env in systems:
+                rates.setdefault((case, name), []).append(
+                    rankwatch_rate(arrow[:count], clients, count * rows, env=env, busy=busy.setdefault((case, name), [])))
+            if remote is not None:
+                rates.setdefault((case, "VictoriaMetrics, remote write"), []).append(
+                    victoria_metrics_rate("/api/v1/write", remote[:count], clients, count * rows))
+        print(f"round {r + 1} done", flush=True)
+    print(f"{'case':28} {'system':34} {'median':>12} {'rounds':>28} {'server CPU / wall':>18}")
+    for (case, name), values in rates.items():
+        cpu = f"{statistics.median(busy[(case, name)]):.2f}" if (case, name) in busy else "-"
+        print(f"{case:28} {name:34} {statistics.median(values):>12,.0f} {' / '.join(f'{v / 1e6:.2f} M' for v in values):>28} {cpu:>18}")
 
 
 def p50(fn, n: int = 25) -> float:
@@ -606,6 +656,9 @@ def main() -> None:
         if len(which) != 3:
             sys.exit("usage: collector_bench.py ingest-ab OLD_BINARY NEW_BINARY")
         bench_ingest_ab(which[1], which[2])
+        return
+    if which[0] == "ingest-fsync":
+        bench_ingest_fsync()
         return
     if "ingest" in which:
         bench_ingest()
