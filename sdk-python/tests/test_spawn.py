@@ -8,21 +8,20 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-from rankwatch_testkit.spawn import start_method
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 TESTKIT = Path(__file__).resolve().parent.parent / "testkit"
 
 
-def fresh_start_method(**env: str) -> str:
+def fresh_start_method(before: str = "", **env: str) -> str:
     """`start_method()` as a fresh Python sees it after importing torch with one OpenMP thread
-    (with more, importing torch starts a thread already)."""
+    (with more, importing torch starts a thread already) and running `before`."""
+    code = f"import threading\n{before}\nfrom rankwatch_testkit.spawn import start_method\nprint(start_method())"
     done = subprocess.run(
-        [sys.executable, "-c", "from rankwatch_testkit.spawn import start_method; print(start_method())"],
+        [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": str(TESTKIT), "OMP_NUM_THREADS": "1", **env},
         capture_output=True,
         text=True,
@@ -36,19 +35,14 @@ def fresh_start_method(**env: str) -> str:
 def test_a_single_threaded_launcher_forks_and_the_environment_can_say_otherwise() -> None:
     assert fresh_start_method() == "fork"
     assert fresh_start_method(RANKWATCH_START_METHOD="spawn") == "spawn"
-    # torch's OpenMP pool, started at import: a forked child would inherit a pool without threads.
-    assert fresh_start_method(OMP_NUM_THREADS="2") == "spawn"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="forking is chosen on Linux only")
 def test_a_launcher_with_another_thread_spawns() -> None:
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait, daemon=True)
-    other.start()
-    try:
-        assert start_method() == "spawn"
-    finally:
-        stop.set()
-        other.join(timeout=10)
+    # A Python thread, and a native one: torch's OpenMP pool, started at import with more
+    # than one OpenMP thread (a forked child would inherit a pool without its threads).
+    assert fresh_start_method("threading.Thread(target=threading.Event().wait, daemon=True).start()") == "spawn"
+    assert fresh_start_method(OMP_NUM_THREADS="2") == "spawn"
 
 
 def test_forked_and_spawned_ranks_train_the_same_job_bit_for_bit(tmp_path: Path) -> None:
