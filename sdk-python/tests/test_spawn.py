@@ -22,7 +22,8 @@ def fresh_start_method(before: str = "", **env: str) -> str:
     code = f"import threading\n{before}\nfrom rankwatch_testkit.spawn import start_method\nprint(start_method())"
     done = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": str(TESTKIT), "OMP_NUM_THREADS": "1", **env},
+        # Without an override from outside, which would decide for the check.
+        env={**{k: v for k, v in os.environ.items() if k != "RANKWATCH_START_METHOD"}, "PYTHONPATH": str(TESTKIT), "OMP_NUM_THREADS": "1", **env},
         capture_output=True,
         text=True,
         timeout=120,

@@ -59,6 +59,9 @@ def spawn_ranks(target: Callable[..., None], world: int, *args: Any) -> None:
     by name)."""
     method = start_method()
     if method == "fork":
-        # Imported once here instead of by every rank's first DDP (it starts no thread).
+        # Imported once here instead of by every rank's first DDP. It starts no thread in the
+        # torch of this writing; asked again in case a later one does.
         import torch._dynamo  # noqa: F401
+
+        method = start_method()
     mp.start_processes(_rank_main, args=(world, free_port(), target, args), nprocs=world, join=True, start_method=method)
