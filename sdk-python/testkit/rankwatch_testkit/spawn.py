@@ -35,7 +35,8 @@ def _rank_main(rank: int, world: int, port: int, target: Callable[..., None], ar
 
 
 def _threads() -> int:
-    """Threads of this process, native ones included (an OpenMP pool, an agent's sender)."""
+    """Threads of this process, Python's and native ones alike (an OpenMP pool, an agent's
+    sender); Python's alone where /proc is missing."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -48,7 +49,7 @@ def start_method() -> str:
     chosen = os.environ.get("RANKWATCH_START_METHOD")
     if chosen in ("fork", "spawn"):
         return chosen
-    if sys.platform == "linux" and _threads() == 1 and threading.active_count() == 1 and not torch.cuda.is_initialized():
+    if sys.platform == "linux" and _threads() == 1 and not torch.cuda.is_initialized():
         return "fork"
     return "spawn"
 
