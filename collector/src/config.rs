@@ -363,6 +363,13 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_QUERY_MEMORY", default_value = "1GiB", value_parser = parse_size)]
     pub query_memory: usize,
 
+    /// Memory the series and heatmap reads may keep of what they decoded from Parquet parts
+    /// (the rows of one read, least recently used out), so that a dashboard asking again does
+    /// not decode the same rows again. 0 keeps nothing. Beside it, the parts' series indexes
+    /// take up to 64 MiB.
+    #[arg(long, env = "RANKWATCH_READ_CACHE_BYTES", default_value = "64MiB", value_parser = parse_size)]
+    pub read_cache_bytes: usize,
+
     /// Connections open at once; beyond it the collector stops accepting until one closes
     /// (kept below the process's open-file limit, which the log and Parquet files need too).
     #[arg(long, env = "RANKWATCH_MAX_CONNECTIONS", default_value_t = 4096)]

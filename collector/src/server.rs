@@ -70,6 +70,7 @@ impl Collector {
             config.query_timeout,
             config.sql_max_rows,
             config.query_memory,
+            config.read_cache_bytes,
         )?;
         queries.rebuild_index().await?;
 

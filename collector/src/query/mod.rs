@@ -80,6 +80,7 @@ impl Queries {
         timeout: Duration,
         sql_max_rows: usize,
         memory: usize,
+        read_cache: usize,
     ) -> Result<Self> {
         let spill = store.dir().join("spill");
         if spill.exists() {
@@ -97,7 +98,10 @@ impl Queries {
         if let Some((url, object_store)) = store.backend().object_store() {
             runtime.register_object_store(url, object_store);
         }
-        let builds = store.metrics().part_index_builds.clone();
+        let counters = parts::Counters {
+            builds: store.metrics().part_index_builds.clone(),
+            rows_reused: store.metrics().read_cache_hits.clone(),
+        };
         Ok(Queries {
             ctx: session(runtime),
             store,
@@ -106,7 +110,11 @@ impl Queries {
             memory,
             rollups: true,
             point_reads: true,
-            parts: Arc::new(parts::PartIndexes::new(parts::DEFAULT_BUDGET_BYTES, builds)),
+            parts: Arc::new(parts::PartIndexes::new(
+                parts::DEFAULT_BUDGET_BYTES,
+                read_cache,
+                counters,
+            )),
         })
     }
 

@@ -30,6 +30,14 @@
 //! through DataFusion instead, as are parts in object storage and the hot buffer
 //! ([`super::plan`]). A read checks the query's deadline between parts and batches, so the
 //! query timeout still ends it.
+//!
+//! The rows a read decoded are kept as well, in a second cache bounded in bytes
+//! (`--read-cache-bytes`), keyed by everything that decides them — the part's version, the
+//! selector, level and pooling, the columns — but not the step ranges, which are applied to
+//! the kept rows afresh. A dashboard asks the same overview on every refresh, and decoding
+//! Parquet pages was 40 % of a 10 M-row heatmap. A read whose rows pass a quarter of that
+//! cache streams without keeping them, so one large raw read neither empties the cache nor
+//! holds more memory than that.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -78,7 +86,7 @@ impl Deadline {
 }
 
 /// One condition on a nullable key column.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Pick<T> {
     Any,
     Null,
@@ -113,7 +121,7 @@ impl<T: Clone + datafusion::logical_expr::Literal> Pick<T> {
 }
 
 /// Which series a read wants: conditions on the columns samples and rollups share.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Selector {
     pub metric: String,
     pub layer: Pick<u32>,
@@ -422,23 +430,97 @@ impl<'a> KeyColumns<'a> {
 /// What identifies a version of a file on disk.
 type Version = (u64, Option<SystemTime>);
 
-/// A cached part: its version, its index (None: too large to keep, read through DataFusion),
-/// the bytes counted for it, and when it was last used.
-type Cached = (Version, Option<Arc<PartIndex>>, usize, u64);
-
-#[derive(Debug, Default)]
-struct Cache {
-    entries: HashMap<PathBuf, Cached>,
+/// A map bounded in bytes, least recently used out: the part indexes and the decoded rows.
+#[derive(Debug)]
+struct Lru<K, V> {
+    /// Each value with the bytes counted for it and when it was last used.
+    entries: HashMap<K, (V, usize, u64)>,
     bytes: usize,
+    budget: usize,
     tick: u64,
 }
 
-/// The per-part indexes, shared by every query of a collector.
+impl<K: std::hash::Hash + Eq + Clone, V: Clone> Lru<K, V> {
+    fn new(budget: usize) -> Self {
+        Lru {
+            entries: HashMap::new(),
+            bytes: 0,
+            budget,
+            tick: 0,
+        }
+    }
+
+    /// The value of `key`, now the most recently used.
+    fn get(&mut self, key: &K) -> Option<V> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (value, _, used) = self.entries.get_mut(key)?;
+        *used = tick;
+        Some(value.clone())
+    }
+
+    /// Keeps `value` under `key` (replacing what was there), then drops the least recently
+    /// used entries other than this one until the map is within its budget.
+    fn insert(&mut self, key: K, value: V, bytes: usize) {
+        self.tick += 1;
+        if let Some((_, old, _)) = self.entries.insert(key.clone(), (value, bytes, self.tick)) {
+            self.bytes -= old;
+        }
+        self.bytes += bytes;
+        while self.bytes > self.budget && self.entries.len() > 1 {
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .filter(|(k, _)| **k != key)
+                .min_by_key(|(_, e)| e.2)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            if let Some((_, freed, _)) = self.entries.remove(&oldest) {
+                self.bytes -= freed;
+            }
+        }
+    }
+}
+
+/// A cached part index: the file's version it was built from, and the index (None: too
+/// large to keep, read through DataFusion).
+type CachedIndex = (Version, Option<Arc<PartIndex>>);
+
+/// What one read decoded, identified by everything that decides it: the file's version, the
+/// series and the columns. The step ranges are not in it: they are applied to the decoded
+/// rows, so a read of other steps of the same series reuses them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct RowsKey {
+    path: PathBuf,
+    version: Version,
+    level: u8,
+    pooled: bool,
+    select: Selector,
+    /// The part's column positions decoded, ascending.
+    columns: Vec<usize>,
+}
+
+/// The counters of the read caches, exported by the store's metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Part indexes built.
+    pub builds: prometheus_client::metrics::counter::Counter,
+    /// Reads answered from rows an earlier read decoded.
+    pub rows_reused: prometheus_client::metrics::counter::Counter,
+}
+
+/// The per-part indexes and the rows recent reads decoded, shared by every query of a
+/// collector.
 #[derive(Debug)]
 pub(crate) struct PartIndexes {
-    cache: Mutex<Cache>,
-    budget: usize,
-    builds: prometheus_client::metrics::counter::Counter,
+    indexes: Mutex<Lru<PathBuf, CachedIndex>>,
+    /// Parts never change once written, so decoded rows stay true until the part is gone.
+    /// What a dashboard asks again and again (the overview's heatmap on every refresh) is
+    /// then answered without decoding Parquet pages, which was 40 % of a 10 M-row heatmap.
+    rows: Mutex<Lru<RowsKey, Arc<[RecordBatch]>>>,
+    counters: Counters,
 }
 
 /// One point read: which rows of a part, which columns, which steps.
@@ -453,19 +535,21 @@ pub(crate) struct PointRead<'a> {
     pub steps: (&'a str, &'a [(u64, u64)]),
 }
 
-impl PartIndexes {
-    pub(crate) fn new(budget: usize, builds: prometheus_client::metrics::counter::Counter) -> Self {
-        PartIndexes {
-            cache: Mutex::new(Cache::default()),
-            budget,
-            builds,
-        }
-    }
+/// Locks a cache. A panic while holding the lock leaves a consistent map (every change is
+/// one insert or remove), so a poisoned lock is used as it is.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
-        // A panic while holding the lock leaves a consistent map (every change is one insert
-        // or remove), so a poisoned lock is used as it is.
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+impl PartIndexes {
+    /// Caches of `index_budget` bytes of part indexes and `rows_budget` bytes of decoded rows
+    /// (0: none kept).
+    pub(crate) fn new(index_budget: usize, rows_budget: usize, counters: Counters) -> Self {
+        PartIndexes {
+            indexes: Mutex::new(Lru::new(index_budget)),
+            rows: Mutex::new(Lru::new(rows_budget)),
+            counters,
+        }
     }
 
     /// The index of `file` (the part at `path`), built now unless cached for this version of
@@ -473,52 +557,23 @@ impl PartIndexes {
     fn index(
         &self,
         path: &Path,
+        version: Version,
         file: &File,
         deadline: Deadline,
     ) -> Result<Option<Arc<PartIndex>>> {
-        let stat = file.metadata()?;
-        let version: Version = (stat.len(), stat.modified().ok());
+        if let Some((v, index)) = lock(&self.indexes).get(&path.to_path_buf())
+            && v == version
         {
-            let mut cache = self.lock();
-            cache.tick += 1;
-            let tick = cache.tick;
-            if let Some((v, index, _, used)) = cache.entries.get_mut(path)
-                && *v == version
-            {
-                *used = tick;
-                return Ok(index.clone());
-            }
+            return Ok(index);
         }
         // Two queries meeting the same cold part both build it; the second insert replaces
         // the first (both are the same index), and the count says so.
-        let max_entries = self.budget / 4 / std::mem::size_of::<Entry>();
+        let budget = lock(&self.indexes).budget;
+        let max_entries = budget / 4 / std::mem::size_of::<Entry>();
         let index = PartIndex::build(path, file.try_clone()?, deadline, max_entries)?.map(Arc::new);
-        self.builds.inc();
+        self.counters.builds.inc();
         let bytes = index.as_ref().map_or(64, |i| i.bytes());
-        let mut cache = self.lock();
-        let tick = cache.tick;
-        if let Some((_, _, old, _)) = cache
-            .entries
-            .insert(path.to_owned(), (version, index.clone(), bytes, tick))
-        {
-            cache.bytes -= old;
-        }
-        cache.bytes += bytes;
-        // Least recently used out, never the part just read.
-        while cache.bytes > self.budget && cache.entries.len() > 1 {
-            let Some(oldest) = cache
-                .entries
-                .iter()
-                .filter(|(p, _)| p.as_path() != path)
-                .min_by_key(|(_, e)| e.3)
-                .map(|(p, _)| p.clone())
-            else {
-                break;
-            };
-            if let Some((_, _, freed, _)) = cache.entries.remove(&oldest) {
-                cache.bytes -= freed;
-            }
-        }
+        lock(&self.indexes).insert(path.to_owned(), (version, index.clone()), bytes);
         Ok(index)
     }
 
@@ -534,7 +589,9 @@ impl PartIndexes {
         // One handle for the version check, the index and the read: a part replaced in
         // between is never decoded with another file's footer.
         let file = File::open(path)?;
-        let Some(index) = self.index(path, &file, deadline)? else {
+        let stat = file.metadata()?;
+        let version: Version = (stat.len(), stat.modified().ok());
+        let Some(index) = self.index(path, version, &file, deadline)? else {
             return Ok(None);
         };
         let ranges = index.ranges(read.select, read.level, read.pooled);
@@ -554,6 +611,23 @@ impl PartIndexes {
             .collect::<Result<_>>()?;
         wanted.sort_unstable();
         wanted.dedup();
+        let mut hand = Hand::new(path, read, each);
+        let key = RowsKey {
+            path: path.to_owned(),
+            version,
+            level: read.level,
+            pooled: read.pooled,
+            select: read.select.clone(),
+            columns: wanted.clone(),
+        };
+        if let Some(batches) = lock(&self.rows).get(&key) {
+            self.counters.rows_reused.inc();
+            for batch in batches.iter() {
+                deadline.check()?;
+                hand.batch(batch)?;
+            }
+            return Ok(Some(hand.handed));
+        }
         let mask = ProjectionMask::roots(index.metadata.parquet_schema(), wanted);
         let (groups, selection) = index.row_groups(&ranges);
         let reader =
@@ -563,43 +637,95 @@ impl PartIndexes {
                 .with_row_selection(selection)
                 .with_batch_size(BATCH_ROWS)
                 .build()?;
-        let mut handed = 0u64;
-        // Errors past this point are the part's (or this module's), never the request's.
-        let broken = |e: arrow_schema::ArrowError| Error::corrupt(path, e.to_string());
-        // Every batch has the reader's schema: the asked-for order is found once.
-        let schema = arrow_array::RecordBatchReader::schema(&reader);
-        let order: Vec<usize> = read
-            .columns
-            .iter()
-            .map(|name| schema.index_of(name))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(broken)?;
+        // Kept while they fit a quarter of the cache: one large read (the raw rows of a whole
+        // part) neither empties the cache nor holds more than that while it streams.
+        let most = lock(&self.rows).budget / 4;
+        let mut kept = Some((Vec::new(), 0usize));
         for batch in reader {
             deadline.check()?;
-            let batch = batch.map_err(broken)?;
-            let steps = batch
-                .column_by_name(read.steps.0)
-                .and_then(|c| c.as_primitive_opt::<UInt64Type>())
-                .ok_or_else(|| {
-                    Error::corrupt(path, format!("no integer `{}` column", read.steps.0))
-                })?;
-            let keep: BooleanArray = steps
-                .values()
-                .iter()
-                .map(|s| Some(read.steps.1.iter().any(|&(a, b)| a <= *s && *s <= b)))
-                .collect();
-            let batch = batch.project(&order).map_err(broken)?;
-            let batch = if keep.true_count() == keep.len() {
-                batch
-            } else {
-                arrow_select::filter::filter_record_batch(&batch, &keep).map_err(broken)?
-            };
-            if batch.num_rows() > 0 {
-                handed += batch.num_rows() as u64;
-                each(&batch)?;
+            let batch = batch.map_err(|e| Error::corrupt(path, e.to_string()))?;
+            if let Some((batches, bytes)) = &mut kept {
+                *bytes += batch.get_array_memory_size();
+                if *bytes <= most {
+                    batches.push(batch.clone());
+                } else {
+                    kept = None;
+                }
             }
+            hand.batch(&batch)?;
         }
-        Ok(Some(handed))
+        if let Some((batches, bytes)) = kept {
+            lock(&self.rows).insert(key, batches.into(), bytes);
+        }
+        Ok(Some(hand.handed))
+    }
+}
+
+/// Hands on the decoded batches of one read: its rows within the step ranges, its columns
+/// in the order asked for.
+struct Hand<'r, 'a> {
+    path: &'r Path,
+    read: &'r PointRead<'a>,
+    each: &'r mut dyn FnMut(&RecordBatch) -> Result<()>,
+    /// The asked-for columns' positions in a decoded batch (all have the same schema).
+    order: Option<Vec<usize>>,
+    handed: u64,
+}
+
+impl<'r, 'a> Hand<'r, 'a> {
+    fn new(
+        path: &'r Path,
+        read: &'r PointRead<'a>,
+        each: &'r mut dyn FnMut(&RecordBatch) -> Result<()>,
+    ) -> Self {
+        Hand {
+            path,
+            read,
+            each,
+            order: None,
+            handed: 0,
+        }
+    }
+
+    fn batch(&mut self, batch: &RecordBatch) -> Result<()> {
+        // Errors here are the part's (or this module's), never the request's.
+        let path = self.path;
+        let broken = |e: arrow_schema::ArrowError| Error::corrupt(path, e.to_string());
+        let order = match &self.order {
+            Some(order) => order,
+            None => {
+                let schema = batch.schema();
+                let order: Vec<usize> = self
+                    .read
+                    .columns
+                    .iter()
+                    .map(|name| schema.index_of(name))
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(broken)?;
+                self.order.insert(order)
+            }
+        };
+        let (column, ranges) = self.read.steps;
+        let steps = batch
+            .column_by_name(column)
+            .and_then(|c| c.as_primitive_opt::<UInt64Type>())
+            .ok_or_else(|| Error::corrupt(path, format!("no integer `{column}` column")))?;
+        let keep: BooleanArray = steps
+            .values()
+            .iter()
+            .map(|s| Some(ranges.iter().any(|&(a, b)| a <= *s && *s <= b)))
+            .collect();
+        let batch = batch.project(order).map_err(broken)?;
+        let batch = if keep.true_count() == keep.len() {
+            batch
+        } else {
+            arrow_select::filter::filter_record_batch(&batch, &keep).map_err(broken)?
+        };
+        if batch.num_rows() > 0 {
+            self.handed += batch.num_rows() as u64;
+            (self.each)(&batch)?;
+        }
+        Ok(())
     }
 }
 
@@ -751,7 +877,6 @@ mod tests {
     fn an_unsorted_part_is_read_exactly_as_a_filter_over_every_row() {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "unsorted.parquet", ROWS);
-        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, Default::default());
         let selectors = [
             Selector {
                 metric: "spectral.ratio".into(),
@@ -790,20 +915,32 @@ mod tests {
                 rank: Pick::Any,
             },
         ];
-        for select in &selectors {
-            for steps in [&[(0, 10)][..], &[(2, 2)], &[(1, 1), (3, 3)], &[]] {
-                assert_eq!(
-                    read_all(&indexes, &path, select, steps),
-                    expected(select, steps),
-                    "{select:?} {steps:?}"
-                );
+        // Without decoded rows kept, and with them (the later step ranges of a series then
+        // come from the rows its first read decoded).
+        for rows_budget in [0, DEFAULT_BUDGET_BYTES] {
+            let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, rows_budget, Counters::default());
+            for select in &selectors {
+                for steps in [&[(0, 10)][..], &[(2, 2)], &[(1, 1), (3, 3)], &[]] {
+                    assert_eq!(
+                        read_all(&indexes, &path, select, steps),
+                        expected(select, steps),
+                        "{select:?} {steps:?} {rows_budget}"
+                    );
+                }
             }
+            assert_eq!(
+                indexes.counters.builds.get(),
+                1,
+                "one index for the part, reused"
+            );
+            // Four selectors match rows, each read four times: three of them reuse.
+            let reused = if rows_budget == 0 { 0 } else { 4 * 3 };
+            assert_eq!(indexes.counters.rows_reused.get(), reused);
         }
         assert!(
             !expected(&selectors[0], &[(0, 10)]).is_empty(),
             "the cases read something"
         );
-        assert_eq!(indexes.builds.get(), 1, "one index for the part, reused");
     }
 
     #[test]
@@ -842,27 +979,27 @@ mod tests {
             .collect();
         let one = build(&paths[0]).bytes();
         // Room for two indexes.
-        let indexes = PartIndexes::new(2 * one + one / 2, Default::default());
+        let indexes = PartIndexes::new(2 * one + one / 2, 0, Counters::default());
         let select = every_loss();
         let want = expected(&select, &[(0, 10)]);
         for path in paths.iter().chain(&paths) {
             assert_eq!(read_all(&indexes, path, &select, &[(0, 10)]), want);
-            assert!(indexes.lock().bytes <= 2 * one + one / 2);
+            assert!(lock(&indexes.indexes).bytes <= 2 * one + one / 2);
         }
-        assert_eq!(indexes.lock().entries.len(), 2);
+        assert_eq!(lock(&indexes.indexes).entries.len(), 2);
         // Each of the three read twice with room for two, least recently used out: six builds.
-        assert_eq!(indexes.builds.get(), 6);
+        assert_eq!(indexes.counters.builds.get(), 6);
         // A part rewritten under the same name is indexed again, not read through the old index.
         std::fs::remove_file(&paths[2]).unwrap();
         part(dir.path(), "p2.parquet", &ROWS[..4]);
-        let before = indexes.builds.get();
+        let before = indexes.counters.builds.get();
         // Its first four rows hold the first two `loss` rows (the length differs, so the
         // version does even within the modification time's resolution).
         assert_eq!(
             read_all(&indexes, &paths[2], &select, &[(0, 10)]),
             want[..2].to_vec()
         );
-        assert_eq!(indexes.builds.get(), before + 1);
+        assert_eq!(indexes.counters.builds.get(), before + 1);
     }
 
     /// Every `loss` series.
@@ -891,7 +1028,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "wide.parquet", ROWS);
         // Room for a quarter-budget of 2 keys; the part has 7 distinct series.
-        let indexes = PartIndexes::new(4 * 2 * std::mem::size_of::<Entry>(), Default::default());
+        let indexes = PartIndexes::new(
+            4 * 2 * std::mem::size_of::<Entry>(),
+            DEFAULT_BUDGET_BYTES,
+            Counters::default(),
+        );
         let select = every_loss();
         let read = steps_of(&select);
         for _ in 0..2 {
@@ -901,7 +1042,7 @@ mod tests {
             assert_eq!(got, None);
         }
         assert_eq!(
-            indexes.builds.get(),
+            indexes.counters.builds.get(),
             1,
             "the verdict is cached like an index"
         );
@@ -911,7 +1052,7 @@ mod tests {
     fn a_read_past_its_deadline_is_cancelled_with_the_query_timeout_message() {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "late.parquet", ROWS);
-        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, Default::default());
+        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, 0, Counters::default());
         let select = every_loss();
         let read = steps_of(&select);
         let past = Deadline {
@@ -926,5 +1067,116 @@ mod tests {
             err.to_string().contains("query cancelled after 30s"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn decoded_rows_serve_other_steps_of_the_same_series_and_never_another_version_of_the_part() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = part(dir.path(), "kept.parquet", ROWS);
+        let indexes = PartIndexes::new(
+            DEFAULT_BUDGET_BYTES,
+            DEFAULT_BUDGET_BYTES,
+            Counters::default(),
+        );
+        let select = every_loss();
+        let want = expected(&select, &[(0, 10)]);
+        assert_eq!(read_all(&indexes, &path, &select, &[(0, 10)]), want);
+        assert_eq!(
+            indexes.counters.rows_reused.get(),
+            0,
+            "the first read decodes"
+        );
+        assert_eq!(
+            read_all(&indexes, &path, &select, &[(2, 2)]),
+            expected(&select, &[(2, 2)])
+        );
+        assert_eq!(
+            indexes.counters.rows_reused.get(),
+            1,
+            "the second reuses its rows"
+        );
+        // Other columns are another read: decoded, not taken from rows that lack them.
+        let read = steps_of(&select);
+        let mut steps = Vec::new();
+        indexes
+            .read(&path, &read, far(), &mut |b| {
+                assert_eq!(b.num_columns(), 1);
+                steps.extend(
+                    b.column(0)
+                        .as_primitive::<UInt64Type>()
+                        .values()
+                        .iter()
+                        .copied(),
+                );
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(steps, want.iter().map(|r| r.3).collect::<Vec<_>>());
+        assert_eq!(indexes.counters.rows_reused.get(), 1);
+        // The part rewritten under the same name (shorter, so its version differs even within
+        // the modification time's resolution): its own rows, not the kept ones.
+        std::fs::remove_file(&path).unwrap();
+        part(dir.path(), "kept.parquet", &ROWS[..4]);
+        assert_eq!(
+            read_all(&indexes, &path, &select, &[(0, 10)]),
+            want[..2].to_vec()
+        );
+        assert_eq!(indexes.counters.rows_reused.get(), 1);
+    }
+
+    #[test]
+    fn the_rows_cache_keeps_within_its_budget_and_streams_what_would_not_fit() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths: Vec<PathBuf> = (0..3)
+            .map(|i| part(dir.path(), &format!("r{i}.parquet"), ROWS))
+            .collect();
+        let select = every_loss();
+        let want = expected(&select, &[(0, 10)]);
+        // How much one read keeps, measured with room for it.
+        let roomy = PartIndexes::new(
+            DEFAULT_BUDGET_BYTES,
+            DEFAULT_BUDGET_BYTES,
+            Counters::default(),
+        );
+        read_all(&roomy, &paths[0], &select, &[(0, 10)]);
+        let one = lock(&roomy.rows).bytes;
+        assert!(one > 0);
+        // A quarter of the budget holds one read: each of three read twice in turn, so every
+        // read decodes, and the cache never holds more than its budget.
+        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, 4 * one, Counters::default());
+        for path in paths.iter().chain(&paths) {
+            assert_eq!(read_all(&indexes, path, &select, &[(0, 10)]), want);
+            assert!(lock(&indexes.rows).bytes <= 4 * one);
+        }
+        assert_eq!(lock(&indexes.rows).entries.len(), 3, "all three fit");
+        assert_eq!(indexes.counters.rows_reused.get(), 3);
+        // With a budget whose quarter is below one read's rows, nothing is kept, and every
+        // read is still whole.
+        let small = PartIndexes::new(DEFAULT_BUDGET_BYTES, 4 * one - 4, Counters::default());
+        for _ in 0..2 {
+            assert_eq!(read_all(&small, &paths[0], &select, &[(0, 10)]), want);
+        }
+        assert_eq!(small.counters.rows_reused.get(), 0);
+        assert_eq!(lock(&small.rows).bytes, 0);
+    }
+
+    #[test]
+    fn the_least_recently_used_entry_goes_first_and_never_the_one_just_kept() {
+        let mut lru: Lru<u32, u32> = Lru::new(10);
+        lru.insert(1, 10, 4);
+        lru.insert(2, 20, 4);
+        assert_eq!(lru.get(&1), Some(10)); // 2 is now the least recently used
+        lru.insert(3, 30, 4);
+        assert_eq!(
+            (lru.get(&2), lru.get(&1), lru.get(&3)),
+            (None, Some(10), Some(30))
+        );
+        assert_eq!(lru.bytes, 8);
+        // Larger than the budget by itself: kept alone.
+        lru.insert(4, 40, 11);
+        assert_eq!((lru.entries.len(), lru.bytes), (1, 11));
+        // Replacing a key counts its new size only.
+        lru.insert(4, 41, 2);
+        assert_eq!((lru.get(&4), lru.bytes), (Some(41), 2));
     }
 }

@@ -30,6 +30,8 @@ pub struct StoreMetrics {
     /// Parts those reads read directly (`query::parts`), and the part indexes built for it.
     pub point_read_parts: Counter,
     pub part_index_builds: Counter,
+    /// Point reads answered from rows decoded by an earlier read (`--read-cache-bytes`).
+    pub read_cache_hits: Counter,
 }
 
 impl Default for StoreMetrics {
@@ -51,6 +53,7 @@ impl Default for StoreMetrics {
             downsampled_rollup_rows: Counter::default(),
             point_read_parts: Counter::default(),
             part_index_builds: Counter::default(),
+            read_cache_hits: Counter::default(),
         }
     }
 }
@@ -137,6 +140,11 @@ impl StoreMetrics {
             "part_index_builds",
             "Series indexes built for point reads (one per part read, unless evicted from the cache)",
             self.part_index_builds.clone(),
+        );
+        r.register(
+            "read_cache_hits",
+            "Point reads of a part answered from the rows an earlier read decoded, without decoding them again",
+            self.read_cache_hits.clone(),
         );
     }
 }

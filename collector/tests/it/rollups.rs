@@ -321,6 +321,7 @@ async fn an_overview_reads_rollups_not_rows() {
         "the three rollup parts, read directly"
     );
     assert_eq!(m.part_index_builds.get(), 3);
+    assert_eq!(m.read_cache_hits.get(), 0, "nothing was decoded before");
     // A narrower range cuts windows of parts that have rows beyond it: those steps are raw.
     let (raw0, tiles0) = (
         m.downsampled_raw_rows.get(),
@@ -342,6 +343,9 @@ async fn an_overview_reads_rollups_not_rows() {
     // The three rollup parts again (cached) and the two samples parts cut by the ends (new).
     assert_eq!(m.point_read_parts.get(), 3 + 5);
     assert_eq!(m.part_index_builds.get(), 3 + 2);
+    // The same windows of the same series: each rollup part's rows come from what the first
+    // heatmap decoded, only the range applied anew (the answers are checked below).
+    assert_eq!(m.read_cache_hits.get(), 3);
     assert!(tiles > 0 && tiles < 4 * 64, "{tiles} rollup rows");
     assert!(answers_agree(&c, &[(None, None, 100), (Some(3), Some(4_000), 37)]).await > 0);
     c.shutdown().await.unwrap();
