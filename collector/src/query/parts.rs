@@ -35,11 +35,13 @@
 //! (`--read-cache-bytes`), keyed by everything that decides them — the part's version, the
 //! selector, level and pooling, the columns — but not the step ranges, which are applied to
 //! the kept rows afresh. A dashboard asks the same overview on every refresh, and decoding
-//! Parquet pages was 40 % of a 10 M-row heatmap. A read whose rows pass a quarter of that
-//! cache streams without keeping them, so one large raw read neither empties the cache nor
-//! holds more memory than that.
+//! Parquet pages was 40 % of a 10 M-row heatmap. A read of one part whose rows pass a quarter
+//! of that cache streams without keeping them, so it neither empties the cache nor holds more
+//! than that quarter while it decodes. What is outside the budget: the rows of reads in
+//! progress (up to a quarter each) and of evicted entries a read is still replaying. A read
+//! across many parts is kept part by part, least recently used out like any other.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -61,6 +63,10 @@ use crate::error::{Error, Result};
 /// The cache's default size: about 1.6 M series keys across all cached parts. One part's
 /// index larger than a quarter of it is not kept: that part is read through DataFusion.
 pub(crate) const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+
+/// Bytes counted for a kept read besides its rows' buffers (its key, its slot in the map, the
+/// batches' structs): a generous estimate, so many small kept reads stay within the budget.
+const ROWS_ENTRY_OVERHEAD: usize = 1024;
 
 /// Rows decoded at a time.
 const BATCH_ROWS: usize = 8192;
@@ -431,10 +437,13 @@ impl<'a> KeyColumns<'a> {
 type Version = (u64, Option<SystemTime>);
 
 /// A map bounded in bytes, least recently used out: the part indexes and the decoded rows.
+/// Use order is kept beside the map, so an eviction takes the oldest entry without a scan.
 #[derive(Debug)]
 struct Lru<K, V> {
     /// Each value with the bytes counted for it and when it was last used.
     entries: HashMap<K, (V, usize, u64)>,
+    /// The keys by when they were last used (ticks are unique).
+    by_use: BTreeMap<u64, K>,
     bytes: usize,
     budget: usize,
     tick: u64,
@@ -444,6 +453,7 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Lru<K, V> {
     fn new(budget: usize) -> Self {
         Lru {
             entries: HashMap::new(),
+            by_use: BTreeMap::new(),
             bytes: 0,
             budget,
             tick: 0,
@@ -452,10 +462,12 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Lru<K, V> {
 
     /// The value of `key`, now the most recently used.
     fn get(&mut self, key: &K) -> Option<V> {
-        self.tick += 1;
-        let tick = self.tick;
         let (value, _, used) = self.entries.get_mut(key)?;
-        *used = tick;
+        self.tick += 1;
+        if let Some(k) = self.by_use.remove(used) {
+            self.by_use.insert(self.tick, k);
+        }
+        *used = self.tick;
         Some(value.clone())
     }
 
@@ -463,18 +475,15 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Lru<K, V> {
     /// used entries other than this one until the map is within its budget.
     fn insert(&mut self, key: K, value: V, bytes: usize) {
         self.tick += 1;
-        if let Some((_, old, _)) = self.entries.insert(key.clone(), (value, bytes, self.tick)) {
+        if let Some((_, old, used)) = self.entries.insert(key.clone(), (value, bytes, self.tick)) {
             self.bytes -= old;
+            self.by_use.remove(&used);
         }
+        self.by_use.insert(self.tick, key);
         self.bytes += bytes;
+        // The entry just kept is the most recently used: the last one left, never evicted.
         while self.bytes > self.budget && self.entries.len() > 1 {
-            let Some(oldest) = self
-                .entries
-                .iter()
-                .filter(|(k, _)| **k != key)
-                .min_by_key(|(_, e)| e.2)
-                .map(|(k, _)| k.clone())
-            else {
+            let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
             };
             if let Some((_, freed, _)) = self.entries.remove(&oldest) {
@@ -620,7 +629,10 @@ impl PartIndexes {
             select: read.select.clone(),
             columns: wanted.clone(),
         };
-        if let Some(batches) = lock(&self.rows).get(&key) {
+        // Taken out of the cache before it is replayed: the lock is never held across the
+        // caller's work on the rows.
+        let cached = lock(&self.rows).get(&key);
+        if let Some(batches) = cached {
             self.counters.rows_reused.inc();
             for batch in batches.iter() {
                 deadline.check()?;
@@ -639,8 +651,10 @@ impl PartIndexes {
                 .build()?;
         // Kept while they fit a quarter of the cache: one large read (the raw rows of a whole
         // part) neither empties the cache nor holds more than that while it streams.
+        // Counted with what the batches' buffers do not show: the key, the map's slot, the
+        // batches' own structs.
         let most = lock(&self.rows).budget / 4;
-        let mut kept = Some((Vec::new(), 0usize));
+        let mut kept = Some((Vec::new(), key.path.as_os_str().len() + ROWS_ENTRY_OVERHEAD));
         for batch in reader {
             deadline.check()?;
             let batch = batch.map_err(|e| Error::corrupt(path, e.to_string()))?;
@@ -654,7 +668,7 @@ impl PartIndexes {
             }
             hand.batch(&batch)?;
         }
-        if let Some((batches, bytes)) = kept {
+        if let Some((batches, bytes)) = kept.filter(|(_, bytes)| *bytes <= most) {
             lock(&self.rows).insert(key, batches.into(), bytes);
         }
         Ok(Some(hand.handed))
@@ -1052,20 +1066,34 @@ mod tests {
     fn a_read_past_its_deadline_is_cancelled_with_the_query_timeout_message() {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "late.parquet", ROWS);
-        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, 0, Counters::default());
         let select = every_loss();
         let read = steps_of(&select);
         let past = Deadline {
             at: Instant::now() - std::time::Duration::from_millis(1),
             after: std::time::Duration::from_secs(30),
         };
-        let err = indexes
-            .read(&path, &read, past, &mut |_| Ok(()))
-            .unwrap_err();
-        assert!(matches!(err, Error::Unavailable(_)), "{err}");
-        assert!(
-            err.to_string().contains("query cancelled after 30s"),
-            "{err}"
+        // Decoding, and replaying rows kept by an earlier read.
+        let decoding = PartIndexes::new(DEFAULT_BUDGET_BYTES, 0, Counters::default());
+        let kept = PartIndexes::new(
+            DEFAULT_BUDGET_BYTES,
+            DEFAULT_BUDGET_BYTES,
+            Counters::default(),
+        );
+        kept.read(&path, &read, far(), &mut |_| Ok(())).unwrap();
+        for indexes in [&decoding, &kept] {
+            let err = indexes
+                .read(&path, &read, past, &mut |_| Ok(()))
+                .unwrap_err();
+            assert!(matches!(err, Error::Unavailable(_)), "{err}");
+            assert!(
+                err.to_string().contains("query cancelled after 30s"),
+                "{err}"
+            );
+        }
+        assert_eq!(
+            kept.counters.rows_reused.get(),
+            1,
+            "the late read was a replay"
         );
     }
 
@@ -1080,16 +1108,18 @@ mod tests {
         );
         let select = every_loss();
         let want = expected(&select, &[(0, 10)]);
-        assert_eq!(read_all(&indexes, &path, &select, &[(0, 10)]), want);
+        // The narrow range first: what is kept is every row of the series, not the first
+        // read's steps.
+        assert_eq!(
+            read_all(&indexes, &path, &select, &[(2, 2)]),
+            expected(&select, &[(2, 2)])
+        );
         assert_eq!(
             indexes.counters.rows_reused.get(),
             0,
             "the first read decodes"
         );
-        assert_eq!(
-            read_all(&indexes, &path, &select, &[(2, 2)]),
-            expected(&select, &[(2, 2)])
-        );
+        assert_eq!(read_all(&indexes, &path, &select, &[(0, 10)]), want);
         assert_eq!(
             indexes.counters.rows_reused.get(),
             1,
@@ -1127,34 +1157,39 @@ mod tests {
     #[test]
     fn the_rows_cache_keeps_within_its_budget_and_streams_what_would_not_fit() {
         let dir = tempfile::tempdir().unwrap();
-        let paths: Vec<PathBuf> = (0..3)
-            .map(|i| part(dir.path(), &format!("r{i}.parquet"), ROWS))
-            .collect();
+        let first = part(dir.path(), "rx.parquet", ROWS);
         let select = every_loss();
         let want = expected(&select, &[(0, 10)]);
-        // How much one read keeps, measured with room for it.
+        // How much one read keeps, measured with room for it (its path as long as the parts'
+        // below: the path is counted too).
         let roomy = PartIndexes::new(
             DEFAULT_BUDGET_BYTES,
             DEFAULT_BUDGET_BYTES,
             Counters::default(),
         );
-        read_all(&roomy, &paths[0], &select, &[(0, 10)]);
+        read_all(&roomy, &first, &select, &[(0, 10)]);
         let one = lock(&roomy.rows).bytes;
         assert!(one > 0);
-        // A quarter of the budget holds one read: each of three read twice in turn, so every
-        // read decodes, and the cache never holds more than its budget.
+        // Room for four such reads (a quarter of the budget is one): five parts read in turn,
+        // twice, so each has been evicted by the time it is read again.
+        let paths: Vec<PathBuf> = (0..5)
+            .map(|i| part(dir.path(), &format!("r{i}.parquet"), ROWS))
+            .collect();
         let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, 4 * one, Counters::default());
         for path in paths.iter().chain(&paths) {
             assert_eq!(read_all(&indexes, path, &select, &[(0, 10)]), want);
             assert!(lock(&indexes.rows).bytes <= 4 * one);
         }
-        assert_eq!(lock(&indexes.rows).entries.len(), 3, "all three fit");
-        assert_eq!(indexes.counters.rows_reused.get(), 3);
+        assert_eq!(lock(&indexes.rows).entries.len(), 4);
+        assert_eq!(indexes.counters.rows_reused.get(), 0, "every read decoded");
+        // The last four are kept: the most recent is reused.
+        assert_eq!(read_all(&indexes, &paths[4], &select, &[(0, 10)]), want);
+        assert_eq!(indexes.counters.rows_reused.get(), 1);
         // With a budget whose quarter is below one read's rows, nothing is kept, and every
         // read is still whole.
         let small = PartIndexes::new(DEFAULT_BUDGET_BYTES, 4 * one - 4, Counters::default());
         for _ in 0..2 {
-            assert_eq!(read_all(&small, &paths[0], &select, &[(0, 10)]), want);
+            assert_eq!(read_all(&small, &first, &select, &[(0, 10)]), want);
         }
         assert_eq!(small.counters.rows_reused.get(), 0);
         assert_eq!(lock(&small.rows).bytes, 0);
