@@ -461,7 +461,11 @@ impl<K: std::hash::Hash + Eq + Clone, V: Clone> Lru<K, V> {
     }
 
     /// The value of `key`, now the most recently used.
-    fn get(&mut self, key: &K) -> Option<V> {
+    fn get<Q>(&mut self, key: &Q) -> Option<V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
         let (value, _, used) = self.entries.get_mut(key)?;
         self.tick += 1;
         if let Some(k) = self.by_use.remove(used) {
@@ -570,7 +574,7 @@ impl PartIndexes {
         file: &File,
         deadline: Deadline,
     ) -> Result<Option<Arc<PartIndex>>> {
-        if let Some((v, index)) = lock(&self.indexes).get(&path.to_path_buf())
+        if let Some((v, index)) = lock(&self.indexes).get(path)
             && v == version
         {
             return Ok(index);
@@ -627,7 +631,7 @@ impl PartIndexes {
             level: read.level,
             pooled: read.pooled,
             select: read.select.clone(),
-            columns: wanted.clone(),
+            columns: wanted,
         };
         // Taken out of the cache before it is replayed: the lock is never held across the
         // caller's work on the rows.
@@ -640,7 +644,8 @@ impl PartIndexes {
             }
             return Ok(Some(hand.handed));
         }
-        let mask = ProjectionMask::roots(index.metadata.parquet_schema(), wanted);
+        let mask =
+            ProjectionMask::roots(index.metadata.parquet_schema(), key.columns.iter().copied());
         let (groups, selection) = index.row_groups(&ranges);
         let reader =
             ParquetRecordBatchReaderBuilder::new_with_metadata(file, index.metadata.clone())
@@ -650,11 +655,12 @@ impl PartIndexes {
                 .with_batch_size(BATCH_ROWS)
                 .build()?;
         // Kept while they fit a quarter of the cache: one large read (the raw rows of a whole
-        // part) neither empties the cache nor holds more than that while it streams.
-        // Counted with what the batches' buffers do not show: the key, the map's slot, the
-        // batches' own structs.
+        // part) neither empties the cache nor holds more than that while it streams. Counted
+        // with what the batches' buffers do not show: the key, the map's slot, the batches'
+        // own structs.
         let most = lock(&self.rows).budget / 4;
-        let mut kept = Some((Vec::new(), key.path.as_os_str().len() + ROWS_ENTRY_OVERHEAD));
+        let fixed = key.path.as_os_str().len() + ROWS_ENTRY_OVERHEAD;
+        let mut kept = (fixed <= most).then(|| (Vec::new(), fixed));
         for batch in reader {
             deadline.check()?;
             let batch = batch.map_err(|e| Error::corrupt(path, e.to_string()))?;
@@ -668,7 +674,7 @@ impl PartIndexes {
             }
             hand.batch(&batch)?;
         }
-        if let Some((batches, bytes)) = kept.filter(|(_, bytes)| *bytes <= most) {
+        if let Some((batches, bytes)) = kept {
             lock(&self.rows).insert(key, batches.into(), bytes);
         }
         Ok(Some(hand.handed))
@@ -845,6 +851,11 @@ mod tests {
         out
     }
 
+    /// Caches with room for every index and `rows_budget` bytes of decoded rows.
+    fn keeping(rows_budget: usize) -> PartIndexes {
+        PartIndexes::new(DEFAULT_BUDGET_BYTES, rows_budget, Counters::default())
+    }
+
     /// A deadline no test reaches.
     fn far() -> Deadline {
         let after = std::time::Duration::from_secs(3600);
@@ -932,7 +943,7 @@ mod tests {
         // Without decoded rows kept, and with them (the later step ranges of a series then
         // come from the rows its first read decoded).
         for rows_budget in [0, DEFAULT_BUDGET_BYTES] {
-            let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, rows_budget, Counters::default());
+            let indexes = keeping(rows_budget);
             for select in &selectors {
                 for steps in [&[(0, 10)][..], &[(2, 2)], &[(1, 1), (3, 3)], &[]] {
                     assert_eq!(
@@ -1073,12 +1084,8 @@ mod tests {
             after: std::time::Duration::from_secs(30),
         };
         // Decoding, and replaying rows kept by an earlier read.
-        let decoding = PartIndexes::new(DEFAULT_BUDGET_BYTES, 0, Counters::default());
-        let kept = PartIndexes::new(
-            DEFAULT_BUDGET_BYTES,
-            DEFAULT_BUDGET_BYTES,
-            Counters::default(),
-        );
+        let decoding = keeping(0);
+        let kept = keeping(DEFAULT_BUDGET_BYTES);
         kept.read(&path, &read, far(), &mut |_| Ok(())).unwrap();
         for indexes in [&decoding, &kept] {
             let err = indexes
@@ -1101,11 +1108,7 @@ mod tests {
     fn decoded_rows_serve_other_steps_of_the_same_series_and_never_another_version_of_the_part() {
         let dir = tempfile::tempdir().unwrap();
         let path = part(dir.path(), "kept.parquet", ROWS);
-        let indexes = PartIndexes::new(
-            DEFAULT_BUDGET_BYTES,
-            DEFAULT_BUDGET_BYTES,
-            Counters::default(),
-        );
+        let indexes = keeping(DEFAULT_BUDGET_BYTES);
         let select = every_loss();
         let want = expected(&select, &[(0, 10)]);
         // The narrow range first: what is kept is every row of the series, not the first
@@ -1162,11 +1165,7 @@ mod tests {
         let want = expected(&select, &[(0, 10)]);
         // How much one read keeps, measured with room for it (its path as long as the parts'
         // below: the path is counted too).
-        let roomy = PartIndexes::new(
-            DEFAULT_BUDGET_BYTES,
-            DEFAULT_BUDGET_BYTES,
-            Counters::default(),
-        );
+        let roomy = keeping(DEFAULT_BUDGET_BYTES);
         read_all(&roomy, &first, &select, &[(0, 10)]);
         let one = lock(&roomy.rows).bytes;
         assert!(one > 0);
@@ -1175,7 +1174,7 @@ mod tests {
         let paths: Vec<PathBuf> = (0..5)
             .map(|i| part(dir.path(), &format!("r{i}.parquet"), ROWS))
             .collect();
-        let indexes = PartIndexes::new(DEFAULT_BUDGET_BYTES, 4 * one, Counters::default());
+        let indexes = keeping(4 * one);
         for path in paths.iter().chain(&paths) {
             assert_eq!(read_all(&indexes, path, &select, &[(0, 10)]), want);
             assert!(lock(&indexes.rows).bytes <= 4 * one);
@@ -1187,7 +1186,7 @@ mod tests {
         assert_eq!(indexes.counters.rows_reused.get(), 1);
         // With a budget whose quarter is below one read's rows, nothing is kept, and every
         // read is still whole.
-        let small = PartIndexes::new(DEFAULT_BUDGET_BYTES, 4 * one - 4, Counters::default());
+        let small = keeping(4 * one - 4);
         for _ in 0..2 {
             assert_eq!(read_all(&small, &first, &select, &[(0, 10)]), want);
         }
