@@ -15,6 +15,8 @@
    VictoriaMetrics' remote write interleaved (RANKWATCH_BENCH_AB_ROUNDS rounds, 3 by default):
    a change to ingest measured side by side in one run. `ingest-fsync` runs the collector with
    and without its fsyncs (libeatmydata) beside VictoriaMetrics: what the durability costs.
+   `ingest-floor` takes the promised work away piece by piece (alert engine, Parquet flushes
+   and rollups during the run, fsync) beside VictoriaMetrics: what each costs per sample.
 4. Memory: 1,024 simulated ranks x 200 metrics, each rank posting its own batch once a second
    as the agent does; RSS over time, p50/p99 ingest latency, refusals. Ten minutes by default
    (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
@@ -226,10 +228,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def rankwatch_rate(bodies: list, clients: int, samples: int, binary: str | None = None,
-                   env: dict[str, str] | None = None, busy: list[float] | None = None) -> float:
+                   env: dict[str, str] | None = None, busy: list[float] | None = None,
+                   extra: tuple[str, ...] = ()) -> float:
     """Samples/s; `busy`, if given, gets the server's CPU time over the wall time of the sends."""
     with tempfile.TemporaryDirectory() as d:
-        proc, url = start_collector(Path(d) / "data", binary=binary, env=env)
+        proc, url = start_collector(Path(d) / "data", *extra, binary=binary, env=env)
         try:
             # taskset execs the collector, which execs itself once more: one process id.
             cpu_before = cpu_seconds(proc.pid)
@@ -384,6 +387,56 @@ def bench_ingest_fsync(rows: int = 10_000, bursts: int = 200, sustained: int = 1
     for (case, name), values in rates.items():
         cpu = f"{statistics.median(busy[(case, name)]):.2f}" if (case, name) in busy else "-"
         print(f"{case:28} {name:34} {statistics.median(values):>12,.0f} {' / '.join(f'{v / 1e6:.2f} M' for v in values):>28} {cpu:>18}")
+
+
+def bench_ingest_floor(rows: int = 10_000, sustained: int = 1_000) -> None:
+    """Where the sustained case's budget goes: the same binary with the work it promises taken
+    away piece by piece (the alert engine off; no Parquet flush or rollups while the samples
+    arrive, the hot buffer made large enough to hold them all; fsync a no-op) beside
+    VictoriaMetrics' remote write, interleaved round by round. Each case's CPU nanoseconds per
+    sample (server CPU time over samples) say what that work costs on this core; the last
+    column is the rate over VictoriaMetrics' in the same round. Only the first case is the
+    collector as users run it: the others bound what any tuning of the rest could reach."""
+    if not EATMYDATA.exists():
+        sys.exit(f"{EATMYDATA} is missing: apt-get install eatmydata")
+    pin_off_cpu0()
+    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
+    tables = ingest_tables(sustained, rows)
+    arrow = arrow_bodies(tables)
+    remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables] if victoria_metrics_installed() else None
+    samples = sustained * rows
+    no_flush = ("--hot-budget-bytes", str(16 << 30), "--flush-interval", "1h")
+    no_fsync = {"LD_PRELOAD": str(EATMYDATA)}
+    cases = [
+        ("as shipped", (), {}),
+        ("no alert engine", ("--no-alert-engine",), {}),
+        ("no flush during the run", no_flush, {}),
+        ("neither", ("--no-alert-engine", *no_flush), {}),
+        ("neither, fsync a no-op", ("--no-alert-engine", *no_flush), no_fsync),
+    ]
+    rates: dict[str, list[float]] = {}
+    cpu_ns: dict[str, list[float]] = {}
+    ratio: dict[str, list[float]] = {}
+    print(f"\n# where the sustained budget goes: {samples / 1e6:g} M samples, 8 clients, each server pinned to CPU 0, "
+          f"{rounds} rounds", flush=True)
+    for r in range(rounds):
+        vm = victoria_metrics_rate("/api/v1/write", remote, 8, samples) if remote is not None else None
+        if vm is not None:
+            rates.setdefault("VictoriaMetrics, remote write", []).append(vm)
+        for name, extra, env in cases:
+            busy: list[float] = []
+            rate = rankwatch_rate(arrow, 8, samples, env=env, busy=busy, extra=extra)
+            rates.setdefault(name, []).append(rate)
+            cpu_ns.setdefault(name, []).append(busy[0] / rate * 1e9)
+            if vm is not None:
+                ratio.setdefault(name, []).append(rate / vm)
+        print(f"round {r + 1} done", flush=True)
+    print(f"{'collector':28} {'samples/s, median':>18} {'CPU ns/sample':>14} {'/ VictoriaMetrics':>18}")
+    for name, values in rates.items():
+        ns = f"{statistics.median(cpu_ns[name]):>14.0f}" if name in cpu_ns else f"{'-':>14}"
+        vs = f"{statistics.median(ratio[name]):>18.2f}" if name in ratio else f"{'-':>18}"
+        print(f"{name:28} {statistics.median(values):>18,.0f} {ns} {vs}")
+    print("target: the collector as shipped >= 1.2x VictoriaMetrics remote write, fsync before the ack")
 
 
 def p50(fn, n: int = 25) -> float:
@@ -659,6 +712,9 @@ def main() -> None:
         return
     if which[0] == "ingest-fsync":
         bench_ingest_fsync()
+        return
+    if which[0] == "ingest-floor":
+        bench_ingest_floor()
         return
     if "ingest" in which:
         bench_ingest()
