@@ -11,9 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import Collector
+
+import rankwatch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 TESTKIT = Path(__file__).resolve().parent.parent / "testkit"
+CRASHING = Path(__file__).resolve().parent / "spawn_crash_worker.py"
 
 
 def fresh_start_method(before: str = "", **env: str) -> str:
@@ -60,3 +64,24 @@ def test_forked_and_spawned_ranks_train_the_same_job_bit_for_bit(tmp_path: Path)
     assert losses["fork"] == losses["spawn"], losses
     # Two ranks on different shards: the comparison is of two real, different losses.
     assert losses["fork"][0] != losses["fork"][1], losses
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_rank_that_fails_before_finish_still_delivers_what_it_logged(tmp_path: Path, method: str) -> None:
+    # A forked rank ends in os._exit, without the interpreter shutdown that would drop the
+    # agent and deliver its last rows: the launcher ends the run itself, as a crash.
+    spool = tmp_path / "spool"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANKWATCH_START_METHOD": method,
+           "PYTHONPATH": os.pathsep.join([str(TESTKIT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(CRASHING), str(spool)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "fails before finish()" in done.stderr, done.stderr[-4000:]
+    collector = Collector(tmp_path / "data")
+    try:
+        report = rankwatch.sync(spool / "crash-before-finish", collector.url)
+        assert report["remaining"] == 0, report
+        rows = collector.sql("SELECT rank, step, value FROM samples WHERE run = 'crash-before-finish' AND metric = 'loss' ORDER BY rank, step")
+        assert [(r["rank"], r["step"], r["value"]) for r in rows] == [(rank, step, 10.0 * rank + step) for rank in range(2) for step in range(3)]
+        # A crash, not an end: no rank reported that it finished.
+        assert collector.sql("SELECT count(*) AS n FROM samples WHERE run = 'crash-before-finish' AND metric = 'finished'")[0]["n"] == 0
+    finally:
+        collector.stop()

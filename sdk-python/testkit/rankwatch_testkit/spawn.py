@@ -31,7 +31,37 @@ def free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, target: Callable[..., None], args: tuple[Any, ...]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    target(rank, *args)
+    inherited = {id(run) for run in _live_runs()}
+    try:
+        target(rank, *args)
+    except BaseException as e:
+        _end_runs_started_here(inherited, e)
+        raise
+    _end_runs_started_here(inherited, None)
+
+
+def _live_runs() -> list[Any]:
+    """This process's unfinished rankwatch runs; none (and nothing imported) for a job that
+    does not use rankwatch."""
+    run_module = sys.modules.get("rankwatch.run")
+    return run_module.live_runs() if run_module is not None else []
+
+
+def _end_runs_started_here(inherited: set[int], error: BaseException | None) -> None:
+    """Ends the runs `target` started and left unfinished, as leaving a `with
+    rankwatch.init(...)` block would: a crash if it raised (the collector is not told the rank
+    finished), else a finish.
+
+    A forked rank ends in `os._exit`, skipping the interpreter shutdown that drops an agent and
+    delivers what it still holds; ending the runs here makes both start methods end alike. A
+    run inherited from the launcher through the fork is the launcher's, never ended here."""
+    for run in _live_runs():
+        if id(run) in inherited:
+            continue
+        if error is None:
+            run.finish()
+        else:
+            run.__exit__(type(error), error, error.__traceback__)
 
 
 def _threads() -> int:
