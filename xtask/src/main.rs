@@ -824,23 +824,24 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
         .name("checks, collector, browser, demo, attach and docs".into())
         .spawn(move || {
             let mut tally = Tally::default();
-            let outcome = sdk_static_checks(&side_python)
-                .and_then(|()| {
-                    collector_browser_and_demo_suites(&side_python, &side_binary, &mut tally)
-                })
-                .and_then(|()| {
-                    let mut attach =
-                        pytest(&side_python, &root().join("sdk-python"), SIDE_SDK_TESTS);
-                    attach.env("RANKWATCH_BIN", &side_binary);
-                    run_counting(
-                        "python sdk suite: attach tests",
-                        attach,
-                        Some(&mut tally),
-                        Tally::add_pytest_line,
-                    )
-                })
-                .and_then(|()| rustdoc());
-            (outcome, tally)
+            let mut failures = Failures::default();
+            failures.note(sdk_static_checks(&side_python));
+            collector_browser_and_demo_suites(
+                &side_python,
+                &side_binary,
+                &mut tally,
+                &mut failures,
+            );
+            let mut attach = pytest(&side_python, &root().join("sdk-python"), SIDE_SDK_TESTS);
+            attach.env("RANKWATCH_BIN", &side_binary);
+            failures.note(run_counting(
+                "python sdk suite: attach tests",
+                attach,
+                Some(&mut tally),
+                Tally::add_pytest_line,
+            ));
+            failures.note(rustdoc());
+            (failures.into_result(), tally)
         })?;
     let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
     sdk.arg(format!("--ignore={SIDE_SDK_TESTS}"))
@@ -870,34 +871,62 @@ fn sdk_static_checks(python: &Path) -> Result<()> {
 }
 
 /// The collector's Python suites, the dashboard in a browser and the README's main job, one
-/// after another, against `binary`.
+/// after another, against `binary`; each runs whether or not the one before it passed.
 fn collector_browser_and_demo_suites(
     python: &Path,
     binary: &Path,
     tally: &mut Tally,
-) -> Result<()> {
+    failures: &mut Failures,
+) {
     let mut collector = pytest(python, &root(), "collector/tests/python");
     collector
         .env("RANKWATCH_BIN", binary)
         .env("PROMETHEUS_BIN", "/usr/bin/prometheus");
-    run_counting(
+    failures.note(run_counting(
         "python suites",
         collector,
         Some(tally),
         Tally::add_pytest_line,
-    )?;
+    ));
     let mut ui = pytest(python, &root().join("web/tests"), ".");
     ui.env("RANKWATCH_BIN", binary);
-    run_counting(
+    failures.note(run_counting(
         "browser tests (dashboard)",
         ui,
         Some(tally),
         Tally::add_pytest_line,
-    )?;
+    ));
     // The README's main job, as a user runs it, on the binary the Rust tests built.
     let mut demo = pytest(python, &root(), "xtask/tests");
     demo.env("RANKWATCH_BIN", binary);
-    run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
+    failures.note(run_counting(
+        "demo test",
+        demo,
+        Some(tally),
+        Tally::add_pytest_line,
+    ));
+}
+
+/// Independent suites' outcomes, gathered so that one failing suite does not keep the ones
+/// after it from running: a run then shows every suite that fails, not only the first.
+#[derive(Default)]
+struct Failures(Vec<anyhow::Error>);
+
+impl Failures {
+    fn note(&mut self, outcome: Result<()>) {
+        if let Err(e) = outcome {
+            self.0.push(e);
+        }
+    }
+
+    /// Ok when nothing failed, else one error naming every failure.
+    fn into_result(self) -> Result<()> {
+        if self.0.is_empty() {
+            return Ok(());
+        }
+        let each: Vec<String> = self.0.iter().map(|e| format!("{e:#}")).collect();
+        Err(anyhow::anyhow!("{}", each.join("; ")))
+    }
 }
 
 /// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face.
