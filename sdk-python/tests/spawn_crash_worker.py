@@ -10,8 +10,15 @@ from rankwatch_testkit.spawn import spawn_ranks
 import rankwatch
 
 
+# Where a script keeps its run, as scripts do: a run held only by the rank's frame would be
+# dropped, and so delivered, as the exception unwinds; one held here lives until the process
+# ends, which for a forked rank is os._exit.
+RUNS: list[rankwatch.Run] = []
+
+
 def _rank(rank: int, spool: str) -> None:
     run = rankwatch.init(run="crash-before-finish", mode="offline", spool_dir=spool)
+    RUNS.append(run)
     for step in range(3):
         run.log(step, loss=float(10 * rank + step))
     raise RuntimeError(f"rank {rank} fails before finish()")

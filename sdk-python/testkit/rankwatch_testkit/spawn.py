@@ -21,6 +21,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+# How long the other ranks have to end on their own once one rank has failed.
+GRACE_SECONDS = 15.0
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now (the rendezvous binds it a moment later)."""
@@ -31,13 +34,21 @@ def free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, target: Callable[..., None], args: tuple[Any, ...]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    inherited = {id(run) for run in _live_runs()}
+    inherited = _live_runs()
     try:
         target(rank, *args)
     except BaseException as e:
         _end_runs_started_here(inherited, e)
         raise
     _end_runs_started_here(inherited, None)
+    # The rank's work is done and its runs are ended: leave without the interpreter's teardown,
+    # as a forked rank does anyway. In torch 2.15 that teardown aborts a process now and then
+    # ("terminate called without an active exception": a gloo work thread frees its last work
+    # item after Python has finalized); 3 of 10 spawned runs of a plain 2-rank DDP job over
+    # gloo, no rankwatch imported, aborted so on this machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _live_runs() -> list[Any]:
@@ -47,21 +58,26 @@ def _live_runs() -> list[Any]:
     return run_module.live_runs() if run_module is not None else []
 
 
-def _end_runs_started_here(inherited: set[int], error: BaseException | None) -> None:
+def _end_runs_started_here(inherited: list[Any], error: BaseException | None) -> None:
     """Ends the runs `target` started and left unfinished, as leaving a `with
-    rankwatch.init(...)` block would: a crash if it raised (the collector is not told the rank
-    finished), else a finish.
+    rankwatch.init(...)` block would: a crash if it raised (`SystemExit` included; the
+    collector is not told the rank finished), else a finish.
 
     A forked rank ends in `os._exit`, skipping the interpreter shutdown that drops an agent and
     delivers what it still holds; ending the runs here makes both start methods end alike. A
-    run inherited from the launcher through the fork is the launcher's, never ended here."""
+    run inherited from the launcher through the fork is the launcher's, never ended here. A run
+    that fails to end is reported and the others are still ended; the rank's own outcome, its
+    error or its success, is what the launcher sees."""
     for run in _live_runs():
-        if id(run) in inherited:
+        if any(run is mine for mine in inherited):
             continue
-        if error is None:
-            run.finish()
-        else:
-            run.__exit__(type(error), error, error.__traceback__)
+        try:
+            if error is None:
+                run.finish()
+            else:
+                run.__exit__(type(error), error, error.__traceback__)
+        except BaseException as e:  # noqa: BLE001 - the rank's own outcome must not be replaced
+            print(f"rankwatch_testkit: could not end run {getattr(run, 'id', '?')!r}: {e!r}", file=sys.stderr)
 
 
 def _threads() -> int:
@@ -95,4 +111,9 @@ def spawn_ranks(target: Callable[..., None], world: int, *args: Any) -> None:
         import torch._dynamo  # noqa: F401
 
         method = start_method()
-    mp.start_processes(_rank_main, args=(world, free_port(), target, args), nprocs=world, join=True, start_method=method)
+    ranks = mp.start_processes(_rank_main, args=(world, free_port(), target, args), nprocs=world, join=False, start_method=method)
+    # When one rank fails, the others get GRACE_SECONDS to end on their own (and end their
+    # runs, delivering what they logged) before they are terminated; with no grace they were
+    # terminated at once, losing what their agents held.
+    while not ranks.join(grace_period=GRACE_SECONDS):
+        pass
