@@ -248,8 +248,11 @@ fn run_counting(
         .spawn()
         .with_context(|| format!("{step}: could not start {cmd:?}"))?;
     if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            let line = line.context("reading test output")?;
+        // Lossy: a line that is not UTF-8 must not end the reading early, which would leave
+        // the child running beside the next step.
+        for line in BufReader::new(stdout).split(b'\n') {
+            let Ok(bytes) = line else { break };
+            let line = String::from_utf8_lossy(&bytes);
             say(&line);
             if let Some(tally) = tally.as_deref_mut() {
                 count(tally, &line);
@@ -852,7 +855,10 @@ fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
         .join()
         .map_err(|_| anyhow::anyhow!("the side lane of the Python suites panicked"))?;
     tally.merge(side_tally);
-    sdk_outcome.and(side_outcome)
+    let mut failures = Failures::default();
+    failures.note(sdk_outcome);
+    failures.note(side_outcome);
+    failures.into_result()
 }
 
 /// The SDK tests that run on the side lane (relative to `sdk-python`), not in the main suite.
@@ -864,10 +870,12 @@ fn sdk_static_checks(python: &Path) -> Result<()> {
     let mut ruff = Command::new(python);
     ruff.current_dir(&sdk_dir)
         .args(["-m", "ruff", "check", "rankwatch"]);
-    run("ruff (sdk-python/rankwatch)", ruff)?;
+    let mut failures = Failures::default();
+    failures.note(run("ruff (sdk-python/rankwatch)", ruff));
     let mut mypy = Command::new(python);
     mypy.current_dir(&sdk_dir).args(["-m", "mypy", "rankwatch"]);
-    run("mypy --strict (sdk-python/rankwatch)", mypy)
+    failures.note(run("mypy --strict (sdk-python/rankwatch)", mypy));
+    failures.into_result()
 }
 
 /// The collector's Python suites, the dashboard in a browser and the README's main job, one
