@@ -342,16 +342,24 @@ def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000)
     return rates
 
 
+def side_by_side_inputs(count: int, rows: int, eatmydata: bool = False) -> tuple[int, list, list | None]:
+    """What the interleaved ingest benches share: the clients moved off CPU 0, the number of
+    rounds (RANKWATCH_BENCH_AB_ROUNDS, 3 by default), `count` batches of `rows` samples as
+    rankwatch's Arrow requests and as VictoriaMetrics' remote write (None where it is not
+    installed). With `eatmydata`, first checks that libeatmydata is there."""
+    if eatmydata and not EATMYDATA.exists():
+        sys.exit(f"{EATMYDATA} is missing: apt-get install eatmydata")
+    pin_off_cpu0()
+    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
+    tables = ingest_tables(count, rows)
+    remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables] if victoria_metrics_installed() else None
+    return rounds, arrow_bodies(tables), remote
+
+
 def bench_ingest_ab(old: str, new: str, rows: int = 10_000, sustained: int = 1_000) -> None:
     """The sustained ingest case for two collector binaries and VictoriaMetrics, interleaved
     round by round so that a machine whose speed drifts affects all three alike."""
-    pin_off_cpu0()
-    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
-    tables = ingest_tables(sustained, rows)
-    arrow = arrow_bodies(tables)
-    remote = None
-    if victoria_metrics_installed():
-        remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables]
+    rounds, arrow, remote = side_by_side_inputs(sustained, rows)
     samples = sustained * rows
     print(f"\n# sustained ingest, side by side: {samples / 1e6:g} M samples, 8 clients, each server pinned to CPU 0; "
           f"samples/s per round")
@@ -379,13 +387,7 @@ def bench_ingest_fsync(rows: int = 10_000, bursts: int = 200, sustained: int = 1
     before disk would give), and VictoriaMetrics' remote write, interleaved round by round;
     with the collector's CPU time over the wall time of each run (1.0: one core busy
     throughout, so the rate is its CPU cost per sample, not waiting)."""
-    if not EATMYDATA.exists():
-        sys.exit(f"{EATMYDATA} is missing: apt-get install eatmydata")
-    pin_off_cpu0()
-    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
-    tables = ingest_tables(sustained, rows)
-    arrow = arrow_bodies(tables)
-    remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables] if victoria_metrics_installed() else None
+    rounds, arrow, remote = side_by_side_inputs(sustained, rows, eatmydata=True)
     cases = [("1 client, 2 M", 1, bursts), ("8 clients, 2 M", 8, bursts), ("8 clients, 10 M sustained", 8, sustained)]
     systems = [("rankwatch, fsync before the ack", {}), ("rankwatch, fsync a no-op", {"LD_PRELOAD": str(EATMYDATA)})]
     rates: dict[tuple[str, str], list[float]] = {}
@@ -415,13 +417,7 @@ def bench_ingest_floor(rows: int = 10_000, sustained: int = 1_000) -> None:
     samples) say what that work costs on this core; the last column is the rate over
     VictoriaMetrics' in the same round. Only the first case is the collector as users run it:
     the others bound what any tuning of the rest could reach."""
-    if not EATMYDATA.exists():
-        sys.exit(f"{EATMYDATA} is missing: apt-get install eatmydata")
-    pin_off_cpu0()
-    rounds = int(os.environ.get("RANKWATCH_BENCH_AB_ROUNDS", "3"))
-    tables = ingest_tables(sustained, rows)
-    arrow = arrow_bodies(tables)
-    remote = [(remote_write_body(by_series(t)), REMOTE_WRITE_HEADERS) for t in tables] if victoria_metrics_installed() else None
+    rounds, arrow, remote = side_by_side_inputs(sustained, rows, eatmydata=True)
     samples = sustained * rows
     no_flush = ("--hot-budget-bytes", str(16 << 30), "--flush-interval", "1h")
     no_fsync = {"LD_PRELOAD": str(EATMYDATA)}
