@@ -379,6 +379,8 @@ def bench_ingest_ab(old: str, new: str, rows: int = 10_000, sustained: int = 1_0
 
 
 EATMYDATA = Path("/usr/lib/x86_64-linux-gnu/libeatmydata.so")
+# The environment that makes every fsync of the collector a no-op.
+NO_FSYNC = {"LD_PRELOAD": str(EATMYDATA)}
 
 
 def bench_ingest_fsync(rows: int = 10_000, bursts: int = 200, sustained: int = 1_000) -> None:
@@ -389,7 +391,7 @@ def bench_ingest_fsync(rows: int = 10_000, bursts: int = 200, sustained: int = 1
     throughout, so the rate is its CPU cost per sample, not waiting)."""
     rounds, arrow, remote = side_by_side_inputs(sustained, rows, eatmydata=True)
     cases = [("1 client, 2 M", 1, bursts), ("8 clients, 2 M", 8, bursts), ("8 clients, 10 M sustained", 8, sustained)]
-    systems = [("rankwatch, fsync before the ack", {}), ("rankwatch, fsync a no-op", {"LD_PRELOAD": str(EATMYDATA)})]
+    systems = [("rankwatch, fsync before the ack", {}), ("rankwatch, fsync a no-op", NO_FSYNC)]
     rates: dict[tuple[str, str], list[float]] = {}
     busy: dict[tuple[str, str], list[float]] = {}
     print(f"\n# ingest with and without fsync: {rows:,}-sample batches, each server pinned to CPU 0, {rounds} rounds; samples/s")
@@ -420,13 +422,12 @@ def bench_ingest_floor(rows: int = 10_000, sustained: int = 1_000) -> None:
     rounds, arrow, remote = side_by_side_inputs(sustained, rows, eatmydata=True)
     samples = sustained * rows
     no_flush = ("--hot-budget-bytes", str(16 << 30), "--flush-interval", "1h")
-    no_fsync = {"LD_PRELOAD": str(EATMYDATA)}
     cases = [
         ("as shipped", (), {}),
         ("no alert engine", ("--no-alert-engine",), {}),
         ("no flush during the run", no_flush, {}),
         ("neither", ("--no-alert-engine", *no_flush), {}),
-        ("neither, fsync a no-op", ("--no-alert-engine", *no_flush), no_fsync),
+        ("neither, fsync a no-op", ("--no-alert-engine", *no_flush), NO_FSYNC),
     ]
     rates: dict[str, list[float]] = {}
     cpu_ns: dict[str, list[float]] = {}

@@ -20,6 +20,11 @@ TESTKIT = Path(__file__).resolve().parent.parent / "testkit"
 CRASHING = Path(__file__).resolve().parent / "spawn_crash_worker.py"
 
 
+def launcher_env(method: str) -> dict[str, str]:
+    """The environment of a job whose ranks the test kit starts by `method` ("fork" or "spawn")."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANKWATCH_START_METHOD": method}
+
+
 def fresh_start_method(before: str = "", **env: str) -> str:
     """`start_method()` as a fresh Python sees it after importing torch with one OpenMP thread
     (with more, importing torch starts a thread already) and running `before`."""
@@ -57,8 +62,7 @@ def test_forked_and_spawned_ranks_train_the_same_job_bit_for_bit(tmp_path: Path)
         out.mkdir()
         cmd = [sys.executable, str(EXAMPLE), "--monitor", "off", "--nproc", "2", "--steps", "12", "--result-dir", str(out),
                "--layers", "2", "--width", "32", "--seq", "16", "--batch", "4", "--vocab", "64", "--corpus", "256"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANKWATCH_START_METHOD": method}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(cmd, env=launcher_env(method), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
         losses[method] = [json.loads((out / f"rank-{r}.json").read_text())["final_loss"] for r in range(2)]
     assert losses["fork"] == losses["spawn"], losses
@@ -71,9 +75,7 @@ def test_a_rank_that_fails_before_finish_still_delivers_what_it_logged(tmp_path:
     # A forked rank ends in os._exit, without the interpreter shutdown that would drop the
     # agent and deliver its last rows: the launcher ends the run itself, as a crash.
     spool = tmp_path / "spool"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANKWATCH_START_METHOD": method,
-           "PYTHONPATH": os.pathsep.join([str(TESTKIT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(CRASHING), str(spool)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(CRASHING), str(spool)], env=launcher_env(method), capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "fails before finish()" in done.stderr, done.stderr[-4000:]
     collector = Collector(tmp_path / "data")
     try:

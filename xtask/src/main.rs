@@ -252,7 +252,7 @@ fn run_counting(
         // the child running beside the next step.
         for line in BufReader::new(stdout).split(b'\n') {
             let Ok(bytes) = line else { break };
-            let line = String::from_utf8_lossy(&bytes);
+            let line = String::from_utf8_lossy(bytes.strip_suffix(b"\r").unwrap_or(&bytes));
             say(&line);
             if let Some(tally) = tally.as_deref_mut() {
                 count(tally, &line);
