@@ -144,10 +144,16 @@ def test_training_ranks_are_found_below_a_launcher_and_dataloader_workers_are_no
         "ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1]], env={**os.environ, 'RANK': str(r)}, stdout=sys.stdout) for r in range(2)]\n"
         "print('ranks', *[p.pid for p in ps], flush=True); time.sleep(60)\n"
     )
-    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, rank_code], stdout=subprocess.PIPE, text=True, env=_env())
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, rank_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    lines: list[list[str]] = []
     try:
-        assert launcher.stdout is not None
-        lines = [launcher.stdout.readline().split() for _ in range(3)]
+        assert launcher.stdout is not None and launcher.stderr is not None
+        raw = [launcher.stdout.readline() for _ in range(3)]
+        lines = [line.split() for line in raw]
+        # Once seen in CI: the output ended at once, nothing on stderr. Say how, should it recur.
+        if not all(lines):
+            launcher.kill()
+            pytest.fail(f"the launcher's output ended early: {raw}; exit {launcher.wait()}; stderr {launcher.stderr.read()[-2000:]!r}")
         ranks = sorted(int(x) for line in lines if line[0] == "ranks" for x in line[1:])
         time.sleep(0.5)
         assert training_ranks(launcher.pid) == ranks
