@@ -138,11 +138,13 @@ def test_training_ranks_are_found_below_a_launcher_and_dataloader_workers_are_no
     from rankwatch.auto.inject import AttachError, training_ranks
 
     # A launcher (no RANK) with two ranks, each with a child that inherits its RANK (a worker).
-    rank_code = "import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); time.sleep(60)"
+    # Each line goes out in one write: the ranks share the launcher's pipe, and print() may
+    # write a pid and its newline separately (CI once read "3086430865" and then "").
+    rank_code = "import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); os.write(1, f'{c.pid}\\n'.encode()); time.sleep(60)"
     launcher_code = (
         "import os, subprocess, sys, time\n"
         "ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1]], env={**os.environ, 'RANK': str(r)}, stdout=sys.stdout) for r in range(2)]\n"
-        "print('ranks', *[p.pid for p in ps], flush=True); time.sleep(60)\n"
+        "os.write(1, ('ranks ' + ' '.join(str(p.pid) for p in ps) + '\\n').encode()); time.sleep(60)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code, rank_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     lines: list[list[str]] = []
@@ -150,10 +152,10 @@ def test_training_ranks_are_found_below_a_launcher_and_dataloader_workers_are_no
         assert launcher.stdout is not None and launcher.stderr is not None
         raw = [launcher.stdout.readline() for _ in range(3)]
         lines = [line.split() for line in raw]
-        # Once seen in CI: the output ended at once, nothing on stderr. Say how, should it recur.
+        # Say what was read, should a line ever come back broken.
         if not all(lines):
             launcher.kill()
-            pytest.fail(f"the launcher's output ended early: {raw}; exit {launcher.wait()}; stderr {launcher.stderr.read()[-2000:]!r}")
+            pytest.fail(f"the launcher's lines came back broken: {raw}; exit {launcher.wait()}; stderr {launcher.stderr.read()[-2000:]!r}")
         ranks = sorted(int(x) for line in lines if line[0] == "ranks" for x in line[1:])
         time.sleep(0.5)
         assert training_ranks(launcher.pid) == ranks
