@@ -18,9 +18,13 @@ wrong silently, so discovery is explicit per family:
    `feed_forward.w1`).
 3. Anything else goes to the generic fallback: the largest ModuleList/ModuleDict of identical
    blocks, searched for linear children by the documented `GENERIC_SITE_PATTERNS` table (plus
-   `nn.MultiheadAttention`'s fused `in_proj_weight`). It fails loudly, naming the model class and
-   pointing at `mapping=`.
-4. A user `mapping` overrides all of the above (see `discover`).
+   `nn.MultiheadAttention`'s fused `in_proj_weight`). It is taken only when it names q, k, v, o,
+   up and down in every block.
+4. Otherwise the blocks are read off their own data flow (`structure.py`: one traced forward of
+   a meta copy of a block finds which weights feed the attention's q/k/v, which reads its
+   output, and the MLP chain after it). That is exact or refused: the refusal names what was
+   ambiguous, the model class, and points at `mapping=`.
+5. A user `mapping` overrides all of the above (see `discover`).
 
 Matrices are returned by zero-argument accessors rather than tensors, so that a probe always
 reads the *current* parameter (optimizers, FSDP and `load_state_dict` may replace tensors), and
@@ -44,10 +48,11 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
+from .mapping import MAPPING_KEYS, MATRIX_SITES
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-MATRIX_SITES: tuple[str, ...] = ("q", "k", "v", "o", "up", "gate", "down")
 
 MatrixAccessor = Callable[[], torch.Tensor]
 
@@ -850,15 +855,13 @@ def _generic(model: nn.Module, original: nn.Module) -> Layout:
                 gate_module=gate_module,
             )
         )
-    embed = next(
-        (m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(blocks_path + ".")),
-        None,
+    return Layout(
+        "generic",
+        blocks,
+        embed=_embedding_outside(model, blocks_path),
+        final_norm=_final_norm(model, blocks_path),
+        blocks_path=blocks_path,
     )
-    parent = _get(model, blocks_path.rsplit(".", 1)[0]) if "." in blocks_path else model
-    final_norm = next(
-        (m for n in _FINAL_NORM_NAMES if isinstance(m := getattr(parent, n, None), nn.Module)), None
-    )
-    return Layout("generic", blocks, embed=embed, final_norm=final_norm, blocks_path=blocks_path)
 
 
 def _param_rows(owner: nn.Module, name: str, start: int, stop: int) -> MatrixAccessor:
@@ -868,15 +871,10 @@ def _param_rows(owner: nn.Module, name: str, start: int, stop: int) -> MatrixAcc
 # --------------------------------------------------------------------------------------------
 # User mapping.
 
-_MAPPING_KEYS = frozenset(MATRIX_SITES) | {
-    "blocks", "transposed", "attention", "embed", "final_norm", "attn", "mlp", "gate_act",
-}
-
-
 def _from_mapping(roots: list[nn.Module], mapping: dict[str, Any], original: nn.Module) -> Layout:
-    unknown = set(mapping) - _MAPPING_KEYS
+    unknown = set(mapping) - MAPPING_KEYS
     if unknown:
-        raise DiscoveryError(f"mapping has unknown keys {sorted(unknown)}; allowed: {sorted(_MAPPING_KEYS)}")
+        raise DiscoveryError(f"mapping has unknown keys {sorted(unknown)}; allowed: {sorted(MAPPING_KEYS)}")
     if "blocks" not in mapping:
         raise DiscoveryError("mapping needs 'blocks': the dotted path of the ModuleList of blocks")
 
@@ -979,4 +977,58 @@ def discover(model: nn.Module, mapping: dict[str, Any] | None = None) -> Layout:
     for _, module in inner.named_modules():
         if module is not inner and (_hf_model_type(module) in _HF_FAMILIES):
             return _HF_FAMILIES[_hf_model_type(module)](_hf_base(module))  # type: ignore[index]
-    return _generic(inner, model)
+    by_name: Layout | None = None
+    try:
+        by_name = _generic(inner, model)
+    except DiscoveryError:
+        pass  # no name matched: the data flow decides
+    if by_name is not None and all(set(_COMPLETE) <= set(b.matrices) for b in by_name.blocks):
+        return by_name
+    # No name matched every matrix: read the blocks off their data flow rather than report a
+    # partial map (MPT's `Wqkv` beside `out_proj`/`up_proj`/`down_proj`, say).
+    return _structural(inner, model, by_name)
+
+
+# The sites a name match must find in every block to be taken without tracing.
+_COMPLETE = ("q", "k", "v", "o", "up", "down")
+
+
+def _structural(model: nn.Module, original: nn.Module, partial: Layout | None) -> Layout:
+    from .structure import discover_blocks
+
+    hint = (
+        f"could not discover the transformer blocks of {type(original).__name__}: "
+        "pass mapping={'blocks': 'path.to.ModuleList', 'q': 'attn.q_proj', ...} to rankwatch"
+    )
+    found = _largest_block_list(model)
+    if found is None:
+        raise DiscoveryError(hint + " (no ModuleList/ModuleDict of identical blocks found)")
+    blocks_path, members = found
+    embed = _embedding_outside(model, blocks_path)
+    try:
+        blocks = discover_blocks(members, embed, blocks_path)
+    except DiscoveryError as e:
+        named = partial.blocks[0].sites() if partial is not None and partial.blocks else []
+        by_name = f"names matched only {', '.join(named)}" if named else "no names matched q/k/v/o/up/gate/down"
+        raise DiscoveryError(f"{hint} (blocks at `{blocks_path}` of type {type(members[0]).__name__}: {by_name}; from the data flow: {e})") from e
+    return Layout("structural", blocks, embed=embed, final_norm=_final_norm(model, blocks_path), blocks_path=blocks_path)
+
+
+def _embedding_outside(model: nn.Module, blocks_path: str) -> nn.Module | None:
+    return next(
+        (m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(blocks_path + ".")),
+        None,
+    )
+
+
+def _final_norm(model: nn.Module, blocks_path: str) -> nn.Module | None:
+    """The norm after the blocks: a child of their parent with a usual name, else the first
+    child registered after the blocks whose class is a norm (`LayerNorm`, `RMSNorm`, ...)."""
+    parent = _get(model, blocks_path.rsplit(".", 1)[0]) if "." in blocks_path else model
+    named = next((m for n in _FINAL_NORM_NAMES if isinstance(m := getattr(parent, n, None), nn.Module)), None)
+    if named is not None:
+        return named
+    leaf = blocks_path.rsplit(".", 1)[-1]
+    children = list(parent.named_children())
+    after = [m for i, (n, _) in enumerate(children) if n == leaf for _, m in children[i + 1 :]]
+    return next((m for m in after if type(m).__name__.endswith("Norm")), None)

@@ -81,7 +81,8 @@ from typing import Any
 
 import torch
 
-from .discovery import MATRIX_SITES, AttentionShape, Layout, RowSlice, is_dtensor
+from .discovery import AttentionShape, Layout, RowSlice, is_dtensor
+from .mapping import MATRIX_SITES
 
 Metric = tuple[str, int | None, str | None, torch.Tensor]
 # A step of lockstep work: yields partial vectors to be summed over the mesh, receives the sums.

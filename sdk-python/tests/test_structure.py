@@ -1,0 +1,165 @@
+"""Structural discovery: blocks no family table or name pattern knows, read off their data flow.
+
+Every layout of the zoo (`rankwatch_testkit.zoo`: renamed nanoGPT, Megatron-core, OLMo, MPT,
+GQA with rotary, complex rotary, hand-written attention, a parallel block, a mixture of experts)
+is discovered bare and `torch.compile`d, and each site's matrix is compared, exactly, with the
+rows the layout's own definition says it uses; the spectral probe over the found layout is
+checked against float64 `torch.linalg.matrix_norm(ord=2)` of those weights (relative 1e-3, the
+spectral suite's tolerance, after 400 cold iterations). Tracing touches nothing: parameters,
+gradients, the random streams, hooks and training flags are the same before and after. What
+cannot be read exactly is refused with a message that names why.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rankwatch.discovery import AttentionShape, DiscoveryError, discover
+from rankwatch.spectral import SpectralProbe
+from rankwatch_testkit.zoo import LAYOUTS, ZooConfig, ZooModel
+
+REL_TOL = 1e-3
+
+
+def zoo(layout: str, seed: int = 0) -> ZooModel:
+    torch.manual_seed(seed)
+    return ZooModel(ZooConfig(layout=layout))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: bool) -> None:
+    model = zoo(layout)
+    found = discover(torch.compile(model) if compiled else model)
+    assert found.family == "structural"
+    assert found.blocks_path == "trunk" and len(found.blocks) == model.config.layers
+    assert found.embed is model.embedding and found.final_norm is model.final
+    n_heads, n_kv, head_dim = model.attention_shape()
+    for index, block in enumerate(found.blocks):
+        assert block.module is model.trunk[index]
+        expected = model.expected(index)
+        assert set(block.matrices) == set(expected), f"{layout}: found {sorted(block.matrices)}, expected {sorted(expected)}"
+        for site, want in expected.items():
+            got = block.matrices[site]()
+            assert got.shape == want.shape, f"{layout} block {index} {site}: {tuple(got.shape)} != {tuple(want.shape)}"
+            assert torch.equal(got, want.detach()), f"{layout} block {index} {site}: other rows than the layout uses"
+        assert block.attention == AttentionShape(n_heads, n_kv, head_dim)
+        assert block.experts == (model.config.experts if layout == "moe" else None)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_spectral_ratio_of_a_zoo_layout_matches_float64_matrix_norms(layout: str) -> None:
+    model = zoo(layout, seed=1)
+    layout_found = discover(model)
+    got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=400).compute() if s is None}
+    for index in range(model.config.layers):
+        w = {site: t.detach().double() for site, t in model.expected(index).items()}
+        if w["down"].dim() == 3:  # experts: the largest of each expert's product
+            mlp = max(float(torch.linalg.matrix_norm(w["down"][e] @ w["up"][e], ord=2)) for e in range(w["down"].shape[0]))
+        else:
+            mlp = float(torch.linalg.matrix_norm(w["down"] @ w["up"], ord=2))
+        attn = float(torch.linalg.matrix_norm(w["o"], ord=2))
+        for metric, want in (("spectral.mlp", mlp), ("spectral.attn", attn), ("spectral.ratio", mlp / attn)):
+            value = got[(metric, index)]
+            assert math.isclose(value, want, rel_tol=REL_TOL), f"{layout} layer {index} {metric}: {value} != {want}"
+
+
+def _state(model: nn.Module) -> tuple[object, ...]:
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [p.grad is None for p in model.parameters()],
+        torch.get_rng_state(),
+        hooks,
+        [m.training for m in model.modules()],
+        [p.requires_grad for p in model.parameters()],
+    )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tracing_a_block_touches_nothing(layout: str) -> None:
+    model = zoo(layout).train()
+    before = _state(model)
+    discover(model)
+    after = _state(model)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True)), "a parameter changed"
+    assert before[1] == after[1], "a gradient appeared"
+    assert torch.equal(before[2], after[2]), "the CPU random stream moved"
+    assert before[3:] == after[3:], "hooks, training flags or requires_grad changed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: exact or nothing.
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int = 16, heads: int = 4, how: str = "plain") -> None:
+        super().__init__()
+        self.heads, self.how = heads, how
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, width)
+        self.d = nn.Linear(width, width)
+        self.e = nn.Linear(width, 2 * width)
+        self.f = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        heads = lambda z, n=self.heads: z.view(b, t, n, -1).transpose(1, 2)  # noqa: E731
+        q = self.a(x)
+        if self.how == "mixed_q":
+            q = q * self.b(x)  # bilinear: no one matrix is the query's
+        q, k, v = heads(q), heads(self.b(x)), heads(self.c(x))
+        if self.how == "tiled_gqa":
+            k, v = heads(self.b(x)[..., : c // 2], 2), heads(self.c(x)[..., : c // 2], 2)
+            k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)  # query head h uses kv head h % 2
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        if self.how == "two_attentions":
+            y = y + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.d(y)
+        return x + self.f(F.gelu(self.e(x)))
+
+
+class _Model(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Attention(how=how) for _ in range(2)])
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("mixed_q", r"query mixes two linear maps"),
+        ("tiled_gqa", r"repeated in an order other than repeat_interleave's"),
+        ("two_attentions", r"2 attentions"),
+    ],
+)
+def test_what_cannot_be_read_exactly_is_refused_with_the_reason(how: str, reason: str) -> None:
+    with pytest.raises(DiscoveryError, match=reason) as error:
+        discover(_Model(how))
+    message = str(error.value)
+    assert "_Model" in message and "mapping=" in message and "blocks" in message
+
+
+def test_the_plain_variant_of_the_refused_blocks_is_read() -> None:
+    model = _Model("plain")
+    found = discover(model)
+    assert found.family == "structural"
+    block = found.blocks[0]
+    assert torch.equal(block.matrices["q"](), model.blocks[0].a.weight)
+    assert torch.equal(block.matrices["o"](), model.blocks[0].d.weight)
+    assert torch.equal(block.matrices["up"](), model.blocks[0].e.weight)
+    assert "gate" not in block.matrices
+
+
+def test_a_partial_name_match_is_replaced_by_the_data_flow() -> None:
+    """MPT's names match o, up and down in the generic table but not `Wqkv`: before, a map
+    without q, k and v was returned silently."""
+    model = zoo("mpt")
+    found = discover(model)
+    assert found.family == "structural" and found.blocks[0].sites() == ["q", "k", "v", "o", "up", "down"]
