@@ -1,7 +1,7 @@
 """The `rankwatch` command on a training node (the wheel's console script, and `python -m rankwatch`).
 
-    rankwatch run [--run NAME] [--collector URL] [--every N|probe=N,...] [--dormant] -- COMMAND...
-    rankwatch attach --pid PID [--run NAME] [--collector URL] [--every ...]
+    rankwatch run [--run NAME] [--collector URL] [--every N|probe=N,...] [--mapping JSON|FILE] [--dormant] -- COMMAND...
+    rankwatch attach --pid PID [--run NAME] [--collector URL] [--every ...] [--mapping JSON|FILE]
     rankwatch detach --pid PID
     rankwatch sync SPOOL_DIR [--collector URL]
     rankwatch doctor [--collector URL] [--spool-dir DIR] [--json]
@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--collector", help=COLLECTOR_HELP)
         q.add_argument("--mode", choices=["online", "offline"], help="stream to the collector (default) or only spool to disk")
         q.add_argument("--every", help="steps between measurements: N for every costly probe, or probe=N pairs (grad, sketch, dot, activations, spectral)")
+        q.add_argument(
+            "--mapping",
+            help="the model's layout where discovery cannot read it: JSON ({\"blocks\": \"path.to.blocks\", \"q\": \"attn.q\", ...}) or a JSON file; "
+            "kept with the run at the collector, so a later attach to the same --run reuses it",
+        )
 
     run = sub.add_parser("run", help="run COMMAND with the agent in every Python process it starts")
     settings(run)
@@ -56,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "attach":
             settings(q)
         else:
-            q.set_defaults(run=None, collector=None, mode=None, every=None)
+            q.set_defaults(run=None, collector=None, mode=None, every=None, mapping=None)
 
     sync = sub.add_parser("sync", help="send what an offline run (or one that lost its collector) left in its spool")
     sync.add_argument("spool_dir", help="a run's spool directory (its rank-* directories), or one rank's")

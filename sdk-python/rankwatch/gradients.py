@@ -35,7 +35,8 @@ At the end of a backward whose gradients the wrapper reduced, ‖ḡ‖² comes 
 `.grad` (→ ``grad_norm_mean``). Under gradient accumulation with `no_sync`, the micro-batches
 that do not synchronise are skipped (the wrapper's own flag, read when its forward starts), so
 there is one record per optimizer step and it describes the rank's whole contribution. With a
-`GradScaler` every quantity is divided by the scale the backward ran with (its device tensor,
+`GradScaler` (the one whose `scale()` scaled a loss since the last record, seen through
+`scaling.listen`, whether or not it was given to `watch`) every quantity is divided by the scale the backward ran with (its device tensor,
 never read on the host), and a reduced gradient holding an Inf/NaN is reported as the step the
 scaler will skip (``amp_skipped``), not as a non-finite alarm.
 
@@ -69,7 +70,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import sketch_kernel
+from . import scaling, sketch_kernel
 from .discovery import is_dtensor
 
 _MASK32 = 0xFFFFFFFF
@@ -293,6 +294,9 @@ class GradientProbe:
         self.sketch_dim = sketch_dim
         self.sketch_seed = sketch_seed
         self.scaler = scaler
+        self._scaler_given = scaler
+        self._scaled_by: Any = None  # the scaler whose scale() ran since the last record
+        self.scaler_note: str | None = None  # once: the loss was scaled by another scaler
         self._cache_bytes = cache_bytes
         self._cached_bytes = 0
         self._coordinates: dict[int, torch.Tensor] = {}
@@ -644,7 +648,12 @@ class GradientProbe:
     ) -> GradientRecord:
         """The record, unscaled by the loss scaler where there is one."""
         skipped = None
-        if self.scaler is not None and _scaler_enabled(self.scaler):
+        # The scaler whose scale() ran since the last record scaled this backward's loss; none
+        # ran: the loss was not scaled through a GradScaler (unless the one given was used
+        # some other way, which is the user's word).
+        self.scaler = self._scaled_by if self._scaled_by is not None else self._scaler_given
+        self._scaled_by = None
+        if self.scaler is not None and scaling.enabled(self.scaler):
             scale = getattr(self.scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
                 inv_sq = scale.double().reciprocal().square().to(self.device).reshape(())
@@ -656,6 +665,18 @@ class GradientProbe:
             skipped = (~torch.isfinite(checked)).double()
             nonfinite = torch.zeros_like(nonfinite)
         return GradientRecord(local_sq, nonfinite, mean_sq, dot, skipped, sketch)
+
+    def saw_scale(self, scaler: Any, outputs: Any, result: Any) -> None:
+        """`scaling.listen`'s listener: the scaler that scaled the loss is the one to unscale by."""
+        if not scaling.enabled(scaler):
+            return
+        self._scaled_by = scaler
+        given = self._scaler_given
+        if given is not None and scaler is not given and self.scaler_note is None:
+            self.scaler_note = (
+                f"rankwatch: the loss was scaled by {type(scaler).__name__} at {id(scaler):#x}, not by the "
+                f"{type(given).__name__} given to watch(scaler=); gradient norms are unscaled by the one that scaled the loss"
+            )
 
     def take(self) -> GradientRecord | None:
         """The record of the last backward, once; None when no backward finished since."""
@@ -674,7 +695,3 @@ def _sketch_dot(own: torch.Tensor, mean: torch.Tensor, local_sq: torch.Tensor, m
     cosine: torch.Tensor = torch.dot(own, mean) / (torch.linalg.vector_norm(own) * torch.linalg.vector_norm(mean)).clamp_min(1e-300)
     return cosine * (local_sq * mean_sq).sqrt()
 
-
-def _scaler_enabled(scaler: Any) -> bool:
-    enabled = getattr(scaler, "is_enabled", None)
-    return bool(enabled()) if callable(enabled) else True

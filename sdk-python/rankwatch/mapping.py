@@ -39,9 +39,9 @@ def check(mapping: object) -> dict[str, Any]:
 
 
 def parse(text: str) -> dict[str, Any]:
-    """`--mapping`'s value: JSON text (starting with `{`), else the path of a JSON file."""
+    """`--mapping`'s value: JSON text (starting with `{` or `[`), else the path of a JSON file."""
     text = text.strip()
-    if not text.startswith("{"):
+    if not text.startswith(("{", "[")):
         path = Path(text)
         try:
             text = path.read_text()

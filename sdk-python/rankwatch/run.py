@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from ._native import AgentStats
+    from .discovery import Layout
 
     # What `stats()` and `finish()` return: the agent's counters, or `{}` from a `NoopRun`.
     RunStats: TypeAlias = AgentStats | dict[str, NoReturn]
@@ -164,6 +165,7 @@ class Run:
         self._activations: Any = None
         self._gradients: Any = None
         self._optimizer_hook: Any = None
+        self._stop_scaler_listener: Callable[[], None] | None = None
         self._spectral_hook: Any = None
         self._spectral_budget: Any = None
         self._spectral_timer: Any = None
@@ -257,13 +259,21 @@ class Run:
     ) -> Run:
         """Finds the model's blocks and installs the probes.
 
-        Raises `rankwatch.DiscoveryError` when the model's layout cannot be found; pass
-        `mapping=` to describe it. Call before `torch.compile` and before the first backward.
+        The probes that need no map of the model — the loss and the gradient probe (each
+        rank's gradient norm, the averaged gradient's norm, the cosine between them, the
+        sketch, non-finite counts) — are installed whatever the model looks like. The layer
+        probes (spectral norms, activations) need its blocks: when discovery cannot find them,
+        those two are off, with one warning that says why and how to describe the model
+        (`mapping=` here, `--mapping` to `rankwatch run` / `rankwatch attach`), and the run's
+        tags carry the same (`layer_probes`), for the dashboard. A `mapping` that does not fit
+        the model raises `rankwatch.DiscoveryError` naming the path: that is a mistake in how
+        rankwatch is configured. Call before `torch.compile` and before the first backward.
         `model` may be the DistributedDataParallel wrapper or the module inside it; `ddp=` names
         the wrapper when it wraps a container of `model` (a wrapper of `model` itself is found
         on its own, even one made after `watch`). `optimizer` lets activation maxima describe
         one optimizer step; `scaler` (a `torch.amp.GradScaler`) lets gradient norms be
-        reported unscaled and skipped steps as `amp_skipped`. Every probe reads; none writes a
+        reported unscaled and skipped steps as `amp_skipped` (without it, the scaler whose
+        `scale()` scaled the loss is found and used; see `scaling.py`). Every probe reads; none writes a
         gradient or draws from a random stream, and `finish()` removes them all.
 
         Sharded models (see docs/parallelism.md): under FSDP2 (`fully_shard`; call `watch`
@@ -277,7 +287,6 @@ class Run:
         """
         if self._gradients is not None or self._activations is not None or self._spectral is not None:
             raise RuntimeError("rankwatch.watch: this run already watches a model; call finish() first")
-        from .discovery import discover
 
         wrapper = ddp
         given = model
@@ -288,7 +297,7 @@ class Run:
             raise ValueError("rankwatch.watch: the model has no parameters")
         want_spectral = spectral and self.cadence.spectral > 0
         fsdp = _check_sharding(given, model, params, grad=self.cadence.grad > 0, spectral=want_spectral)
-        layout = discover(model, mapping=dict(mapping) if mapping is not None else None)
+        layout = self._discover(model, mapping, spectral=want_spectral, activations=activations and self.cadence.activations > 0)
         # Accelerate (and others) wrap the optimizer: hooks belong on the torch optimizer inside,
         # and its loss scaler is the one the gradients were scaled with.
         inner = getattr(optimizer, "optimizer", None)
@@ -313,9 +322,19 @@ class Run:
             self._announce(self._agent)  # the run was announced before its layout was known
         agent = self._connect()
         self._reporter = Reporter(agent, self._device, self._remember)
-        if want_spectral and layout.blocks:
+        if want_spectral and layout is not None and layout.blocks:
             self._watch_spectral(layout, optimizer, spectral_budget, effective_rank_probes)
-        if activations and self.cadence.activations > 0:
+        if activations and self.cadence.activations > 0 and layout is not None and _compiled(given, model):
+            # Graphs compiled before a hook existed never call it (dynamo does not guard on
+            # hooks by default): the probe would be armed and see nothing, silently.
+            activations = False
+            self.tags["activations"] = "off: the model was compiled before watch()"
+            self._warn(
+                "compiled",
+                "rankwatch: activation probe off: the model is already compiled (torch.compile), and its graphs do not run hooks "
+                "added after compiling; call watch() before torch.compile to measure activations. Every other probe runs.",
+            )
+        if activations and self.cadence.activations > 0 and layout is not None:
             from .activations import ActivationProbe
 
             self._activations = ActivationProbe(model, layout, gate=gate, training_only=True)
@@ -337,10 +356,37 @@ class Run:
             if self._gradients.sketch_armed:
                 self._gradients.warm_up_sketch()
             self._gradients.dot_armed = self.cadence.dot > 0
+            from .scaling import listen
+
+            self._stop_scaler_listener = listen(self._gradients.saw_scale)
         if optimizer is not None and self._activations is not None:
             probe = self._activations
             self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: probe.new_step())
         return self
+
+    def _discover(self, model: torch.nn.Module, mapping: Mapping[str, Any] | None, *, spectral: bool, activations: bool) -> Layout | None:
+        """The model's layout; None, with the layer probes off and said so once, when it cannot
+        be found without a mapping."""
+        from .discovery import DiscoveryError, discover
+
+        if mapping is not None:
+            layout = discover(model, mapping=dict(mapping))
+            self.tags["mapping"] = json.dumps(dict(mapping), sort_keys=True)
+            return layout
+        try:
+            return discover(model)
+        except DiscoveryError as e:
+            off = [name for name, wanted in (("spectral", spectral), ("activations", activations)) if wanted]
+            if off:
+                self.tags["layer_probes"] = f"off ({', '.join(off)}): blocks not found"
+                self._warn(
+                    "layer-probes-off",
+                    f"rankwatch: layer probes off ({', '.join(off)}): {e}. The loss and the gradient probe (grad_norm, "
+                    "grad_norm_mean, cos_to_mean, sketch, nonfinite) are on. To turn the layer probes on, describe the "
+                    "model: watch(model, mapping={'blocks': ..., 'q': ..., ...}) in the script, or "
+                    "`rankwatch run --mapping JSON -- ...` / `rankwatch attach --pid PID --mapping JSON` for a job you do not edit",
+                )
+            return None
 
     def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
         """The spectral probe: layers shared out over the ranks, under a time budget."""
@@ -544,6 +590,8 @@ class Run:
         probe = self._gradients
         if probe is None:
             return None
+        if probe.scaler_note is not None:
+            self._warn("scaler", probe.scaler_note)
         record = probe.take()
         if record is None:
             return None
@@ -583,10 +631,18 @@ class Run:
         return costs
 
     def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
-        """`watch` for integrations, which run inside the training job: a model the probes
-        cannot watch (unknown layout, sharded) is a warning, and the run goes on logging."""
+        """`watch` for integrations and the zero-code agent, which run inside the training job:
+        a mapping that does not fit is a warning (the model is then watched without it), a
+        layout the probes cannot measure (FSDP1, DeepSpeed) too, and the run goes on logging."""
+        from .discovery import DiscoveryError
+
         try:
             return self.watch(model, optimizer, **kwargs)
+        except DiscoveryError as e:
+            if kwargs.get("mapping") is None:
+                raise  # watch() turns discovery's own failures into a warning: not reached
+            self._warn("mapping", f"rankwatch: the mapping does not fit the model ({e}); watching it without the mapping")
+            return self.watch_or_warn(model, optimizer, **{**kwargs, "mapping": None})
         except ValueError as e:
             self._warn("watch", f"{e} — the run goes on without model probes")
             return self
@@ -731,6 +787,9 @@ class Run:
         if self._gradients is not None:
             self._gradients.remove()
             self._gradients = None
+        if self._stop_scaler_listener is not None:
+            self._stop_scaler_listener()
+            self._stop_scaler_listener = None
         for attr in ("_optimizer_hook", "_spectral_hook"):
             handle = getattr(self, attr)
             if handle is not None:
@@ -884,6 +943,11 @@ def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list
             "its spectral norms and activations."
         )
     return None
+
+
+def _compiled(*modules: torch.nn.Module) -> bool:
+    """Whether any of `modules` or their submodules runs through torch.compile's graphs."""
+    return any(type(m).__name__ == "OptimizedModule" or vars(m).get("_compiled_call_impl") is not None for top in modules for m in top.modules())
 
 
 def _is_deepspeed(module: Any) -> bool:

@@ -436,6 +436,76 @@ def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collec
     assert set(_steps(collector, "attached", "grad_norm")) == {0, 1}
 
 
+def _run_summary(collector: Collector, run: str) -> dict:
+    import requests
+
+    runs = requests.get(f"{collector.url}/api/v1/runs", timeout=30).json()["runs"]
+    return next(r for r in runs if r["run"] == run)
+
+
+def test_attach_by_pid_to_a_compiled_job_whose_blocks_no_table_knows(tmp_path: Path, collector: Collector) -> None:
+    """nanoGPT's way (torch.compile before DDP) with OLMo's block layout, which no family table
+    or name pattern knows: attached mid-run, the blocks are read off their data flow, every
+    layer's spectral ratio and each rank's gradient statistics arrive, and the job ends with the
+    parameters of its unwatched twin."""
+    steps, args = 24, ("--zoo", "olmo", "--compile")
+    paused, resume = tmp_path / "paused", tmp_path / "resume"
+    job = subprocess.Popen(
+        _torchrun("--steps", str(steps), "--step-delay", "0.1", "--out", str(tmp_path / "watched.pt"), "--pause-at", "6", "--paused", str(paused), "--resume", str(resume), *args),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(paused.exists, 240, "the compiled job to reach step 6")
+        progress = tmp_path / "attach.err"
+        with progress.open("w") as progress_file:
+            attach = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", "zoo-attached", "--collector", collector.url, "--every", "grad=1,spectral=2,activations=2", "--timeout", "120"],
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=progress_file,
+                text=True,
+            )
+        _wait_for(lambda: attach.poll() is not None or progress.read_text().count(": injected (via gdb)") == 2, 120, "both ranks injected")
+        resume.write_text("go")
+        out = attach.communicate(timeout=180)[0]
+        assert attach.returncode == 0, out + progress.read_text()
+        assert out.count(": watching") == 2, out
+        job_err = job.communicate(timeout=300)[1]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, job_err[-3000:]
+    assert "layer probes off" not in job_err, job_err[-3000:]
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, *args))
+    _wait_for(lambda: set(_steps(collector, "zoo-attached", "grad_norm")) == {0, 1}, 30, "grad_norm from both ranks")
+    layers = _wait_for(lambda: {r["layer"] for r in collector.sql("SELECT DISTINCT layer FROM samples WHERE run = 'zoo-attached' AND metric = 'spectral.ratio'")} == {0, 1}, 30, "the spectral ratio of both layers")
+    assert layers
+    assert _run_summary(collector, "zoo-attached")["family"] == "structural"
+
+
+def test_rankwatch_run_hands_the_mapping_to_every_rank_and_the_collector_keeps_it(tmp_path: Path, collector: Collector) -> None:
+    steps = 6
+    mapping = {"blocks": "trunk", "q": "attn.Wqkv", "o": "attn.out_proj", "up": "ffn.up_proj", "down": "ffn.down_proj"}
+    cmd = [
+        sys.executable, "-m", "rankwatch", "run", "--collector", collector.url, "--run", "mapped", "--every", "grad=1,spectral=1",
+        "--mapping", json.dumps(mapping), "--", *_torchrun("--steps", str(steps), "--zoo", "mpt", "--out", str(tmp_path / "watched.pt")),
+    ]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, "--zoo", "mpt"))
+    # Spectral values are the layer's, not a rank's: read them by site.
+    query = "SELECT DISTINCT site FROM samples WHERE run = 'mapped' AND metric = 'spectral.sigma'"
+    sites = _wait_for(lambda: {r["site"] for r in collector.sql(query)} or None, 30, "spectral values")
+    assert sites == {"q", "o", "up", "down"}, "exactly the mapped sites: the mapping, not discovery, described the model"
+    summary = _run_summary(collector, "mapped")
+    assert summary["family"] == "mapping", summary
+    assert json.loads(summary["tags"]["mapping"]) == mapping
+
+
 def test_the_code_gdb_schedules_runs_the_payload_and_never_raises(tmp_path: Path) -> None:
     """A pending call that fails would raise into the training loop: the scheduled code must
     swallow whatever the payload does, and it is what PyRun_SimpleString will compile."""

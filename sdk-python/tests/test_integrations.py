@@ -85,7 +85,8 @@ def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
 
 
 def test_a_model_the_probes_cannot_watch_is_a_warning_inside_a_trainer(tmp_path: Path) -> None:
-    """Integrations run inside the job: an unknown layout must not stop `fit`."""
+    """Integrations run inside the job: an unknown layout must not stop `fit`, and turns off only
+    the layer probes: the loss and the gradient statistics are still reported."""
     L = pytest.importorskip("lightning.pytorch")
     import rankwatch
     from rankwatch.integrations.lightning import RankwatchCallback
@@ -103,8 +104,9 @@ def test_a_model_the_probes_cannot_watch_is_a_warning_inside_a_trainer(tmp_path:
 
     callback = RankwatchCallback(run="plain", mode="offline", spool_dir=tmp_path / "spool")
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    with pytest.warns(rankwatch.RankwatchWarning, match="without model probes"):
+    with pytest.warns(rankwatch.RankwatchWarning, match=r"layer probes off \(spectral, activations\)"):
         trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(12, 4), batch_size=4))
     assert trainer.global_step == 3
     assert callback.run is not None and callback.run.finished
     assert ("loss", None, None, False) in callback.run.last_values
+    assert ("grad_norm", None, None, False) in callback.run.last_values, "the gradient probe needs no layer map"

@@ -42,8 +42,9 @@ import torch
 
 from ..losses import BackwardLoss, TokenLoss
 from ..run import RankwatchWarning, Run, init, live_runs, parse_mode
+from ..scaling import listen
 from .agreement import Agreement, Switch
-from .find import Found, live_scaler, model_of, steps_done
+from .find import Found, model_of, steps_done
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Settings:
     injected: bool = False  # by `attach --pid`: its step count starts mid-run
     spool_dir: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    mapping: dict[str, Any] | None = None  # `--mapping`: the model's layout, where discovery cannot read it
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -74,6 +76,7 @@ class Settings:
             dormant=env.get("RANKWATCH_DORMANT", "") in ("1", "true"),
             status_dir=env.get("RANKWATCH_STATUS_DIR") or None,
             spool_dir=env.get("RANKWATCH_SPOOL_DIR") or None,
+            mapping=json.loads(env["RANKWATCH_MAPPING"]) if env.get("RANKWATCH_MAPPING") else None,
         )
 
 
@@ -105,6 +108,7 @@ class AutoAgent:
         self._token_loss = TokenLoss()
         self._backward_loss = BackwardLoss()
         self._patched: list[tuple[Any, str, Any]] = []
+        self._stop_scaled: Any = None  # `scaling.listen`'s stop, while the loss is watched
         self._model_hook: Any = None
         self._lock = threading.Lock()
         self._poller: threading.Thread | None = None
@@ -267,7 +271,8 @@ class AutoAgent:
             spool_dir=settings.spool_dir,
             tags={"attached": "auto", **settings.tags},
         )
-        run.watch_or_warn(found.model, optimizer, scaler=live_scaler())
+        # The loss scaler is found by the gradient probe itself: the one whose scale() ran.
+        run.watch_or_warn(found.model, optimizer, mapping=settings.mapping)
         inner = getattr(found.model, "module", found.model)
         self._model_hook = inner.register_forward_hook(self._token_loss.capture, with_kwargs=True)
         self._patch()
@@ -292,8 +297,9 @@ class AutoAgent:
     # -- loss sources -----------------------------------------------------------------------
 
     def _patch(self) -> None:
-        """Wraps `torch.autograd.backward` (which `Tensor.backward` calls) and `GradScaler.scale`
-        to see the loss. Each wrapper calls the original with the same arguments."""
+        """Wraps `torch.autograd.backward` (which `Tensor.backward` calls) and listens to
+        `GradScaler.scale` (`scaling.py`) to see the loss. Each wrapper calls the original with
+        the same arguments."""
         if self._patched:
             return
         agent = self
@@ -308,30 +314,22 @@ class AutoAgent:
 
         self._patched.append((torch.autograd, "backward", original_backward))
         torch.autograd.backward = backward
-        scaler_classes = [torch.amp.GradScaler]
-        cuda_scaler = getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)
-        if cuda_scaler is not None and cuda_scaler not in scaler_classes:
-            scaler_classes.append(cuda_scaler)
-        for cls in scaler_classes:
-            original_scale = cls.__dict__.get("scale")
-            if original_scale is None:
-                continue
 
-            def scale(self: Any, outputs: Any, _original: Any = original_scale) -> Any:
-                result = _original(self, outputs)
-                try:
-                    agent._backward_loss.scaled(outputs, result)
-                except Exception as e:  # noqa: BLE001
-                    agent._fail(e)
-                return result
+        def scaled(scaler: Any, outputs: Any, result: Any) -> None:
+            try:
+                agent._backward_loss.scaled(outputs, result)
+            except Exception as e:  # noqa: BLE001
+                agent._fail(e)
 
-            self._patched.append((cls, "scale", original_scale))
-            cls.scale = scale  # type: ignore[method-assign]
+        self._stop_scaled = listen(scaled)
 
     def _unpatch(self) -> None:
         for owner, name, original in reversed(self._patched):
             setattr(owner, name, original)
         self._patched = []
+        if self._stop_scaled is not None:
+            self._stop_scaled()
+            self._stop_scaled = None
 
     # -- stopping -----------------------------------------------------------------------------
 

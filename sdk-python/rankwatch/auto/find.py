@@ -1,5 +1,6 @@
-"""What the zero-code agent finds in a live training process: the model an optimizer trains,
-the step count a framework keeps, the loss scaler.
+"""What the zero-code agent finds in a live training process: the model an optimizer trains
+and the step count a framework keeps. (The loss scaler is not looked for: the gradient probe
+follows the one whose `scale()` ran, see `scaling.py`.)
 
 The model is found from the optimizer, never guessed from names: among the module trees
 alive in the process (`gc` holds every `nn.Module`), the root whose parameters cover the
@@ -105,9 +106,3 @@ def steps_done(optimizer: torch.optim.Optimizer, framework: Any) -> int | None:
                 return int(value)
     return None
 
-
-def live_scaler() -> Any:
-    """The one enabled `GradScaler` in the process (mixed precision), else None."""
-    classes = tuple({torch.amp.GradScaler, getattr(getattr(torch.cuda, "amp", None), "GradScaler", torch.amp.GradScaler)})
-    scalers = [o for o in _heap() if issubclass(type(o), classes) and cast(torch.amp.GradScaler, o).is_enabled()]
-    return scalers[0] if len(scalers) == 1 else None

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .launch import SDK, parse_every
+from .launch import SDK, parse_every, resolve_mapping
 
 GDB_TIMEOUT_S = 60.0
 
@@ -288,6 +288,12 @@ def main(args: Any, action: str) -> int:
     if getattr(args, "every", None):
         try:
             settings["every"] = parse_every(args.every)
+        except ValueError as e:
+            print(f"rankwatch {action}: {e}", file=sys.stderr)
+            return 2
+    if action == "attach":
+        try:
+            settings["mapping"] = resolve_mapping(args.mapping, args.run, args.collector)
         except ValueError as e:
             print(f"rankwatch {action}: {e}", file=sys.stderr)
             return 2

@@ -2,7 +2,8 @@
 
 The environment carries everything: this package's `boot/` directory first on PYTHONPATH (its
 `sitecustomize` starts the agent once torch is imported), RANKWATCH_AUTO=1, and the run's
-settings as the RANKWATCH_* variables `rankwatch.init` reads. torchrun, `accelerate launch`,
+settings as the RANKWATCH_* variables `rankwatch.init` reads (and `--mapping` as
+RANKWATCH_MAPPING, which the agent hands to `watch`). torchrun, `accelerate launch`,
 srun and mpirun pass the environment on to the ranks they start, so one command covers them
 all. The run name is chosen here, once, so that every rank of every node launched with the
 same `--run` reports into the same run.
@@ -41,6 +42,22 @@ def parse_every(text: str) -> int | dict[str, int]:
     return out
 
 
+def resolve_mapping(given: str | None, run: str | None, collector: str | None) -> dict[str, Any] | None:
+    """`--mapping` parsed (ValueError naming what is wrong), else the one kept at the collector
+    for `run` by an earlier watch of it, else None."""
+    from ..mapping import parse, stored
+    from ..offline import collector_url
+
+    if given:
+        return parse(given)
+    if not run:
+        return None
+    found = stored(collector_url(collector), run, os.environ.get("RANKWATCH_INGEST_TOKEN"))
+    if found is not None:
+        print(f"rankwatch: using the mapping kept at the collector for run {run!r}", file=sys.stderr)
+    return found
+
+
 def default_run_name(command: list[str]) -> str:
     """`<script>-<date>-<time>`: the first argument that looks like a script or a module."""
     stem = "run"
@@ -60,6 +77,7 @@ def environment(
     every: Any,
     dormant: bool,
     mode: str | None,
+    mapping: dict[str, Any] | None = None,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
@@ -75,6 +93,8 @@ def environment(
     if every is not None:
         env["RANKWATCH_EVERY"] = json.dumps(every)
     env["RANKWATCH_DORMANT"] = "1" if dormant else "0"
+    if mapping is not None:
+        env["RANKWATCH_MAPPING"] = json.dumps(mapping)
     return env
 
 
@@ -97,7 +117,12 @@ def main(args: Any) -> int:
     if program is None:
         print(f"rankwatch run: {command[0]!r} is not a command on PATH", file=sys.stderr)
         return 127
-    env = environment(command, run=args.run, collector=args.collector, every=every, dormant=args.dormant, mode=args.mode)
+    try:
+        mapping = resolve_mapping(args.mapping, args.run, args.collector)
+    except ValueError as e:
+        print(f"rankwatch run: {e}", file=sys.stderr)
+        return 2
+    env = environment(command, run=args.run, collector=args.collector, every=every, dormant=args.dormant, mode=args.mode, mapping=mapping)
     state = "dormant: `rankwatch attach " + env["RANKWATCH_RUN"] + "` turns the probes on" if args.dormant else "watching"
     print(f"rankwatch: run {env['RANKWATCH_RUN']!r} ({state})", file=sys.stderr)
     sys.stderr.flush()

@@ -1,0 +1,148 @@
+"""The block-layout zoo end to end: every layout of `rankwatch_testkit.zoo` trained under DDP (2
+gloo ranks, CPU), eager and `torch.compile`d before DDP as nanoGPT does (watched after compiling,
+as an attach is, or before, as the SDK's docs say), watched and unwatched.
+
+    python bench/zoo_bench.py [--layouts megatron,olmo,...] [--modes eager,compiled] [--steps 40]
+
+Per layout and mode it prints: the family discovery named and the sites it found; whether the
+watched twin ended with the unwatched twin's parameters bit for bit; the largest relative error
+of the probe's spectral ratio against float64 `matrix_norm(ord=2)` of the final weights (400
+cold iterations, as the test suite's tolerance is stated); the median step time watched over
+unwatched at the default cadence, steps after the first 5 (warm-up and compilation) — a ratio
+measured on a shared 2-core machine, to be read with its spread; and, compiled, the graphs
+dynamo compiled before and after `watch` (`torch._dynamo.utils.counters["stats"]
+["unique_graphs"]`). The test suite runs the discovery of every layout and one layout end to
+end under attach; this script is the rest of the matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "sdk-python"))
+
+import rankwatch  # noqa: E402
+from rankwatch.discovery import discover  # noqa: E402
+from rankwatch.spectral import SpectralProbe  # noqa: E402
+from rankwatch_testkit.spawn import spawn_ranks  # noqa: E402
+from rankwatch_testkit.zoo import LAYOUTS, ZooConfig, ZooModel  # noqa: E402
+
+WARMUP = 5
+
+
+def _job(rank: int, layout: str, mode: str, watched: bool, steps: int, out: Path) -> dict:
+    torch.manual_seed(0)
+    model = ZooModel(ZooConfig(layout=layout))
+    run = None
+    if watched and mode == "watch_compiled":
+        # The SDK's documented order: watch, then compile (hooks are traced into the graphs).
+        run = rankwatch.init(run=f"zoo-{layout}-{mode}", mode="offline", spool_dir=out / "spool")
+        run.watch(model)
+    trained: torch.nn.Module = torch.compile(model) if mode != "eager" else model
+    ddp = torch.nn.parallel.DistributedDataParallel(trained)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    data = torch.Generator().manual_seed(1 + rank)
+    if watched and run is None:
+        # As `rankwatch attach` does: the job was compiled (or not) before rankwatch came.
+        run = rankwatch.init(run=f"zoo-{layout}-{mode}", mode="offline", spool_dir=out / "spool")
+        run.watch(ddp, optimizer)
+    times: list[float] = []
+    graphs_before_watch = None
+    for step in range(steps):
+        started = time.perf_counter()
+        x = torch.randint(0, model.config.vocab_size, (4, 16), generator=data)
+        loss = ddp(x, torch.roll(x, -1, 1))[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if run is not None:
+            run.log(step, loss=loss.detach())
+        times.append(time.perf_counter() - started)
+        if step == WARMUP - 1:
+            graphs_before_watch = _graphs()
+    family = run._layout.family if run is not None and run._layout is not None else None
+    if run is not None:
+        run.finish(timeout=5)
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "times": times, "graphs": _graphs(), "graphs_at_warmup": graphs_before_watch, "family": family, "model": model}
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _rank(rank: int, layout: str, mode: str, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    where = Path(out)
+    plain = _job(rank, layout, mode, False, steps, where)
+    graphs_plain = plain["graphs"]
+    watched = _job(rank, layout, mode, True, steps, where)
+    equal = all(torch.equal(plain["state"][k], watched["state"][k]) for k in plain["state"])
+    model = watched["model"]
+    ratio_error = 0.0
+    sites: list[str] = []
+    if rank == 0:
+        layout_found = discover(model)
+        sites = layout_found.blocks[0].sites()
+        got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=400).compute() if m == "spectral.ratio"}
+        for index in range(model.config.layers):
+            w = {s: t.detach().double() for s, t in model.expected(index).items()}
+            if w["down"].dim() == 3:
+                mlp = max(float(torch.linalg.matrix_norm(w["down"][e] @ w["up"][e], ord=2)) for e in range(w["down"].shape[0]))
+            else:
+                mlp = float(torch.linalg.matrix_norm(w["down"] @ w["up"], ord=2))
+            want = mlp / float(torch.linalg.matrix_norm(w["o"], ord=2))
+            ratio_error = max(ratio_error, abs(got[("spectral.ratio", index)] - want) / want)
+    result = {
+        "equal": equal,
+        "family": watched["family"],
+        "sites": sites,
+        "ratio_error": ratio_error,
+        "plain_times": plain["times"][WARMUP:],
+        "watched_times": watched["times"][WARMUP:],
+        "graphs_plain": graphs_plain,
+        "graphs_watched": watched["graphs"] - graphs_plain,
+    }
+    (where / f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--modes", default="eager,compiled,watch_compiled", help="eager; compiled (compile, then watch: as an attach); watch_compiled (watch, then compile)")
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, 2 gloo ranks on CPU, {args.steps} steps (first {WARMUP} not timed), default cadence")
+    print("| layout | mode | family | sites | twins bit-identical | spectral ratio rel. error | step watched / unwatched (median, [min, max] per rank) | graphs unwatched → added by the watched twin |")
+    print("|---|---|---|---|---|---|---|---|")
+    for layout in args.layouts.split(","):
+        for mode in args.modes.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                spawn_ranks(_rank, 2, layout, mode, args.steps, tmp)
+                ranks = [json.loads((Path(tmp) / f"rank-{r}.json").read_text()) for r in range(2)]
+            ratios = [statistics.median(r["watched_times"]) / statistics.median(r["plain_times"]) for r in ranks]
+            graphs = f"{ranks[0]['graphs_plain']} → +{ranks[0]['graphs_watched'] - ranks[0]['graphs_plain']}" if mode != "eager" else "—"
+            print(
+                f"| {layout} | {mode} | {ranks[0]['family']} | {','.join(ranks[0]['sites'])} | {all(r['equal'] for r in ranks)} | "
+                f"{ranks[0]['ratio_error']:.1e} | {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] | {graphs} |",
+                flush=True,
+            )
+            assert math.isfinite(ranks[0]["ratio_error"])
+
+
+if __name__ == "__main__":
+    main()
