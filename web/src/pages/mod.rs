@@ -144,6 +144,7 @@ pub(crate) fn RunHeader(view: RunView, #[prop(into)] current: String) -> impl In
                 {tab("/alerts", "Alerts", "alerts")}
             </nav>
             <ProbeSwitchButton run=run />
+            <LayerProbesNotice run=run />
             <div class="zoombar">
                 {move || {
                     let (from, to) = view.window.get();
@@ -221,6 +222,35 @@ fn ProbeSwitchButton(run: Memo<String>) -> impl IntoView {
             </button>
             {move || failed.get().map(|e| view! { <span class="error" role="alert">{e}</span> })}
         </div>
+    }
+}
+
+/// A run whose agent could not find the model's transformer blocks reports the loss and the
+/// gradient probe only (its `layer_probes` tag says which probes are off): the header says so,
+/// with the command that describes the model to the running job.
+#[component]
+fn LayerProbesNotice(run: Memo<String>) -> impl IntoView {
+    let runs = fetched(move || {
+        run.track();
+        Some(async move { api::runs().await })
+    });
+    move || {
+        let name = run.get();
+        let off = runs
+            .get()
+            .and_then(Result::ok)
+            .and_then(|r| r.runs.into_iter().find(|s| s.run == name))
+            .and_then(|s| s.tags)
+            .and_then(|tags| tags.get("layer_probes").cloned())?;
+        let fix = format!(
+            "rankwatch attach --pid PID --run {name} --mapping '{{\"blocks\": \"path.to.blocks\", \"q\": \"attn.q\", \"k\": \"attn.k\", \"v\": \"attn.v\", \"o\": \"attn.o\", \"up\": \"mlp.up\", \"down\": \"mlp.down\"}}'"
+        );
+        Some(view! {
+            <p class="notice layer-probes-off" role="status">
+                {format!("layer probes {off}: spectral norms and activations need the model's blocks; the loss and gradient probes run. Describe the blocks to the job: ")}
+                <code>{fix}</code>
+            </p>
+        })
     }
 }
 
