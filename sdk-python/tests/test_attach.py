@@ -389,22 +389,23 @@ def test_a_dormant_run_is_switched_on_and_off_through_the_collector(tmp_path: Pa
 
 
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
-def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collector: Collector) -> None:
-    steps = 30
+def _attach_mid_run(tmp_path: Path, collector: Collector, run: str, every: str, steps: int, pause_at: int, *job_args: str) -> tuple[str, int, str]:
+    """A plain 2-rank job paused at step `pause_at`, attached by pid, then let go to its end:
+    the attach command's stdout, and the job's exit status and stderr."""
     paused, resume = tmp_path / "paused", tmp_path / "resume"
     job = subprocess.Popen(
-        _torchrun("--steps", str(steps), "--step-delay", "0.1", "--out", str(tmp_path / "watched.pt"), "--pause-at", "8", "--paused", str(paused), "--resume", str(resume)),
+        _torchrun("--steps", str(steps), "--step-delay", "0.1", "--out", str(tmp_path / "watched.pt"), "--pause-at", str(pause_at), "--paused", str(paused), "--resume", str(resume), *job_args),
         env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        _wait_for(paused.exists, 120, "the job to reach step 8")
+        _wait_for(paused.exists, 240, f"the job to reach step {pause_at}")
         progress = tmp_path / "attach.err"
         with progress.open("w") as progress_file:
             attach = subprocess.Popen(
-                [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", "attached", "--collector", collector.url, "--every", EVERY, "--timeout", "120"],
+                [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", run, "--collector", collector.url, "--every", every, "--timeout", "120"],
                 env=_env(),
                 stdout=subprocess.PIPE,
                 stderr=progress_file,
@@ -415,16 +416,21 @@ def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collec
         _wait_for(lambda: attach.poll() is not None or progress.read_text().count(": injected (via gdb)") == 2, 120, "both ranks injected")
         resume.write_text("go")
         out = attach.communicate(timeout=180)[0]
-        err = progress.read_text()
-        assert attach.returncode == 0, out + err
-        lines = [line for line in out.splitlines() if line.startswith("pid ")]
-        assert len(lines) == 2 and all("watching DistributedDataParallel(GPT2LMHeadModel)" in line and "(via gdb)" in line for line in lines), out
-        job_err = job.communicate(timeout=240)[1]
+        assert attach.returncode == 0, out + progress.read_text()
+        job_err = job.communicate(timeout=300)[1]
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
-    assert job.returncode == 0, job_err[-3000:]
+    return out, job.returncode, job_err
+
+
+def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collector: Collector) -> None:
+    steps = 30
+    out, code, job_err = _attach_mid_run(tmp_path, collector, "attached", EVERY, steps, 8)
+    lines = [line for line in out.splitlines() if line.startswith("pid ")]
+    assert len(lines) == 2 and all("watching DistributedDataParallel(GPT2LMHeadModel)" in line and "(via gdb)" in line for line in lines), out
+    assert code == 0, job_err[-3000:]
     _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps))
     by_rank = _wait_for(lambda: (s := _steps(collector, "attached", "loss")) and len(s) == 2 and max(s[0]) == steps and max(s[1]) == steps and s, 30, "the loss up to the last step")
     # Ranks are injected one after the other, then agree on the step to start at (the optimizer's
@@ -449,41 +455,16 @@ def test_attach_by_pid_to_a_compiled_job_whose_blocks_no_table_knows(tmp_path: P
     layer's spectral ratio and each rank's gradient statistics arrive, and the job ends with the
     parameters of its unwatched twin."""
     steps, args = 24, ("--zoo", "olmo", "--compile")
-    paused, resume = tmp_path / "paused", tmp_path / "resume"
-    job = subprocess.Popen(
-        _torchrun("--steps", str(steps), "--step-delay", "0.1", "--out", str(tmp_path / "watched.pt"), "--pause-at", "6", "--paused", str(paused), "--resume", str(resume), *args),
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        _wait_for(paused.exists, 240, "the compiled job to reach step 6")
-        progress = tmp_path / "attach.err"
-        with progress.open("w") as progress_file:
-            attach = subprocess.Popen(
-                [sys.executable, "-m", "rankwatch", "attach", "--pid", str(job.pid), "--run", "zoo-attached", "--collector", collector.url, "--every", "grad=1,spectral=2,activations=2", "--timeout", "120"],
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=progress_file,
-                text=True,
-            )
-        _wait_for(lambda: attach.poll() is not None or progress.read_text().count(": injected (via gdb)") == 2, 120, "both ranks injected")
-        resume.write_text("go")
-        out = attach.communicate(timeout=180)[0]
-        assert attach.returncode == 0, out + progress.read_text()
-        assert out.count(": watching") == 2, out
-        job_err = job.communicate(timeout=300)[1]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, job_err[-3000:]
+    out, code, job_err = _attach_mid_run(tmp_path, collector, "zoo-attached", "grad=1,spectral=2,activations=2", steps, 6, *args)
+    assert out.count(": watching") == 2, out
+    assert code == 0, job_err[-3000:]
     assert "layer probes off" not in job_err, job_err[-3000:]
+    # Its graphs were compiled before the agent came, so they would never call activation hooks.
+    assert "activation probe off: the model is already compiled" in job_err, job_err[-3000:]
     _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, *args))
     _wait_for(lambda: set(_steps(collector, "zoo-attached", "grad_norm")) == {0, 1}, 30, "grad_norm from both ranks")
-    layers = _wait_for(lambda: {r["layer"] for r in collector.sql("SELECT DISTINCT layer FROM samples WHERE run = 'zoo-attached' AND metric = 'spectral.ratio'")} == {0, 1}, 30, "the spectral ratio of both layers")
-    assert layers
+    query = "SELECT DISTINCT layer FROM samples WHERE run = 'zoo-attached' AND metric = 'spectral.ratio'"
+    assert _wait_for(lambda: {r["layer"] for r in collector.sql(query)} == {0, 1}, 30, "the spectral ratio of both layers")
     assert _run_summary(collector, "zoo-attached")["family"] == "structural"
 
 
