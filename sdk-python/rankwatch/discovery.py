@@ -53,6 +53,8 @@ from .mapping import MAPPING_KEYS, MATRIX_SITES
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+    from .structure import BlockCall
+
 
 MatrixAccessor = Callable[[], torch.Tensor]
 
@@ -950,7 +952,7 @@ def _find_known(model: nn.Module) -> Layout | None:
     return None
 
 
-def discover(model: nn.Module, mapping: dict[str, Any] | None = None) -> Layout:
+def discover(model: nn.Module, mapping: dict[str, Any] | None = None, *, call: BlockCall | None = None) -> Layout:
     """Find the blocks and matrices of `model`.
 
     `mapping` describes a model discovery does not know, with dotted paths (ModuleList indices
@@ -965,6 +967,9 @@ def discover(model: nn.Module, mapping: dict[str, Any] | None = None) -> Layout:
 
     A site path may end in a module with `.weight` or in a parameter (2-D, or 3-D experts).
     Any path that does not resolve raises `DiscoveryError` naming it.
+
+    `call` is the first block's arguments at a real forward (`structure.capture_call`), for
+    blocks that cannot run on a synthesized input (`structure.NeedsCall`).
     """
     inner = unwrap(model)
     if mapping is not None:
@@ -986,15 +991,15 @@ def discover(model: nn.Module, mapping: dict[str, Any] | None = None) -> Layout:
         return by_name
     # No name matched every matrix: read the blocks off their data flow rather than report a
     # partial map (MPT's `Wqkv` beside `out_proj`/`up_proj`/`down_proj`, say).
-    return _structural(inner, model, by_name)
+    return _structural(inner, model, by_name, call)
 
 
 # The sites a name match must find in every block to be taken without tracing.
 _COMPLETE = ("q", "k", "v", "o", "up", "down")
 
 
-def _structural(model: nn.Module, original: nn.Module, partial: Layout | None) -> Layout:
-    from .structure import discover_blocks
+def _structural(model: nn.Module, original: nn.Module, partial: Layout | None, call: BlockCall | None) -> Layout:
+    from .structure import NeedsCall, discover_blocks
 
     hint = (
         f"could not discover the transformer blocks of {type(original).__name__}: "
@@ -1006,11 +1011,14 @@ def _structural(model: nn.Module, original: nn.Module, partial: Layout | None) -
     blocks_path, members = found
     embed = _embedding_outside(model, blocks_path)
     try:
-        blocks = discover_blocks(members, embed, blocks_path)
+        blocks = discover_blocks(members, embed, blocks_path, call)
     except DiscoveryError as e:
         named = partial.blocks[0].sites() if partial is not None and partial.blocks else []
         by_name = f"names matched only {', '.join(named)}" if named else "no names matched q/k/v/o/up/gate/down"
-        raise DiscoveryError(f"{hint} (blocks at `{blocks_path}` of type {type(members[0]).__name__}: {by_name}; from the data flow: {e})") from e
+        message = f"{hint} (blocks at `{blocks_path}` of type {type(members[0]).__name__}: {by_name}; from the data flow: {e})"
+        if isinstance(e, NeedsCall):
+            raise NeedsCall(message, e.block) from e
+        raise DiscoveryError(message) from e
     return Layout("structural", blocks, embed=embed, final_norm=_final_norm(model, blocks_path), blocks_path=blocks_path)
 
 

@@ -166,6 +166,9 @@ class Run:
         self._gradients: Any = None
         self._optimizer_hook: Any = None
         self._stop_scaler_listener: Callable[[], None] | None = None
+        # Blocks traced on a real call: what to install, and the capturing hook; then the call.
+        self._awaiting: tuple[_LayerProbes, Any] | None = None
+        self._block_call: Any = None
         self._spectral_hook: Any = None
         self._spectral_budget: Any = None
         self._spectral_timer: Any = None
@@ -297,13 +300,14 @@ class Run:
             raise ValueError("rankwatch.watch: the model has no parameters")
         want_spectral = spectral and self.cadence.spectral > 0
         fsdp = _check_sharding(given, model, params, grad=self.cadence.grad > 0, spectral=want_spectral)
-        layout = self._discover(model, mapping, spectral=want_spectral, activations=activations and self.cadence.activations > 0)
         # Accelerate (and others) wrap the optimizer: hooks belong on the torch optimizer inside,
         # and its loss scaler is the one the gradients were scaled with.
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):
             scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
             optimizer = inner
+        plan = _LayerProbes(model, given, optimizer, want_spectral, activations and self.cadence.activations > 0, gate, spectral_budget, effective_rank_probes)
+        layout = self._discover(plan, mapping)
         self._layout = layout
         self._device = params[0].device
         if wrapper is not None and self._agent is None and self._replica_group is None:
@@ -322,23 +326,8 @@ class Run:
             self._announce(self._agent)  # the run was announced before its layout was known
         agent = self._connect()
         self._reporter = Reporter(agent, self._device, self._remember)
-        if want_spectral and layout is not None and layout.blocks:
-            self._watch_spectral(layout, optimizer, spectral_budget, effective_rank_probes)
-        if activations and self.cadence.activations > 0 and layout is not None and _compiled(given, model):
-            # Graphs compiled before a hook existed never call it (dynamo does not guard on
-            # hooks by default): the probe would be armed and see nothing, silently.
-            activations = False
-            self.tags["activations"] = "off: the model was compiled before watch()"
-            self._warn(
-                "compiled",
-                "rankwatch: activation probe off: the model is already compiled (torch.compile), and its graphs do not run hooks "
-                "added after compiling; call watch() before torch.compile to measure activations. Every other probe runs.",
-            )
-        if activations and self.cadence.activations > 0 and layout is not None:
-            from .activations import ActivationProbe
-
-            self._activations = ActivationProbe(model, layout, gate=gate, training_only=True)
-            self._activations.arm()  # the first logged step, whichever it is
+        if layout is not None:
+            self._install_layer_probes(plan, layout)
         if self.cadence.grad > 0:
             from .gradients import GradientProbe
 
@@ -359,34 +348,108 @@ class Run:
             from .scaling import listen
 
             self._stop_scaler_listener = listen(self._gradients.saw_scale)
-        if optimizer is not None and self._activations is not None:
-            probe = self._activations
-            self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: probe.new_step())
         return self
 
-    def _discover(self, model: torch.nn.Module, mapping: Mapping[str, Any] | None, *, spectral: bool, activations: bool) -> Layout | None:
-        """The model's layout; None, with the layer probes off and said so once, when it cannot
-        be found without a mapping."""
+    def _install_layer_probes(self, plan: _LayerProbes, layout: Layout) -> None:
+        """The spectral and activation probes over `layout` (at `watch`, or at the first `log`
+        after the blocks' first forward when they had to be traced on a real call)."""
+        if plan.spectral and layout.blocks:
+            self._watch_spectral(layout, plan.optimizer, plan.budget, plan.erank_probes)
+        if not plan.activations:
+            return
+        if _compiled(plan.given, plan.model):
+            # Graphs compiled before a hook existed never call it (dynamo does not guard on
+            # hooks by default): the probe would be armed and see nothing, silently.
+            self.tags["activations"] = "off: the model was compiled before watch()"
+            self._warn(
+                "compiled",
+                "rankwatch: activation probe off: the model is already compiled (torch.compile), and its graphs do not run hooks "
+                "added after compiling; call watch() before torch.compile to measure activations. Every other probe runs.",
+            )
+            return
+        from .activations import ActivationProbe
+
+        self._activations = probe = ActivationProbe(plan.model, layout, gate=plan.gate, training_only=True)
+        probe.arm()  # the first logged step, whichever it is
+        if plan.optimizer is not None:
+            self._optimizer_hook = plan.optimizer.register_step_post_hook(lambda *_: probe.new_step())
+
+    def _discover(self, plan: _LayerProbes, mapping: Mapping[str, Any] | None) -> Layout | None:
+        """The model's layout. None when it cannot be found without a mapping: the layer probes
+        are then off, said so once; or, for blocks whose forward wants arguments of its own,
+        waiting for their first forward (`_await_call`)."""
         from .discovery import DiscoveryError, discover
+        from .structure import NeedsCall
 
         if mapping is not None:
-            layout = discover(model, mapping=dict(mapping))
+            layout = discover(plan.model, mapping=dict(mapping))
             self.tags["mapping"] = json.dumps(dict(mapping), sort_keys=True)
             return layout
         try:
-            return discover(model)
+            return discover(plan.model)
+        except NeedsCall as e:
+            if (plan.spectral or plan.activations) and not _compiled(plan.given, plan.model):
+                self._await_call(plan, e)
+                return None
+            self._layer_probes_off(plan, e)
         except DiscoveryError as e:
-            off = [name for name, wanted in (("spectral", spectral), ("activations", activations)) if wanted]
-            if off:
-                self.tags["layer_probes"] = f"off ({', '.join(off)}): blocks not found"
-                self._warn(
-                    "layer-probes-off",
-                    f"rankwatch: layer probes off ({', '.join(off)}): {e}. The loss and the gradient probe (grad_norm, "
-                    "grad_norm_mean, cos_to_mean, sketch, nonfinite) are on. To turn the layer probes on, describe the "
-                    "model: watch(model, mapping={'blocks': ..., 'q': ..., ...}) in the script, or "
-                    "`rankwatch run --mapping JSON -- ...` / `rankwatch attach --pid PID --mapping JSON` for a job you do not edit",
-                )
-            return None
+            self._layer_probes_off(plan, e)
+        return None
+
+    def _layer_probes_off(self, plan: _LayerProbes, error: BaseException) -> None:
+        off = [name for name, wanted in (("spectral", plan.spectral), ("activations", plan.activations)) if wanted]
+        if not off:
+            return
+        self.tags["layer_probes"] = f"off ({', '.join(off)}): blocks not found"
+        self._warn(
+            "layer-probes-off",
+            f"rankwatch: layer probes off ({', '.join(off)}): {error}. The loss and the gradient probe (grad_norm, "
+            "grad_norm_mean, cos_to_mean, sketch, nonfinite) are on. To turn the layer probes on, describe the "
+            "model: watch(model, mapping={'blocks': ..., 'q': ..., ...}) in the script, or "
+            "`rankwatch run --mapping JSON -- ...` / `rankwatch attach --pid PID --mapping JSON` for a job you do not edit",
+        )
+
+    def _await_call(self, plan: _LayerProbes, error: Any) -> None:
+        """A one-off forward pre-hook on the first block keeps meta copies of its arguments; the
+        next `log()` traces the blocks on them and installs the layer probes. The hook only reads
+        shapes and never raises into the forward."""
+        from .structure import capture_call
+
+        def capture(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            try:
+                if self._block_call is None:
+                    self._block_call = capture_call(args, kwargs)
+            except Exception as e:  # noqa: BLE001 - refused arguments end the wait, said at log()
+                self._block_call = e
+            handle = self._awaiting[1] if self._awaiting is not None else None
+            if handle is not None:
+                handle.remove()
+
+        handle = error.block.register_forward_pre_hook(capture, with_kwargs=True)
+        self._awaiting = (plan, handle)
+        self.tags["layer_probes"] = "pending: the blocks are read at their first forward"
+
+    def _resolve_call(self) -> None:
+        """At the first `log()` after the blocks' first forward: trace them on its arguments."""
+        from .discovery import DiscoveryError, discover
+
+        assert self._awaiting is not None
+        (plan, handle), self._awaiting = self._awaiting, None
+        handle.remove()
+        call, self._block_call = self._block_call, None
+        self.tags.pop("layer_probes", None)
+        try:
+            if isinstance(call, BaseException):
+                raise call
+            layout = discover(plan.model, call=call)
+        except DiscoveryError as e:
+            self._layer_probes_off(plan, e)
+            layout = None
+        if layout is not None:
+            self._layout = layout
+            self._install_layer_probes(plan, layout)
+        if self._agent is not None:
+            self._announce(self._agent)
 
     def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
         """The spectral probe: layers shared out over the ranks, under a time budget."""
@@ -544,6 +607,8 @@ class Run:
         self._reject(f"type-{name}", f"rankwatch: log() value {name!r} is a {type(value).__name__}; expected a number or a tensor, skipped")
 
     def _probe(self, agent: _native.Agent, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
+        if self._awaiting is not None and self._block_call is not None:
+            self._resolve_call()
         reporter = self._reporter
         if reporter is None:
             if values or self._rejected != self._rejected_reported:
@@ -790,6 +855,10 @@ class Run:
         if self._stop_scaler_listener is not None:
             self._stop_scaler_listener()
             self._stop_scaler_listener = None
+        if self._awaiting is not None:
+            self._awaiting[1].remove()
+            self._awaiting = None
+            self._block_call = None
         for attr in ("_optimizer_hook", "_spectral_hook"):
             handle = getattr(self, attr)
             if handle is not None:
@@ -943,6 +1012,20 @@ def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list
             "its spectral norms and activations."
         )
     return None
+
+
+@dataclass
+class _LayerProbes:
+    """What `watch` was asked for the layer probes, kept until the layout is known."""
+
+    model: torch.nn.Module
+    given: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    spectral: bool
+    activations: bool
+    gate: bool
+    budget: float
+    erank_probes: int
 
 
 def _compiled(*modules: torch.nn.Module) -> bool:

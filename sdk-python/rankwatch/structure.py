@@ -18,7 +18,10 @@ block computes:
 How. The block is cloned onto the meta device (its parameters, buffers and tensor attributes
 become meta tensors of the same shape and dtype; hooks are left behind; the original module and
 its parameters are never touched), put in eval mode, and called once under `no_grad` and a
-forked CPU random stream with a [1, 3, hidden] meta input, inside a `TorchFunctionMode`. Meta
+forked CPU random stream with a [1, 3, hidden] meta input, inside a `TorchFunctionMode`. A
+block whose forward wants more (a mask, rotary tables, positions: `NeedsCall`) is traced on
+the arguments of its first real forward instead, captured as meta tensors by a one-off forward
+pre-hook (`capture_call`; the run installs it and traces at the next `log()`). Meta
 tensors carry no values, so the mode carries a *shadow* beside each tensor: an int64 CPU tensor
 of the same shape whose every element names the linear map and output feature it came from
 (`source << 32 | feature`). Data movement (views, splits, transposes, concatenation, indexing,
@@ -472,22 +475,81 @@ def _dtype(block: nn.Module) -> torch.dtype:
     return floating[0] if floating else torch.float32
 
 
-def trace_block(block: nn.Module, hidden: int, where: str) -> BlockMap:
-    """Traces one forward of a meta clone of `block` and reads its matrices off the data flow."""
+class NeedsCall(DiscoveryError):
+    """The block could not run on a synthesized [1, tokens, hidden] input: its forward wants
+    arguments of its own (a mask, rotary tables, positions). `block` is the one to capture a
+    real call of (`capture_call`)."""
+
+    def __init__(self, message: str, block: nn.Module) -> None:
+        super().__init__(message)
+        self.block = block
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """A block's arguments at a real forward, as meta tensors of batch 1 and `SEQUENCE` tokens
+    (where that cut could be told) and plain values: enough to trace, nothing to hold."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def capture_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockCall:
+    """Meta copies of a real call's arguments (called from a forward pre-hook; reads shapes
+    only). Anything but tensors and plain values is refused: tracing would call into it (a KV
+    cache object would be updated). The batch is cut to 1 and the sequence, when the first
+    tensor is [batch, tokens, hidden] and no other of its sizes equals tokens, to `SEQUENCE`
+    tokens in every dimension of that length, so the shadows stay small."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    odd = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, (torch.Tensor, *_PLAIN))]
+    if odd:
+        raise DiscoveryError(f"the block's forward takes {', '.join(sorted(set(odd)))}, which structural discovery does not call into")
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise DiscoveryError("the block's forward took no tensor")
+    first = tensors[0]
+    batch = first.shape[0] if first.dim() >= 1 else None
+    tokens = first.shape[1] if first.dim() == 3 and first.shape[1] not in (first.shape[0], first.shape[2]) else None
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape = list(value.shape)
+        if batch is not None and shape and shape[0] == batch:
+            shape[0] = 1
+        if tokens is not None and tokens > SEQUENCE:
+            shape = [SEQUENCE if size == tokens else size for size in shape]
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    cut_args, cut_kwargs = pytree.tree_map(cut, (tuple(args), dict(kwargs)))
+    return BlockCall(tuple(cut_args), dict(cut_kwargs))
+
+
+def trace_block(block: nn.Module, hidden: int, where: str, call: BlockCall | None = None) -> BlockMap:
+    """Traces one forward of a meta clone of `block` and reads its matrices off the data flow:
+    on `call`'s arguments when given, else on a synthesized [1, SEQUENCE, hidden] input."""
     clone, params = meta_clone(block)
     clone.eval()  # the clone's own flag: dropout is identity and no random number is drawn
     trace = _Trace(params)
-    x = torch.zeros(1, SEQUENCE, hidden, dtype=_dtype(block), device="meta")
+    if call is None:
+        args: tuple[Any, ...] = (torch.zeros(1, SEQUENCE, hidden, dtype=_dtype(block), device="meta"),)
+        kwargs: dict[str, Any] = {}
+        given = f"a [1, {SEQUENCE}, {hidden}] input"
+    else:
+        args, kwargs, given = call.args, call.kwargs, "the arguments of its first forward"
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad(), _Recorder(trace):
-            clone(x)
+            clone(*args, **kwargs)
     except DiscoveryError:
         raise
     except Exception as e:  # any failure is a refusal naming it
-        raise DiscoveryError(
-            f"structural discovery could not run {where} ({type(block).__name__}) on a [1, {SEQUENCE}, {hidden}] input: "
-            f"{type(e).__name__}: {e}"
-        ) from e
+        message = f"structural discovery could not run {where} ({type(block).__name__}) on {given}: {type(e).__name__}: {e}"
+        if call is None:
+            raise NeedsCall(message, block) from e
+        raise DiscoveryError(message) from e
     return _read(trace, block, where)
 
 
@@ -758,16 +820,19 @@ def _signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, tuple(p.shape)) for name, p in block.named_parameters())
 
 
-def discover_blocks(members: list[nn.Module], embed: nn.Module | None, blocks_path: str) -> list[Block]:
-    """Blocks of `members` from one trace per distinct parameter signature."""
+def discover_blocks(members: list[nn.Module], embed: nn.Module | None, blocks_path: str, call: BlockCall | None = None) -> list[Block]:
+    """Blocks of `members` from one trace per distinct parameter signature; `call` (captured
+    from the first block's forward) serves every block with the first block's signature."""
     maps: dict[tuple[tuple[str, tuple[int, ...]], ...], BlockMap] = {}
     blocks: list[Block] = []
+    first = _signature(members[0]) if members else None
     for index, member in enumerate(members):
         signature = _signature(member)
         found = maps.get(signature)
         if found is None:
             where = f"{blocks_path}.{index}" if blocks_path else f"block {index}"
-            found = maps[signature] = trace_block(member, _hidden_size(member, embed), where)
+            given = call if signature == first else None
+            found = maps[signature] = trace_block(member, _hidden_size(member, embed), where, given)
         module = functools.partial(_module_at, member)
         blocks.append(
             Block(

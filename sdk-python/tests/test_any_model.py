@@ -231,3 +231,81 @@ def test_a_model_compiled_before_watch_has_its_activation_probe_off_and_said_so(
         plain.watch(ZooModel(ZooConfig(layout="megatron")))
     assert plain._activations is not None, "an eager model keeps its activation probe"
     plain.finish()
+
+
+def _zoo_step(model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Generator) -> None:
+    x = torch.randint(0, 96, (2, 12), generator=data)
+    model(x, torch.roll(x, -1, 1))[1].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_blocks_that_want_their_own_arguments_are_read_at_their_first_forward(tmp_path: Path) -> None:
+    """torchtitan and Megatron hand every block rotary tables and a mask: such a block cannot run
+    on a made-up input, so the run keeps meta copies of the first block's arguments at its first
+    forward and reads the blocks at the next log(): the layer probes start from there, and the
+    job trains exactly as its unwatched twin."""
+    from rankwatch_testkit.zoo import ZooConfig, ZooModel
+
+    def job(watched: bool) -> tuple[dict[str, torch.Tensor], list[set[str]], rankwatch.Run | None]:
+        torch.manual_seed(0)
+        model = ZooModel(ZooConfig(layout="rotary_args"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(1)
+        run, seen = None, []
+        if watched:
+            run = rankwatch.init(run="needs-call", mode="offline", spool_dir=tmp_path, every={"grad": 1, "spectral": 1, "activations": 1})
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", rankwatch.RankwatchWarning)
+                run.watch(model, optimizer)
+            assert run.tags["layer_probes"] == "pending: the blocks are read at their first forward"
+            assert run._layout is None and run._gradients is not None
+        for step in range(3):
+            _zoo_step(model, optimizer, data)
+            if run is not None:
+                run.log(step)
+                seen.append({k[0] for k in run.last_values})
+                run.last_values.clear()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, seen, run
+
+    plain, _, _ = job(False)
+    watched, seen, run = job(True)
+    assert run is not None and run._layout is not None and run._layout.family == "structural"
+    assert "layer_probes" not in run.tags
+    assert "spectral.ratio" in seen[0] and "grad_norm" in seen[0], "read at the first log, measured at once"
+    assert "act_max" in seen[1], "the activation probe is armed from the first log on"
+    assert all(torch.equal(plain[k], watched[k]) for k in plain), "watching changed training"
+    run.finish()
+
+
+def test_a_first_call_the_trace_cannot_use_turns_the_layer_probes_off_with_the_reason(tmp_path: Path) -> None:
+    class Cache:
+        pass
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x, Cache())
+            return x
+
+    model = Model()
+    run = rankwatch.init(run="bad-call", mode="offline", spool_dir=tmp_path, every={"grad": 1, "spectral": 1})
+    run.watch(model)
+    model(torch.randn(2, 3, 8)).square().mean().backward()
+    with pytest.warns(rankwatch.RankwatchWarning, match=r"layer probes off \(spectral, activations\).*takes Cache"):
+        run.log(0)
+    assert run.tags["layer_probes"] == "off (spectral, activations): blocks not found"
+    assert ("grad_norm", None, None, False) in run.last_values
+    run.finish()

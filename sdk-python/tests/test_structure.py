@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rankwatch.discovery import AttentionShape, DiscoveryError, discover
+from rankwatch.discovery import AttentionShape, DiscoveryError, Layout, discover
 from rankwatch.spectral import SpectralProbe
+from rankwatch.structure import BlockCall, NeedsCall, capture_call
 from rankwatch_testkit.zoo import LAYOUTS, ZooConfig, ZooModel
 
 REL_TOL = 1e-3
@@ -31,11 +32,33 @@ def zoo(layout: str, seed: int = 0) -> ZooModel:
     return ZooModel(ZooConfig(layout=layout))
 
 
+def first_call(model: ZooModel) -> BlockCall:
+    """The first block's arguments at a real forward, as the run captures them."""
+    calls: list[BlockCall] = []
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        calls.append(capture_call(args, kwargs))
+
+    handle = model.trunk[0].register_forward_pre_hook(capture, with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 12)))
+    handle.remove()
+    return calls[0]
+
+
+def read(model: nn.Module, eager: ZooModel) -> Layout:
+    """discover(), with the first block's real call where its forward wants more than x."""
+    try:
+        return discover(model)
+    except NeedsCall:
+        return discover(model, call=first_call(eager))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: bool) -> None:
     model = zoo(layout)
-    found = discover(torch.compile(model) if compiled else model)
+    found = read(torch.compile(model) if compiled else model, model)
     assert found.family == "structural"
     assert found.blocks_path == "trunk" and len(found.blocks) == model.config.layers
     assert found.embed is model.embedding and found.final_norm is model.final
@@ -55,7 +78,7 @@ def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_spectral_ratio_of_a_zoo_layout_matches_float64_matrix_norms(layout: str) -> None:
     model = zoo(layout, seed=1)
-    layout_found = discover(model)
+    layout_found = read(model, model)
     got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=400).compute() if s is None}
     for index in range(model.config.layers):
         w = {site: t.detach().double() for site, t in model.expected(index).items()}
@@ -84,8 +107,9 @@ def _state(model: nn.Module) -> tuple[object, ...]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_tracing_a_block_touches_nothing(layout: str) -> None:
     model = zoo(layout).train()
+    call = first_call(model) if getattr(model.trunk[0], "takes_tables", False) else None
     before = _state(model)
-    discover(model)
+    discover(model, call=call)
     after = _state(model)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True)), "a parameter changed"
     assert before[1] == after[1], "a gradient appeared"
@@ -163,3 +187,22 @@ def test_a_partial_name_match_is_replaced_by_the_data_flow() -> None:
     model = zoo("mpt")
     found = discover(model)
     assert found.family == "structural" and found.blocks[0].sites() == ["q", "k", "v", "o", "up", "down"]
+
+
+def test_a_block_that_wants_its_own_arguments_asks_for_its_first_call() -> None:
+    model = zoo("rotary_args")
+    with pytest.raises(NeedsCall, match=r"missing 3 required positional arguments") as error:
+        discover(model)
+    assert error.value.block is model.trunk[0]
+    call = first_call(model)
+    # Batch cut to 1 and the 12 tokens to 3, in every tensor and every dimension of that length.
+    assert [tuple(t.shape) for t in call.args] == [(1, 3, 32), (3, 8), (3, 8), (3, 3)]
+    assert all(t.device.type == "meta" for t in call.args)
+
+
+def test_a_call_with_an_object_structural_discovery_would_call_into_is_refused() -> None:
+    class Cache:
+        pass
+
+    with pytest.raises(DiscoveryError, match=r"takes Cache, which structural discovery does not call into"):
+        capture_call((torch.zeros(2, 5, 8), Cache()), {})

@@ -27,6 +27,9 @@ Layouts:
   stored (in, out) and applied as `x @ W`.
 * ``parallel``: attention and MLP in parallel from one norm (GPT-J, PaLM), GELU MLP.
 * ``moe``: a top-2 mixture of 4 SwiGLU experts (a ModuleList) with a router, dense dispatch.
+* ``rotary_args``: the model computes the rotary tables and the attention mask once and hands
+  them to every block (`block(x, cos, sin, mask)`, no defaults, as torchtitan and Megatron do):
+  a block that cannot run on its input alone.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LAYOUTS = (
-    "renamed_nanogpt", "megatron", "olmo", "mpt", "gqa_rotary", "complex_rotary", "handwritten", "parallel", "moe",
+    "renamed_nanogpt", "megatron", "olmo", "mpt", "gqa_rotary", "complex_rotary", "handwritten", "parallel", "moe", "rotary_args",
 )
 
 
@@ -434,6 +437,34 @@ class MoEBlock(nn.Module):
         }
 
 
+class RotaryArgsBlock(nn.Module):
+    takes_tables = True
+
+    def __init__(self, c: ZooConfig) -> None:
+        super().__init__()
+        self.heads, self.dim = c.heads, c.width // c.heads
+        self.norm1, self.norm2 = nn.RMSNorm(c.width), nn.RMSNorm(c.width)
+        self.wqkv = nn.Linear(c.width, 3 * c.width, bias=False)
+        self.wout = nn.Linear(c.width, c.width, bias=False)
+        self.lin_in = nn.Linear(c.width, 3 * c.width, bias=False)
+        self.lin_out = nn.Linear(3 * c.width, c.width, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.wqkv(self.norm1(x)).view(b, t, 3, self.heads, self.dim).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.wout(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.lin_out(F.gelu(self.lin_in(self.norm2(x))))
+
+    @staticmethod
+    def expected(block: RotaryArgsBlock, c: ZooConfig) -> dict[str, torch.Tensor]:
+        w = c.width
+        qkv = block.wqkv.weight.view(3, w, w)
+        return {"q": qkv[0], "k": qkv[1], "v": qkv[2], "o": block.wout.weight, "up": block.lin_in.weight, "down": block.lin_out.weight}
+
+
 BLOCKS: dict[str, type[nn.Module]] = {
     "renamed_nanogpt": RenamedNanoGPTBlock,
     "megatron": MegatronBlock,
@@ -444,6 +475,7 @@ BLOCKS: dict[str, type[nn.Module]] = {
     "handwritten": HandwrittenBlock,
     "parallel": ParallelBlock,
     "moe": MoEBlock,
+    "rotary_args": RotaryArgsBlock,
 }
 
 # Heads and kv heads each layout's attention has (the truth for `AttentionShape`).
@@ -463,11 +495,14 @@ class ZooModel(nn.Module):
         self.trunk = nn.ModuleList([BLOCKS[config.layout](config) for _ in range(config.layers)])
         self.final = nn.LayerNorm(config.width)
         self.unembed = nn.Linear(config.width, config.vocab_size, bias=False)
+        self.rotary = _Rotary(config.width // config.heads, config.block_size)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embedding(idx)
+        t = idx.shape[1]
+        tables = (self.rotary.cos[:t], self.rotary.sin[:t], _causal(t, idx.device))
         for block in self.trunk:
-            x = block(x)
+            x = block(x, *tables) if getattr(block, "takes_tables", False) else block(x)
         logits = self.unembed(self.final(x))
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
