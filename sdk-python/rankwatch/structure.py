@@ -492,6 +492,10 @@ class BlockCall:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    # The same with only the batch cut, when the sequence was cut too: a dimension that only
+    # happened to equal the sequence length (a head width, say) makes the cut call fail, and
+    # the trace then runs on this one.
+    uncut: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -514,18 +518,22 @@ def capture_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockCall:
     batch = first.shape[0] if first.dim() >= 1 else None
     tokens = first.shape[1] if first.dim() == 3 and first.shape[1] not in (first.shape[0], first.shape[2]) else None
 
-    def cut(value: Any) -> Any:
+    def cut(value: Any, sequence: bool) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         shape = list(value.shape)
         if batch is not None and shape and shape[0] == batch:
             shape[0] = 1
-        if tokens is not None and tokens > SEQUENCE:
+        if sequence and tokens is not None and tokens > SEQUENCE:
             shape = [SEQUENCE if size == tokens else size for size in shape]
         return torch.empty(shape, dtype=value.dtype, device="meta")
 
-    cut_args, cut_kwargs = pytree.tree_map(cut, (tuple(args), dict(kwargs)))
-    return BlockCall(tuple(cut_args), dict(cut_kwargs))
+    cut_args, cut_kwargs = pytree.tree_map(lambda v: cut(v, True), (tuple(args), dict(kwargs)))
+    uncut = None
+    if tokens is not None and tokens > SEQUENCE:
+        batch_args, batch_kwargs = pytree.tree_map(lambda v: cut(v, False), (tuple(args), dict(kwargs)))
+        uncut = (tuple(batch_args), dict(batch_kwargs))
+    return BlockCall(tuple(cut_args), dict(cut_kwargs), uncut)
 
 
 def trace_block(block: nn.Module, hidden: int, where: str, call: BlockCall | None = None) -> BlockMap:
@@ -546,6 +554,8 @@ def trace_block(block: nn.Module, hidden: int, where: str, call: BlockCall | Non
     except DiscoveryError:
         raise
     except Exception as e:  # any failure is a refusal naming it
+        if call is not None and call.uncut is not None:
+            return trace_block(block, hidden, where, BlockCall(*call.uncut))
         message = f"structural discovery could not run {where} ({type(block).__name__}) on {given}: {type(e).__name__}: {e}"
         if call is None:
             raise NeedsCall(message, block) from e

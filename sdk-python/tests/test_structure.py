@@ -200,6 +200,22 @@ def test_a_block_that_wants_its_own_arguments_asks_for_its_first_call() -> None:
     assert all(t.device.type == "meta" for t in call.args)
 
 
+def test_a_sequence_as_long_as_a_head_is_traced_uncut() -> None:
+    """8 tokens, heads 8 wide: cutting every dimension of 8 would cut the rotary tables' width
+    too, so the cut call fails and the trace runs on the call with only its batch cut."""
+    model = zoo("rotary_args")
+    calls: list[BlockCall] = []
+    handle = model.trunk[0].register_forward_pre_hook(lambda _m, a, k: calls.append(capture_call(a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 8)))
+    handle.remove()
+    assert [tuple(t.shape) for t in calls[0].args] == [(1, 3, 32), (3, 3), (3, 3), (3, 3)]
+    assert calls[0].uncut is not None and [tuple(t.shape) for t in calls[0].uncut[0]] == [(1, 8, 32), (8, 8), (8, 8), (8, 8)]
+    found = discover(model, call=calls[0])
+    for site, want in model.expected(0).items():
+        assert torch.equal(found.blocks[0].matrices[site](), want)
+
+
 def test_a_call_with_an_object_structural_discovery_would_call_into_is_refused() -> None:
     class Cache:
         pass
