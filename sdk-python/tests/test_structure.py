@@ -5,7 +5,7 @@ GQA with rotary, complex rotary, hand-written attention, a parallel block, a mix
 is discovered bare and `torch.compile`d, and each site's matrix is compared, exactly, with the
 rows the layout's own definition says it uses; the spectral probe over the found layout is
 checked against float64 `torch.linalg.matrix_norm(ord=2)` of those weights (relative 1e-3, the
-spectral suite's tolerance, after 400 cold iterations). Tracing touches nothing: parameters,
+spectral suite's tolerance, after 100 cold iterations). Tracing touches nothing: parameters,
 gradients, the random streams, hooks and training flags are the same before and after. What
 cannot be read exactly is refused with a message that names why.
 """
@@ -79,7 +79,7 @@ def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: 
 def test_the_spectral_ratio_of_a_zoo_layout_matches_float64_matrix_norms(layout: str) -> None:
     model = zoo(layout, seed=1)
     layout_found = read(model, model)
-    got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=400).compute() if s is None}
+    got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=100).compute() if s is None}
     for index in range(model.config.layers):
         w = {site: t.detach().double() for site, t in model.expected(index).items()}
         if w["down"].dim() == 3:  # experts: the largest of each expert's product
