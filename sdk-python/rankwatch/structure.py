@@ -45,7 +45,6 @@ ascending range, otherwise one gather (a copy) per read.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from .discovery import (
     DiscoveryError,
     MatrixAccessor,
     _weight,
+    is_dtensor,
     rows,
 )
 
@@ -428,7 +428,10 @@ def meta_clone(module: nn.Module) -> tuple[nn.Module, dict[int, str]]:
     names: dict[int, str] = {}
 
     def clone(original: nn.Module, prefix: str) -> nn.Module:
-        new = copy.copy(original)  # a new object with a shallow copy of __dict__
+        # A new object with a shallow copy of __dict__, made without the class's own __new__
+        # (FSDP2's module classes run __init__ again there, copy.copy would too).
+        new = object.__new__(type(original))
+        vars(new).update(vars(original))
         for key, value in list(vars(new).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 vars(new)[key] = _meta(value)
@@ -539,7 +542,10 @@ def capture_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockCall:
 def trace_block(block: nn.Module, hidden: int, where: str, call: BlockCall | None = None) -> BlockMap:
     """Traces one forward of a meta clone of `block` and reads its matrices off the data flow:
     on `call`'s arguments when given, else on a synthesized [1, SEQUENCE, hidden] input."""
-    clone, params = meta_clone(block)
+    try:
+        clone, params = meta_clone(block)
+    except Exception as e:  # a module that cannot be copied is a refusal, not a crash
+        raise DiscoveryError(f"structural discovery could not copy {where} ({type(block).__name__}) to the meta device: {type(e).__name__}: {e}") from e
     clone.eval()  # the clone's own flag: dropout is identity and no random number is drawn
     trace = _Trace(params)
     if call is None:
@@ -808,6 +814,12 @@ def site_accessor(block: nn.Module, site: Site) -> MatrixAccessor:
     span: tuple[int, int] | None = None
     if chosen is not None and chosen == tuple(range(chosen[0], chosen[0] + len(chosen))):
         span = (chosen[0], chosen[0] + len(chosen))
+    if chosen is not None and span is None and is_dtensor(_weight(owner, attr)):
+        # A gather of rows scattered over shards would need the whole weight on every rank.
+        raise DiscoveryError(
+            f"the rows of {site.param} this model uses are not one range, and the weight is sharded (DTensor): measuring "
+            "them would gather the whole weight; pass mapping= naming whole weights, or every={'spectral': 0}"
+        )
     index_cache: dict[torch.device, torch.Tensor] = {}
 
     def read() -> torch.Tensor:

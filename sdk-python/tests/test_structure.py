@@ -222,3 +222,33 @@ def test_a_call_with_an_object_structural_discovery_would_call_into_is_refused()
 
     with pytest.raises(DiscoveryError, match=r"takes Cache, which structural discovery does not call into"):
         capture_call((torch.zeros(2, 5, 8), Cache()), {})
+
+
+def test_under_fsdp2_blocks_are_read_and_scattered_rows_of_a_sharded_weight_are_refused(tmp_path) -> None:
+    """FSDP2 gives each block a class of its own whose __new__ runs __init__ again: the meta copy
+    must not go through it. A fused weight whose used rows form one range is measured shard by
+    shard (a RowSlice); rows scattered over the shards (Megatron's per-group qkv) would need the
+    whole weight gathered, so they are refused, not gathered."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rankwatch.discovery import RowSlice
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        models = {}
+        for layout in ("olmo", "megatron"):
+            model = models[layout] = zoo(layout)
+            for block in model.trunk:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        found = discover(models["olmo"])
+        assert found.family == "structural" and found.blocks[0].sites() == ["q", "k", "v", "o", "up", "gate", "down"]
+        q = found.blocks[0].matrices["q"]()
+        assert isinstance(q, RowSlice) and (q.start, q.stop) == (0, 32)
+        with pytest.raises(DiscoveryError, match=r"linear_qkv\.weight this model uses are not one range, and the weight is sharded"):
+            discover(models["megatron"])
+    finally:
+        dist.destroy_process_group()
