@@ -394,6 +394,8 @@ class Run:
             self._layer_probes_off(plan, e)
         except DiscoveryError as e:
             self._layer_probes_off(plan, e)
+        except Exception as e:  # noqa: BLE001 - discovery's own failure must not end the job
+            self._layer_probes_off(plan, RuntimeError(f"layer discovery failed ({type(e).__name__}: {e})"))
         return None
 
     def _layer_probes_off(self, plan: _LayerProbes, error: BaseException) -> None:
@@ -445,9 +447,15 @@ class Run:
         except DiscoveryError as e:
             self._layer_probes_off(plan, e)
             layout = None
+        except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
+            self._layer_probes_off(plan, RuntimeError(f"layer discovery failed ({type(e).__name__}: {e})"))
+            layout = None
         if layout is not None:
             self._layout = layout
-            self._install_layer_probes(plan, layout)
+            try:
+                self._install_layer_probes(plan, layout)
+            except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
+                self._probe_failed("layer", e)
         if self._agent is not None:
             self._announce(self._agent)
 
