@@ -74,6 +74,7 @@ from . import scaling, sketch_kernel
 from .discovery import is_dtensor
 
 _MASK32 = 0xFFFFFFFF
+_UNSCALED = object()  # the loss went through a disabled GradScaler
 
 
 def _fmix32(h: Any) -> Any:
@@ -394,6 +395,8 @@ class GradientProbe:
                 if self._fsdp is not None:
                     # Every reducing backward ends in the probe's all-reduce, measured or not.
                     self._queue_end_of_backward()
+                if not self.armed:
+                    self._scaled_by = None  # this backward's scaler: no record to unscale
                 if self.error is not None or not self.armed or not self._synced(index):
                     return
                 self._observe(index, param)
@@ -651,7 +654,8 @@ class GradientProbe:
         # The scaler whose scale() ran since the last record scaled this backward's loss; none
         # ran: the loss was not scaled through a GradScaler (unless the one given was used
         # some other way, which is the user's word).
-        self.scaler = self._scaled_by if self._scaled_by is not None else self._scaler_given
+        seen = self._scaled_by
+        self.scaler = None if seen is _UNSCALED else seen if seen is not None else self._scaler_given
         self._scaled_by = None
         if self.scaler is not None and scaling.enabled(self.scaler):
             scale = getattr(self.scaler, "_scale", None)
@@ -669,6 +673,7 @@ class GradientProbe:
     def saw_scale(self, scaler: Any, outputs: Any, result: Any) -> None:
         """`scaling.listen`'s listener: the scaler that scaled the loss is the one to unscale by."""
         if not scaling.enabled(scaler):
+            self._scaled_by = _UNSCALED  # this loss went through a scaler that scales nothing
             return
         self._scaled_by = scaler
         given = self._scaler_given

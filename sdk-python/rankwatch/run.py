@@ -288,7 +288,7 @@ class Run:
         fewer layers per call. `effective_rank_probes` sets how many probe vectors estimate each
         block's `effective_rank` (exact up to that width; 0 turns the metric off).
         """
-        if self._gradients is not None or self._activations is not None or self._spectral is not None:
+        if self._gradients is not None or self._activations is not None or self._spectral is not None or self._awaiting is not None:
             raise RuntimeError("rankwatch.watch: this run already watches a model; call finish() first")
 
         wrapper = ddp

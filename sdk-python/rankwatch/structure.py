@@ -91,6 +91,8 @@ _MOVEMENT = frozenset(
         "contiguous", "clone", "detach", "tile",
     }
 )
+# Movement functions whose several tensor arguments are all data (the rest take an index).
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack", "expand_as", "view_as", "reshape_as"})
 # Functions that keep shape and element order but change values, dtype or device (a shadow
 # negated would no longer name its feature).
 _CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as", "cpu", "cuda", "__neg__", "neg"})
@@ -173,6 +175,7 @@ class _Trace:
     softmax_of: dict[int, int] = field(default_factory=dict)
     gates: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (gate, up) shadows
     unsupported: list[str] = field(default_factory=list)
+    ambiguous: list[str] = field(default_factory=list)  # data flows that would need a guess
     next_source: int = 1
 
     def source(self) -> int:
@@ -194,13 +197,25 @@ def _head_labels(source: int, shape: torch.Size) -> torch.Tensor:
 
 
 def _combine(shadows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """Elementwise arithmetic: labels pass through where one operand has them; two operands of
-    the same map keep the first's (rotary embeddings permute within a head); two maps mix."""
+    """Elementwise arithmetic: labels pass through where one operand has them; two maps mix.
+    Two operands of the same map with other labels are one vector and a permutation of it
+    within the last dimension (rotary: x·cos + rotate_half(x)·sin, in either order): the one
+    in ascending order is kept. Anything else (a sum of two slices of a fused map) mixes."""
     result = torch.full(shape, NONE, dtype=torch.int64)
     for shadow in shadows:
         other = shadow.expand(shape)
         empty = result == NONE
-        different = (~empty) & (other != NONE) & ((other >> _FEATURE_BITS) != (result >> _FEATURE_BITS))
+        labelled = (~empty) & (other != NONE)
+        different = labelled & ((other >> _FEATURE_BITS) != (result >> _FEATURE_BITS))
+        permuted = labelled & ~different & (other != result)
+        if bool(permuted.any()) and result.dim() > 0:
+            same_set = (result.sort(-1).values == other.sort(-1).values).all(-1, keepdim=True)
+            ascending_result = (result[..., 1:] >= result[..., :-1]).all(-1, keepdim=True)
+            ascending_other = (other[..., 1:] >= other[..., :-1]).all(-1, keepdim=True)
+            take_other = permuted & same_set & ascending_other & ~ascending_result
+            unclear = permuted & ~(same_set & (ascending_result ^ ascending_other))
+            result = torch.where(take_other, other, result)
+            different = different | unclear
         result = torch.where(empty, other, result)
         result = torch.where(different, torch.full_like(result, MIXED), result)
     return result
@@ -267,9 +282,11 @@ class _Recorder(TorchFunctionMode):
             return
         if name in _SOFTMAX:
             event = self.trace.source()
-            for mark, ident in marks:
-                if mark == "mm":
-                    self.trace.softmax_of[event] = ident
+            products = [ident for mark, ident in marks if mark == "mm"]
+            if len(products) > 1:
+                self.trace.ambiguous.append("a softmax over more than one product of activations")
+            elif products:
+                self.trace.softmax_of[event] = products[0]
             self._keep(outputs[0], _Info(shadow=None, act=True, marks=frozenset({("softmax", event)})))
             return
         params = [i.param for i in infos if i.param is not None]
@@ -308,6 +325,12 @@ class _Recorder(TorchFunctionMode):
         if name in _MOVEMENT:
             if params:
                 return  # a reshaped parameter is not followed (it would need its full shadow)
+            if len(tensors) > 1 and name not in _JOINS:
+                # An index, mask or repeats tensor says where elements go by its values, which
+                # a meta tensor does not have: the result's labels are unknown.
+                for tensor in outputs:
+                    self._keep(tensor, _Info(shadow=None, act=act, marks=marks))
+                return
             shadow_args, shadow_kwargs = pytree.tree_map(
                 lambda x: self._shadow(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
             )
@@ -374,6 +397,10 @@ class _Recorder(TorchFunctionMode):
             self.trace.unsupported.append(f"parameter {li.param.name} multiplied from the left (not followed)")
             self._keep(out, _Info(shadow=None))
             return
+        if ri.param is not None and rhs.dim() != 2:
+            self.trace.unsupported.append(f"parameter {ri.param.name} of {rhs.dim()} dimensions in a matrix product (not followed)")
+            self._keep(out, _Info(shadow=None))
+            return
         if ri.param is not None:
             # linear(x, W) computes x Wᵀ: W is (out, in). x @ W computes with Wᵀ as (out, in).
             transposed = ri.param.transposed if name == "linear" else not ri.param.transposed
@@ -384,8 +411,11 @@ class _Recorder(TorchFunctionMode):
         event = self.trace.source()
         self.trace.matmuls[event] = _MatMulUse(self._shadow(lhs), self._shadow(rhs))
         # P V after softmax(Q Kᵀ): attention written out by hand.
-        for mark, ident in li.marks:
-            qk = self.trace.matmuls.get(self.trace.softmax_of.get(ident, -1)) if mark == "softmax" else None
+        softmaxes = [ident for mark, ident in li.marks if mark == "softmax"]
+        if len(softmaxes) > 1:
+            self.trace.ambiguous.append("attention weights mixed from several softmaxes")
+        elif softmaxes:
+            qk = self.trace.matmuls.get(self.trace.softmax_of.get(softmaxes[0], -1))
             if qk is not None:
                 self._attention(qk.lhs, qk.rhs.transpose(-2, -1), self._shadow(rhs), out, "softmax(Q Kᵀ) V")
                 return
@@ -422,6 +452,17 @@ def _meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
 
 
+def _own(value: Any) -> Any:
+    """`value` for the clone: tensors as meta tensors, plain containers copied, the rest as is."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return _meta(value)
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _own(v)) for k, v in value.items())
+    if type(value) in (list, tuple, set):
+        return type(value)(_own(v) for v in value)
+    return value
+
+
 def meta_clone(module: nn.Module) -> tuple[nn.Module, dict[int, str]]:
     """A copy of `module` whose parameters, buffers and tensor attributes are meta tensors and
     which has no hooks; the original is only read. Returns it with its parameters' names."""
@@ -433,8 +474,10 @@ def meta_clone(module: nn.Module) -> tuple[nn.Module, dict[int, str]]:
         new = object.__new__(type(original))
         vars(new).update(vars(original))
         for key, value in list(vars(new).items()):
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                vars(new)[key] = _meta(value)
+            if key not in ("_parameters", "_buffers", "_modules"):
+                # Plain containers are copied (a lazy cache filled during the trace must not
+                # fill the original's), their tensors as meta tensors; other objects are shared.
+                vars(new)[key] = _own(value)
         for hooks in _HOOK_DICTS:
             if hooks in vars(new):
                 vars(new)[hooks] = OrderedDict()
@@ -651,6 +694,8 @@ def _resolve(block: nn.Module, name: str) -> torch.Tensor:
 
 def _read(trace: _Trace, block: nn.Module, where: str) -> BlockMap:
     linears = {use.source: use for use in trace.linears}
+    if trace.ambiguous:
+        raise DiscoveryError(f"{where} has {trace.ambiguous[0]}: which one is the attention cannot be told exactly")
     if not trace.attentions:
         raise DiscoveryError(
             f"no attention found in {where}: neither scaled_dot_product_attention nor softmax(Q Kᵀ) V"

@@ -80,6 +80,22 @@ def test_of_several_scalers_the_one_that_scaled_the_loss_unscales_the_norm(tmp_p
     assert torch.amp.GradScaler.scale.__name__ == "scale" and not hasattr(torch.amp.GradScaler.scale, "__wrapped__"), "finish() restores GradScaler.scale"
 
 
+def test_a_scaler_seen_on_a_step_the_probe_skipped_does_not_unscale_a_later_plain_step(tmp_path: Path) -> None:
+    model = _mlp()
+    run = rankwatch.init(run="stale-scaler", mode="offline", spool_dir=tmp_path, every={"grad": 2})
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    run.watch(model)
+    x = torch.randn(5, 8)
+    for step, used in enumerate((scaler, scaler, None, None)):
+        want = _step(model, used, x)
+        run.log(step)
+        if step % 2 == 0:
+            got = run.last_values[("grad_norm", None, None, False)]
+            assert math.isclose(got, want, rel_tol=1e-6), f"step {step}: {got} != {want}"
+        run.last_values.clear()
+    run.finish()
+
+
 def test_a_scaler_given_to_watch_but_not_the_one_that_scaled_is_named_once(tmp_path: Path) -> None:
     model = _mlp()
     run = rankwatch.init(run="scaler-named", mode="offline", spool_dir=tmp_path, every={"grad": 1})

@@ -131,6 +131,7 @@ class _Attention(nn.Module):
         self.d = nn.Linear(width, width)
         self.e = nn.Linear(width, 2 * width)
         self.f = nn.Linear(2 * width, width)
+        self.cache: dict[int, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -142,6 +143,21 @@ class _Attention(nn.Module):
         if self.how == "tiled_gqa":
             k, v = heads(self.b(x)[..., : c // 2], 2), heads(self.c(x)[..., : c // 2], 2)
             k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)  # query head h uses kv head h % 2
+        if self.how == "index_gqa":
+            # kv heads picked by an index tensor: where it points is in its values, which a
+            # meta tensor does not have.
+            idx = torch.arange(self.heads, device=x.device) // 2
+            k, v = heads(self.b(x)[..., : c // 2], 2)[:, idx], heads(self.c(x)[..., : c // 2], 2)[:, idx]
+        if self.how == "sum_of_slices":
+            wide = self.e(x)
+            q = heads(wide[..., :c] + wide[..., c:])  # two slices of one map: no one rows are q
+        if self.how == "two_keys":
+            scores = q @ k.transpose(-2, -1) + q @ heads(self.d(x)).transpose(-2, -1)
+            y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+            x = x + self.d(y)
+            return x + self.f(F.gelu(self.e(x)))
+        if self.how == "lazy_cache":
+            self.cache.setdefault(t, x.new_zeros(t))  # a cache the forward fills on first use
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
         if self.how == "two_attentions":
             y = y + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
@@ -161,6 +177,9 @@ class _Model(nn.Module):
         ("mixed_q", r"query mixes two linear maps"),
         ("tiled_gqa", r"repeated in an order other than repeat_interleave's"),
         ("two_attentions", r"2 attentions"),
+        ("index_gqa", r"key is not a linear map"),
+        ("sum_of_slices", r"query mixes two linear maps"),
+        ("two_keys", r"a softmax over more than one product"),
     ],
 )
 def test_what_cannot_be_read_exactly_is_refused_with_the_reason(how: str, reason: str) -> None:
@@ -252,3 +271,11 @@ def test_under_fsdp2_blocks_are_read_and_scattered_rows_of_a_sharded_weight_are_
             discover(models["megatron"])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_cache_the_forward_fills_is_filled_in_the_copy_not_in_the_model() -> None:
+    model = _Model("lazy_cache")
+    found = discover(model)
+    assert found.family == "structural"
+    assert model.blocks[0].cache == {} and model.blocks[1].cache == {}, "the trace wrote into the model's own cache"
+    model.blocks[0](torch.randn(1, 3, 16))  # and the model still runs on real tensors
