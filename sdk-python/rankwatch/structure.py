@@ -27,9 +27,12 @@ of the same shape whose every element names the linear map and output feature it
 (`source << 32 | feature`). Data movement (views, splits, transposes, concatenation, indexing,
 repeats) is applied to the shadows as to the tensors, so a q that is rows 0..C of a fused
 weight, or every third head of an interleaved one, arrives at the attention with exactly those
-rows in its shadow, in head order; elementwise arithmetic passes a shadow through (rotary
-embeddings keep the first operand's labels, which are the head's own rows); reductions and
-anything unknown clear it. The batch of one makes folded batch×head layouts read as heads.
+rows in its shadow, in head order; a move steered by an index tensor (whose values a meta
+tensor lacks) clears it. Elementwise arithmetic passes a shadow through; two operands of one map
+must be a permutation of each other within the row (rotary: x·cos + rotate_half(x)·sin, in
+either order), and the one in ascending order — the head's own rows — is kept; anything else
+mixes. Reductions and anything unknown clear it. The batch of one makes folded batch×head
+layouts read as heads.
 
 Exact or refused: every element of q, k and v must come from one linear map, the same on every
 token; kv heads repeated for grouped-query attention must be repeated in the order
