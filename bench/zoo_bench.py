@@ -34,12 +34,11 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sdk-python"))
 
-import rankwatch  # noqa: E402
-from rankwatch.discovery import Layout, discover  # noqa: E402
-from rankwatch.spectral import SpectralProbe  # noqa: E402
-from rankwatch.structure import BlockCall, NeedsCall, capture_call  # noqa: E402
 from rankwatch_testkit.spawn import spawn_ranks  # noqa: E402
 from rankwatch_testkit.zoo import LAYOUTS, ZooConfig, ZooModel  # noqa: E402
+
+import rankwatch  # noqa: E402
+from rankwatch.spectral import SpectralProbe  # noqa: E402
 
 WARMUP = 5
 
@@ -86,19 +85,6 @@ def _job(rank: int, layout: str, mode: str, watched: bool, steps: int, out: Path
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "times": times, "graphs": _graphs(), "graphs_at_warmup": graphs_before_watch, "family": family, "model": model}
 
 
-def _read(model: ZooModel) -> Layout:
-    """discover(), on the first block's real call where its forward wants more than x."""
-    try:
-        return discover(model)
-    except NeedsCall:
-        calls: list[BlockCall] = []
-        handle = model.trunk[0].register_forward_pre_hook(lambda _m, args, kwargs: calls.append(capture_call(args, kwargs)), with_kwargs=True)
-        with torch.no_grad():
-            model(torch.randint(0, model.config.vocab_size, (1, 8)))
-        handle.remove()
-        return discover(model, call=calls[0])
-
-
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -117,7 +103,7 @@ def _rank(rank: int, layout: str, mode: str, steps: int, out: str) -> None:
     ratio_error = 0.0
     sites: list[str] = []
     if rank == 0:
-        layout_found = _read(model)
+        layout_found = model.layout()
         sites = layout_found.blocks[0].sites()
         got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=400).compute() if m == "spectral.ratio"}
         for index in range(model.config.layers):

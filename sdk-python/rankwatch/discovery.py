@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
-from .mapping import MAPPING_KEYS, MATRIX_SITES
+from .mapping import MATRIX_SITES, check
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -793,12 +793,8 @@ def _attention_shape_from(attn: nn.Module | None, config: Any, q_rows: int | Non
     return AttentionShape(n_heads, n_kv, head_dim) if head_dim else None
 
 
-def _generic(model: nn.Module, original: nn.Module) -> Layout:
-    found = _largest_block_list(model)
-    hint = (
-        f"could not discover the transformer blocks of {type(original).__name__}: "
-        "pass mapping={'blocks': 'path.to.ModuleList', 'q': 'attn.q_proj', ...} to rankwatch"
-    )
+def _generic(model: nn.Module, original: nn.Module, found: tuple[str, list[nn.Module]] | None) -> Layout:
+    hint = _hint(original)
     if found is None:
         raise DiscoveryError(hint + " (no ModuleList/ModuleDict of identical blocks found)")
     blocks_path, members = found
@@ -874,11 +870,10 @@ def _param_rows(owner: nn.Module, name: str, start: int, stop: int) -> MatrixAcc
 # User mapping.
 
 def _from_mapping(roots: list[nn.Module], mapping: dict[str, Any], original: nn.Module) -> Layout:
-    unknown = set(mapping) - MAPPING_KEYS
-    if unknown:
-        raise DiscoveryError(f"mapping has unknown keys {sorted(unknown)}; allowed: {sorted(MAPPING_KEYS)}")
-    if "blocks" not in mapping:
-        raise DiscoveryError("mapping needs 'blocks': the dotted path of the ModuleList of blocks")
+    try:
+        check(mapping)  # its shape, as the command line checks it
+    except ValueError as e:
+        raise DiscoveryError(str(e)) from e
 
     def resolve(root_candidates: Iterable[Any], path: str, what: str) -> Any:
         for root in root_candidates:
@@ -892,9 +887,6 @@ def _from_mapping(roots: list[nn.Module], mapping: dict[str, Any], original: nn.
     container = resolve(roots, mapping["blocks"], "blocks")
     members = _blocks_of(container)
     transposed = set(mapping.get("transposed", ()))
-    bad = transposed - set(MATRIX_SITES)
-    if bad:
-        raise DiscoveryError(f"mapping 'transposed' names unknown sites {sorted(bad)}")
     attention = None
     if mapping.get("attention") is not None:
         a = mapping["attention"]
@@ -982,30 +974,36 @@ def discover(model: nn.Module, mapping: dict[str, Any] | None = None, *, call: B
     for _, module in inner.named_modules():
         if module is not inner and (_hf_model_type(module) in _HF_FAMILIES):
             return _HF_FAMILIES[_hf_model_type(module)](_hf_base(module))  # type: ignore[index]
+    found = _largest_block_list(inner)
     by_name: Layout | None = None
     try:
-        by_name = _generic(inner, model)
+        by_name = _generic(inner, model, found)
     except DiscoveryError:
         pass  # no name matched: the data flow decides
     if by_name is not None and all(set(_COMPLETE) <= set(b.matrices) for b in by_name.blocks):
         return by_name
     # No name matched every matrix: read the blocks off their data flow rather than report a
     # partial map (MPT's `Wqkv` beside `out_proj`/`up_proj`/`down_proj`, say).
-    return _structural(inner, model, by_name, call)
+    return _structural(inner, model, found, by_name, call)
+
+
+def _hint(original: nn.Module) -> str:
+    return (
+        f"could not discover the transformer blocks of {type(original).__name__}: "
+        "pass mapping={'blocks': 'path.to.ModuleList', 'q': 'attn.q_proj', ...} to rankwatch"
+    )
 
 
 # The sites a name match must find in every block to be taken without tracing.
 _COMPLETE = ("q", "k", "v", "o", "up", "down")
 
 
-def _structural(model: nn.Module, original: nn.Module, partial: Layout | None, call: BlockCall | None) -> Layout:
+def _structural(
+    model: nn.Module, original: nn.Module, found: tuple[str, list[nn.Module]] | None, partial: Layout | None, call: BlockCall | None
+) -> Layout:
     from .structure import NeedsCall, discover_blocks
 
-    hint = (
-        f"could not discover the transformer blocks of {type(original).__name__}: "
-        "pass mapping={'blocks': 'path.to.ModuleList', 'q': 'attn.q_proj', ...} to rankwatch"
-    )
-    found = _largest_block_list(model)
+    hint = _hint(original)
     if found is None:
         raise DiscoveryError(hint + " (no ModuleList/ModuleDict of identical blocks found)")
     blocks_path, members = found

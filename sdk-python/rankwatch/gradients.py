@@ -294,7 +294,6 @@ class GradientProbe:
         self.elapsed = 0.0  # seconds spent on the training thread, since the run last read it
         self.sketch_dim = sketch_dim
         self.sketch_seed = sketch_seed
-        self.scaler = scaler
         self._scaler_given = scaler
         self._scaled_by: Any = None  # the scaler whose scale() ran since the last record
         self.scaler_note: str | None = None  # once: the loss was scaled by another scaler
@@ -654,11 +653,10 @@ class GradientProbe:
         # The scaler whose scale() ran since the last record scaled this backward's loss; none
         # ran: the loss was not scaled through a GradScaler (unless the one given was used
         # some other way, which is the user's word).
-        seen = self._scaled_by
-        self.scaler = None if seen is _UNSCALED else seen if seen is not None else self._scaler_given
-        self._scaled_by = None
-        if self.scaler is not None and scaling.enabled(self.scaler):
-            scale = getattr(self.scaler, "_scale", None)
+        seen, self._scaled_by = self._scaled_by, None
+        scaler = None if seen is _UNSCALED else seen if seen is not None else self._scaler_given
+        if scaler is not None and scaling.enabled(scaler):
+            scale = getattr(scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
                 inv_sq = scale.double().reciprocal().square().to(self.device).reshape(())
                 local_sq = local_sq * inv_sq

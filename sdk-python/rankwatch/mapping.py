@@ -30,7 +30,7 @@ def check(mapping: object) -> dict[str, Any]:
         if key in mapping and not isinstance(mapping[key], str):
             raise ValueError(f"mapping '{key}' must be a dotted path (a string), got {mapping[key]!r}")
     transposed = mapping.get("transposed", [])
-    if not isinstance(transposed, list) or not set(transposed) <= set(MATRIX_SITES):
+    if not isinstance(transposed, (list, tuple)) or not set(transposed) <= set(MATRIX_SITES):
         raise ValueError(f"mapping 'transposed' must list sites among {list(MATRIX_SITES)}, got {transposed!r}")
     attention = mapping.get("attention")
     if attention is not None and (not isinstance(attention, dict) or not {"n_heads", "head_dim"} <= set(attention)):

@@ -306,7 +306,7 @@ class Run:
         if isinstance(inner, torch.optim.Optimizer):
             scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
             optimizer = inner
-        plan = _LayerProbes(model, given, optimizer, want_spectral, activations and self.cadence.activations > 0, gate, spectral_budget, effective_rank_probes)
+        plan = _LayerProbes(model, optimizer, _compiled(given), want_spectral, activations and self.cadence.activations > 0, gate, spectral_budget, effective_rank_probes)
         layout = self._discover(plan, mapping)
         self._layout = layout
         self._device = params[0].device
@@ -357,7 +357,7 @@ class Run:
             self._watch_spectral(layout, plan.optimizer, plan.budget, plan.erank_probes)
         if not plan.activations:
             return
-        if _compiled(plan.given, plan.model):
+        if plan.compiled:
             # Graphs compiled before a hook existed never call it (dynamo does not guard on
             # hooks by default): the probe would be armed and see nothing, silently.
             self.tags["activations"] = "off: the model was compiled before watch()"
@@ -388,7 +388,7 @@ class Run:
         try:
             return discover(plan.model)
         except NeedsCall as e:
-            if (plan.spectral or plan.activations) and not _compiled(plan.given, plan.model):
+            if (plan.spectral or plan.activations) and not plan.compiled:
                 self._await_call(plan, e)
                 return None
             self._layer_probes_off(plan, e)
@@ -1027,8 +1027,8 @@ class _LayerProbes:
     """What `watch` was asked for the layer probes, kept until the layout is known."""
 
     model: torch.nn.Module
-    given: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
+    compiled: bool  # the model already runs through torch.compile's graphs (hooks added now never run)
     spectral: bool
     activations: bool
     gate: bool
@@ -1036,9 +1036,10 @@ class _LayerProbes:
     erank_probes: int
 
 
-def _compiled(*modules: torch.nn.Module) -> bool:
-    """Whether any of `modules` or their submodules runs through torch.compile's graphs."""
-    return any(type(m).__name__ == "OptimizedModule" or vars(m).get("_compiled_call_impl") is not None for top in modules for m in top.modules())
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether `module` (the DDP wrapper or model `watch` was given) or one of its submodules
+    runs through torch.compile's graphs."""
+    return any(type(m).__name__ == "OptimizedModule" or vars(m).get("_compiled_call_impl") is not None for m in module.modules())
 
 
 def _is_deepspeed(module: Any) -> bool:

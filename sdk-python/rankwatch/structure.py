@@ -136,7 +136,6 @@ class _AttentionUse:
     k: torch.Tensor
     v: torch.Tensor
     output_source: int
-    how: str
 
 
 @dataclass
@@ -274,7 +273,7 @@ class _Recorder(TorchFunctionMode):
         marks = frozenset().union(*(i.marks for i in infos if i.param is None))
         if name == "scaled_dot_product_attention":
             q, k, v = (args + tuple(kwargs.get(n) for n in ("query", "key", "value")[len(args):]))[:3]
-            self._attention(self._shadow(q), self._shadow(k), self._shadow(v), outputs[0], "scaled_dot_product_attention")
+            self._attention(self._shadow(q), self._shadow(k), self._shadow(v), outputs[0])
             return
         if name in _MATMULS:
             self._matmul(name, args, kwargs, outputs[0], act)
@@ -420,13 +419,13 @@ class _Recorder(TorchFunctionMode):
         elif softmaxes:
             qk = self.trace.matmuls.get(self.trace.softmax_of.get(softmaxes[0], -1))
             if qk is not None:
-                self._attention(qk.lhs, qk.rhs.transpose(-2, -1), self._shadow(rhs), out, "softmax(Q Kᵀ) V")
+                self._attention(qk.lhs, qk.rhs.transpose(-2, -1), self._shadow(rhs), out)
                 return
         self._keep(out, _Info(shadow=None, act=act, marks=frozenset({("mm", event)})))
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, how: str) -> None:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         source = self.trace.source()
-        self.trace.attentions.append(_AttentionUse(q, k, v, source, how))
+        self.trace.attentions.append(_AttentionUse(q, k, v, source))
         if out.dim() >= 3:
             self._keep(out, _Info(shadow=_head_labels(source, out.shape)))
 
@@ -635,6 +634,19 @@ def _by_token_consistent(shadow: torch.Tensor, token_dim: int) -> torch.Tensor:
     return first.squeeze(token_dim)
 
 
+def _features(shadow: torch.Tensor) -> torch.Tensor:
+    """The labels of the last dimension, the same at every token (or a refusal)."""
+    return _by_token_consistent(shadow.reshape(-1, shadow.shape[-1]), 0)
+
+
+def _one_map(labels: torch.Tensor, linears: dict[int, _LinearUse]) -> tuple[_LinearUse, torch.Tensor] | None:
+    """The one linear map every label names, with the features they name; None otherwise."""
+    sources, features = _split(labels)
+    found = _distinct(sources)
+    source = next(iter(found)) if len(found) == 1 else None
+    return (linears[source], features) if source in linears else None
+
+
 def _rows_of(
     shadow: torch.Tensor, what: str, linears: dict[int, _LinearUse]
 ) -> tuple[_LinearUse, torch.Tensor]:
@@ -645,11 +657,10 @@ def _rows_of(
     if bool((heads < 0).any()):
         why = "mixes two linear maps" if bool((heads == MIXED).any()) else "is not a linear map of the block's input"
         raise DiscoveryError(f"the attention's {what} {why}")
-    sources, features = _split(heads)
-    found = _distinct(sources)
-    if len(found) != 1 or next(iter(found)) not in linears:
-        raise DiscoveryError(f"the attention's {what} comes from {len(found)} linear maps, expected one")
-    return linears[next(iter(found))], features
+    found = _one_map(heads, linears)
+    if found is None:
+        raise DiscoveryError(f"the attention's {what} comes from {len(_distinct(_split(heads)[0]))} linear maps, expected one")
+    return found
 
 
 def _kv_heads(features: torch.Tensor, n_heads: int, what: str) -> torch.Tensor:
@@ -679,7 +690,7 @@ def _kv_heads(features: torch.Tensor, n_heads: int, what: str) -> torch.Tensor:
 
 
 def _site(use: _LinearUse, features: torch.Tensor, block: nn.Module) -> Site:
-    param = _resolve(block, use.param)
+    param = _weight(*_owner(block, use.param))
     out_features = param.shape[1] if use.transposed else param.shape[0]
     ordered = tuple(int(f) for f in features.reshape(-1))
     if ordered == tuple(range(out_features)):
@@ -689,10 +700,10 @@ def _site(use: _LinearUse, features: torch.Tensor, block: nn.Module) -> Site:
     return Site(use.param, use.transposed, ordered)
 
 
-def _resolve(block: nn.Module, name: str) -> torch.Tensor:
+def _owner(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding parameter `name` (dotted, relative to `block`) and its attribute."""
     owner, _, attr = name.rpartition(".")
-    module = block.get_submodule(owner) if owner else block
-    return _weight(module, attr)
+    return (block.get_submodule(owner) if owner else block), attr
 
 
 def _read(trace: _Trace, block: nn.Module, where: str) -> BlockMap:
@@ -729,7 +740,7 @@ def _read(trace: _Trace, block: nn.Module, where: str) -> BlockMap:
     if len(readers) != 1:
         raise DiscoveryError(f"{len(readers)} linear maps read the attention output in {where}, expected one")
     o_use = readers[0]
-    o_input = _by_token_consistent(o_use.input_shadow.reshape(-1, o_use.input_shadow.shape[-1]), 0)
+    o_input = _features(o_use.input_shadow)
     expected = torch.arange(n_heads * head_dim, dtype=torch.int64) | (attention.output_source << _FEATURE_BITS)
     if not torch.equal(o_input, expected):
         raise DiscoveryError(f"{o_use.param} does not read the attention output feature for feature in {where}")
@@ -740,13 +751,11 @@ def _read(trace: _Trace, block: nn.Module, where: str) -> BlockMap:
     for use in trace.linears:
         if use.source in taken or not use.input_act:
             continue
-        shadow = use.input_shadow.reshape(-1, use.input_shadow.shape[-1])
-        if bool((shadow < 0).any()):
+        if bool((use.input_shadow < 0).any()):
             continue
-        sources, features = _split(_by_token_consistent(shadow, 0))
-        found = _distinct(sources)
-        if len(found) == 1 and next(iter(found)) in linears and next(iter(found)) not in taken:
-            downs.append((use, linears[next(iter(found))], features))
+        found = _one_map(_features(use.input_shadow), linears)
+        if found is not None and found[0].source not in taken:
+            downs.append((use, *found))
     if not downs:
         raise DiscoveryError(f"no MLP found in {where}: no linear map reads a nonlinearity of another's output")
     mlps = [_mlp_sites(down, up, features, trace, linears, block, where) for down, up, features in downs]
@@ -778,14 +787,12 @@ def _mlp_sites(
     sites = {"up": _site(up, up_features, block), "down": Site(down.param, down.transposed)}
     up_labels = up_features | (up.source << _FEATURE_BITS)
     for gate_shadow, up_shadow in trace.gates:
-        ups = _by_token_consistent(up_shadow.reshape(-1, up_shadow.shape[-1]), 0)
-        if not torch.equal(ups, up_labels):
+        if not torch.equal(_features(up_shadow), up_labels):
             continue
-        gate_sources, gate_features = _split(_by_token_consistent(gate_shadow.reshape(-1, gate_shadow.shape[-1]), 0))
-        found = _distinct(gate_sources)
-        if len(found) != 1 or next(iter(found)) not in linears:
+        gate = _one_map(_features(gate_shadow), linears)
+        if gate is None:
             raise DiscoveryError(f"the MLP gate of {where} mixes linear maps")
-        sites["gate"] = _site(linears[next(iter(found))], gate_features, block)
+        sites["gate"] = _site(*gate, block)
         break
     return sites
 
@@ -856,8 +863,7 @@ def site_accessor(block: nn.Module, site: Site) -> MatrixAccessor:
             site_accessor(block, Site(site.param.format(e), site.transposed, site.rows)) for e in range(site.experts)
         ]
         return lambda: torch.stack([read() for read in members])
-    owner_path, _, attr = site.param.rpartition(".")
-    owner = block.get_submodule(owner_path) if owner_path else block
+    owner, attr = _owner(block, site.param)
     chosen = site.rows
     span: tuple[int, int] | None = None
     if chosen is not None and chosen == tuple(range(chosen[0], chosen[0] + len(chosen))):

@@ -17,12 +17,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from rankwatch_testkit.zoo import LAYOUTS, ZooConfig, ZooModel
 from torch import nn
 
-from rankwatch.discovery import AttentionShape, DiscoveryError, Layout, discover
+from rankwatch.discovery import AttentionShape, DiscoveryError, discover
 from rankwatch.spectral import SpectralProbe
 from rankwatch.structure import BlockCall, NeedsCall, capture_call
-from rankwatch_testkit.zoo import LAYOUTS, ZooConfig, ZooModel
 
 REL_TOL = 1e-3
 
@@ -32,33 +32,11 @@ def zoo(layout: str, seed: int = 0) -> ZooModel:
     return ZooModel(ZooConfig(layout=layout))
 
 
-def first_call(model: ZooModel) -> BlockCall:
-    """The first block's arguments at a real forward, as the run captures them."""
-    calls: list[BlockCall] = []
-
-    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls.append(capture_call(args, kwargs))
-
-    handle = model.trunk[0].register_forward_pre_hook(capture, with_kwargs=True)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 12)))
-    handle.remove()
-    return calls[0]
-
-
-def read(model: nn.Module, eager: ZooModel) -> Layout:
-    """discover(), with the first block's real call where its forward wants more than x."""
-    try:
-        return discover(model)
-    except NeedsCall:
-        return discover(model, call=first_call(eager))
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: bool) -> None:
     model = zoo(layout)
-    found = read(torch.compile(model) if compiled else model, model)
+    found = model.layout(torch.compile(model) if compiled else model)
     assert found.family == "structural"
     assert found.blocks_path == "trunk" and len(found.blocks) == model.config.layers
     assert found.embed is model.embedding and found.final_norm is model.final
@@ -78,7 +56,7 @@ def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_spectral_ratio_of_a_zoo_layout_matches_float64_matrix_norms(layout: str) -> None:
     model = zoo(layout, seed=1)
-    layout_found = read(model, model)
+    layout_found = model.layout()
     got = {(m, l): v.item() for m, l, s, v in SpectralProbe(layout_found, cold_iters=100).compute() if s is None}
     for index in range(model.config.layers):
         w = {site: t.detach().double() for site, t in model.expected(index).items()}
@@ -107,7 +85,7 @@ def _state(model: nn.Module) -> tuple[object, ...]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_tracing_a_block_touches_nothing(layout: str) -> None:
     model = zoo(layout).train()
-    call = first_call(model) if getattr(model.trunk[0], "takes_tables", False) else None
+    call = model.first_block_call() if getattr(model.trunk[0], "takes_tables", False) else None
     before = _state(model)
     discover(model, call=call)
     after = _state(model)
@@ -213,7 +191,7 @@ def test_a_block_that_wants_its_own_arguments_asks_for_its_first_call() -> None:
     with pytest.raises(NeedsCall, match=r"missing 3 required positional arguments") as error:
         discover(model)
     assert error.value.block is model.trunk[0]
-    call = first_call(model)
+    call = model.first_block_call()
     # Batch cut to 1 and the 12 tokens to 3, in every tensor and every dimension of that length.
     assert [tuple(t.shape) for t in call.args] == [(1, 3, 32), (3, 8), (3, 8), (3, 3)]
     assert all(t.device.type == "meta" for t in call.args)

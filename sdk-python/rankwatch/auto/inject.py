@@ -297,8 +297,8 @@ def main(args: Any, action: str) -> int:
         except ValueError as e:
             print(f"rankwatch {action}: {e}", file=sys.stderr)
             return 2
-    if action == "attach" and not settings["run"]:
-        settings["run"] = f"attach-{args.pid}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if not settings["run"]:
+            settings["run"] = f"attach-{args.pid}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         results = attach(args.pid, {"action": action, "settings": settings}, args.timeout, lambda line: print(line, file=sys.stderr, flush=True))
     except AttachError as e:

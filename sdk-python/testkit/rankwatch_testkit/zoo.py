@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -511,6 +512,33 @@ class ZooModel(nn.Module):
         """The (out, in) weight of each site of block `index`, from the layout's own definition."""
         block = self.trunk[index]
         return type(block).expected(block, self.config)  # type: ignore[operator]
+
+    def first_block_call(self) -> Any:
+        """The first block's arguments at a real forward (2 × 12 tokens), as a watching run
+        captures them (`rankwatch.structure.capture_call`)."""
+        from rankwatch.structure import capture_call
+
+        calls: list[Any] = []
+        handle = self.trunk[0].register_forward_pre_hook(lambda _m, args, kwargs: calls.append(capture_call(args, kwargs)), with_kwargs=True)
+        tokens = torch.randint(0, self.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        try:
+            with torch.no_grad():
+                self(tokens)
+        finally:
+            handle.remove()
+        return calls[0]
+
+    def layout(self, of: nn.Module | None = None) -> Any:
+        """rankwatch's discovery of this model (or of `of`, a wrapper of it such as its compiled
+        form), on the first block's real call where the block wants more than its input."""
+        from rankwatch.discovery import discover
+        from rankwatch.structure import NeedsCall
+
+        target = self if of is None else of
+        try:
+            return discover(target)
+        except NeedsCall:
+            return discover(target, call=self.first_block_call())
 
     def attention_shape(self) -> tuple[int, int, int]:
         c = self.config
