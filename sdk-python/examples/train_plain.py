@@ -66,7 +66,7 @@ def main() -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.transformer.h:
+        for block in (model.trunk if args.zoo else model.transformer.h):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif distributed:

@@ -487,6 +487,27 @@ def test_rankwatch_run_hands_the_mapping_to_every_rank_and_the_collector_keeps_i
     assert json.loads(summary["tags"]["mapping"]) == mapping
 
 
+@pytest.mark.parametrize(("layout", "sharding"), [("rotary_args", ()), ("olmo", ("--fsdp2",))], ids=["ddp-first-call", "fsdp2"])
+def test_rankwatch_run_reads_blocks_no_table_knows_and_trains_as_the_unwatched_twin(tmp_path: Path, collector: Collector, layout: str, sharding: tuple[str, ...]) -> None:
+    """Two layouts the data flow reads, under the zero-code agent on 2 gloo ranks: blocks that
+    want rotary tables and a mask (read at their first forward) under DDP, and OLMo's fused
+    weights measured shard by shard under FSDP2. Every mapped site is measured and the job
+    ends with its unwatched twin's parameters, bit for bit; a hang fails at the timeout."""
+    steps, args = 6, ("--zoo", layout, *sharding)
+    cmd = [
+        sys.executable, "-m", "rankwatch", "run", "--collector", collector.url, "--run", f"zoo-{layout}", "--every", "grad=1,spectral=1,activations=1",
+        "--", *_torchrun("--steps", str(steps), "--out", str(tmp_path / "watched.pt"), *args),
+    ]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layer probes off" not in done.stderr, done.stderr[-3000:]
+    _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, *args))
+    query = f"SELECT DISTINCT site FROM samples WHERE run = 'zoo-{layout}' AND metric = 'spectral.sigma'"
+    sites = _wait_for(lambda: {r["site"] for r in collector.sql(query)} or None, 30, "spectral values")
+    assert sites >= {"q", "k", "v", "o", "up", "down"}, sites
+    assert _run_summary(collector, f"zoo-{layout}")["family"] == "structural"
+
+
 def test_the_code_gdb_schedules_runs_the_payload_and_never_raises(tmp_path: Path) -> None:
     """A pending call that fails would raise into the training loop: the scheduled code must
     swallow whatever the payload does, and it is what PyRun_SimpleString will compile."""
