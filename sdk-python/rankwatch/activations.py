@@ -24,26 +24,35 @@ matches; its last `seq` columns are used, which also covers a KV cache. Other sh
 measured unmasked.
 
 Cost and cadence. Hooks do nothing until `arm()`; the caller decides the cadence and
-`disarm()`s after the step. Armed hooks run a few fused reductions under `no_grad` and fold them
-into 0-dim device tensors with `torch.maximum` and running sums: no host sync, no Python
-branching on tensor values; `collect()` hands the tensors out and starts over. Several forward
-calls while armed (gradient-accumulation micro-batches, or gradient-checkpointing
-recomputation) fold into one value: the max over all of them, the mean over all sequences.
-`new_step()` (the run calls it after each optimizer step) makes the next forward start the fold
-afresh, so a probe armed for several steps reports the last optimizer step's forwards only.
-With `training_only` (what a run sets), forward passes without autograd (evaluation under
-`no_grad`) are not training steps and are left out. Forward passes run inside a backward —
-activation checkpointing recomputing a block — repeat a forward already measured and are left
-out too (the fold would not change, and the recompute would pay the probe twice).
+`disarm()`s after the step. Armed hooks run a few fused reductions under `no_grad` and fold them,
+in place, into float32 device tensors made at `arm()` (`torch.maximum(..., out=)` and `add_`): no
+host sync, no Python branching on tensor values; `collect()` hands the folded tensors out and
+starts over with new ones. Several forward calls while armed (gradient-accumulation
+micro-batches, or gradient-checkpointing recomputation) fold into one value: the max over all of
+them, the mean over all sequences. `new_step()` (the run calls it after each optimizer step)
+sets the fold aside and starts a new one, so a probe armed for several steps reports the last
+optimizer step's forwards only (or, when no forward came after it, the step before). With
+`training_only` (what a run sets), forward passes without autograd (evaluation under `no_grad`)
+are not training steps and are left out. Forward passes run inside a backward — activation
+checkpointing recomputing a block — repeat a forward already measured and are left out too (the
+fold would not change, and the recompute would pay the probe twice).
 
 Memory. The token cosine works on float32 unit vectors of the hidden states; it takes them
 `chunk_bytes` at a time along the sequence, so its temporary memory is bounded (64 MiB by
 default) whatever the batch, sequence length and width. An error inside a hook turns the probe off (`error` says why) instead of reaching the
 training step.
 
-Register the probe before `torch.compile`: compiled graphs bake in the hooks that exist when
-they are traced. Toggling `arm()` then costs one guard (and a second graph), not a re-trace per
-step.
+torch.compile. A model compiled after the probe exists traces its hooks into the graphs. Off by
+default there: observing an activation inside a compiled graph adds a reduction to the graph
+inductor fuses, and a different fusion can change the training step's own arithmetic (a
+bf16 intermediate kept in registers in one kernel is rounded to memory in another). The hook
+then does nothing inside the trace but note `compiled_skipped` (the run says so once); the
+compiled graph is the unwatched one. With `compiled=True` (opted in) the hooks are traced, and
+their only Python state is what the trace can guard on cheaply: `armed` (a bool: one graph
+armed, one disarmed, each compiled once) and the fold's tensors, mutated in place and never
+replaced by a missing key or None between calls — so arming costs at most two graphs per model,
+with no graph break. A model compiled before the probe exists never calls its hooks: the run
+leaves the probe off there (see run.py).
 """
 
 from __future__ import annotations
@@ -86,6 +95,30 @@ def _attention_mask_position(model: nn.Module) -> int | None:
     return None
 
 
+# (metric, site, layer): ("act_max", site, layer) or ("token_cosine", None, layer).
+FoldKey = tuple[str, str | None, int | None]
+
+
+class _Fold:
+    """One fold's running values: a 0-dim max per act_max key, a [2] (Σ per-sequence cosine,
+    sequences) per token_cosine key, each made before the forwards that fill them; `seen` says
+    which keys a forward reached (written by the hooks, read on the host at collect)."""
+
+    __slots__ = ("seen", "values")
+
+    def __init__(self, values: dict[FoldKey, torch.Tensor]) -> None:
+        self.values = values
+        self.seen: dict[FoldKey, bool] = dict.fromkeys(values, False)
+
+    def any_seen(self) -> bool:
+        return any(self.seen.values())
+
+
+def _device_of(module: nn.Module | None, fallback: torch.device) -> torch.device:
+    parameter = next(module.parameters(), None) if module is not None else None
+    return parameter.device if parameter is not None else fallback
+
+
 class ActivationProbe:
     """Forward hooks for act_max per site and token_cosine per block (see module docstring)."""
 
@@ -98,25 +131,29 @@ class ActivationProbe:
         token_cosine: bool = True,
         training_only: bool = False,
         chunk_bytes: int = 64 << 20,
+        compiled: bool = False,
     ) -> None:
         unknown = set(sites) - KNOWN_SITES
         if unknown:
             raise ValueError(f"unknown activation sites {sorted(unknown)}; known: {sorted(KNOWN_SITES)}")
         self._sites = tuple(dict.fromkeys(sites + (("gate",) if gate else ())))
         self._armed = False
-        self._restart = False
         self._training_only = training_only
+        self.compiled = compiled  # measure inside torch.compile graphs too (opted in)
+        self.compiled_skipped = False  # a compiled graph ran the hooks while not opted in
         self.chunk_bytes = chunk_bytes
         self.elapsed = 0.0  # seconds spent in the hooks, since the run last read it
         self.error: BaseException | None = None
         self._user_mask: torch.Tensor | None = None
         self._forward_mask: torch.Tensor | None = None
         self._handles: list[RemovableHandle] = []
-        # (site, layer) -> running max; layer -> running (sum of per-sequence cosines, count).
-        self._maxima: dict[tuple[str, int | None], torch.Tensor] = {}
-        self._cosines: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Report order: embed, then each block's sites and cosine, then final_norm.
-        self._order: list[tuple[str, str | None, int | None]] = []
+        self._model = model
+        # Report order: embed, then each block's sites and cosine, then final_norm; each key's
+        # tensors live on the device of the module it measures.
+        self._order: list[FoldKey] = []
+        self._where: dict[FoldKey, nn.Module] = {}
+        self._fold: _Fold | None = None  # filled by the armed forwards
+        self._completed: _Fold | None = None  # set aside by new_step()
 
         self._mask_position = _attention_mask_position(model)
         self._handles.append(model.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
@@ -131,9 +168,9 @@ class ActivationProbe:
                     )
                 )
                 if "residual" in self._sites:
-                    self._order.append(("act_max", "residual", block.index))
+                    self._key(("act_max", "residual", block.index), block.module)
                 if token_cosine:
-                    self._order.append(("token_cosine", None, block.index))
+                    self._key(("token_cosine", None, block.index), block.module)
             for site, module in (
                 ("attn_out", block.attn_module),
                 ("mlp_out", block.mlp_module),
@@ -149,24 +186,17 @@ class ActivationProbe:
 
     def arm(self) -> None:
         self._armed = True
+        if self._fold is None:
+            self._fold = self._new_fold()
 
     def disarm(self) -> None:
         self._armed = False
 
     def new_step(self) -> None:
-        """The next armed forward pass starts a new fold (one optimizer step ended)."""
-        self._restart = True
-
-    def _live(self) -> bool:
-        if not self._armed or self.error is not None or (self._training_only and not torch.is_grad_enabled()):
-            return False
-        if torch._C._current_graph_task_id() != -1:
-            return False  # checkpoint recomputation inside a backward: measured in the forward
-        if self._restart:
-            self._restart = False
-            self._maxima = {}
-            self._cosines = {}
-        return True
+        """Sets the fold aside: the next armed forward pass starts a new one (one optimizer
+        step ended)."""
+        if self._armed and self._fold is not None and self._fold.any_seen():
+            self._completed, self._fold = self._fold, self._new_fold()
 
     @property
     def armed(self) -> bool:
@@ -177,21 +207,25 @@ class ActivationProbe:
         self._user_mask = None if mask is None else (mask.detach() != 0)
 
     def collect(self) -> list[Metric]:
-        """All values accumulated since the last collect, then start over."""
+        """The values folded since the last optimizer step (or the step before, when no forward
+        came after it), then start over."""
+        fold = self._fold if self._fold is not None and self._fold.any_seen() else self._completed
+        self._completed = None
+        self._fold = self._new_fold() if self._armed else None
+        if fold is None:
+            return []
         out: list[Metric] = []
-        for metric, site, layer in self._order:
+        for key in self._order:
+            if not fold.seen[key]:
+                continue
+            metric, site, layer = key
+            value = fold.values[key]
             if metric == "act_max":
-                value = self._maxima.get((site, layer))  # type: ignore[arg-type]
-                if value is not None:
-                    out.append(("act_max", layer, site, value))
+                out.append(("act_max", layer, site, value))
             else:
-                sums = self._cosines.get(layer)  # type: ignore[arg-type]
-                if sums is not None:
-                    # A count of 0 (every sequence shorter than 2 real tokens) gives NaN: there
-                    # was nothing to measure, and deciding that on the host would need a sync.
-                    out.append(("token_cosine", layer, None, sums[0] / sums[1]))
-        self._maxima = {}
-        self._cosines = {}
+                # A count of 0 (every sequence shorter than 2 real tokens) gives NaN: there
+                # was nothing to measure, and deciding that on the host would need a sync.
+                out.append(("token_cosine", layer, None, value[0] / value[1]))
         return out
 
     def remove(self) -> None:
@@ -199,9 +233,61 @@ class ActivationProbe:
             handle.remove()
         self._handles.clear()
         self._armed = False
+        self._fold = self._completed = None
+
+    # ----------------------------------------------------------------------------------------
+    # Folds.
+
+    def _key(self, key: FoldKey, module: nn.Module) -> None:
+        self._order.append(key)
+        self._where[key] = module
+
+    def _new_fold(self) -> _Fold:
+        fallback = _device_of(self._model, torch.device("cpu"))
+        return _Fold(
+            {
+                key: torch.zeros(() if key[0] == "act_max" else (2,), dtype=torch.float32, device=_device_of(self._where[key], fallback))
+                for key in self._order
+            }
+        )
+
+    def _slot(self, key: FoldKey, like: torch.Tensor) -> torch.Tensor:
+        """The fold's tensor for `key`, on `like`'s device (a module whose parameters live
+        elsewhere than its activations gets a tensor beside the activations, once)."""
+        fold = self._fold
+        assert fold is not None  # armed: arm() made it
+        slot = fold.values[key]
+        if slot.device != like.device:
+            slot = fold.values[key] = torch.zeros_like(slot, device=like.device)
+        fold.seen[key] = True
+        return slot
 
     # ----------------------------------------------------------------------------------------
     # Hooks.
+
+    def _live(self) -> bool:
+        # Inside a compiled graph's trace: not opted in, the hook adds nothing to the graph.
+        if torch.compiler.is_compiling() and not self.compiled:
+            self.compiled_skipped = True
+            return False
+        if not self._armed or self.error is not None or (self._training_only and not torch.is_grad_enabled()):
+            return False
+        # Checkpoint recomputation inside a backward repeats a forward already measured.
+        # (Compiled graphs recompute without calling hooks.)
+        return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
+
+    def _measure(self, work: Callable[[], None]) -> None:
+        """Runs a hook's folds without autograd; an error turns the probe off. Eager, it also
+        times them (a compiled graph has no host time of its own to give)."""
+        compiling = torch.compiler.is_compiling()
+        started = 0.0 if compiling else time.perf_counter()
+        try:
+            with torch.no_grad():
+                work()
+        except Exception as e:  # noqa: BLE001 - a probe must never break the step
+            self.error = e
+        if not compiling:
+            self.elapsed += time.perf_counter() - started
 
     def _capture_mask(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._live():
@@ -230,17 +316,11 @@ class ActivationProbe:
                 return None
             activation = _first_tensor(output)
             if activation is not None:
-                started = time.perf_counter()
-                try:
-                    with torch.no_grad():
-                        self._fold_max(site, layer, activation)
-                except Exception as e:  # noqa: BLE001 - a probe must never break the step
-                    self.error = e
-                self.elapsed += time.perf_counter() - started
+                self._measure(lambda: self._fold_max(site, layer, activation))
             return None
 
         self._handles.append(module.register_forward_hook(hook))
-        self._order.append(("act_max", site, layer))
+        self._key(("act_max", site, layer), module)
 
     def _block_hook(self, layer: int, track_max: bool, track_cosine: bool) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -249,16 +329,14 @@ class ActivationProbe:
             hidden = _first_tensor(output)
             if hidden is None:
                 return None
-            started = time.perf_counter()
-            try:
-                with torch.no_grad():
-                    if track_max:
-                        self._fold_max("residual", layer, hidden)
-                    if track_cosine and hidden.dim() == 3:
-                        self._fold_cosine(layer, hidden)
-            except Exception as e:  # noqa: BLE001 - a probe must never break the step
-                self.error = e
-            self.elapsed += time.perf_counter() - started
+
+            def work() -> None:
+                if track_max:
+                    self._fold_max("residual", layer, hidden)
+                if track_cosine and hidden.dim() == 3:
+                    self._fold_cosine(layer, hidden)
+
+            self._measure(work)
             return None
 
         return hook
@@ -269,9 +347,9 @@ class ActivationProbe:
         if mask is not None:
             activation = torch.where(mask.unsqueeze(-1), activation, activation.new_zeros(()))
         value = torch.linalg.vector_norm(activation, ord=float("inf")).float()
-        key = (site, layer)
-        previous = self._maxima.get(key)
-        self._maxima[key] = value if previous is None else torch.maximum(previous, value)
+        # The fold starts at 0, which no max of absolute values can be below.
+        slot = self._slot(("act_max", site, layer), value)
+        torch.maximum(slot, value, out=slot)
 
     def _fold_cosine(self, layer: int, hidden: torch.Tensor) -> None:
         hidden = hidden.detach()
@@ -298,6 +376,4 @@ class ActivationProbe:
         pair_sum = summed.square().sum(-1) - squares
         valid = tokens >= 2
         per_sequence = torch.where(valid, pair_sum / (tokens * (tokens - 1)).clamp_min(1.0), 0.0)
-        total, count = per_sequence.sum(), valid.sum(dtype=torch.float32)
-        previous = self._cosines.get(layer)
-        self._cosines[layer] = (total, count) if previous is None else (previous[0] + total, previous[1] + count)
+        self._slot(("token_cosine", None, layer), hidden).add_(torch.stack((per_sequence.sum(), valid.sum(dtype=torch.float32))))

@@ -253,6 +253,7 @@ class Run:
         *,
         mapping: Mapping[str, Any] | None = None,
         activations: bool = True,
+        compiled_activations: bool = False,
         spectral: bool = True,
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
@@ -287,6 +288,13 @@ class Run:
         keeps its amortised cost under `spectral_budget` (a fraction of step time) by covering
         fewer layers per call. `effective_rank_probes` sets how many probe vectors estimate each
         block's `effective_rank` (exact up to that width; 0 turns the metric off).
+
+        torch.compile: watched before compiling, the activation hooks are traced into the
+        graphs but measure nothing there unless `compiled_activations=True` — observing an
+        activation inside a compiled graph changes what inductor fuses, and so possibly the
+        step's arithmetic. Opted in, arming costs one graph more (armed and disarmed), no graph
+        break. A model compiled before `watch` never calls hooks added later: the activation
+        probe is off there, said so. Every other probe runs in compiled jobs either way.
         """
         if self._gradients is not None or self._activations is not None or self._spectral is not None or self._awaiting is not None:
             raise RuntimeError("rankwatch.watch: this run already watches a model; call finish() first")
@@ -306,7 +314,17 @@ class Run:
         if isinstance(inner, torch.optim.Optimizer):
             scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
             optimizer = inner
-        plan = _LayerProbes(model, optimizer, _compiled(given), want_spectral, activations and self.cadence.activations > 0, gate, spectral_budget, effective_rank_probes)
+        plan = _LayerProbes(
+            model,
+            optimizer,
+            _compiled(given),
+            want_spectral,
+            activations and self.cadence.activations > 0,
+            compiled_activations,
+            gate,
+            spectral_budget,
+            effective_rank_probes,
+        )
         layout = self._discover(plan, mapping)
         self._layout = layout
         self._device = params[0].device
@@ -364,15 +382,29 @@ class Run:
             self._warn(
                 "compiled",
                 "rankwatch: activation probe off: the model is already compiled (torch.compile), and its graphs do not run hooks "
-                "added after compiling; call watch() before torch.compile to measure activations. Every other probe runs.",
+                "added after compiling; to measure activations, call watch(..., compiled_activations=True) before torch.compile. "
+                "Every other probe runs.",
             )
             return
         from .activations import ActivationProbe
 
-        self._activations = probe = ActivationProbe(plan.model, layout, gate=plan.gate, training_only=True)
+        self._activations = probe = ActivationProbe(plan.model, layout, gate=plan.gate, training_only=True, compiled=plan.compiled_activations)
         probe.arm()  # the first logged step, whichever it is
         if plan.optimizer is not None:
             self._optimizer_hook = plan.optimizer.register_step_post_hook(lambda *_: probe.new_step())
+
+    def _compiled_activations_off(self) -> None:
+        """The model was compiled after watch() and the hooks ran inside its graphs, not opted in."""
+        self.tags["activations"] = "off in compiled graphs (opt in: watch(..., compiled_activations=True))"
+        if self._agent is not None:
+            self._announce(self._agent)
+        self._warn(
+            "compiled-activations",
+            "rankwatch: activation probe off inside torch.compile graphs: measuring activations there adds reductions that "
+            "inductor fuses with the training step's own kernels, which can change its arithmetic. Modules that run eagerly are "
+            "still measured; opt in with watch(model, ..., compiled_activations=True) (arming then costs at most two graphs, "
+            "no graph break). Every other probe runs.",
+        )
 
     def _discover(self, plan: _LayerProbes, mapping: Mapping[str, Any] | None) -> Layout | None:
         """The model's layout. None when it cannot be found without a mapping: the layer probes
@@ -636,11 +668,13 @@ class Run:
         self._drop_failed_hooks()
         sketch = self._report_gradients(keys, values)
         if self._activations is not None:
+            if self._activations.compiled_skipped and "activations" not in self.tags:
+                self._compiled_activations_off()
             if self._activations.armed:
+                self._activations.disarm()
                 for metric, layer, site, tensor in self._activations.collect():
                     keys.append((metric, layer, site, False))
                     values.append(tensor)
-                self._activations.disarm()
             if Cadence.due_within(self.cadence.activations, step, upto):
                 self._activations.arm()
         if self._spectral is not None and not self._spectral.collective and Cadence.due_within(self.cadence.spectral, previous, step):
@@ -925,6 +959,7 @@ class NoopRun(Run):
         *,
         mapping: Mapping[str, Any] | None = None,
         activations: bool = True,
+        compiled_activations: bool = False,
         spectral: bool = True,
         gate: bool = False,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
@@ -1031,6 +1066,7 @@ class _LayerProbes:
     compiled: bool  # the model already runs through torch.compile's graphs (hooks added now never run)
     spectral: bool
     activations: bool
+    compiled_activations: bool  # opted in to activation hooks traced into compiled graphs
     gate: bool
     budget: float
     erank_probes: int
