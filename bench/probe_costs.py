@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sdk-python"))
 
-OFF = {"grad": 0, "sketch": 0, "dot": 0, "activations": 0, "spectral": 0}
+OFF = {"grad": 0, "sketch": 0, "dot": 0, "activations": 0, "spectral": 0, "fingerprint": 0}
 CONFIGS: dict[str, dict[str, int]] = {
     "none": OFF,
     "grad": {**OFF, "grad": 1},
@@ -55,11 +55,20 @@ CONFIGS: dict[str, dict[str, int]] = {
     "activations": {**OFF, "activations": 1},
     "spectral": {**OFF, "spectral": 1},
     "spectral, no effective rank": {**OFF, "spectral": 1},
+    "replica fingerprint": {**OFF, "fingerprint": 1},
 }
 # watch() arguments beyond the cadence, per configuration.
 WATCH_OPTIONS: dict[str, dict[str, int]] = {"spectral, no effective rank": {"effective_rank_probes": 0}}
 # The default cadence (rankwatch.run.Cadence): steps between measurements.
-DEFAULT_EVERY = {"grad": 1, "grad+dot": 10, "grad+sketch": 10, "activations": 25, "spectral": 50, "spectral, no effective rank": 50}
+DEFAULT_EVERY = {
+    "grad": 1,
+    "grad+dot": 10,
+    "grad+sketch": 10,
+    "activations": 25,
+    "spectral": 50,
+    "spectral, no effective rank": 50,
+    "replica fingerprint": 10,
+}
 # The dot and the sketch ride on the gradient probe: their own cost is the difference.
 ON_TOP_OF_GRAD = {"grad+dot": "exact dot (on top of grad)", "grad+sketch": "sketch (on top of grad)"}
 
@@ -152,6 +161,11 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
         if config != "none":
             run = rankwatch.init(run=f"probe-costs-{config}-{step}", mode="offline", spool_dir=spool, every=every)
             run.watch(ddp, optimizer, spectral=every["spectral"] > 0, activations=every["activations"] > 0, **WATCH_OPTIONS.get(config, {}))
+            if every["fingerprint"]:
+                # One process stands for the replicas: the fingerprint runs only with a second
+                # replica to compare, so it is installed as a two-replica run installs it.
+                run.world_size = 2
+                run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -39,12 +39,14 @@ pub const DEFAULT_WINDOW_STEPS: u64 = 100;
 /// layer then shows in activations, and the loss is where everything ends up.
 pub fn upstream_order(rule: Rule) -> u8 {
     match rule {
-        Rule::Nonfinite => 0,
-        Rule::StaleRank => 1,
-        Rule::SilentInconsistency => 2,
-        Rule::RankCollapse => 3,
-        Rule::ActivationOutlier => 4,
-        Rule::LossSpike => 5,
+        // Replicas whose parameters differ (corrupted weights) explain everything after them.
+        Rule::ReplicaDivergence => 0,
+        Rule::Nonfinite => 1,
+        Rule::StaleRank => 2,
+        Rule::SilentInconsistency => 3,
+        Rule::RankCollapse => 4,
+        Rule::ActivationOutlier => 5,
+        Rule::LossSpike => 6,
     }
 }
 

@@ -91,6 +91,15 @@ metrics! {
     ProbeMsActivations = "probe_ms.activations", Rank, NONE;
     /// Milliseconds one spectral call took on that rank (device time where there is one).
     ProbeMsSpectral = "probe_ms.spectral", Rank, NONE;
+    /// Milliseconds the replica fingerprint took on that rank since its last report.
+    ProbeMsFingerprint = "probe_ms.fingerprint", Rank, NONE;
+    /// The rank's replica fingerprint: an exact, order-independent 52-bit digest of the raw bits
+    /// of every parameter it replicates (an integer, exact in an f64). Replicas of one model
+    /// send equal values; see `replica_divergence`.
+    ParamFingerprint = "param_fingerprint", Rank, NONE;
+    /// The same digest over the rank's optimizer state (Adam's moments and step counts), at a
+    /// slower cadence: replicas' optimizer states are equal too.
+    OptimFingerprint = "optim_fingerprint", Rank, NONE;
     /// σ₁ of one weight matrix of a block.
     SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
     /// σ_mlp = ‖W_down·W_up‖₂.
@@ -113,6 +122,9 @@ metrics! {
     EffectiveRank = "effective_rank", Layer, NONE;
     /// max|a| at a hook point.
     ActMax = "act_max", Layer, &Site::ACTIVATIONS;
+    /// The replica fingerprint of one block's parameters, per rank: names the blocks in which
+    /// replicas differ.
+    LayerFingerprint = "layer_fingerprint", Layer, NONE;
     /// Population standard deviation of the ranks' losses.
     LossStd = "loss_std", AllRanks, NONE;
     /// max − min of the ranks' losses.

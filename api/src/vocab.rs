@@ -82,6 +82,7 @@ vocabulary!(
         LossSpike = "loss_spike",
         ActivationOutlier = "activation_outlier",
         StaleRank = "stale_rank",
+        ReplicaDivergence = "replica_divergence",
     }
 );
 

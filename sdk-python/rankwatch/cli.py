@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--run", help="the run's name (default: made from the script's name and the time)")
         q.add_argument("--collector", help=COLLECTOR_HELP)
         q.add_argument("--mode", choices=["online", "offline"], help="stream to the collector (default) or only spool to disk")
-        q.add_argument("--every", help="steps between measurements: N for every costly probe, or probe=N pairs (grad, sketch, dot, activations, spectral)")
+        q.add_argument("--every", help="steps between measurements: N for every costly probe, or probe=N pairs (grad, sketch, dot, activations, spectral, fingerprint)")
         q.add_argument(
             "--mapping",
             help="the model's layout where discovery cannot read it: JSON ({\"blocks\": \"path.to.blocks\", \"q\": \"attn.q\", ...}) or a JSON file; "

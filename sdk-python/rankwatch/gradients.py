@@ -549,6 +549,11 @@ class GradientProbe:
         except Exception as e:  # noqa: BLE001 - a probe must never break the step
             self._fail(e)
 
+    @property
+    def ddp_wrapper(self) -> torch.nn.parallel.DistributedDataParallel | None:
+        """The DDP wrapper whose all-reduce the probe reads around, once known."""
+        return self._wrapper
+
     def _reduced(self) -> bool:
         if self._wrapper is None and self._find_wrapper_of is not None and dist.is_available() and dist.is_initialized():
             found = find_ddp_wrapper(self._find_wrapper_of)

@@ -76,6 +76,7 @@ class Cadence:
     dot: int = 10
     activations: int = 25
     spectral: int = 50
+    fingerprint: int = 10
 
     @classmethod
     def parse(cls, every: int | Mapping[str, int] | Cadence | None) -> Cadence:
@@ -89,7 +90,7 @@ class Cadence:
             if every < 1:
                 raise ValueError(f"rankwatch.init: every= must be at least 1, got {every}")
             # One number sets the cadence of the expensive probes; the cheap ones stay per step.
-            return cls(activations=every, spectral=every, sketch=every, dot=every)
+            return cls(activations=every, spectral=every, sketch=every, dot=every, fingerprint=every)
         names = {f.name for f in fields(cls)}
         unknown = set(every) - names
         if unknown:
@@ -164,6 +165,12 @@ class Run:
         self._spectral: Any = None
         self._activations: Any = None
         self._gradients: Any = None
+        self._fingerprint: Any = None
+        # The fingerprint compares DDP replicas: the wrapper, once known (None: not yet looked
+        # for; False: looked for and not found, the probe is off).
+        self._fingerprint_ddp: Any = None
+        self._fingerprint_model: torch.nn.Module = torch.nn.Module()
+        self._fingerprint_optimizer: torch.optim.Optimizer | None = None
         self._optimizer_hook: Any = None
         self._stop_scaler_listener: Callable[[], None] | None = None
         # Blocks traced on a real call: what to install, and the capturing hook; then the call.
@@ -346,6 +353,7 @@ class Run:
         self._reporter = Reporter(agent, self._device, self._remember)
         if layout is not None:
             self._install_layer_probes(plan, layout)
+        self._watch_fingerprint(model, layout, sharded=fsdp is not None or _has_dtensor(params), ddp=wrapper, optimizer=optimizer)
         if self.cadence.grad > 0:
             from .gradients import GradientProbe
 
@@ -486,10 +494,77 @@ class Run:
             self._layout = layout
             try:
                 self._install_layer_probes(plan, layout)
+                if self._fingerprint is not None:  # now with its blocks
+                    self._watch_fingerprint(plan.model, layout, sharded=False, ddp=self._fingerprint_ddp, optimizer=self._fingerprint_optimizer)
             except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
                 self._probe_failed("layer", e)
         if self._agent is not None:
             self._announce(self._agent)
+
+    def _watch_fingerprint(
+        self, model: torch.nn.Module, layout: Layout | None, *, sharded: bool, ddp: Any, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """The replica fingerprint over the parameters DDP replicates (every one of `model` but
+        those DDP ignores), by block where the layout is known. It reports only once the DDP
+        wrapper is known (`_replicas_known`): ranks that train models of their own (local SGD,
+        a job using torch.distributed for something else) are not replicas."""
+        from .fingerprint import FingerprintProbe
+
+        self._fingerprint_ddp = ddp
+        self._fingerprint_model = model
+        # ZeRO shards the optimizer state over the ranks: no replica of it to compare.
+        self._fingerprint_optimizer = None if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
+
+        if self.cadence.fingerprint <= 0 or self.world_size < 2:
+            return  # off, or a single replica: nothing to compare
+        if sharded:
+            self.tags["replica_fingerprint"] = "off: sharded parameters (FSDP2, tensor parallel) have no replica in this run"
+            return
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+        named = [(name, p) for name, p in model.named_parameters() if name not in ignored]
+        if ignored:
+            self.tags["replica_fingerprint_ignored"] = ",".join(sorted(ignored))
+        block_of_param: dict[int, int] = {}
+        for block in layout.blocks if layout is not None else ():
+            for p in block.module.parameters():
+                block_of_param.setdefault(id(p), block.index)
+        blocks = len(layout.blocks) if layout is not None else 0
+        self._fingerprint = FingerprintProbe([p for _, p in named], [block_of_param.get(id(p)) for _, p in named], blocks)
+
+    def _replicas_known(self) -> bool:
+        """Whether a DDP wrapper of the watched model exists: given, found by the gradient probe
+        at its first backward, or (with that probe off) looked for once here."""
+        if self._fingerprint_ddp is None:
+            found = self._gradients.ddp_wrapper if self._gradients is not None else None
+            if found is None and self._gradients is None:
+                from .gradients import find_ddp_wrapper
+
+                found = find_ddp_wrapper(self._fingerprint_model) or False
+            if found is False:
+                self.tags["replica_fingerprint"] = "off: no DistributedDataParallel wrapper found (the ranks are not replicas)"
+                if self._agent is not None:
+                    self._announce(self._agent)
+            self._fingerprint_ddp = found
+        return self._fingerprint_ddp not in (None, False)
+
+    def _report_fingerprint(self, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
+        """The replica digests of the parameters (the whole model's, each block's) and, when
+        `optimizer`, of the optimizer state."""
+        if not self._replicas_known():
+            return
+        from .fingerprint import digest, optimizer_state
+
+        started = time.perf_counter()
+        model, blocks = self._fingerprint.compute()
+        keys.append(("param_fingerprint", None, None, False))
+        values.append(model)
+        for index, value in enumerate(blocks.unbind()):
+            keys.append(("layer_fingerprint", index, None, False))
+            values.append(value)
+        if optimizer and self._fingerprint_optimizer is not None:
+            keys.append(("optim_fingerprint", None, None, False))
+            values.append(digest(optimizer_state(self._fingerprint_optimizer, model.device), model.device))
+        self._fingerprint.elapsed += time.perf_counter() - started
 
     def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
         """The spectral probe: layers shared out over the ranks, under a time budget."""
@@ -679,6 +754,13 @@ class Run:
                 self._activations.arm()
         if self._spectral is not None and not self._spectral.collective and Cadence.due_within(self.cadence.spectral, previous, step):
             self._run_spectral()
+        if self._fingerprint is not None and Cadence.due_within(self.cadence.fingerprint, previous, step):
+            # The optimizer state every tenth fingerprint: it is as large as the weights again, twice.
+            try:
+                self._report_fingerprint(keys, values, optimizer=Cadence.due_within(10 * self.cadence.fingerprint, previous, step))
+            except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
+                self._fingerprint = None
+                self._probe_failed("replica fingerprint", e)
         for metric, layer, site, tensor in self._spectral_pending:
             keys.append((metric, layer, site, True))
             values.append(tensor)
@@ -728,7 +810,7 @@ class Run:
         """probe_ms.*: what each probe cost this rank since the last report. Host numbers, so
         they go to the agent without visiting the device."""
         costs: list[tuple[SeriesKey, float]] = []
-        for name, probe in (("grad", self._gradients), ("activations", self._activations)):
+        for name, probe in (("grad", self._gradients), ("activations", self._activations), ("fingerprint", self._fingerprint)):
             if probe is not None and probe.elapsed > 0:
                 costs.append(((f"probe_ms.{name}", None, None, False), probe.elapsed * 1000.0))
                 probe.elapsed = 0.0
@@ -894,6 +976,7 @@ class Run:
         if self._gradients is not None:
             self._gradients.remove()
             self._gradients = None
+        self._fingerprint = None
         if self._stop_scaler_listener is not None:
             self._stop_scaler_listener()
             self._stop_scaler_listener = None
@@ -1076,6 +1159,10 @@ def _compiled(module: torch.nn.Module) -> bool:
     """Whether `module` (the DDP wrapper or model `watch` was given) or one of its submodules
     runs through torch.compile's graphs."""
     return any(type(m).__name__ == "OptimizedModule" or vars(m).get("_compiled_call_impl") is not None for m in module.modules())
+
+
+def _has_dtensor(params: list[torch.nn.Parameter]) -> bool:
+    return any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params)
 
 
 def _is_deepspeed(module: Any) -> bool:

@@ -108,8 +108,12 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    run = rankwatch.init(run="no-sync", mode="offline", spool_dir=tmp_path, every={"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1})
+    run = rankwatch.init(run="no-sync", mode="offline", spool_dir=tmp_path, every={"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1, "fingerprint": 1})
     run.watch(ddp, optimizer, scaler=scaler)
+    # The replica fingerprint runs only with a second replica to compare against: install it
+    # as a two-replica run would, so that its pass is guarded too.
+    run.world_size = 2
+    run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp)
     assert run._reporter is not None
     reporter = run._reporter
     # The reporter's host buffers are the pinned copies a GPU run reads after their event.
@@ -120,7 +124,7 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     run.finish(timeout=5)
     assert guard.violations == []
     names = {k[0] for k in run.last_values}
-    for expected in ("loss", "tokens", "grad_norm", "grad_norm_mean", "cos_to_mean", "amp_skipped", "act_max", "token_cosine", "spectral.ratio"):
+    for expected in ("loss", "tokens", "grad_norm", "grad_norm_mean", "cos_to_mean", "amp_skipped", "act_max", "token_cosine", "spectral.ratio", "param_fingerprint", "layer_fingerprint"):
         assert expected in names, f"{expected} was measured"
 
 

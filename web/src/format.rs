@@ -61,6 +61,7 @@ pub(crate) fn rule_label(rule: Rule) -> &'static str {
         Rule::LossSpike => "loss spike",
         Rule::ActivationOutlier => "activation outlier",
         Rule::StaleRank => "stale rank",
+        Rule::ReplicaDivergence => "replica divergence",
     }
 }
 

@@ -266,11 +266,18 @@ def test_the_run_page_switches_a_runs_probes_through_the_collector(finished_run,
 def test_a_run_whose_blocks_were_not_found_says_so_with_the_command_that_fixes_it(finished_run, page) -> None:
     """The SDK tags a run `layer_probes` when discovery could not read the model: the header of
     every page of that run says which probes are off and how to describe the blocks; a run whose
-    layers were found has no such notice."""
+    layers were found has no such notice. The same for a run whose parameters are sharded
+    (`replica_fingerprint`): the header says replica_divergence cannot judge it."""
     collector = finished_run
     body = {
         "run": "no-blocks",
-        "info": {"world_size": 1, "tags": {"layer_probes": "off (spectral, activations): blocks not found"}},
+        "info": {
+            "world_size": 1,
+            "tags": {
+                "layer_probes": "off (spectral, activations): blocks not found",
+                "replica_fingerprint": "off: sharded parameters (FSDP2, tensor parallel) have no replica in this run",
+            },
+        },
         "samples": [{"rank": 0, "step": 1, "metric": "loss", "value": 2.5}, {"rank": 0, "step": 1, "metric": "grad_norm", "value": 0.7}],
     }
     answer = requests.post(f"{collector.url}/api/v1/ingest", json=body, timeout=30)
@@ -282,11 +289,14 @@ def test_a_run_whose_blocks_were_not_found_says_so_with_the_command_that_fixes_i
         text = notice.inner_text()
         assert "layer probes off (spectral, activations): blocks not found" in text
         assert "rankwatch attach --pid PID --run no-blocks --mapping" in text and '"blocks"' in text
+        fingerprint = page.locator(".replica-fingerprint-off").inner_text()
+        assert "replica fingerprint off: sharded parameters" in fingerprint and "replica_divergence cannot judge this run" in fingerprint
     screenshot(page, "layer-probes-off")
     page.goto(f"{collector.url}/runs/{RUN}")
     page.locator(".probe-switch").wait_for(timeout=20_000)
     page.wait_for_timeout(1_000)  # the runs answer has arrived by then (same collector, loopback)
     assert page.locator(".layer-probes-off").count() == 0, "the layers of the demo's model were found"
+    assert page.locator(".replica-fingerprint-off").count() == 0, "no notice where nothing turned the fingerprint off"
 
 
 def test_bad_input_is_shown_as_text_never_a_blank_page(finished_run, page) -> None:

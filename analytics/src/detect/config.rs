@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     ActivationOutlierConfig, LossSpikeConfig, NonfiniteConfig, RankCollapseConfig,
-    SilentInconsistencyConfig, StaleRankConfig,
+    ReplicaDivergenceConfig, SilentInconsistencyConfig, StaleRankConfig,
 };
 use crate::error::Result;
 
@@ -20,6 +20,7 @@ pub struct DetectorsConfig {
     pub loss_spike: LossSpikeConfig,
     pub activation_outlier: ActivationOutlierConfig,
     pub stale_rank: StaleRankConfig,
+    pub replica_divergence: ReplicaDivergenceConfig,
 }
 
 impl DetectorsConfig {
@@ -30,6 +31,9 @@ impl DetectorsConfig {
         self.nonfinite.lifecycle.validate("nonfinite")?;
         self.loss_spike.validate()?;
         self.activation_outlier.validate()?;
+        self.replica_divergence
+            .lifecycle
+            .validate("replica_divergence")?;
         self.stale_rank.validate()
     }
 }

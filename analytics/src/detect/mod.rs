@@ -22,6 +22,7 @@ pub mod loss_spike;
 pub mod nonfinite;
 mod peers;
 pub mod rank_collapse;
+pub mod replica_divergence;
 pub mod silent_inconsistency;
 pub mod stale_rank;
 
@@ -31,6 +32,9 @@ pub use lifecycle::{AlertTracker, Breach, LifecycleConfig, Signal};
 pub use loss_spike::{LossObservation, LossSpike, LossSpikeConfig};
 pub use nonfinite::{Nonfinite, NonfiniteConfig, NonfiniteObservation};
 pub use rank_collapse::{CollapseObservation, RankCollapse, RankCollapseConfig};
+pub use replica_divergence::{
+    RankFingerprint, ReplicaDivergence, ReplicaDivergenceConfig, ReplicaObservation,
+};
 pub use silent_inconsistency::{SilentInconsistency, SilentInconsistencyConfig, StepObservation};
 pub use stale_rank::{RankActivity, StaleRank, StaleRankConfig};
 

@@ -1404,3 +1404,166 @@ fn rank_collapse_a_lasting_ratio_shift_fires_at_the_default_spectral_cadence() {
         "{events:#?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// replica_divergence
+
+fn starts_with(a: &Alert, prefix: &str) {
+    assert!(a.explanation.starts_with(prefix), "{}", a.explanation);
+}
+
+/// `ranks` replicas of a 6-block model; `differ` gives (rank, blocks whose digest it changes,
+/// whether the change lies outside the blocks).
+fn replicas(step: u64, ranks: u32, differ: &[(u32, &[u32], bool)]) -> ReplicaObservation {
+    ReplicaObservation {
+        step,
+        time_ms: step as i64 * 1000,
+        ranks: (0..ranks)
+            .map(|rank| {
+                let change = differ.iter().find(|(r, _, _)| *r == rank);
+                let layers = (0..6u32)
+                    .map(|layer| {
+                        let hit = change.is_some_and(|(_, blocks, _)| blocks.contains(&layer));
+                        (
+                            layer,
+                            f64::from(1000 + layer) + if hit { f64::from(rank) + 0.5 } else { 0.0 },
+                        )
+                    })
+                    .collect();
+                let model = 7.0 + change.map_or(0.0, |_| f64::from(rank) + 0.25);
+                RankFingerprint {
+                    rank,
+                    model,
+                    layers,
+                    optimizer: None,
+                }
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn replica_divergence_names_the_minority_rank_and_its_blocks_at_the_first_step() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    assert!(
+        d.observe(&replicas(10, 4, &[])).is_empty(),
+        "agreeing replicas"
+    );
+    let events = d.observe(&replicas(20, 4, &[(2, &[1, 3, 4, 5], false)]));
+    let firing = fired(&events);
+    assert_eq!(firing.len(), 1, "{events:#?}");
+    let a = firing[0];
+    assert_eq!(
+        (a.rule, a.severity, a.first_step, a.outlier_ranks.clone()),
+        (Rule::ReplicaDivergence, Severity::Critical, 20, vec![2])
+    );
+    starts_with(
+        a,
+        "rank 2's parameters differ from ranks 0, 1, 3 at step 20 in blocks 1, 3, 4 and 1 more: ",
+    );
+    assert!(
+        a.explanation
+            .contains("restart from the last good checkpoint")
+    );
+    // Still different: no new event; agreeing again (a restart from a good checkpoint): resolved.
+    assert!(d.observe(&replicas(30, 4, &[(2, &[1], false)])).is_empty());
+    let resolved = d.observe(&replicas(40, 4, &[]));
+    assert_eq!(resolved.len(), 1);
+    assert_eq!(resolved[0].state, AlertState::Resolved);
+}
+
+#[test]
+fn replica_divergence_with_two_replicas_names_both_and_says_why() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let events = d.observe(&replicas(0, 2, &[(1, &[], true)]));
+    let a = fired(&events)[0];
+    assert_eq!(a.outlier_ranks, vec![0, 1]);
+    starts_with(
+        a,
+        "the parameters of ranks 0, 1 differ at step 0 outside the blocks (embeddings, head or norms); with two replicas, which one changed cannot be told",
+    );
+}
+
+#[test]
+fn replica_divergence_without_a_majority_names_every_rank_outside_the_largest_group() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    // 0 and 1 agree, 2 and 3 each hold a digest of their own: no group above half.
+    let events = d.observe(&replicas(5, 4, &[(2, &[0], false), (3, &[0], false)]));
+    let a = fired(&events)[0];
+    assert_eq!(a.outlier_ranks, vec![2, 3]);
+    starts_with(
+        a,
+        "the replicas disagree with no majority at step 5 in block 0 ([0, 1] vs [2] vs [3])",
+    );
+    // Two against two: both pairs named.
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let mut obs = replicas(5, 4, &[]);
+    obs.ranks[2].model = 9.0;
+    obs.ranks[3].model = 9.0;
+    let a = d.observe(&obs).into_iter().next().unwrap();
+    assert_eq!(a.outlier_ranks, vec![2, 3]);
+    assert!(
+        a.explanation.contains("([0, 1] vs [2, 3])"),
+        "{}",
+        a.explanation
+    );
+}
+
+#[test]
+fn replica_divergence_stays_silent_with_one_rank_or_equal_digests() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let mut one = replicas(3, 1, &[]);
+    one.ranks[0].model = 12345.0;
+    assert!(
+        d.observe(&one).is_empty(),
+        "one replica: nothing to compare"
+    );
+    for step in 0..100 {
+        assert!(d.observe(&replicas(step, 8, &[])).is_empty());
+    }
+    assert!(d.open_alerts().is_empty());
+}
+
+proptest::proptest! {
+    /// Any minority (fewer than half the replicas, each with digests of its own or shared) is
+    /// named exactly, whatever the world size.
+    #[test]
+    fn replica_divergence_names_exactly_any_minority(
+        world in 3u32..17,
+        picks in proptest::collection::vec(0u32..16, 1..8),
+        shared in proptest::bool::ANY,
+    ) {
+        let mut minority: Vec<u32> = picks.into_iter().map(|r| r % world).collect();
+        minority.sort_unstable();
+        minority.dedup();
+        proptest::prop_assume!(minority.len() * 2 < world as usize);
+        let mut obs = replicas(7, world, &[]);
+        for r in &minority {
+            obs.ranks[*r as usize].model = if shared { 99.0 } else { 100.0 + f64::from(*r) };
+        }
+        let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+        let events = d.observe(&obs);
+        proptest::prop_assert_eq!(events.len(), 1);
+        proptest::prop_assert_eq!(&events[0].outlier_ranks, &minority);
+        proptest::prop_assert_eq!(events[0].severity, Severity::Critical);
+    }
+}
+
+#[test]
+fn replica_divergence_in_the_optimizer_state_alone_is_named_too() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let mut obs = replicas(100, 4, &[]);
+    for r in &mut obs.ranks {
+        r.optimizer = Some(if r.rank == 1 { 5.0 } else { 4.0 });
+    }
+    let a = d.observe(&obs).into_iter().next().unwrap();
+    assert_eq!(a.outlier_ranks, vec![1]);
+    starts_with(
+        &a,
+        "rank 1's optimizer state differs from ranks 0, 2, 3 at step 100 (the parameters still agree",
+    );
+    // A step where one rank sent no optimizer digest compares the parameters alone.
+    obs.ranks[2].optimizer = None;
+    obs.step = 110;
+    assert_eq!(d.observe(&obs).len(), 1, "agreeing parameters: resolved");
+}

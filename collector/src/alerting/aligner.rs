@@ -8,6 +8,10 @@
 //! in order, so the detectors downstream see a monotone stream. Rows for a step that is already
 //! closed are late: they stay stored, but are counted instead of reopening the step.
 //!
+//! Replica fingerprints (`param_fingerprint` per rank, `layer_fingerprint` per rank and block)
+//! join their step too, and close with it: the replicas' digests are compared once every rank
+//! has sent them.
+//!
 //! Sketches travel the same way and give the step's cos_pair_mean when two ranks or more sent
 //! one with the same seed and kind. They travel in their own requests, though, so only samples
 //! move a rank past a step: the agent sends a batch's sketches before its samples, and a
@@ -18,6 +22,7 @@
 
 use std::collections::BTreeMap;
 
+use rankwatch_analytics::detect::RankFingerprint;
 use rankwatch_analytics::math::{RankValues, cos_pair_mean, sketch_cosine_matrix};
 use rankwatch_analytics::{Metric, SketchRecord};
 
@@ -33,8 +38,26 @@ pub struct ClosedStep {
     /// Ranks of the world with no row for this step (only when it closed on the timeout).
     pub missing: Vec<u32>,
     pub cos_pair_mean: Option<f64>,
+    /// The replica fingerprints of the ranks that sent a whole-model one, by rank.
+    pub fingerprints: Vec<RankFingerprint>,
     /// Whether it closed because every rank had moved on (else: the timeout).
     pub complete: bool,
+}
+
+/// One rank's replica digests for a step, as they arrive.
+#[derive(Debug, Default)]
+struct Digests {
+    model: Option<f64>,
+    layers: Vec<(u32, f64)>,
+    optimizer: Option<f64>,
+}
+
+/// Which replica digest a row carries.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Digest {
+    Model,
+    Layer(u32),
+    Optimizer,
 }
 
 #[derive(Debug, Default)]
@@ -44,6 +67,8 @@ struct OpenStep {
     ranks: BTreeMap<u32, RankValues>,
     nonfinite: BTreeMap<u32, f64>,
     sketches: BTreeMap<u32, SketchRecord>,
+    /// Per rank: the whole-model digest, each block's, the optimizer state's.
+    fingerprints: BTreeMap<u32, Digests>,
 }
 
 /// One run's aligner.
@@ -139,6 +164,23 @@ impl StepAligner {
         true
     }
 
+    /// The open step a row of `rank` for `step` joins (its time folded in), or `None` for a
+    /// late row.
+    fn row_step(
+        &mut self,
+        rank: u32,
+        step: u64,
+        time_ms: i64,
+        now_ms: i64,
+    ) -> Option<&mut OpenStep> {
+        if !self.seen(rank, step, now_ms) {
+            return None;
+        }
+        let open = self.step_mut(step, now_ms);
+        open.time_ms = open.time_ms.max(time_ms);
+        Some(open)
+    }
+
     /// Adds one per-rank scalar.
     pub fn add(
         &mut self,
@@ -149,11 +191,9 @@ impl StepAligner {
         what: RankScalar,
         value: f64,
     ) {
-        if !self.seen(rank, step, now_ms) {
+        let Some(open) = self.row_step(rank, step, time_ms, now_ms) else {
             return;
-        }
-        let open = self.step_mut(step, now_ms);
-        open.time_ms = open.time_ms.max(time_ms);
+        };
         if what == RankScalar::Nonfinite {
             *open.nonfinite.entry(rank).or_insert(0.0) += value;
             return;
@@ -171,6 +211,27 @@ impl StepAligner {
             RankScalar::Nonfinite => unreachable!("handled above"),
         };
         *slot = Some(value);
+    }
+
+    /// Adds one replica fingerprint of `rank`.
+    pub fn add_fingerprint(
+        &mut self,
+        rank: u32,
+        step: u64,
+        time_ms: i64,
+        now_ms: i64,
+        what: Digest,
+        value: f64,
+    ) {
+        let Some(open) = self.row_step(rank, step, time_ms, now_ms) else {
+            return;
+        };
+        let entry = open.fingerprints.entry(rank).or_default();
+        match what {
+            Digest::Model => entry.model = Some(value),
+            Digest::Layer(layer) => entry.layers.push((layer, value)),
+            Digest::Optimizer => entry.optimizer = Some(value),
+        }
     }
 
     /// Adds one rank's gradient sketch.
@@ -242,6 +303,7 @@ fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep
                 !open.ranks.contains_key(r)
                     && !open.nonfinite.contains_key(r)
                     && !open.sketches.contains_key(r)
+                    && !open.fingerprints.contains_key(r)
             })
             .collect()
     };
@@ -252,6 +314,18 @@ fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep
         nonfinite: open.nonfinite.into_iter().collect(),
         missing,
         cos_pair_mean: sketch_pair_mean(&open.sketches),
+        fingerprints: open
+            .fingerprints
+            .into_iter()
+            .filter_map(|(rank, d)| {
+                Some(RankFingerprint {
+                    rank,
+                    model: d.model?,
+                    layers: d.layers,
+                    optimizer: d.optimizer,
+                })
+            })
+            .collect(),
         complete,
     }
 }
@@ -378,5 +452,30 @@ mod tests {
         let closed = a.close_ready(Some(3), 0, true);
         assert_eq!(closed.len(), 1);
         assert_eq!(closed[0].step, 3);
+    }
+
+    #[test]
+    fn fingerprints_close_with_their_step_and_only_whole_model_ones_count() {
+        let mut a = StepAligner::new(10_000);
+        for rank in 0..3 {
+            a.add_fingerprint(rank, 10, 10, 0, Digest::Model, 7.0 + f64::from(rank / 2));
+            a.add_fingerprint(rank, 10, 10, 0, Digest::Layer(0), 1.0);
+            a.add_fingerprint(rank, 10, 10, 0, Digest::Layer(1), 2.0);
+            loss(&mut a, rank, 10, 0);
+        }
+        // Rank 3 sent block digests without the whole model's (a truncated report).
+        a.add_fingerprint(3, 10, 10, 0, Digest::Layer(0), 1.0);
+        loss(&mut a, 3, 10, 0);
+        for rank in 0..4 {
+            loss(&mut a, rank, 11, 1);
+        }
+        let closed = a.close_ready(Some(4), 2, false);
+        assert_eq!(closed.len(), 1);
+        let got: Vec<(u32, f64, usize)> = closed[0]
+            .fingerprints
+            .iter()
+            .map(|f| (f.rank, f.model, f.layers.len()))
+            .collect();
+        assert_eq!(got, vec![(0, 7.0, 2), (1, 7.0, 2), (2, 8.0, 2)]);
     }
 }

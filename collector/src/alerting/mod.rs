@@ -2,7 +2,7 @@
 //!
 //! Every batch the collector acknowledges is also handed to one engine task (a bounded
 //! channel: when the engine falls behind, ingest waits rather than the engine losing rows).
-//! The task keeps a [`watch::RunWatch`] per run — a step aligner and the six detectors
+//! The task keeps a [`watch::RunWatch`] per run — a step aligner and the seven detectors
 //! `docs/detection.md` describes — and never re-reads Parquet: detection is as fresh as ingest. Once a
 //! second (and after each batch) it closes the steps that are ready and checks for stale ranks.
 //!

@@ -1,9 +1,10 @@
-//! One run under watch: its aligner and its six detectors, fed row by row from the live stream.
+//! One run under watch: its aligner and its seven detectors, fed row by row from the live stream.
 //!
 //! Rows are routed by metric. Per-rank step scalars (loss, tokens, gradient norms, cosine,
 //! nonfinite) and sketches go to the [`StepAligner`]; when a step closes, its all-ranks
 //! statistics become samples (rank = all) and the step feeds `silent_inconsistency`,
-//! `loss_spike` (the averaged loss) and `nonfinite` (per rank). Per-layer probes go straight to
+//! `loss_spike` (the averaged loss), `nonfinite` (per rank) and, where the ranks sent replica
+//! fingerprints, `replica_divergence`. Per-layer probes go straight to
 //! their detectors as they arrive: `spectral.ratio`, `token_cosine` and `effective_rank` to
 //! `rank_collapse`, `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
 //! rank's last report as the collector saw it (its own clock, not the agents').
@@ -13,13 +14,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use rankwatch_analytics::detect::{
     ActivationObservation, ActivationOutlier, CollapseObservation, Detector, DetectorsConfig,
     LossObservation, LossSpike, Nonfinite, NonfiniteObservation, RankActivity, RankCollapse,
-    SilentInconsistency, StaleRank, StepObservation,
+    ReplicaDivergence, ReplicaObservation, SilentInconsistency, StaleRank, StepObservation,
 };
 use rankwatch_analytics::math::StepStats;
 use rankwatch_analytics::schema::samples::SampleRow;
 use rankwatch_analytics::{Alert, Metric, MetricName, RunId, Sample, Site, SketchRecord};
 
-use super::aligner::{ClosedStep, RankScalar, StepAligner};
+use super::aligner::{ClosedStep, Digest, RankScalar, StepAligner};
 use crate::error::Result;
 
 /// What a tick produced.
@@ -43,6 +44,7 @@ pub struct RunWatch {
     loss_spike: LossSpike,
     activations: ActivationOutlier,
     stale: StaleRank,
+    replicas: ReplicaDivergence,
     started_ms: i64,
     pub(crate) last_activity_ms: i64,
     /// Collapse probes of the batch being fed, merged per (step, layer) so a ratio and a token
@@ -71,6 +73,7 @@ impl RunWatch {
             loss_spike: LossSpike::new(run.clone(), config.loss_spike)?,
             activations: ActivationOutlier::new(run.clone(), config.activation_outlier)?,
             stale: StaleRank::new(run.clone(), config.stale_rank)?,
+            replicas: ReplicaDivergence::new(run.clone(), config.replica_divergence)?,
             run,
             aligner: StepAligner::new(align_timeout_ms),
             started_ms: now_ms,
@@ -99,6 +102,7 @@ impl RunWatch {
         open.extend(self.loss_spike.open_alerts());
         open.extend(self.activations.open_alerts());
         open.extend(self.stale.open_alerts());
+        open.extend(self.replicas.open_alerts());
         open
     }
 
@@ -116,6 +120,17 @@ impl RunWatch {
             }
             // Every row of a rank shows it alive at its step (user metrics too); its step
             // scalars also join the step.
+            let digest = match (metric, row.layer) {
+                (Some(Metric::ParamFingerprint), _) => Some(Digest::Model),
+                (Some(Metric::LayerFingerprint), Some(layer)) => Some(Digest::Layer(layer)),
+                (Some(Metric::OptimFingerprint), _) => Some(Digest::Optimizer),
+                _ => None,
+            };
+            if let Some(what) = digest {
+                self.aligner
+                    .add_fingerprint(rank, row.step, row.time_ms, now_ms, what, row.value);
+                return Vec::new();
+            }
             match metric.and_then(RankScalar::of) {
                 Some(what) => {
                     self.aligner
@@ -283,6 +298,13 @@ impl RunWatch {
             world_size: world,
             ranks: closed.ranks,
         }));
+        if !closed.fingerprints.is_empty() {
+            alerts.extend(self.replicas.observe(&ReplicaObservation {
+                step: closed.step,
+                time_ms: closed.time_ms,
+                ranks: closed.fingerprints,
+            }));
+        }
         out.steps_complete += u64::from(closed.complete);
         out.steps_timed_out += u64::from(!closed.complete);
     }

@@ -23,7 +23,7 @@ from typing import Any
 BOOT = Path(__file__).resolve().parent / "boot"
 SDK = Path(__file__).resolve().parent.parent.parent  # the directory holding `rankwatch/`
 
-PROBES = ("grad", "sketch", "dot", "activations", "spectral")
+PROBES = ("grad", "sketch", "dot", "activations", "spectral", "fingerprint")
 
 
 def parse_every(text: str) -> int | dict[str, int]:

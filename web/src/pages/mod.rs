@@ -144,7 +144,7 @@ pub(crate) fn RunHeader(view: RunView, #[prop(into)] current: String) -> impl In
                 {tab("/alerts", "Alerts", "alerts")}
             </nav>
             <ProbeSwitchButton run=run />
-            <LayerProbesNotice run=run />
+            <RunNotices run=run />
             <div class="zoombar">
                 {move || {
                     let (from, to) = view.window.get();
@@ -225,32 +225,43 @@ fn ProbeSwitchButton(run: Memo<String>) -> impl IntoView {
     }
 }
 
-/// A run whose agent could not find the model's transformer blocks reports the loss and the
-/// gradient probe only (its `layer_probes` tag says which probes are off): the header says so,
-/// with the command that describes the model to the running job.
+/// What the run's agent said it could not watch, from its tags: the layer probes when the
+/// model's transformer blocks were not found (`layer_probes`; the loss and the gradient probe
+/// still run), with the command that describes the model to the running job; the replica
+/// fingerprint where the parameters have no replica in the run (`replica_fingerprint`: FSDP2,
+/// tensor parallelism).
 #[component]
-fn LayerProbesNotice(run: Memo<String>) -> impl IntoView {
+fn RunNotices(run: Memo<String>) -> impl IntoView {
     let runs = fetched(move || {
         run.track();
         Some(async move { api::runs().await })
     });
     move || {
         let name = run.get();
-        let off = runs
+        let tags = runs
             .get()
             .and_then(Result::ok)
             .and_then(|r| r.runs.into_iter().find(|s| s.run == name))
-            .and_then(|s| s.tags)
-            .and_then(|tags| tags.get("layer_probes").cloned())?;
-        let fix = format!(
-            "rankwatch attach --pid PID --run {name} --mapping '{{\"blocks\": \"path.to.blocks\", \"q\": \"attn.q\", \"k\": \"attn.k\", \"v\": \"attn.v\", \"o\": \"attn.o\", \"up\": \"mlp.up\", \"down\": \"mlp.down\"}}'"
-        );
-        Some(view! {
-            <p class="notice layer-probes-off" role="status">
-                {format!("layer probes {off}: spectral norms and activations need the model's blocks; the loss and gradient probes run. Describe the blocks to the job: ")}
-                <code>{fix}</code>
-            </p>
-        })
+            .and_then(|s| s.tags)?;
+        let layer_probes = tags.get("layer_probes").map(|off| {
+            let fix = format!(
+                "rankwatch attach --pid PID --run {name} --mapping '{{\"blocks\": \"path.to.blocks\", \"q\": \"attn.q\", \"k\": \"attn.k\", \"v\": \"attn.v\", \"o\": \"attn.o\", \"up\": \"mlp.up\", \"down\": \"mlp.down\"}}'"
+            );
+            view! {
+                <p class="notice layer-probes-off" role="status">
+                    {format!("layer probes {off}: spectral norms and activations need the model's blocks; the loss and gradient probes run. Describe the blocks to the job: ")}
+                    <code>{fix}</code>
+                </p>
+            }
+        });
+        let fingerprint = tags.get("replica_fingerprint").map(|off| {
+            view! {
+                <p class="notice replica-fingerprint-off" role="status">
+                    {format!("replica fingerprint {off}: replica_divergence cannot judge this run; the other rules do")}
+                </p>
+            }
+        });
+        Some(view! { {layer_probes} {fingerprint} })
     }
 }
 

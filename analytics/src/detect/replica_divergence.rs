@@ -1,0 +1,256 @@
+//! `replica_divergence`: data-parallel replicas whose parameters are no longer equal.
+//!
+//! DDP never re-broadcasts parameters after the first step: every replica applies the same
+//! averaged gradient to the same weights, so the weights stay equal bit for bit — until one
+//! replica's memory or arithmetic corrupts them (silent data corruption, a bit flip), it skips
+//! or repeats an optimizer step, or it resumes from an older checkpoint. The averaged loss hides
+//! all of these. Each rank sends, every fingerprint step, an exact digest of its parameters
+//! (`param_fingerprint`) and one per block (`layer_fingerprint`); equal weights give equal
+//! digests, and a single flipped bit always changes them (see the SDK's `fingerprint.py`). So
+//! the rule needs no threshold and no baseline: it judges from the first fingerprinted step, and
+//! any disagreement is critical.
+//!
+//! Who differs is decided by majority vote over the whole-model digests: the ranks outside a
+//! group holding more than half of them are named. Without such a group (two replicas, or an
+//! even split) every rank outside the largest group is named, and with two replicas both are,
+//! since which one changed cannot be told from two. Where the ranks differ is read off the
+//! block digests the same way: the blocks where a named rank's digest is not the majority's (the
+//! first few, by index), or "outside the blocks" (embeddings, head, norms) when no block
+//! differs. Every `fingerprint × 10` steps the ranks also send their optimizer state's digest
+//! (`optim_fingerprint`: Adam's moments are replicated as the weights are), compared with the
+//! parameters': a flip there is named before it reaches the weights. The alert resolves when
+//! the digests agree again (the run restarted from a good checkpoint).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::Detector;
+use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
+use crate::alert::{Alert, Rule, Severity};
+use crate::error::Result;
+use crate::validate::RunId;
+
+/// Blocks named in an explanation before "and N more".
+const NAMED_BLOCKS: usize = 3;
+
+/// Persistence of `replica_divergence`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicaDivergenceConfig {
+    /// Default: fire at the first disagreement (equal weights never disagree), resolve at the
+    /// first agreement.
+    pub lifecycle: LifecycleConfig,
+}
+
+impl Default for ReplicaDivergenceConfig {
+    fn default() -> Self {
+        ReplicaDivergenceConfig {
+            lifecycle: LifecycleConfig {
+                pending_for: 1,
+                resolve_after: 1,
+            },
+        }
+    }
+}
+
+/// One rank's digests at one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankFingerprint {
+    pub rank: u32,
+    /// The digest of every replicated parameter.
+    pub model: f64,
+    /// (block index, digest of its parameters).
+    pub layers: Vec<(u32, f64)>,
+    /// The digest of its optimizer state, on the steps that carry one.
+    #[serde(default)]
+    pub optimizer: Option<f64>,
+}
+
+/// The digests the ranks of one replica group sent for one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaObservation {
+    pub step: u64,
+    pub time_ms: i64,
+    pub ranks: Vec<RankFingerprint>,
+}
+
+/// The `replica_divergence` detector for one run.
+#[derive(Debug, Clone)]
+pub struct ReplicaDivergence {
+    config: ReplicaDivergenceConfig,
+    trackers: Trackers<()>,
+}
+
+impl ReplicaDivergence {
+    /// A detector for `run`.
+    pub fn new(run: RunId, config: ReplicaDivergenceConfig) -> Result<Self> {
+        config.lifecycle.validate("replica_divergence")?;
+        Ok(ReplicaDivergence {
+            config,
+            trackers: Trackers::new(run, Rule::ReplicaDivergence, |_| (None, None, None)),
+        })
+    }
+}
+
+/// The ranks grouped by equal value, largest group first (ties: the group of the lowest rank).
+fn groups<V: Ord>(values: impl Iterator<Item = (u32, V)>) -> Vec<Vec<u32>> {
+    let mut by_value: BTreeMap<V, Vec<u32>> = BTreeMap::new();
+    for (rank, value) in values {
+        by_value.entry(value).or_default().push(rank);
+    }
+    let mut groups: Vec<Vec<u32>> = by_value.into_values().collect();
+    for g in &mut groups {
+        g.sort_unstable();
+    }
+    groups.sort_by(|a, b| b.len().cmp(&a.len()).then(a[0].cmp(&b[0])));
+    groups
+}
+
+fn list(ranks: &[u32]) -> String {
+    ranks
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn ranks_word(ranks: &[u32]) -> String {
+    match ranks {
+        [one] => format!("rank {one}"),
+        _ => format!("ranks {}", list(ranks)),
+    }
+}
+
+/// Where `named` differ from the rest: the blocks whose digest is not the majority's for one of
+/// them (first few by index), or outside the blocks.
+fn where_they_differ(obs: &ReplicaObservation, named: &[u32]) -> String {
+    let mut per_layer: BTreeMap<u32, Vec<(u32, f64)>> = BTreeMap::new();
+    for r in &obs.ranks {
+        for &(layer, value) in &r.layers {
+            per_layer.entry(layer).or_default().push((r.rank, value));
+        }
+    }
+    let differing: Vec<u32> = per_layer
+        .into_iter()
+        .filter(|(_, values)| {
+            let g = groups(values.iter().map(|&(rank, v)| (rank, v.to_bits())));
+            g.len() > 1
+                && named
+                    .iter()
+                    .any(|r| !g[0].contains(r) || g[0].len() * 2 <= values.len())
+        })
+        .map(|(layer, _)| layer)
+        .collect();
+    if differing.is_empty() {
+        if params_agree(obs) {
+            return "(the parameters still agree; the next optimizer step will part them)"
+                .to_owned();
+        }
+        let blocks_known = obs.ranks.iter().any(|r| !r.layers.is_empty());
+        return if blocks_known {
+            "outside the blocks (embeddings, head or norms)".to_owned()
+        } else {
+            "(no block map: which parameters cannot be told)".to_owned()
+        };
+    }
+    let shown: Vec<String> = differing
+        .iter()
+        .take(NAMED_BLOCKS)
+        .map(u32::to_string)
+        .collect();
+    let more = differing.len().saturating_sub(NAMED_BLOCKS);
+    let noun = if differing.len() == 1 {
+        "block"
+    } else {
+        "blocks"
+    };
+    if more > 0 {
+        format!("in {noun} {} and {more} more", shown.join(", "))
+    } else {
+        format!("in {noun} {}", shown.join(", "))
+    }
+}
+
+fn params_agree(obs: &ReplicaObservation) -> bool {
+    groups(obs.ranks.iter().map(|r| (r.rank, r.model.to_bits()))).len() == 1
+}
+
+/// The breach for an observation whose ranks disagree, or `None` when they agree.
+fn judge(obs: &ReplicaObservation) -> Option<Breach> {
+    // Digests are integers below 2^52, exact in an f64: compared by their bits. The optimizer
+    // state's takes part where every rank sent one.
+    let with_optimizer = obs.ranks.iter().all(|r| r.optimizer.is_some());
+    let g = groups(obs.ranks.iter().map(|r| {
+        let optimizer = r.optimizer.filter(|_| with_optimizer).map(f64::to_bits);
+        (r.rank, (r.model.to_bits(), optimizer))
+    }));
+    if g.len() < 2 {
+        return None;
+    }
+    let total = obs.ranks.len();
+    let majority = g[0].len() * 2 > total;
+    let mut named: Vec<u32> = if majority || total > 2 {
+        g[1..].iter().flatten().copied().collect()
+    } else {
+        g.iter().flatten().copied().collect()
+    };
+    named.sort_unstable();
+    let place = where_they_differ(obs, &named);
+    let (what, differ) = if params_agree(obs) {
+        ("optimizer state", "differs")
+    } else {
+        ("parameters", "differ")
+    };
+    let action = "likely silent data corruption (a bit flip in its memory or arithmetic), a skipped or \
+                  repeated optimizer step, or a resume from another checkpoint; restart from the last \
+                  good checkpoint without that node";
+    let explanation = if majority {
+        format!(
+            "{}'s {what} {differ} from {} at step {} {place}: {action}",
+            ranks_word(&named),
+            ranks_word(&g[0]),
+            obs.step,
+        )
+    } else if total == 2 {
+        format!(
+            "the {what} of ranks {} {differ} at step {} {place}; with two replicas, which one \
+             changed cannot be told: {action}",
+            list(&named),
+            obs.step,
+        )
+    } else {
+        format!(
+            "the replicas disagree with no majority at step {} {place} ({}): {action}",
+            obs.step,
+            g.iter()
+                .map(|group| format!("[{}]", list(group)))
+                .collect::<Vec<_>>()
+                .join(" vs "),
+        )
+    };
+    Some(Breach {
+        severity: Severity::Critical,
+        value: named.len() as f64,
+        threshold: 0.0,
+        explanation,
+        outlier_ranks: named,
+    })
+}
+
+impl Detector for ReplicaDivergence {
+    type Observation = ReplicaObservation;
+
+    fn observe(&mut self, obs: &ReplicaObservation) -> Vec<Alert> {
+        if obs.ranks.len() < 2 {
+            return Vec::new(); // nothing to compare: hold
+        }
+        let signal = judge(obs).map_or(Signal::Clear, Signal::Breach);
+        self.trackers
+            .observe(&(), obs.step, obs.time_ms, signal, &self.config.lifecycle)
+    }
+
+    fn open_alerts(&self) -> Vec<Alert> {
+        self.trackers.open()
+    }
+}

@@ -1,0 +1,115 @@
+"""Replica fingerprints: an exact digest of the parameters each data-parallel replica holds.
+
+DDP replicas apply the same averaged gradient to the same weights, so their parameters stay
+equal bit for bit; a replica whose weights changed on their own (a bit flip in memory or in
+arithmetic: silent data corruption), that skipped or repeated an optimizer step, or that
+resumed from another checkpoint differs from then on, while the averaged loss looks fine. The
+collector compares the digests of one step across the replicas (`replica_divergence`).
+
+The digest. Each parameter's raw bits are read as integer words of the element's width w (8,
+16 or 32 bits; 8-byte elements as two 32-bit words) and summed in that width, wrapping: S_i, a
+signed w-bit integer. (Summing in the word's own width is what the hardware does at memory
+speed: widening every element to int64 first made the sum 20× slower on CPU.) The digest of a
+list of parameters is D = Σ_i S_i·(2i+1) mod 2^52, i the parameter's position in the model's
+parameter order: an integer below 2^52, exact in the float64 it travels as. Wrapping integer
+sums are associative, so D does not depend on the device, the kernel or the reduction order —
+equal weights give equal digests on every replica, always. A single flipped bit b of a word
+changes S_i by 2^b or, wrapping, by 2^b − 2^w: either way an odd multiple of 2^b (b < w ≤ 32),
+so D changes by an odd multiple of 2^b too, never 0 mod 2^52: every single-bit flip changes
+the digest. (Several changes can cancel only in contrived patterns, e.g. two elements of one
+tensor changed by opposite amounts.)
+
+What is sent, per fingerprinted step: `param_fingerprint` (the rank's whole replicated model)
+and `layer_fingerprint` per block of the layout (the block's parameters), so that the alert
+names the blocks that differ. Read with the other probe values: no host sync.
+
+The optimizer state (Adam's moments: replicated as the weights are, since every replica feeds
+its optimizer the same averaged gradient) gets the same digest, `optim_fingerprint`, at a tenth
+of the cadence: its tensors on the parameters' device, in the optimizer's parameter order and
+each state's keys sorted (CPU step counters, identical everywhere, are left out: moving them to
+the device would wait for it).
+
+What is compared. Parameters replicated by data parallelism: under DDP every parameter of the
+wrapped module but those DDP ignores (`_ddp_params_and_buffers_to_ignore`, listed in the run's
+tags). Sharded parameters (FSDP2, tensor parallelism) have no replica in the run; the probe is
+off there and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+MASK = (1 << 52) - 1
+
+_SAME_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """S: the sum of `tensor`'s raw words (8-byte elements as two 32-bit words), wrapping in
+    the word's width, as a 0-dim int64 on its device."""
+    t = tensor.detach()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    if t.element_size() == 8 or t.is_complex():
+        t = t.contiguous().view(torch.int32)
+    elif t.is_floating_point():
+        t = t.view(_SAME_WIDTH[t.element_size()])
+    return t.sum(dtype=t.dtype).to(torch.int64)
+
+
+def digest(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """D of `tensors` (positions 0..n-1), a 0-dim float64 on `device`."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.stack([bit_sum(t) for t in tensors])
+    weights = torch.arange(len(tensors), dtype=torch.int64, device=device) * 2 + 1
+    return ((sums * weights).sum() & MASK).double()
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor]:
+    """The optimizer's state tensors on `device`, in its parameter order, each state's keys sorted."""
+    tensors: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key in sorted(state, key=str):
+                value = state[key]
+                if isinstance(value, torch.Tensor) and value.device == device:
+                    tensors.append(value)
+    return tensors
+
+
+class FingerprintProbe:
+    """Digests of a fixed list of parameters: the whole list's and each block's."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], block_of: Sequence[int | None], blocks: int) -> None:
+        if len(parameters) != len(block_of):
+            raise ValueError("fingerprint: one block index (or None) per parameter")
+        self._parameters = list(parameters)
+        device = self._parameters[0].device if self._parameters else torch.device("cpu")
+        n = len(self._parameters)
+        self._weights = torch.arange(n, dtype=torch.int64, device=device) * 2 + 1
+        in_block = [i for i, b in enumerate(block_of) if b is not None]
+        self._in_block = torch.tensor(in_block, dtype=torch.int64, device=device)
+        self._block_index = torch.tensor([block_of[i] for i in in_block], dtype=torch.int64, device=device)
+        self.blocks = blocks
+        self.elapsed = 0.0  # seconds spent computing, since the run last read it
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(model digest, per-block digests [blocks]) as float64 device tensors; no host sync."""
+        device = self._weights.device
+        if not self._parameters:
+            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(self.blocks, dtype=torch.float64, device=device)
+        # A parameter on another device (a model split over devices) joins by a copy of one number.
+        sums = torch.stack([bit_sum(p).to(device) for p in self._parameters])
+        terms = sums * self._weights  # wrapping int64 products: exact mod 2^64
+        model = terms.sum() & MASK
+        per_block = torch.zeros(self.blocks, dtype=torch.int64, device=device)
+        if self._in_block.numel():
+            per_block.index_add_(0, self._block_index, terms.index_select(0, self._in_block))
+        return model.double(), (per_block & MASK).double()
+

@@ -1,0 +1,145 @@
+"""The replica fingerprint's digest against an independent host reference, and its promise:
+every single-bit flip of a parameter, in every bit of float32, bfloat16, float16 and float64,
+changes the digest of the whole model and of the block that holds it; the digest of equal
+weights does not depend on their memory layout; and watching with the probe on leaves training
+bit-identical (twins)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rankwatch.fingerprint import MASK, FingerprintProbe, bit_sum
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def reference_sum(t: torch.Tensor) -> int:
+    """S from the tensor's bytes, in Python integers: the sum of its signed words (the element's
+    width, or 32-bit halves of 8-byte elements), wrapped to a signed word."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    width = 4 if t.element_size() == 8 else t.element_size()
+    words = np.frombuffer(raw, dtype={1: "<i1", 2: "<i2", 4: "<i4"}[width])
+    half = 1 << (8 * width - 1)
+    return (int(sum(int(w) for w in words)) + half) % (2 * half) - half
+
+
+def reference_digest(tensors: list[torch.Tensor], positions: list[int]) -> int:
+    return sum(reference_sum(t) * (2 * i + 1) for t, i in zip(tensors, positions, strict=True)) % (1 << 64) & MASK
+
+
+def flip(t: torch.Tensor, element: int, bit: int) -> None:
+    """Flips `bit` of element `element` (flat, in memory order) of contiguous `t`, in place."""
+    raw = t.view(torch.uint8).view(-1)
+    at = element * t.element_size() + bit // 8  # little-endian
+    raw[at] ^= 1 << (bit % 8)
+
+
+def model_tensors(seed: int) -> tuple[list[torch.Tensor], list[int | None]]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = [(torch.randn(5, 7, generator=g) * 10 ** float(i % 5 - 2)).to(DTYPES[i % 4]) for i in range(9)]
+    tensors.append(torch.randn(6, 4, generator=g).t())  # not contiguous
+    blocks = [None, 0, 0, 1, None, 1, 2, 2, None, 0]
+    return tensors, blocks
+
+
+def test_the_digest_is_the_reference_for_the_model_and_each_block() -> None:
+    tensors, blocks = model_tensors(0)
+    model, per_block = FingerprintProbe(tensors, blocks, 3).compute()
+    assert model.dtype == torch.float64 and per_block.shape == (3,)
+    assert int(model.item()) == reference_digest(tensors, list(range(len(tensors))))
+    for b in range(3):
+        members = [i for i, owner in enumerate(blocks) if owner == b]
+        assert int(per_block[b].item()) == reference_digest([tensors[i] for i in members], members), b
+    assert 0 <= model.item() < 2**52 and float(int(model.item())) == model.item(), "an integer, exact in a float64"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_bit_of_every_dtype_flipped_changes_the_digest(dtype: torch.dtype) -> None:
+    tensors, blocks = model_tensors(1)
+    tensors = [t.contiguous().to(dtype) for t in tensors]
+    probe = FingerprintProbe(tensors, blocks, 3)
+    model, per_block = (v.clone() for v in probe.compute())
+    g = torch.Generator().manual_seed(2)
+    for bit in range(8 * tensors[0].element_size()):
+        which = int(torch.randint(len(tensors), (1,), generator=g))
+        element = int(torch.randint(tensors[which].numel(), (1,), generator=g))
+        flip(tensors[which], element, bit)
+        flipped_model, flipped_blocks = probe.compute()
+        assert flipped_model != model, (bit, which, element)
+        owner = blocks[which]
+        for b in range(3):
+            assert (flipped_blocks[b] != per_block[b]) == (b == owner), (bit, which, b)
+        flip(tensors[which], element, bit)
+        again, _ = probe.compute()
+        assert again == model, "flipped back, the digest is back"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+    position=st.integers(0, 5),
+    data=st.data(),
+)
+def test_random_single_bit_flips_are_always_seen(dtype: torch.dtype, shape: tuple[int, int], position: int, data: st.DataObject) -> None:
+    torch.manual_seed(position)
+    tensors = [torch.randn(shape).to(dtype) for _ in range(6)]
+    probe = FingerprintProbe(tensors, [None] * 6, 0)
+    before, _ = probe.compute()
+    element = data.draw(st.integers(0, tensors[position].numel() - 1))
+    bit = data.draw(st.integers(0, 8 * tensors[position].element_size() - 1))
+    flip(tensors[position], element, bit)
+    after, _ = probe.compute()
+    assert after != before
+    assert int(after.item()) == reference_digest(tensors, list(range(6)))
+
+
+def test_equal_weights_in_another_memory_layout_give_the_same_digest() -> None:
+    weight = torch.randn(8, 5)
+    transposed_storage = weight.t().contiguous().t()  # equal values, column-major memory
+    assert not transposed_storage.is_contiguous() and torch.equal(transposed_storage, weight)
+    assert bit_sum(transposed_storage) == bit_sum(weight)
+    channels_last = torch.randn(2, 3, 4, 5)
+    assert bit_sum(channels_last.to(memory_format=torch.channels_last)) == bit_sum(channels_last)
+
+
+def test_no_host_sync_on_meta_tensors() -> None:
+    """Meta tensors have no data: any .item(), int() or branch on a value would raise."""
+    with torch.device("meta"):
+        tensors = [torch.zeros(4, 4), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.float64)]
+    model, blocks = FingerprintProbe(tensors, [0, None, 0], 1).compute()
+    assert model.device.type == "meta" and blocks.device.type == "meta" and blocks.shape == (1,)
+
+
+def test_the_optimizer_state_digest_sees_a_flip_in_a_moment_and_equal_states_agree() -> None:
+    """Two replicas stepped with the same gradients hold equal Adam states, so equal digests; a
+    bit flipped in one exp_avg_sq changes the digest; the digest is the host reference over the
+    state tensors in parameter order, keys sorted; only the tensors on the device asked for."""
+    from rankwatch.fingerprint import digest, optimizer_state
+
+    def replica() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    x = torch.randn(8, 4)
+    states = []
+    for model, optimizer in (replica(), replica()):
+        for _ in range(3):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states.append(optimizer)
+    cpu = torch.device("cpu")
+    a, b = (optimizer_state(o, cpu) for o in states)
+    assert len(a) == 3 * 4, "exp_avg, exp_avg_sq and step for each of 4 parameters"
+    assert digest(a, cpu) == digest(b, cpu)
+    assert int(digest(a, cpu).item()) == reference_digest(a, list(range(len(a))))
+    second = states[1].state[next(iter(states[1].state))]["exp_avg_sq"]
+    flip(second, 0, 3)
+    assert digest(optimizer_state(states[1], cpu), cpu) != digest(a, cpu)
+    assert optimizer_state(states[0], torch.device("meta")) == [], "only the state on the given device"
