@@ -171,6 +171,7 @@ class Run:
         self._fingerprint_ddp: Any = None
         self._fingerprint_model: torch.nn.Module = torch.nn.Module()
         self._fingerprint_optimizer: torch.optim.Optimizer | None = None
+        self._averaged_every_k = False
         self._optimizer_hook: Any = None
         self._stop_scaler_listener: Callable[[], None] | None = None
         # Blocks traced on a real call: what to install, and the capturing hook; then the call.
@@ -514,6 +515,7 @@ class Run:
         self._fingerprint_model = model
         # ZeRO shards the optimizer state over the ranks: no replica of it to compare.
         self._fingerprint_optimizer = None if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
+        self._averaged_every_k = type(optimizer).__name__ == "PostLocalSGDOptimizer"
 
         if self.cadence.fingerprint <= 0 or self.world_size < 2:
             return  # off, or a single replica: nothing to compare
@@ -545,7 +547,19 @@ class Run:
                 if self._agent is not None:
                     self._announce(self._agent)
             self._fingerprint_ddp = found
-        return self._fingerprint_ddp not in (None, False)
+        if self._fingerprint_ddp in (None, False):
+            return False
+        # Post-local SGD (a comm hook that stops averaging gradients, a model averager every k
+        # steps): the replicas differ by design between averagings. Checked at each report:
+        # the hook may come after watch().
+        hooks = getattr(self._fingerprint_ddp, "_comm_hooks", ())
+        if self._averaged_every_k or any(type(state).__name__ == "PostLocalSGDState" for _, state in hooks):
+            if "replica_fingerprint" not in self.tags:
+                self.tags["replica_fingerprint"] = "off: post-local SGD averages the replicas only every k steps (they differ in between)"
+                if self._agent is not None:
+                    self._announce(self._agent)
+            return False
+        return True
 
     def _report_fingerprint(self, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
         """The replica digests of the parameters (the whole model's, each block's) and, when

@@ -6,6 +6,9 @@ bit-identical (twins)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +146,52 @@ def test_the_optimizer_state_digest_sees_a_flip_in_a_moment_and_equal_states_agr
     flip(second, 0, 3)
     assert digest(optimizer_state(states[1], cpu), cpu) != digest(a, cpu)
     assert optimizer_state(states[0], torch.device("meta")) == [], "only the state on the given device"
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    import os
+
+    import torch.distributed as dist
+    from conftest import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("local_sgd", [False, True], ids=["plain-ddp", "post-local-sgd"])
+def test_post_local_sgd_replicas_are_not_compared(one_rank_group: None, tmp_path: Path, local_sgd: bool) -> None:
+    """Post-local SGD stops averaging gradients and averages the models every k steps: its
+    replicas differ by design in between, so the fingerprint is off there and says so (a false
+    critical alert otherwise); plain DDP reports it."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+
+    import rankwatch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if local_sgd:
+        ddp.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=2), post_localSGD_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    run = rankwatch.init(run="local-sgd", mode="offline", spool_dir=tmp_path, every={"fingerprint": 1})
+    run.watch(ddp, optimizer)
+    run.world_size = 2  # one process stands for the replicas, as in test_host_sync
+    run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp, optimizer=optimizer)
+    for step in range(3):
+        ddp(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.log(step)
+    tags, names = dict(run.tags), {k[0] for k in run.last_values}
+    run.finish(timeout=5)
+    if local_sgd:
+        assert "param_fingerprint" not in names
+        assert tags["replica_fingerprint"].startswith("off: post-local SGD averages the replicas only every k steps"), tags
+    else:
+        assert "param_fingerprint" in names and "replica_fingerprint" not in tags
