@@ -196,7 +196,11 @@ class ActivationProbe:
         """Sets the fold aside: the next armed forward pass starts a new one (one optimizer
         step ended)."""
         if self._armed and self._fold is not None and self._fold.any_seen():
-            self._completed, self._fold = self._fold, self._new_fold()
+            try:  # inside the optimizer's step hook: a failure turns the probe off, no more
+                self._completed, self._fold = self._fold, self._new_fold()
+            except Exception as e:  # noqa: BLE001 - a probe must never break the step
+                self.error = e
+                self._armed = False
 
     @property
     def armed(self) -> bool:

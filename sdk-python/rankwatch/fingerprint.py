@@ -53,7 +53,7 @@ def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     if t.element_size() == 8 or t.is_complex():
-        t = t.contiguous().view(torch.int32)
+        t = t.contiguous().reshape(-1).view(torch.int32)  # 1-D: a 0-dim tensor has no last dim to split
     elif t.is_floating_point():
         t = t.view(_SAME_WIDTH[t.element_size()])
     return t.sum(dtype=t.dtype).to(torch.int64)
@@ -68,11 +68,15 @@ def digest(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     return ((sums * weights).sum() & MASK).double()
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor]:
-    """The optimizer's state tensors on `device`, in its parameter order, each state's keys sorted."""
+def optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, replicated: set[int] | None = None) -> list[torch.Tensor]:
+    """The optimizer's state tensors on `device`, in its parameter order, each state's keys
+    sorted; with `replicated`, only the state of those parameters (by id): a parameter DDP
+    ignores has a state of its own on each rank."""
     tensors: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if replicated is not None and id(p) not in replicated:
+                continue
             state = optimizer.state.get(p)
             if not state:
                 continue
@@ -90,6 +94,8 @@ class FingerprintProbe:
         if len(parameters) != len(block_of):
             raise ValueError("fingerprint: one block index (or None) per parameter")
         self._parameters = list(parameters)
+        self._block_of = list(block_of)
+        self.ids = {id(p) for p in self._parameters}
         device = self._parameters[0].device if self._parameters else torch.device("cpu")
         n = len(self._parameters)
         self._weights = torch.arange(n, dtype=torch.int64, device=device) * 2 + 1
@@ -98,6 +104,11 @@ class FingerprintProbe:
         self._block_index = torch.tensor([block_of[i] for i in in_block], dtype=torch.int64, device=device)
         self.blocks = blocks
         self.elapsed = 0.0  # seconds spent computing, since the run last read it
+
+    def without(self, ids: set[int]) -> FingerprintProbe:
+        """The same probe over its parameters but those in `ids`."""
+        kept = [(p, b) for p, b in zip(self._parameters, self._block_of, strict=True) if id(p) not in ids]
+        return FingerprintProbe([p for p, _ in kept], [b for _, b in kept], self.blocks)
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(model digest, per-block digests [blocks]) as float64 device tensors; no host sync."""

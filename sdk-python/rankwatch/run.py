@@ -172,6 +172,7 @@ class Run:
         self._fingerprint_model: torch.nn.Module = torch.nn.Module()
         self._fingerprint_optimizer: torch.optim.Optimizer | None = None
         self._averaged_every_k = False
+        self._fingerprint_checked: Any = None  # the wrapper whose group and ignored parameters were checked
         self._optimizer_hook: Any = None
         self._stop_scaler_listener: Callable[[], None] | None = None
         # Blocks traced on a real call: what to install, and the capturing hook; then the call.
@@ -549,6 +550,8 @@ class Run:
             self._fingerprint_ddp = found
         if self._fingerprint_ddp in (None, False):
             return False
+        if self._fingerprint_checked is not self._fingerprint_ddp and not self._replica_wrapper_fits(self._fingerprint_ddp):
+            return False
         # Post-local SGD (a comm hook that stops averaging gradients, a model averager every k
         # steps): the replicas differ by design between averagings. Checked at each report:
         # the hook may come after watch().
@@ -561,6 +564,31 @@ class Run:
             return False
         return True
 
+    def _replica_wrapper_fits(self, wrapper: Any) -> bool:
+        """Once per wrapper: its process group must be this run's replicas (a wrapper found
+        after the run was named world-wide, over a pipeline stage's or a tensor-parallel
+        shard's sub-group, would compare ranks that are not replicas), and the parameters it
+        ignores leave the fingerprint."""
+        self._fingerprint_checked = wrapper
+        import torch.distributed as dist
+
+        group_size = dist.get_world_size(wrapper.process_group) if dist.is_available() and dist.is_initialized() else 1
+        if group_size != self.world_size:
+            self._fingerprint = None
+            self.tags["replica_fingerprint"] = (
+                f"off: the DDP group has {group_size} ranks but the run {self.world_size}; "
+                "call watch() with the DDP wrapper before the first log() so the run is its replica group"
+            )
+            if self._agent is not None:
+                self._announce(self._agent)
+            return False
+        ignored = set(getattr(wrapper, "parameters_to_ignore", ()) or ())
+        ignored_ids = {id(p) for name, p in wrapper.module.named_parameters() if name in ignored}
+        if ignored_ids & self._fingerprint.ids:
+            self._fingerprint = self._fingerprint.without(ignored_ids)
+            self.tags["replica_fingerprint_ignored"] = ",".join(sorted(ignored))
+        return True
+
     def _report_fingerprint(self, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
         """The replica digests of the parameters (the whole model's, each block's) and, when
         `optimizer`, of the optimizer state."""
@@ -569,16 +597,22 @@ class Run:
         from .fingerprint import digest, optimizer_state
 
         started = time.perf_counter()
-        model, blocks = self._fingerprint.compute()
+        probe = self._fingerprint
+        model, blocks = probe.compute()
+        # Every value first, then the keys with them: a failure half way must not leave keys
+        # without values (the report pairs them by position).
+        state = None
+        if optimizer and self._fingerprint_optimizer is not None:
+            state = digest(optimizer_state(self._fingerprint_optimizer, model.device, probe.ids), model.device)
         keys.append(("param_fingerprint", None, None, False))
         values.append(model)
         for index, value in enumerate(blocks.unbind()):
             keys.append(("layer_fingerprint", index, None, False))
             values.append(value)
-        if optimizer and self._fingerprint_optimizer is not None:
+        if state is not None:
             keys.append(("optim_fingerprint", None, None, False))
-            values.append(digest(optimizer_state(self._fingerprint_optimizer, model.device), model.device))
-        self._fingerprint.elapsed += time.perf_counter() - started
+            values.append(state)
+        probe.elapsed += time.perf_counter() - started
 
     def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
         """The spectral probe: layers shared out over the ranks, under a time budget."""

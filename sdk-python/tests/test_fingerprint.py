@@ -183,6 +183,7 @@ def test_post_local_sgd_replicas_are_not_compared(one_rank_group: None, tmp_path
     run.watch(ddp, optimizer)
     run.world_size = 2  # one process stands for the replicas, as in test_host_sync
     run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp, optimizer=optimizer)
+    run._fingerprint_checked = ddp  # its group of one stands for the replicas: not checked against the run
     for step in range(3):
         ddp(torch.randn(5, 4)).square().mean().backward()
         optimizer.step()
@@ -195,3 +196,26 @@ def test_post_local_sgd_replicas_are_not_compared(one_rank_group: None, tmp_path
         assert tags["replica_fingerprint"].startswith("off: post-local SGD averages the replicas only every k steps"), tags
     else:
         assert "param_fingerprint" in names and "replica_fingerprint" not in tags
+
+
+def test_a_ddp_group_that_is_not_the_runs_replicas_turns_the_fingerprint_off(one_rank_group: None, tmp_path: Path) -> None:
+    """A wrapper over a sub-group (a pipeline stage's, a tensor-parallel shard's) found after the
+    run was named for the whole world would compare ranks that are not replicas: off, and said."""
+    import rankwatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    run = rankwatch.init(run="sub-group", mode="offline", spool_dir=tmp_path, every={"fingerprint": 1})
+    run.watch(ddp, optimizer)
+    run.world_size = 2  # the run counts two ranks, the DDP group one
+    run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp, optimizer=optimizer)
+    for step in range(2):
+        ddp(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.log(step)
+    tags, names = dict(run.tags), {k[0] for k in run.last_values}
+    run.finish(timeout=5)
+    assert "param_fingerprint" not in names
+    assert tags["replica_fingerprint"].startswith("off: the DDP group has 1 ranks but the run 2"), tags

@@ -114,6 +114,7 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     # as a two-replica run would, so that its pass is guarded too.
     run.world_size = 2
     run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp)
+    run._fingerprint_checked = ddp  # its group of one stands for the replicas: not checked against the run
     assert run._reporter is not None
     reporter = run._reporter
     # The reporter's host buffers are the pinned copies a GPU run reads after their event.

@@ -72,6 +72,10 @@ pub struct RankFingerprint {
 pub struct ReplicaObservation {
     pub step: u64,
     pub time_ms: i64,
+    /// The replicas of the run: a step some of them sent no digest for is not judged (a step
+    /// closed on its timeout without a slow rank would otherwise clear the alert about it, or
+    /// call three replicas two).
+    pub world_size: u32,
     pub ranks: Vec<RankFingerprint>,
 }
 
@@ -80,6 +84,9 @@ pub struct ReplicaObservation {
 pub struct ReplicaDivergence {
     config: ReplicaDivergenceConfig,
     trackers: Trackers<()>,
+    /// The last breach was the optimizer state's alone: a later step without optimizer digests
+    /// (they come at a tenth of the cadence) cannot clear it.
+    optimizer_only: bool,
 }
 
 impl ReplicaDivergence {
@@ -89,6 +96,7 @@ impl ReplicaDivergence {
         Ok(ReplicaDivergence {
             config,
             trackers: Trackers::new(run, Rule::ReplicaDivergence, |_| (None, None, None)),
+            optimizer_only: false,
         })
     }
 }
@@ -190,7 +198,10 @@ fn judge(obs: &ReplicaObservation) -> Option<Breach> {
     }
     let total = obs.ranks.len();
     let majority = g[0].len() * 2 > total;
-    let mut named: Vec<u32> = if majority || total > 2 {
+    // Without a majority, the largest group is told apart only when it is the one largest
+    // (and there are more than two replicas): a tie names everyone.
+    let tied = g[0].len() == g[1].len();
+    let mut named: Vec<u32> = if majority || (total > 2 && !tied) {
         g[1..].iter().flatten().copied().collect()
     } else {
         g.iter().flatten().copied().collect()
@@ -242,10 +253,22 @@ impl Detector for ReplicaDivergence {
     type Observation = ReplicaObservation;
 
     fn observe(&mut self, obs: &ReplicaObservation) -> Vec<Alert> {
-        if obs.ranks.len() < 2 {
-            return Vec::new(); // nothing to compare: hold
+        if obs.ranks.len() < 2 || obs.ranks.len() < obs.world_size as usize {
+            return Vec::new(); // nothing to compare, or not every replica: hold
         }
-        let signal = judge(obs).map_or(Signal::Clear, Signal::Breach);
+        let with_optimizer = obs.ranks.iter().all(|r| r.optimizer.is_some());
+        let signal = match judge(obs) {
+            Some(breach) => {
+                self.optimizer_only = params_agree(obs);
+                Signal::Breach(breach)
+            }
+            // The parameters agree, but the optimizer state that differed was not sent.
+            None if self.optimizer_only && !with_optimizer => Signal::Hold,
+            None => {
+                self.optimizer_only = false;
+                Signal::Clear
+            }
+        };
         self.trackers
             .observe(&(), obs.step, obs.time_ms, signal, &self.config.lifecycle)
     }

@@ -1418,6 +1418,7 @@ fn replicas(step: u64, ranks: u32, differ: &[(u32, &[u32], bool)]) -> ReplicaObs
     ReplicaObservation {
         step,
         time_ms: step as i64 * 1000,
+        world_size: ranks,
         ranks: (0..ranks)
             .map(|rank| {
                 let change = differ.iter().find(|(r, _, _)| *r == rank);
@@ -1495,13 +1496,13 @@ fn replica_divergence_without_a_majority_names_every_rank_outside_the_largest_gr
         a,
         "the replicas disagree with no majority at step 5 in block 0 ([0, 1] vs [2] vs [3])",
     );
-    // Two against two: both pairs named.
+    // Two against two: which pair changed cannot be told, every rank is named.
     let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
     let mut obs = replicas(5, 4, &[]);
     obs.ranks[2].model = 9.0;
     obs.ranks[3].model = 9.0;
     let a = d.observe(&obs).into_iter().next().unwrap();
-    assert_eq!(a.outlier_ranks, vec![2, 3]);
+    assert_eq!(a.outlier_ranks, vec![0, 1, 2, 3]);
     assert!(
         a.explanation.contains("([0, 1] vs [2, 3])"),
         "{}",
@@ -1562,8 +1563,34 @@ fn replica_divergence_in_the_optimizer_state_alone_is_named_too() {
         &a,
         "rank 1's optimizer state differs from ranks 0, 2, 3 at step 100 (the parameters still agree",
     );
-    // A step where one rank sent no optimizer digest compares the parameters alone.
-    obs.ranks[2].optimizer = None;
-    obs.step = 110;
-    assert_eq!(d.observe(&obs).len(), 1, "agreeing parameters: resolved");
+    // The next fingerprint carries no optimizer digests (a tenth of the cadence): the
+    // parameters agreeing there does not clear what the optimizer state showed.
+    let mut without = replicas(110, 4, &[]);
+    assert!(d.observe(&without).is_empty(), "held open");
+    assert_eq!(d.open_alerts().len(), 1);
+    // Agreeing optimizer digests do.
+    without.step = 200;
+    for r in &mut without.ranks {
+        r.optimizer = Some(4.0);
+    }
+    let resolved = d.observe(&without);
+    assert_eq!(resolved.len(), 1);
+    assert_eq!(resolved[0].state, AlertState::Resolved);
+}
+
+#[test]
+fn replica_divergence_judges_a_step_only_when_every_replica_sent_its_digest() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    assert_eq!(d.observe(&replicas(10, 4, &[(2, &[0], false)])).len(), 1);
+    // Step 20 closed on its timeout without rank 2: the three that came agree, but that says
+    // nothing about rank 2.
+    let mut partial = replicas(20, 4, &[]);
+    partial.ranks.remove(2);
+    assert!(d.observe(&partial).is_empty(), "not judged");
+    assert_eq!(d.open_alerts().len(), 1, "still open");
+    // Three replicas of which one is missing are not two replicas.
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let mut three = replicas(30, 3, &[(2, &[0], false)]);
+    three.ranks.remove(0);
+    assert!(d.observe(&three).is_empty());
 }

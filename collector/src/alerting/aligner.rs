@@ -48,7 +48,8 @@ pub struct ClosedStep {
 #[derive(Debug, Default)]
 struct Digests {
     model: Option<f64>,
-    layers: Vec<(u32, f64)>,
+    /// By block: a batch delivered twice must not count a rank's digest twice.
+    layers: BTreeMap<u32, f64>,
     optimizer: Option<f64>,
 }
 
@@ -229,7 +230,9 @@ impl StepAligner {
         let entry = open.fingerprints.entry(rank).or_default();
         match what {
             Digest::Model => entry.model = Some(value),
-            Digest::Layer(layer) => entry.layers.push((layer, value)),
+            Digest::Layer(layer) => {
+                entry.layers.insert(layer, value);
+            }
             Digest::Optimizer => entry.optimizer = Some(value),
         }
     }
@@ -321,7 +324,7 @@ fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep
                 Some(RankFingerprint {
                     rank,
                     model: d.model?,
-                    layers: d.layers,
+                    layers: d.layers.into_iter().collect(),
                     optimizer: d.optimizer,
                 })
             })

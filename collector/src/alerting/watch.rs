@@ -302,6 +302,7 @@ impl RunWatch {
             alerts.extend(self.replicas.observe(&ReplicaObservation {
                 step: closed.step,
                 time_ms: closed.time_ms,
+                world_size: world,
                 ranks: closed.fingerprints,
             }));
         }
