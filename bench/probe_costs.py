@@ -166,7 +166,7 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
                 # replica to compare, so it is installed as a two-replica run installs it.
                 run.world_size = 2
                 run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp)
-                run._fingerprint_checked = ddp  # its group of one stands for the replicas: not checked against the run
+                run._fingerprint.checked = ddp  # its group of one stands for the replicas: not checked against the run
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -29,17 +29,22 @@ of the cadence: its tensors on the parameters' device, in the optimizer's parame
 each state's keys sorted (CPU step counters, identical everywhere, are left out: moving them to
 the device would wait for it).
 
-What is compared. Parameters replicated by data parallelism: under DDP every parameter of the
-wrapped module but those DDP ignores (`_ddp_params_and_buffers_to_ignore`, listed in the run's
-tags). Sharded parameters (FSDP2, tensor parallelism) have no replica in the run; the probe is
-off there and says so.
+What is compared (`ReplicaFingerprint`): under DDP every parameter of the wrapped module but
+those DDP ignores (listed in the run's tags), once the ranks are known to be replicas. Sharded
+parameters (FSDP2, tensor parallelism) have no replica in the run; the run leaves the probe off
+there and says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .discovery import Layout
 
 MASK = (1 << 52) - 1
 
@@ -103,7 +108,6 @@ class FingerprintProbe:
         self._in_block = torch.tensor(in_block, dtype=torch.int64, device=device)
         self._block_index = torch.tensor([block_of[i] for i in in_block], dtype=torch.int64, device=device)
         self.blocks = blocks
-        self.elapsed = 0.0  # seconds spent computing, since the run last read it
 
     def without(self, ids: set[int]) -> FingerprintProbe:
         """The same probe over its parameters but those in `ids`."""
@@ -124,3 +128,104 @@ class FingerprintProbe:
             per_block.index_add_(0, self._block_index, terms.index_select(0, self._in_block))
         return model.double(), (per_block & MASK).double()
 
+
+
+class ReplicaFingerprint:
+    """The fingerprint of one watched model's data-parallel replicas: which parameters (every
+    one of the model but those its DDP wrapper ignores), by block where the layout is known, and
+    whether the ranks are replicas at all. They are only once a DDP wrapper is known (ranks
+    training models of their own, or a job using torch.distributed for something else, are
+    not), its process group is the run's (a wrapper found after the run was named world-wide,
+    over a pipeline stage's or a tensor-parallel shard's sub-group, would compare ranks that are
+    not replicas), and no post-local SGD lets them drift between averagings. `off` says why
+    not, `ignored` which parameters DDP leaves out, both for the run's tags."""
+
+    def __init__(
+        self, model: torch.nn.Module, layout: Layout | None, ddp: object | None, optimizer: torch.optim.Optimizer | None, world_size: int
+    ) -> None:
+        self.model = model
+        self.ddp = ddp  # None until known
+        # ZeRO shards the optimizer state over the ranks: no replica of it to compare.
+        self.optimizer = None if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
+        self._averaged_every_k = type(optimizer).__name__ == "PostLocalSGDOptimizer"
+        self._world_size = world_size
+        self.checked: object | None = None  # the wrapper whose group and ignored parameters were checked
+        self._excluded: set[int] = set()
+        self.ignored = ""
+        self.off: str | None = None
+        self.elapsed = 0.0  # seconds spent computing, since the run last read it
+        self.probe = self._probe(layout)
+
+    def set_layout(self, layout: Layout) -> None:
+        """The blocks became known (read at their first forward): digests by block from now."""
+        self.probe = self._probe(layout)
+
+    def _probe(self, layout: Layout | None) -> FingerprintProbe:
+        block_of: dict[int, int] = {}
+        for block in layout.blocks if layout is not None else ():
+            for p in block.module.parameters():
+                block_of.setdefault(id(p), block.index)
+        params = [p for p in self.model.parameters() if id(p) not in self._excluded]
+        return FingerprintProbe(params, [block_of.get(id(p)) for p in params], len(layout.blocks) if layout is not None else 0)
+
+    def ready(self, find_ddp: Callable[[torch.nn.Module], object | None]) -> bool:
+        """Whether the ranks are replicas to compare now. `find_ddp(model)` looks for the
+        wrapper while it is unknown: the wrapper, None (not yet: try at the next report) or
+        False (none)."""
+        if self.off is not None:
+            return False
+        if self.ddp is None:
+            self.ddp = find_ddp(self.model)
+            if self.ddp is False:
+                self.off = "off: no DistributedDataParallel wrapper found (the ranks are not replicas)"
+            if not self.ddp:
+                return False
+        if self.checked is not self.ddp and not self._fits(self.ddp):
+            return False
+        # Post-local SGD (a comm hook that stops averaging gradients, a model averager every k
+        # steps): the replicas differ by design between averagings. Asked at each report: the
+        # hook may come after watch().
+        hooks = getattr(self.ddp, "_comm_hooks", ())
+        if self._averaged_every_k or any(type(state).__name__ == "PostLocalSGDState" for _, state in hooks):
+            self.off = "off: post-local SGD averages the replicas only every k steps (they differ in between)"
+            return False
+        return True
+
+    def _fits(self, wrapper: Any) -> bool:
+        """Once per wrapper: its group is the run's replicas, and what it ignores leaves the digests."""
+        self.checked = wrapper
+        import torch.distributed as dist
+
+        group_size = dist.get_world_size(wrapper.process_group) if dist.is_available() and dist.is_initialized() else 1
+        if group_size != self._world_size:
+            self.off = (
+                f"off: the DDP group has {group_size} ranks but the run {self._world_size}; "
+                "call watch() with the DDP wrapper before the first log() so the run is its replica group"
+            )
+            return False
+        ignored = set(getattr(wrapper, "parameters_to_ignore", ()) or ())
+        excluded = {id(p) for name, p in wrapper.module.named_parameters() if name in ignored}
+        if excluded & self.probe.ids:
+            self._excluded = excluded
+            self.probe = self.probe.without(excluded)
+            self.ignored = ",".join(sorted(ignored))
+        return True
+
+    def report(self, keys: list[tuple[str, int | None, str | None, bool]], values: list[torch.Tensor], *, optimizer: bool) -> None:
+        """Appends the digests of the parameters (the whole model's, each block's) and, when
+        `optimizer`, of the optimizer state: every value computed before any key is added, so
+        a failure half way leaves no key without its value (a report pairs them by position)."""
+        started = time.perf_counter()
+        model, blocks = self.probe.compute()
+        state = None
+        if optimizer and self.optimizer is not None:
+            state = digest(optimizer_state(self.optimizer, model.device, self.probe.ids), model.device)
+        keys.append(("param_fingerprint", None, None, False))
+        values.append(model)
+        for index, value in enumerate(blocks.unbind()):
+            keys.append(("layer_fingerprint", index, None, False))
+            values.append(value)
+        if state is not None:
+            keys.append(("optim_fingerprint", None, None, False))
+            values.append(state)
+        self.elapsed += time.perf_counter() - started

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
     from ._native import AgentStats
     from .discovery import Layout
+    from .fingerprint import ReplicaFingerprint
 
     # What `stats()` and `finish()` return: the agent's counters, or `{}` from a `NoopRun`.
     RunStats: TypeAlias = AgentStats | dict[str, NoReturn]
@@ -165,14 +166,7 @@ class Run:
         self._spectral: Any = None
         self._activations: Any = None
         self._gradients: Any = None
-        self._fingerprint: Any = None
-        # The fingerprint compares DDP replicas: the wrapper, once known (None: not yet looked
-        # for; False: looked for and not found, the probe is off).
-        self._fingerprint_ddp: Any = None
-        self._fingerprint_model: torch.nn.Module = torch.nn.Module()
-        self._fingerprint_optimizer: torch.optim.Optimizer | None = None
-        self._averaged_every_k = False
-        self._fingerprint_checked: Any = None  # the wrapper whose group and ignored parameters were checked
+        self._fingerprint: ReplicaFingerprint | None = None
         self._optimizer_hook: Any = None
         self._stop_scaler_listener: Callable[[], None] | None = None
         # Blocks traced on a real call: what to install, and the capturing hook; then the call.
@@ -405,9 +399,7 @@ class Run:
 
     def _compiled_activations_off(self) -> None:
         """The model was compiled after watch() and the hooks ran inside its graphs, not opted in."""
-        self.tags["activations"] = "off in compiled graphs (opt in: watch(..., compiled_activations=True))"
-        if self._agent is not None:
-            self._announce(self._agent)
+        self._set_tag("activations", "off in compiled graphs (opt in: watch(..., compiled_activations=True))")
         self._warn(
             "compiled-activations",
             "rankwatch: activation probe off inside torch.compile graphs: measuring activations there adds reductions that "
@@ -497,7 +489,7 @@ class Run:
             try:
                 self._install_layer_probes(plan, layout)
                 if self._fingerprint is not None:  # now with its blocks
-                    self._watch_fingerprint(plan.model, layout, sharded=False, ddp=self._fingerprint_ddp, optimizer=self._fingerprint_optimizer)
+                    self._fingerprint.set_layout(layout)
             except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
                 self._probe_failed("layer", e)
         if self._agent is not None:
@@ -506,113 +498,41 @@ class Run:
     def _watch_fingerprint(
         self, model: torch.nn.Module, layout: Layout | None, *, sharded: bool, ddp: Any, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
-        """The replica fingerprint over the parameters DDP replicates (every one of `model` but
-        those DDP ignores), by block where the layout is known. It reports only once the DDP
-        wrapper is known (`_replicas_known`): ranks that train models of their own (local SGD,
-        a job using torch.distributed for something else) are not replicas."""
-        from .fingerprint import FingerprintProbe
-
-        self._fingerprint_ddp = ddp
-        self._fingerprint_model = model
-        # ZeRO shards the optimizer state over the ranks: no replica of it to compare.
-        self._fingerprint_optimizer = None if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
-        self._averaged_every_k = type(optimizer).__name__ == "PostLocalSGDOptimizer"
+        """The replica fingerprint of `model` (see fingerprint.py: it reports only once the
+        ranks are known to be DDP replicas)."""
+        from .fingerprint import ReplicaFingerprint
 
         if self.cadence.fingerprint <= 0 or self.world_size < 2:
             return  # off, or a single replica: nothing to compare
         if sharded:
-            self.tags["replica_fingerprint"] = "off: sharded parameters (FSDP2, tensor parallel) have no replica in this run"
+            self._set_tag("replica_fingerprint", "off: sharded parameters (FSDP2, tensor parallel) have no replica in this run")
             return
-        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
-        named = [(name, p) for name, p in model.named_parameters() if name not in ignored]
-        if ignored:
-            self.tags["replica_fingerprint_ignored"] = ",".join(sorted(ignored))
-        block_of_param: dict[int, int] = {}
-        for block in layout.blocks if layout is not None else ():
-            for p in block.module.parameters():
-                block_of_param.setdefault(id(p), block.index)
-        blocks = len(layout.blocks) if layout is not None else 0
-        self._fingerprint = FingerprintProbe([p for _, p in named], [block_of_param.get(id(p)) for _, p in named], blocks)
+        self._fingerprint = ReplicaFingerprint(model, layout, ddp, optimizer, self.world_size)
 
-    def _replicas_known(self) -> bool:
-        """Whether a DDP wrapper of the watched model exists: given, found by the gradient probe
-        at its first backward, or (with that probe off) looked for once here."""
-        if self._fingerprint_ddp is None:
-            found = self._gradients.ddp_wrapper if self._gradients is not None else None
-            if found is None and self._gradients is None:
-                from .gradients import find_ddp_wrapper
+    def _report_fingerprint(self, fingerprint: ReplicaFingerprint, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
+        """The replica digests, when the ranks are replicas; why not, or what DDP leaves out,
+        in the run's tags."""
+        ready = fingerprint.ready(self._find_ddp)
+        for name, value in (("replica_fingerprint", fingerprint.off), ("replica_fingerprint_ignored", fingerprint.ignored)):
+            if value and self.tags.get(name) != value:
+                self._set_tag(name, value)
+        if ready:
+            fingerprint.report(keys, values, optimizer=optimizer)
 
-                found = find_ddp_wrapper(self._fingerprint_model) or False
-            if found is False:
-                self.tags["replica_fingerprint"] = "off: no DistributedDataParallel wrapper found (the ranks are not replicas)"
-                if self._agent is not None:
-                    self._announce(self._agent)
-            self._fingerprint_ddp = found
-        if self._fingerprint_ddp in (None, False):
-            return False
-        if self._fingerprint_checked is not self._fingerprint_ddp and not self._replica_wrapper_fits(self._fingerprint_ddp):
-            return False
-        # Post-local SGD (a comm hook that stops averaging gradients, a model averager every k
-        # steps): the replicas differ by design between averagings. Checked at each report:
-        # the hook may come after watch().
-        hooks = getattr(self._fingerprint_ddp, "_comm_hooks", ())
-        if self._averaged_every_k or any(type(state).__name__ == "PostLocalSGDState" for _, state in hooks):
-            if "replica_fingerprint" not in self.tags:
-                self.tags["replica_fingerprint"] = "off: post-local SGD averages the replicas only every k steps (they differ in between)"
-                if self._agent is not None:
-                    self._announce(self._agent)
-            return False
-        return True
+    def _find_ddp(self, model: torch.nn.Module) -> Any:
+        """`model`'s DDP wrapper: the gradient probe's, found at its first backward (None until
+        then), or, with that probe off, looked for once here (False: none)."""
+        if self._gradients is not None:
+            return self._gradients.ddp_wrapper
+        from .gradients import find_ddp_wrapper
 
-    def _replica_wrapper_fits(self, wrapper: Any) -> bool:
-        """Once per wrapper: its process group must be this run's replicas (a wrapper found
-        after the run was named world-wide, over a pipeline stage's or a tensor-parallel
-        shard's sub-group, would compare ranks that are not replicas), and the parameters it
-        ignores leave the fingerprint."""
-        self._fingerprint_checked = wrapper
-        import torch.distributed as dist
+        return find_ddp_wrapper(model) or False
 
-        group_size = dist.get_world_size(wrapper.process_group) if dist.is_available() and dist.is_initialized() else 1
-        if group_size != self.world_size:
-            self._fingerprint = None
-            self.tags["replica_fingerprint"] = (
-                f"off: the DDP group has {group_size} ranks but the run {self.world_size}; "
-                "call watch() with the DDP wrapper before the first log() so the run is its replica group"
-            )
-            if self._agent is not None:
-                self._announce(self._agent)
-            return False
-        ignored = set(getattr(wrapper, "parameters_to_ignore", ()) or ())
-        ignored_ids = {id(p) for name, p in wrapper.module.named_parameters() if name in ignored}
-        if ignored_ids & self._fingerprint.ids:
-            self._fingerprint = self._fingerprint.without(ignored_ids)
-            self.tags["replica_fingerprint_ignored"] = ",".join(sorted(ignored))
-        return True
-
-    def _report_fingerprint(self, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
-        """The replica digests of the parameters (the whole model's, each block's) and, when
-        `optimizer`, of the optimizer state."""
-        if not self._replicas_known():
-            return
-        from .fingerprint import digest, optimizer_state
-
-        started = time.perf_counter()
-        probe = self._fingerprint
-        model, blocks = probe.compute()
-        # Every value first, then the keys with them: a failure half way must not leave keys
-        # without values (the report pairs them by position).
-        state = None
-        if optimizer and self._fingerprint_optimizer is not None:
-            state = digest(optimizer_state(self._fingerprint_optimizer, model.device, probe.ids), model.device)
-        keys.append(("param_fingerprint", None, None, False))
-        values.append(model)
-        for index, value in enumerate(blocks.unbind()):
-            keys.append(("layer_fingerprint", index, None, False))
-            values.append(value)
-        if state is not None:
-            keys.append(("optim_fingerprint", None, None, False))
-            values.append(state)
-        probe.elapsed += time.perf_counter() - started
+    def _set_tag(self, name: str, value: str) -> None:
+        """A tag the collector hears of at once (the dashboard's notices read them)."""
+        self.tags[name] = value
+        if self._agent is not None:
+            self._announce(self._agent)
 
     def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
         """The spectral probe: layers shared out over the ranks, under a time budget."""
@@ -805,7 +725,7 @@ class Run:
         if self._fingerprint is not None and Cadence.due_within(self.cadence.fingerprint, previous, step):
             # The optimizer state every tenth fingerprint: it is as large as the weights again, twice.
             try:
-                self._report_fingerprint(keys, values, optimizer=Cadence.due_within(10 * self.cadence.fingerprint, previous, step))
+                self._report_fingerprint(self._fingerprint, keys, values, optimizer=Cadence.due_within(10 * self.cadence.fingerprint, previous, step))
             except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
                 self._fingerprint = None
                 self._probe_failed("replica fingerprint", e)

@@ -160,3 +160,16 @@ def collector(tmp_path: Path) -> Iterator[Collector]:
     if c.proc is not None and c.proc.poll() is None:
         c.proc.kill()
         c.proc.wait()
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone (DDP and the sharded APIs need one)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

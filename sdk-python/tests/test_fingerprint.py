@@ -1,12 +1,12 @@
 """The replica fingerprint's digest against an independent host reference, and its promise:
 every single-bit flip of a parameter, in every bit of float32, bfloat16, float16 and float64,
 changes the digest of the whole model and of the block that holds it; the digest of equal
-weights does not depend on their memory layout; and watching with the probe on leaves training
-bit-identical (twins)."""
+weights does not depend on their memory layout; and it stays off where the ranks are not
+replicas. The twins (the same job watched, fingerprint on, and unwatched, over 4 gloo processes,
+bit-identical) are test_twins.py's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -148,21 +148,6 @@ def test_the_optimizer_state_digest_sees_a_flip_in_a_moment_and_equal_states_agr
     assert optimizer_state(states[0], torch.device("meta")) == [], "only the state on the given device"
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    import os
-
-    import torch.distributed as dist
-    from conftest import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("local_sgd", [False, True], ids=["plain-ddp", "post-local-sgd"])
 def test_post_local_sgd_replicas_are_not_compared(one_rank_group: None, tmp_path: Path, local_sgd: bool) -> None:
     """Post-local SGD stops averaging gradients and averages the models every k steps: its
@@ -183,7 +168,7 @@ def test_post_local_sgd_replicas_are_not_compared(one_rank_group: None, tmp_path
     run.watch(ddp, optimizer)
     run.world_size = 2  # one process stands for the replicas, as in test_host_sync
     run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp, optimizer=optimizer)
-    run._fingerprint_checked = ddp  # its group of one stands for the replicas: not checked against the run
+    run._fingerprint.checked = ddp  # type: ignore[union-attr]  # its group of one stands for the replicas: not checked against the run
     for step in range(3):
         ddp(torch.randn(5, 4)).square().mean().backward()
         optimizer.step()

@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import rankwatch
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
-from conftest import free_port, train_step
+from conftest import train_step
 
 PACKAGE = str(Path(rankwatch.__file__).resolve().parent)
 GUARDED = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__")
@@ -73,16 +72,6 @@ def guard() -> Iterator[HostSyncGuard]:
         g.remove()
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def amp_step(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> torch.Tensor:
     """One bf16-autocast step of the nanoGPT under a GradScaler; returns the loss."""
     x = torch.randint(0, 40, (4, 16))
@@ -114,7 +103,7 @@ def test_a_full_step_with_every_probe_on_never_syncs(guard: HostSyncGuard, one_r
     # as a two-replica run would, so that its pass is guarded too.
     run.world_size = 2
     run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp)
-    run._fingerprint_checked = ddp  # its group of one stands for the replicas: not checked against the run
+    run._fingerprint.checked = ddp  # type: ignore[union-attr]  # its group of one stands for the replicas: not checked against the run
     assert run._reporter is not None
     reporter = run._reporter
     # The reporter's host buffers are the pinned copies a GPU run reads after their event.

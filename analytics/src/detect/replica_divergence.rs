@@ -132,7 +132,7 @@ fn ranks_word(ranks: &[u32]) -> String {
 
 /// Where `named` differ from the rest: the blocks whose digest is not the majority's for one of
 /// them (first few by index), or outside the blocks.
-fn where_they_differ(obs: &ReplicaObservation, named: &[u32]) -> String {
+fn where_they_differ(obs: &ReplicaObservation, named: &[u32], params_agree: bool) -> String {
     let mut per_layer: BTreeMap<u32, Vec<(u32, f64)>> = BTreeMap::new();
     for r in &obs.ranks {
         for &(layer, value) in &r.layers {
@@ -151,7 +151,7 @@ fn where_they_differ(obs: &ReplicaObservation, named: &[u32]) -> String {
         .map(|(layer, _)| layer)
         .collect();
     if differing.is_empty() {
-        if params_agree(obs) {
+        if params_agree {
             return "(the parameters still agree; the next optimizer step will part them)"
                 .to_owned();
         }
@@ -180,15 +180,11 @@ fn where_they_differ(obs: &ReplicaObservation, named: &[u32]) -> String {
     }
 }
 
-fn params_agree(obs: &ReplicaObservation) -> bool {
-    groups(obs.ranks.iter().map(|r| (r.rank, r.model.to_bits()))).len() == 1
-}
-
-/// The breach for an observation whose ranks disagree, or `None` when they agree.
-fn judge(obs: &ReplicaObservation) -> Option<Breach> {
+/// The breach for an observation whose ranks disagree, and whether the parameters agree (the
+/// optimizer state alone differs); `None` when they all agree.
+fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool)> {
     // Digests are integers below 2^52, exact in an f64: compared by their bits. The optimizer
     // state's takes part where every rank sent one.
-    let with_optimizer = obs.ranks.iter().all(|r| r.optimizer.is_some());
     let g = groups(obs.ranks.iter().map(|r| {
         let optimizer = r.optimizer.filter(|_| with_optimizer).map(f64::to_bits);
         (r.rank, (r.model.to_bits(), optimizer))
@@ -207,8 +203,9 @@ fn judge(obs: &ReplicaObservation) -> Option<Breach> {
         g.iter().flatten().copied().collect()
     };
     named.sort_unstable();
-    let place = where_they_differ(obs, &named);
-    let (what, differ) = if params_agree(obs) {
+    let params_agree = groups(obs.ranks.iter().map(|r| (r.rank, r.model.to_bits()))).len() == 1;
+    let place = where_they_differ(obs, &named, params_agree);
+    let (what, differ) = if params_agree {
         ("optimizer state", "differs")
     } else {
         ("parameters", "differ")
@@ -240,13 +237,14 @@ fn judge(obs: &ReplicaObservation) -> Option<Breach> {
                 .join(" vs "),
         )
     };
-    Some(Breach {
+    let breach = Breach {
         severity: Severity::Critical,
         value: named.len() as f64,
         threshold: 0.0,
         explanation,
         outlier_ranks: named,
-    })
+    };
+    Some((breach, params_agree))
 }
 
 impl Detector for ReplicaDivergence {
@@ -257,9 +255,9 @@ impl Detector for ReplicaDivergence {
             return Vec::new(); // nothing to compare, or not every replica: hold
         }
         let with_optimizer = obs.ranks.iter().all(|r| r.optimizer.is_some());
-        let signal = match judge(obs) {
-            Some(breach) => {
-                self.optimizer_only = params_agree(obs);
+        let signal = match judge(obs, with_optimizer) {
+            Some((breach, optimizer_only)) => {
+                self.optimizer_only = optimizer_only;
                 Signal::Breach(breach)
             }
             // The parameters agree, but the optimizer state that differed was not sent.
