@@ -1,7 +1,7 @@
 """Watching never changes training, and what it reports is the truth.
 
 Each layout runs as 4 gloo processes (`twins_worker.py`): the same job unwatched and watched,
-every probe on. The twins must end with bit-identical parameters — the probes only read
+every probe on (the replica fingerprint included). The twins must end with bit-identical parameters — the probes only read
 gradients and weights, issue no collective and draw no random numbers, so nothing may differ,
 not even in the last bit. The reported per-rank gradient statistics must equal a brute-force
 recomputation (local gradients of a hook-free copy, gathered over the data-parallel group in
@@ -65,6 +65,16 @@ def test_watched_and_unwatched_twins_end_identical_and_reports_are_true(layout: 
                 # bf16 compression rounds the averaged gradient (2^-8 per coordinate).
                 tolerance = 1e-2 if layout == "comm_hook" and name != "grad_norm" else rtol
                 assert math.isclose(value, want[name], rel_tol=tolerance), f"{layout} rank {rank} step {want['step']} {name}: {value} != {want[name]}"
+    # The replica fingerprint ran too (every probe on), and the replicas of each group agree.
+    groups: dict[tuple[int, ...], list[dict]] = {}
+    for result in ranks:
+        groups.setdefault(tuple(result["dp_ranks"]), []).append({r["step"]: r["values"] for r in result["reported"]})
+    for members in groups.values():
+        digests = {step: [m[step].get("param_fingerprint/None/None") for m in members] for step in members[0]}
+        fingerprinted = [step for step, values in digests.items() if values[0] is not None]
+        assert fingerprinted, f"{layout}: no replica fingerprint reported"
+        for step in fingerprinted:
+            assert len(set(digests[step])) == 1, f"{layout} step {step}: replicas' digests differ {digests[step]}"
     steps = {r["step"] for r in ranks[0]["reported"]}
     if layout == "accumulation":
         # One record per optimizer step, logged every other step: each describes its own step.

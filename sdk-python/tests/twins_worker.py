@@ -71,7 +71,11 @@ def main() -> None:
         if watched:
             # In "world" the probes are due every 5th step while steps 0, 3, 6 are logged: each
             # must be armed by the logged step that follows a due one.
-            every = {"grad": 1, "sketch": 5, "dot": 5, "activations": 5, "spectral": 5} if layout == "world" else {"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1}
+            every = (
+                {"grad": 1, "sketch": 5, "dot": 5, "activations": 5, "spectral": 5, "fingerprint": 5}
+                if layout == "world"
+                else {"grad": 1, "sketch": 1, "dot": 1, "activations": 1, "spectral": 1, "fingerprint": 1}
+            )
             run = rankwatch.init(run=f"twins-{layout}", mode="offline", spool_dir=out_dir / "spool", every=every)
             run.watch(ddp, optimizer, scaler=scaler)
         # Seeded per rank after setup: dropout draws the same stream in both twins.
