@@ -13,63 +13,22 @@ unwatched twin is the anchor. Counted with dynamo's own counters:
 
 from __future__ import annotations
 
-import warnings
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import rankwatch
 from rankwatch.activations import ActivationProbe
 from rankwatch.discovery import discover
 from rankwatch_testkit.zoo import ZooConfig, ZooModel
 
-STEPS = 8
+from compiled_worker import train as _train
+from conftest import run_ranks
+
 CONFIG = ZooConfig(layout="olmo")
-
-
-def _train(tmp_path: Path, watch: dict[str, Any] | None) -> dict[str, Any]:
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    torch.manual_seed(0)
-    model = ZooModel(CONFIG)
-    run = None
-    if watch is not None:
-        run = rankwatch.init(run="compiled", mode="offline", spool_dir=tmp_path, every={"activations": 2, "spectral": 4})
-        run.watch(model, **watch)
-    compiled = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(1)
-    last_armed: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", rankwatch.RankwatchWarning)
-        for step in range(STEPS):
-            x = torch.randint(0, CONFIG.vocab_size, (3, 12), generator=data)
-            if run is not None and run._activations is not None and run._activations.armed:
-                last_armed = ({k: v.detach().clone() for k, v in model.state_dict().items()}, x)
-            compiled(x, torch.roll(x, -1, 1))[1].backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if run is not None:
-                run.log(step)
-        tags = dict(run.tags) if run is not None else {}
-        reported = dict(run.last_values) if run is not None else {}
-        if run is not None:
-            run.finish()
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "graphs": counters["stats"]["unique_graphs"],
-        "breaks": sum(counters["graph_break"].values()),
-        "warnings": [str(w.message) for w in caught if issubclass(w.category, rankwatch.RankwatchWarning)],
-        "tags": tags,
-        "reported": reported,
-        "last_armed": last_armed,
-    }
-
-
 @pytest.fixture(scope="module")
 def unwatched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _train(tmp_path_factory.mktemp("plain"), None)
@@ -114,3 +73,17 @@ def test_opted_in_arming_costs_one_graph_more_and_measures_what_eager_does(tmp_p
     assert set(got) == set(expected) and len(expected) == 1 + CONFIG.layers * 2 + 1
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_opted_in_twins_under_ddp_over_two_gloo_ranks(tmp_path: Path) -> None:
+    """nanoGPT's layout (DistributedDataParallel over the compiled model), 2 gloo processes with
+    a deadline: opted in, every rank's watched twin ends bit-identical to the unwatched one,
+    compiles one graph more, breaks none, and reports the activation maxima."""
+    run_ranks([sys.executable, str(Path(__file__).with_name("compiled_worker.py")), str(tmp_path)], 2, 300)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert result["equal"], f"rank {rank}: watching changed the compiled training"
+        plain, watched = result["graphs"]
+        assert plain >= 1 and watched == plain + 1, result
+        assert result["breaks"] == [0, 0], result
+        assert "act_max" in result["metrics"] and "grad_norm" in result["metrics"], result
