@@ -125,7 +125,7 @@ fn summarise(alerts: Vec<Alert>, world: Option<u32>) -> Incident {
     let ranks: Vec<u32> = ranks.into_iter().collect();
     let layers: Vec<u32> = layers.into_iter().collect();
     let summary = describe(&alerts, &rules, &ranks, every_rank, world, &layers);
-    Incident {
+    let mut incident = Incident {
         id: format!("incident:{}", cause.id),
         run: cause.run.to_string(),
         severity: alerts
@@ -149,10 +149,13 @@ fn summarise(alerts: Vec<Alert>, world: Option<u32>) -> Incident {
         fired_at_ms: alerts.iter().filter_map(|a| a.fired_at_ms).min(),
         resolved_at_ms,
         summary,
+        action: String::new(),
         acknowledged: None,
         silenced_by: Vec::new(),
         alerts: alerts.iter().map(Into::into).collect(),
-    }
+    };
+    incident.action = crate::advice::suggest(&incident, cause);
+    incident
 }
 
 /// Whether some (rule, layer, site) was raised per rank on every rank of the world.
@@ -310,6 +313,67 @@ mod tests {
             incidents[0].summary.contains("rank 3 of 4"),
             "{}",
             incidents[0].summary
+        );
+    }
+
+    #[test]
+    fn every_incident_suggests_an_action_for_where_its_cause_struck() {
+        let one = group(
+            vec![alert(Rule::Nonfinite, 40, None, Some(3))],
+            |_: &RunId| Some(4),
+            DEFAULT_WINDOW_STEPS,
+        );
+        assert!(
+            one[0]
+                .action
+                .starts_with("Only rank 3 saw a non-finite value at step 40"),
+            "{}",
+            one[0].action
+        );
+        let all = group(
+            (0..4).map(|r| alert(Rule::Nonfinite, 40, None, Some(r))),
+            |_: &RunId| Some(4),
+            DEFAULT_WINDOW_STEPS,
+        );
+        assert!(
+            all[0].action.contains("every rank at step 40"),
+            "{}",
+            all[0].action
+        );
+
+        let mut corrupt = alert(Rule::ReplicaDivergence, 150, None, None);
+        corrupt.outlier_ranks = vec![2];
+        corrupt.explanation = "rank 2's parameters differ from ranks 0, 1, 3 at step 150".into();
+        let mut pair = corrupt.clone();
+        pair.outlier_ranks = vec![0, 1];
+        pair.explanation =
+            "the parameters of ranks 0, 1 differ at step 150; with two replicas, which one changed cannot be told".into();
+        let majority = &group(vec![corrupt], |_: &RunId| Some(4), 100)[0].action;
+        assert!(
+            majority.contains("rank 2 no longer holds")
+                && majority.contains("before step 150 without the node of rank 2"),
+            "{majority}"
+        );
+        let untold = &group(vec![pair], |_: &RunId| Some(2), 100)[0].action;
+        assert!(
+            untold.contains("which ones changed cannot be told"),
+            "{untold}"
+        );
+
+        let collapse = group(
+            vec![
+                alert(Rule::RankCollapse, 75, Some(1), None),
+                alert(Rule::RankCollapse, 75, Some(2), None),
+            ],
+            |_: &RunId| Some(4),
+            DEFAULT_WINDOW_STEPS,
+        );
+        assert!(
+            collapse[0]
+                .action
+                .starts_with("Layers 1 and 2 are losing rank"),
+            "{}",
+            collapse[0].action
         );
     }
 

@@ -8,6 +8,7 @@
 //! definitions and the alert rules; where a formula is not obvious, the module that implements
 //! it states it.
 
+pub mod advice;
 pub mod alert;
 pub mod detect;
 pub mod error;

@@ -35,6 +35,9 @@ pub struct Incident {
     pub resolved_at_ms: Option<i64>,
     /// One line: the cause, where, and what followed.
     pub summary: String,
+    /// What to do about it, first step first: where to look and what usually fixes it.
+    #[serde(default)]
+    pub action: String,
     /// Set while every alert of the incident is acknowledged (a new alert joining clears it).
     pub acknowledged: Option<Acknowledgement>,
     /// Ids of the silences muting any of its alerts now.

@@ -210,9 +210,9 @@ fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool
     } else {
         ("parameters", "differ")
     };
+    // The likely causes; what to do is the incident's suggested action (`advice.rs`).
     let action = "likely silent data corruption (a bit flip in its memory or arithmetic), a skipped or \
-                  repeated optimizer step, or a resume from another checkpoint; restart from the last \
-                  good checkpoint without that node";
+                  repeated optimizer step, or a resume from another checkpoint";
     let explanation = if majority {
         format!(
             "{}'s {what} {differ} from {} at step {} {place}: {action}",

@@ -1462,10 +1462,7 @@ fn replica_divergence_names_the_minority_rank_and_its_blocks_at_the_first_step()
         a,
         "rank 2's parameters differ from ranks 0, 1, 3 at step 20 in blocks 1, 3, 4 and 1 more: ",
     );
-    assert!(
-        a.explanation
-            .contains("restart from the last good checkpoint")
-    );
+    assert!(a.explanation.contains("likely silent data corruption"));
     // Still different: no new event; agreeing again (a restart from a good checkpoint): resolved.
     assert!(d.observe(&replicas(30, 4, &[(2, &[1], false)])).is_empty());
     let resolved = d.observe(&replicas(40, 4, &[]));

@@ -219,6 +219,9 @@ fn IncidentCard(incident: Incident, show_run: bool, changed: RwSignal<u32>) -> i
                 {(!incident.silenced_by.is_empty()).then(|| view! { <span class="silenced">"silenced"</span> })}
             </header>
             <p class="summary">{incident.summary.clone()}</p>
+            {(open && !incident.action.is_empty()).then(|| view! {
+                <p class="action"><strong>"What to do: "</strong>{incident.action.clone()}</p>
+            })}
             {open.then(|| view! {
                 <div class="actions">
                     {if acknowledged.is_some() {
