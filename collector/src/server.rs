@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 use rankwatch_analytics::detect::DetectorsConfig;
 
 use crate::alerting::actions::AlertActions;
+use crate::alerting::incidents::RunIncidents;
 use crate::alerting::rules::{self, RuleBook};
 use crate::alerting::sinks::{SinkConfig, SinkMetrics, Sinks};
 use crate::alerting::{ALIGNER_RANK, ALIGNER_SESSION, AlertEngine, EngineConfig, EngineMetrics};
@@ -378,6 +379,7 @@ fn start_alert_engine(
         },
         sink_metrics,
         &alerts,
+        &RunIncidents::every_run(&committer.store, &|alert| withheld.contains_key(&alert.id)),
         &|alert| withheld.contains_key(&alert.id),
     );
     AlertEngine::start(

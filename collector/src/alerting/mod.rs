@@ -23,6 +23,7 @@
 
 pub mod actions;
 pub mod aligner;
+pub mod incidents;
 pub mod replay;
 pub mod rules;
 pub mod sinks;
@@ -47,6 +48,7 @@ use crate::entry::Entry;
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
 use actions::AlertActions;
+use incidents::RunIncidents;
 use rules::RuleBook;
 use sinks::Sinks;
 use watch::{Output, RunWatch};
@@ -357,12 +359,14 @@ impl Engine {
                         // otherwise be re-sent them for ever); the store forgets them next.
                         if let Some(sinks) = &self.sinks {
                             let now = self.writer.store.now_ms();
+                            let labels = self.incidents_now(&run).incident_of();
                             for mut alert in self.writer.store.alerts(Some(&run)) {
                                 if alert.state == AlertState::Firing {
                                     alert.resolve(now, Some("the run was deleted"));
-                                    sinks.send(&alert);
+                                    sinks.send(&alert, labels.get(&alert.id).map(String::as_str));
                                 }
                             }
+                            sinks.send_incidents(&RunIncidents::none(run.clone()));
                         }
                         let _ = done.send(());
                     }
@@ -403,44 +407,74 @@ impl Engine {
             tracing::error!(?durable, "alert states could not be journaled");
             self.metrics.errors.inc();
         }
-        if let Some(sinks) = &self.sinks {
-            for alert in alerts {
-                if alert.state != AlertState::Resolved && self.actions.is_muted(&(&alert).into()) {
-                    let newly = self
-                        .withheld
-                        .get(&alert.id)
-                        .is_none_or(|held| held.state != AlertState::Firing);
-                    if alert.state == AlertState::Firing && newly {
-                        self.metrics
-                            .silenced
-                            .get_or_create(&vec![("rule", alert.rule.as_str())])
-                            .inc();
-                    }
-                    self.withheld.insert(alert.id.clone(), alert);
-                    continue;
+        if self.sinks.is_none() {
+            return;
+        }
+        // Incidents change with held-back states too (a silenced one is marked, not told).
+        let runs = alerts.iter().map(|a| a.run.clone()).collect();
+        let mut told = Vec::new();
+        for alert in alerts {
+            if alert.state != AlertState::Resolved && self.actions.is_muted(&(&alert).into()) {
+                let newly = self
+                    .withheld
+                    .get(&alert.id)
+                    .is_none_or(|held| held.state != AlertState::Firing);
+                if alert.state == AlertState::Firing && newly {
+                    self.metrics
+                        .silenced
+                        .get_or_create(&vec![("rule", alert.rule.as_str())])
+                        .inc();
                 }
-                self.withheld.remove(&alert.id);
-                sinks.send(&alert);
+                self.withheld.insert(alert.id.clone(), alert);
+                continue;
             }
+            self.withheld.remove(&alert.id);
+            told.push(alert);
+        }
+        self.tell(&told, runs);
+    }
+
+    /// The incidents of `run` now, those a silence mutes marked.
+    fn incidents_now(&self, run: &RunId) -> RunIncidents {
+        RunIncidents::of(&self.writer.store, run, &|a| self.actions.is_muted(a))
+    }
+
+    /// Tells the receivers: Alertmanager each of `alerts`, labelled with its incident; webhooks
+    /// and Slack the incidents of `runs` as they are now.
+    fn tell(&self, alerts: &[Alert], runs: std::collections::BTreeSet<RunId>) {
+        let Some(sinks) = &self.sinks else {
+            return;
+        };
+        if sinks.is_empty() {
+            return;
+        }
+        let mut labels = HashMap::new();
+        for run in runs {
+            let now = self.incidents_now(&run);
+            labels.extend(now.incident_of());
+            sinks.send_incidents(&now);
+        }
+        for alert in alerts {
+            sinks.send(alert, labels.get(&alert.id).map(String::as_str));
         }
     }
 
     /// Tells the receivers of held-back alerts no silence matches any more (it expired or was
     /// deleted), at their latest state.
     fn release_unsilenced(&mut self) {
-        let Some(sinks) = &self.sinks else {
-            return;
-        };
         let free: Vec<String> = self
             .withheld
             .values()
             .filter(|a| !self.actions.is_muted(&(*a).into()))
             .map(|a| a.id.clone())
             .collect();
-        for id in free {
-            if let Some(alert) = self.withheld.remove(&id) {
-                sinks.send(&alert);
-            }
+        let freed: Vec<Alert> = free
+            .iter()
+            .filter_map(|id| self.withheld.remove(id))
+            .collect();
+        if !freed.is_empty() {
+            let runs = freed.iter().map(|a| a.run.clone()).collect();
+            self.tell(&freed, runs);
         }
     }
 

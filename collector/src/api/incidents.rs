@@ -1,12 +1,11 @@
 //! Incidents, acknowledgements and silences over HTTP (`rankwatch_api::incidents` has the
 //! shapes, `alerting::actions` the rules). Incidents are grouped from the store's alerts on
-//! each request ([`rankwatch_analytics::incident::group`]).
+//! each request ([`crate::alerting::incidents`]).
 
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use rankwatch_analytics::incident::{self, DEFAULT_WINDOW_STEPS};
 use rankwatch_analytics::{AlertState, RunId};
 use rankwatch_api::{AckRequest, Incident, Incidents, NewSilence, Silence, Silences};
 use serde::Deserialize;
@@ -14,6 +13,7 @@ use serde::Deserialize;
 use super::AppState;
 use super::extract::Query;
 use super::handlers::{SMALL_BODY_LIMIT, parse_state, read_body};
+use crate::alerting::incidents;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Deserialize)]
@@ -26,21 +26,7 @@ pub(super) struct IncidentsQuery {
 /// A run's (or every run's) incidents, with what people did about them.
 fn incidents_of(state: &AppState, run: Option<&RunId>) -> Vec<Incident> {
     let store = state.inner.queries.store();
-    let actions = &state.inner.alerting.actions;
-    let mut incidents = incident::group(
-        store.alerts(run),
-        |r| store.world_size(r),
-        DEFAULT_WINDOW_STEPS,
-    );
-    for i in &mut incidents {
-        let mut silenced_by: Vec<String> =
-            i.alerts.iter().flat_map(|a| actions.muting(a)).collect();
-        silenced_by.sort();
-        silenced_by.dedup();
-        i.silenced_by = silenced_by;
-        i.acknowledged = actions.acknowledgement(&i.alerts);
-    }
-    incidents
+    incidents::with_actions(incidents::of(store, run), &state.inner.alerting.actions)
 }
 
 /// `GET /api/v1/incidents?run=&state=`: most urgent first.

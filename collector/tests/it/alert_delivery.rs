@@ -4,6 +4,7 @@
 //! resolution it missed reaches it after the restart; an alert whose run never reports again
 //! does not stay firing.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,7 +38,7 @@ impl Hooks {
         }
     }
 
-    /// (status, alert id) of every accepted webhook delivery.
+    /// (event, incident id) of every accepted webhook delivery.
     fn heard(&self) -> Vec<(String, String)> {
         self.got
             .lock()
@@ -46,14 +47,14 @@ impl Hooks {
             .filter(|(path, _)| path == "/hook")
             .map(|(_, b)| {
                 (
-                    b["status"].as_str().unwrap_or("").to_owned(),
-                    b["alert"]["id"].as_str().unwrap_or("").to_owned(),
+                    b["event"].as_str().unwrap_or("").to_owned(),
+                    b["incident"]["id"].as_str().unwrap_or("").to_owned(),
                 )
             })
             .collect()
     }
 
-    /// The state word (`firing`, `resolved`) of every accepted Slack message, in order.
+    /// The event word (`opened`, `resolved`) of every accepted Slack message, in order.
     fn slack_heard(&self) -> Vec<String> {
         self.got
             .lock()
@@ -224,7 +225,7 @@ impl Binary {
 
 impl Binary {
     /// Announces a 4-rank `run`, sends steps 0..12 with a NaN on rank 1 at step 7, and waits
-    /// until its alert fires and the webhook heard it; returns the alert's id.
+    /// until its alert fires and the webhook heard its incident open; returns the alert's id.
     fn fire_nan(&self, run: &str, sim: &mut DataParallelSim, hook: &Hooks) -> String {
         self.post(
             "/api/v1/ingest?table=runs",
@@ -236,12 +237,17 @@ impl Binary {
             is_nan_alert(a) && a["state"] == "firing"
         });
         let id = fired["id"].as_str().unwrap().to_owned();
-        hook.wait_for("the firing is delivered", |h| {
-            h.contains(&("firing".into(), id.clone()))
+        hook.wait_for("the incident's opening is delivered", |h| {
+            h.contains(&("opened".into(), incident(&id)))
         });
         self.wait_recorded(&id);
         id
     }
+}
+
+/// The id of the incident whose cause is alert `id`.
+fn incident(id: &str) -> String {
+    format!("incident:{id}")
 }
 
 fn is_nan_alert(a: &Value) -> bool {
@@ -265,7 +271,7 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(
         hook.heard(),
-        [("firing".to_owned(), id.clone())],
+        [("opened".to_owned(), incident(&id))],
         "not told twice"
     );
 
@@ -287,7 +293,7 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
     });
     assert_eq!(after["state"], "resolved", "{after:#}");
     hook.wait_for("the missed resolution is delivered", |h| {
-        h.contains(&("resolved".into(), id.clone()))
+        h.contains(&("resolved".into(), incident(&id)))
     });
     // The replay fed the detectors the NaN again and they raised the alert again, firing then
     // resolved: an echo of what the journal holds, counted and dropped. (Before, it was raised
@@ -312,8 +318,8 @@ fn a_receiver_hears_each_alert_once_across_kill_9_and_a_missed_resolution_after_
     assert_eq!(
         hook.heard(),
         [
-            ("firing".to_owned(), id.clone()),
-            ("resolved".to_owned(), id)
+            ("opened".to_owned(), incident(&id)),
+            ("resolved".to_owned(), incident(&id))
         ],
         "each state once"
     );
@@ -337,6 +343,20 @@ impl Drop for Alertmanager {
 
 impl Alertmanager {
     fn start() -> Option<Alertmanager> {
+        Alertmanager::start_with("route:\n  receiver: devnull\nreceivers:\n  - name: devnull\n")
+    }
+
+    /// One that groups by incident, as `deploy/alertmanager/alertmanager.yml` does, and
+    /// notifies the webhook `url` within a second.
+    fn notifying(url: &str) -> Option<Alertmanager> {
+        Alertmanager::start_with(&format!(
+            "route:\n  receiver: hook\n  group_by: [incident]\n  group_wait: 1s\n  \
+             group_interval: 1s\n  repeat_interval: 1h\nreceivers:\n  - name: hook\n    \
+             webhook_configs:\n      - url: {url}\n        send_resolved: true\n"
+        ))
+    }
+
+    fn start_with(config_text: &str) -> Option<Alertmanager> {
         let binary = [
             "/usr/bin/prometheus-alertmanager",
             "/usr/local/bin/alertmanager",
@@ -350,11 +370,7 @@ impl Alertmanager {
             .unwrap()
             .port();
         let config = dir.path().join("alertmanager.yml");
-        std::fs::write(
-            &config,
-            "route:\n  receiver: devnull\nreceivers:\n  - name: devnull\n",
-        )
-        .unwrap();
+        std::fs::write(&config, config_text).unwrap();
         let child = Command::new(binary)
             .arg(format!("--config.file={}", config.display()))
             .arg(format!(
@@ -448,21 +464,141 @@ fn an_alert_whose_run_never_reports_again_resolves_after_a_restart() {
         "{resolved:#}"
     );
     hook.wait_for("the resolution is delivered", |h| {
-        h.contains(&("resolved".into(), id.clone()))
+        h.contains(&("resolved".into(), incident(&id)))
     });
     assert_eq!(
         hook.heard(),
         [
-            ("firing".to_owned(), id.clone()),
-            ("resolved".to_owned(), id)
+            ("opened".to_owned(), incident(&id)),
+            ("resolved".to_owned(), incident(&id))
         ],
         "each state once"
     );
-    assert_eq!(hook.slack_heard(), ["firing", "resolved"]);
+    assert_eq!(hook.slack_heard(), ["opened", "resolved"]);
     if let Some(am) = &am {
         am.wait_for(run, "Alertmanager has the resolution", |s| {
             s.iter().all(|x| x != "active")
         });
     }
     collector.kill9();
+}
+
+/// Alertmanager gets every alert labelled with its incident, so that its own grouping
+/// (`group_by: [incident]`) notifies per incident: a NaN on every rank (4 alerts) is one group,
+/// a second NaN 200 steps later another.
+#[test]
+fn alertmanager_groups_by_the_incident_label_one_group_per_incident() {
+    let notified = Receiver::start(0);
+    let Some(am) = Alertmanager::notifying(&format!("{}/am", notified.base)) else {
+        eprintln!("prometheus-alertmanager is not installed: skipped");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hook = Hooks::start();
+    let collector = Binary::start(
+        dir.path(),
+        &hook,
+        &["--alertmanager-url", &am.url, "--alertmanager-resend", "1s"],
+    );
+    let run = "grouped";
+    collector.post(
+        "/api/v1/ingest?table=runs",
+        None,
+        runs_ipc(&info(run, WORLD, 2)),
+    );
+    let mut sim = DataParallelSim::new(WORLD, 64, 3);
+    for step in 0..230u64 {
+        let mut obs = sim.step(step, Fault::None);
+        for (rank, r) in obs.ranks.iter_mut().enumerate() {
+            if step == 7 || (step == 200 && rank == 2) {
+                r.loss = Some(f64::NAN);
+            }
+        }
+        collector.post(
+            "/api/v1/ingest",
+            Some(&format!("{run}/0/t/{step}")),
+            samples_ipc(&step_rows(run, &obs), false),
+        );
+    }
+    let alerts = collector.alerts(run);
+    let nan: Vec<&Value> = alerts.iter().filter(|a| a["rule"] == "nonfinite").collect();
+    assert_eq!(nan.len(), 5, "{alerts:#?}");
+    // What Alertmanager sent its receiver: each group's incident label and the ranks of the
+    // alerts its notifications held. (The simulated run's clock starts in 1970, so Alertmanager
+    // sends a group at once rather than after group_wait: an alert's first notification may
+    // precede its siblings'; which group each lands in is what this checks.)
+    let groups = || -> BTreeMap<String, BTreeSet<String>> {
+        let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (path, body) in notified.got.lock().unwrap().iter() {
+            if path != "/am" {
+                continue;
+            }
+            let incident = body["groupLabels"]["incident"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned();
+            let ranks = out.entry(incident).or_default();
+            for a in body["alerts"].as_array().unwrap() {
+                ranks.insert(a["labels"]["rank"].as_str().unwrap_or("").to_owned());
+            }
+        }
+        out
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while groups().len() < 2 {
+        assert!(Instant::now() < deadline, "notified: {:?}", groups());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let first: Vec<&&Value> = nan.iter().filter(|a| a["first_step"] == 7).collect();
+    let second: Vec<&&Value> = nan.iter().filter(|a| a["first_step"] == 200).collect();
+    assert_eq!((first.len(), second.len()), (4, 1));
+    let incidents = collector_incidents(&collector, run);
+    let id_of = |alert: &Value| {
+        incidents
+            .iter()
+            .find(|i| {
+                i["alerts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|a| a["id"] == alert["id"])
+            })
+            .map(|i| i["id"].as_str().unwrap().to_owned())
+            .unwrap()
+    };
+    let ranks = |list: &[&str]| {
+        list.iter()
+            .map(|r| (*r).to_owned())
+            .collect::<BTreeSet<_>>()
+    };
+    let expected: BTreeMap<String, BTreeSet<String>> = [
+        (id_of(first[0]), ranks(&["0", "1", "2", "3"])),
+        (id_of(second[0]), ranks(&["2"])),
+    ]
+    .into_iter()
+    .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while groups() != expected {
+        assert!(
+            Instant::now() < deadline,
+            "one group per incident, holding its alerts: {:?}",
+            groups()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    collector.kill9();
+}
+
+/// `GET /api/v1/incidents?run=` of the real binary.
+fn collector_incidents(collector: &Binary, run: &str) -> Vec<Value> {
+    let text = ureq::get(format!("{}/api/v1/incidents?run={run}", collector.base))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    serde_json::from_str::<Value>(&text).unwrap()["incidents"]
+        .as_array()
+        .unwrap()
+        .clone()
 }

@@ -307,14 +307,43 @@ async fn a_nan_reaches_the_webhook_slack_and_the_training_process() {
     }
     let got = got.lock().unwrap().clone();
     let hook = &got.iter().find(|(p, _)| p == "/hook").unwrap().1;
-    assert_eq!(hook["alert"]["rule"], "nonfinite");
+    assert_eq!(hook["event"], "opened");
     assert_eq!(hook["status"], "firing");
+    assert_eq!(hook["incident"]["rules"], json!(["nonfinite"]));
+    assert_eq!(hook["incident"]["ranks"], json!([1]));
+    assert_eq!(hook["incident"]["alerts"], json!([alert["id"]]));
+    assert!(
+        hook["incident"]["action"]
+            .as_str()
+            .unwrap()
+            .starts_with("Only rank 1 saw a non-finite value at step 7"),
+        "{hook:#}"
+    );
+    assert!(
+        hook["url"].as_str().unwrap().ends_with("/runs/nan-1"),
+        "{hook:#}"
+    );
     let slack = &got.iter().find(|(p, _)| p == "/slack").unwrap().1;
     assert!(
-        slack["text"].as_str().unwrap().contains("nonfinite"),
+        slack["text"]
+            .as_str()
+            .unwrap()
+            .contains("[opened] critical incident on run nan-1: nonfinite, rank 1 of 4"),
         "{slack:#}"
     );
-    assert_eq!(slack["attachments"][0]["color"], "#e01e5a");
+    let attachment = &slack["attachments"][0];
+    assert_eq!(attachment["color"], "#e01e5a");
+    let fields: Vec<&str> = attachment["fields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["title"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        ["run", "steps", "ranks", "evidence", "what to do"],
+        "{slack:#}"
+    );
     let metrics = get(&c, "/metrics").await.text();
     assert!(
         metrics.contains("outcome=\"retried\""),

@@ -48,15 +48,15 @@ async fn wait_incidents(c: &Collector, run: &str, pred: impl Fn(&[Value]) -> boo
     }
 }
 
-/// The webhook deliveries so far: (status, alert id).
+/// The webhook deliveries so far: (event, incident id).
 fn heard(got: &std::sync::Mutex<Vec<(String, Value)>>) -> Vec<(String, String)> {
     got.lock()
         .unwrap()
         .iter()
         .map(|(_, b)| {
             (
-                b["status"].as_str().unwrap_or("").to_owned(),
-                b["alert"]["id"].as_str().unwrap_or("").to_owned(),
+                b["event"].as_str().unwrap_or("").to_owned(),
+                b["incident"]["id"].as_str().unwrap_or("").to_owned(),
             )
         })
         .collect()
@@ -181,7 +181,8 @@ async fn one_fault_on_every_rank_is_one_incident_silenced_acknowledged_and_resol
         .json();
     assert_eq!(listed["incidents"][0]["acknowledged"]["comment"], "on it");
 
-    // The silence ends: the held-back alerts reach the receiver, each once.
+    // The silence ends: the held-back incident reaches the receiver, once for its 4 alerts,
+    // with where it struck, the evidence and what to do.
     let ended = delete(
         &c,
         &format!("/api/v1/silences/{}", silence["id"].as_str().unwrap()),
@@ -190,18 +191,37 @@ async fn one_fault_on_every_rank_is_one_incident_silenced_acknowledged_and_resol
     assert_eq!(ended.status, 200, "{}", ended.text());
     assert_eq!(ended.json()["active"], false);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while heard(&got).len() < 4 {
-        assert!(
-            Instant::now() < deadline,
-            "held-back alerts not told: {:?}",
-            heard(&got)
-        );
+    while heard(&got).is_empty() {
+        assert!(Instant::now() < deadline, "held-back incident not told");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(heard(&got), [("opened".to_owned(), id.clone())]);
+    let opened = got.lock().unwrap()[0].1.clone();
+    assert_eq!(opened["version"], 2);
+    assert_eq!(opened["status"], "firing");
+    let told = &opened["incident"];
+    assert_eq!(told["alerts"].as_array().unwrap().len(), 4, "{opened:#}");
+    assert_eq!(
+        (told["every_rank"].as_bool(), told["severity"].as_str()),
+        (Some(true), Some("critical"))
+    );
     assert!(
-        heard(&got).iter().all(|(status, _)| status == "firing"),
-        "{:?}",
-        heard(&got)
+        told["action"]
+            .as_str()
+            .unwrap()
+            .contains("every rank at step 7"),
+        "{opened:#}"
+    );
+    assert!(
+        told["evidence"].as_str().unwrap().contains("step 7"),
+        "{opened:#}"
+    );
+    assert!(
+        opened["text"].as_str().unwrap().starts_with(
+            "[opened] critical incident on run incident-1: nonfinite, every rank of 4"
+        ),
+        "{opened:#}"
     );
 
     // Every rank finishes: the incident resolves now, not an idle hour later.
@@ -223,14 +243,23 @@ async fn one_fault_on_every_rank_is_one_incident_silenced_acknowledged_and_resol
         );
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    while heard(&got).iter().filter(|(s, _)| s == "resolved").count() < 4 {
+    while heard(&got).len() < 2 {
         assert!(
             Instant::now() < deadline,
-            "resolutions not told: {:?}",
+            "the resolution was not told: {:?}",
             heard(&got)
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        heard(&got),
+        [
+            ("opened".to_owned(), id.clone()),
+            ("resolved".to_owned(), id.clone())
+        ],
+        "one message when it opened, one when it resolved"
+    );
     let metrics = get(&c, "/metrics").await.text();
     assert!(
         metrics.contains("rankwatch_runs_finished_total 1"),

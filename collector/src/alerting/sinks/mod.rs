@@ -2,25 +2,36 @@
 //! Prometheus Alertmanager. (The UI's server-sent events and the training process's feed read
 //! the store directly.)
 //!
-//! Each configured endpoint has its own thread and queue, so a slow or dead receiver delays
-//! only itself and never ingest. The queue *coalesces*: it holds each alert at most once, at
-//! its latest state, so it is bounded by the number of alerts and never drops one — the first
-//! design's 1,024-slot channel dropped resolutions once 1,024 per-rank alerts fired at once. A
-//! failed POST is retried with exponential backoff (0.5 s doubling to 30 s) up to
-//! `max_attempts`; what still fails is counted and logged. Webhooks and Slack hear about an
-//! alert when it fires, when it escalates while firing, and when a fired alert resolves
-//! (pending alerts stay inside the collector; an alert that fires and resolves before its
-//! receiver was told of it is not announced at all). Alertmanager expects to be told again
-//! while an alert fires, so its thread keeps the firing set and re-posts it every
-//! `resend_interval`; a resolution is posted with `endsAt`.
+//! **Incidents, not alerts.** One fault raises many alerts (one per rank, layer and site); a
+//! person wants one message. Webhooks and Slack hear *incidents* ([`told`]): opened, updated
+//! (worse severity, a new kind of symptom, two incidents merged — under the surviving id), and
+//! resolved, each with its ranks, layers, evidence and suggested action ([`payload`]).
+//! Alertmanager, which groups and repeats on its own, gets every alert as before, labelled
+//! `incident=<id>`, so that `group_by: [incident]` makes one notification per incident; an alert
+//! whose incident id changes (a merge) has its old label set ended.
 //!
-//! **Across restarts.** What each receiver was told (its firing set) is kept on disk,
-//! `DIR/alert-delivery/<kind>-<hash of the URL>.json`, rewritten after each delivery. At
-//! start each receiver is reconciled with the store's alerts — which the engine journals
-//! before it tells anyone (`store::alert_log`): an alert firing that the receiver never heard
-//! of is announced, one it heard firing that has since resolved (or whose run was deleted) gets
-//! its resolution, and one it already heard is not repeated when the log's replay raises it
-//! again. So a `kill -9` neither loses a resolution nor re-posts to Slack.
+//! Each configured endpoint has its own thread and queue, so a slow or dead receiver delays
+//! only itself and never ingest. The queues *coalesce*: Alertmanager's holds each alert at most
+//! once, at its latest state; a webhook's holds each run's incidents at most once, as they are
+//! now. Both are bounded by what exists and never drop a change — the first design's 1,024-slot
+//! channel dropped resolutions once 1,024 per-rank alerts fired at once. A failed POST is
+//! retried with exponential backoff (0.5 s doubling to 30 s) up to `max_attempts`; what still
+//! fails is counted and logged. Pending alerts stay inside the collector; an incident that
+//! fires and resolves before its receiver was told of it is not announced at all. Alertmanager
+//! expects to be told again while an alert fires, so its thread keeps the firing set and
+//! re-posts it every `resend_interval`; a resolution is posted with `endsAt`.
+//!
+//! **Across restarts.** What each receiver was told (Alertmanager: its firing set; a webhook:
+//! the incidents it heard firing) is kept on disk, `DIR/alert-delivery/<kind>-<hash of the
+//! URL>.json`, rewritten after each delivery. At start each receiver is reconciled with the
+//! store's alerts — which the engine journals before it tells anyone (`store::alert_log`): what
+//! fires that the receiver never heard of is announced, what it heard firing that has since
+//! resolved (or whose run was deleted) gets its resolution, and what it already heard is not
+//! repeated when the log's replay raises it again. So a `kill -9` neither loses a resolution
+//! nor re-posts to Slack.
+
+pub mod payload;
+pub mod told;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -32,11 +43,14 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use rankwatch_analytics::{Alert, AlertState};
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
+use super::incidents::RunIncidents;
 use crate::Labels;
 use crate::clock::SharedClock;
 use crate::store::alert_log::StoredAlert;
+use told::{IncidentNote, Told};
 
 /// The kinds of receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,127 +89,7 @@ pub struct SinkConfig {
     pub state_dir: Option<PathBuf>,
 }
 
-/// The generic webhook body: version, the alert as the API returns it, and a one-line text.
-pub fn webhook_payload(alert: &Alert) -> Value {
-    json!({
-        "version": 1,
-        "source": "rankwatch",
-        "status": alert.state.as_str(),
-        "text": summary(alert),
-        "alert": alert,
-    })
-}
-
-/// One line that says what happened, where, and why.
-pub fn summary(alert: &Alert) -> String {
-    let state = match alert.state {
-        AlertState::Resolved => "resolved",
-        AlertState::Firing => "firing",
-        AlertState::Pending => "pending",
-    };
-    format!(
-        "[{}] {} {} on run {}: {}",
-        state,
-        alert.severity.as_str(),
-        alert.rule.as_str(),
-        alert.run,
-        alert.explanation
-    )
-}
-
-/// A Slack incoming-webhook body (`text` with mrkdwn, plus a colour-coded attachment).
-pub fn slack_payload(alert: &Alert, external_url: &str) -> Value {
-    let colour = match (alert.state, alert.severity) {
-        (AlertState::Resolved, _) => "#2eb67d",
-        (_, rankwatch_analytics::Severity::Critical) => "#e01e5a",
-        (_, rankwatch_analytics::Severity::Warning) => "#ecb22e",
-        _ => "#36c5f0",
-    };
-    let mut fields = vec![
-        json!({"title": "run", "value": alert.run.as_str(), "short": true}),
-        json!({"title": "steps", "value": format!("{}–{}", alert.first_step, alert.last_step), "short": true}),
-    ];
-    if let Some(layer) = alert.layer {
-        fields.push(json!({"title": "layer", "value": layer.to_string(), "short": true}));
-    }
-    if let Some(rank) = alert.rank {
-        fields.push(json!({"title": "rank", "value": rank.to_string(), "short": true}));
-    }
-    if !alert.outlier_ranks.is_empty() {
-        let ranks: Vec<String> = alert.outlier_ranks.iter().map(u32::to_string).collect();
-        fields.push(json!({"title": "outlier ranks", "value": ranks.join(", "), "short": true}));
-    }
-    json!({
-        "text": format!("*rankwatch* {}", summary(alert)),
-        "attachments": [{
-            "color": colour,
-            "title": format!("{} · {}", alert.rule.as_str(), alert.severity.as_str()),
-            "title_link": format!("{}/runs/{}", external_url.trim_end_matches('/'), alert.run),
-            "text": alert.explanation,
-            "fields": fields,
-        }],
-    })
-}
-
-/// One Alertmanager alert (`POST /api/v2/alerts` takes an array of these).
-pub fn alertmanager_alert(alert: &Alert, external_url: &str, now_ms: i64) -> Value {
-    let mut labels = serde_json::Map::new();
-    labels.insert(
-        "alertname".into(),
-        json!(format!("rankwatch_{}", alert.rule.as_str())),
-    );
-    labels.insert("run".into(), json!(alert.run.as_str()));
-    labels.insert("rule".into(), json!(alert.rule.as_str()));
-    labels.insert("severity".into(), json!(alert.severity.as_str()));
-    if let Some(layer) = alert.layer {
-        labels.insert("layer".into(), json!(layer.to_string()));
-    }
-    if let Some(site) = alert.site {
-        labels.insert("site".into(), json!(site.as_str()));
-    }
-    if let Some(rank) = alert.rank {
-        labels.insert("rank".into(), json!(rank.to_string()));
-    }
-    let started = alert.fired_at_ms.unwrap_or(alert.started_at_ms);
-    let mut body = json!({
-        "labels": labels,
-        "annotations": {
-            "summary": summary(alert),
-            "description": alert.explanation,
-            "value": alert.value.to_string(),
-            "threshold": alert.threshold.to_string(),
-            "steps": format!("{}-{}", alert.first_step, alert.last_step),
-        },
-        "startsAt": rfc3339(started),
-        "generatorURL": format!("{}/runs/{}", external_url.trim_end_matches('/'), alert.run),
-    });
-    if alert.state == AlertState::Resolved {
-        body["endsAt"] = json!(rfc3339(alert.resolved_at_ms.unwrap_or(now_ms)));
-    }
-    body
-}
-
-/// Milliseconds since the epoch as RFC 3339 UTC (what Alertmanager's `startsAt` takes).
-fn rfc3339(ms: i64) -> String {
-    chrono::DateTime::from_timestamp_millis(ms)
-        .unwrap_or_default()
-        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
-}
-
-/// Whether a webhook or Slack receiver should hear about this state of an alert.
-fn worth_telling(alert: &Alert, told: Option<&Alert>) -> bool {
-    match alert.state {
-        AlertState::Pending => false,
-        AlertState::Firing => {
-            told.is_none_or(|t| t.state != AlertState::Firing || t.severity < alert.severity)
-        }
-        AlertState::Resolved => {
-            alert.fired_at_ms.is_some() && told.is_some_and(|t| t.state == AlertState::Firing)
-        }
-    }
-}
-
-/// What the sinks count: one delivery outcome per alert and receiver.
+/// What the sinks count: one delivery outcome per message and receiver.
 #[derive(Debug, Default)]
 pub struct SinkMetrics {
     pub notifications: Family<Labels, Counter>,
@@ -213,44 +107,56 @@ impl SinkMetrics {
     pub fn register(&self, r: &mut Registry) {
         r.register(
             "alert_notifications",
-            "Alert deliveries to webhooks, Slack and Alertmanager, by sink and outcome \
-             (delivered, retried, failed)",
+            "Deliveries to webhooks and Slack (one per incident change) and Alertmanager \
+             (alerts), by sink and outcome (delivered, retried, failed)",
             self.notifications.clone(),
         );
     }
 }
 
-/// One receiver's queue: each alert at most once, at its latest state, oldest first.
-#[derive(Debug, Default)]
-struct Queue {
-    state: Mutex<Queued>,
+/// One receiver's queue: each key at most once, at its latest value, oldest first.
+#[derive(Debug)]
+struct Queue<T> {
+    state: Mutex<Queued<T>>,
     ready: Condvar,
 }
 
-#[derive(Debug, Default)]
-struct Queued {
+impl<T> Default for Queue<T> {
+    fn default() -> Self {
+        Queue {
+            state: Mutex::new(Queued {
+                order: VecDeque::new(),
+                latest: HashMap::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Queued<T> {
     order: VecDeque<String>,
-    latest: HashMap<String, Alert>,
+    latest: HashMap<String, T>,
     closed: bool,
 }
 
-enum Next {
-    Alert(Box<Alert>),
+enum Next<T> {
+    Item(T),
     Timeout,
     Closed,
 }
 
-impl Queue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queued> {
+impl<T> Queue<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queued<T>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `alert`, replacing a state of it still waiting.
-    fn push(&self, alert: Alert) {
+    /// Queues `item` under `key`, replacing a value of it still waiting.
+    fn push(&self, key: String, item: T) {
         let mut q = self.lock();
-        let id = alert.id.clone();
-        if q.latest.insert(id.clone(), alert).is_none() {
-            q.order.push_back(id);
+        if q.latest.insert(key.clone(), item).is_none() {
+            q.order.push_back(key);
         }
         self.ready.notify_one();
     }
@@ -260,14 +166,14 @@ impl Queue {
         self.ready.notify_all();
     }
 
-    /// The oldest waiting alert; what is queued is delivered before `Closed` is reported.
-    fn next(&self, wait: Duration) -> Next {
+    /// The oldest waiting item; what is queued is delivered before `Closed` is reported.
+    fn next(&self, wait: Duration) -> Next<T> {
         let deadline = Instant::now() + wait;
         let mut q = self.lock();
         loop {
-            if let Some(id) = q.order.pop_front() {
-                if let Some(alert) = q.latest.remove(&id) {
-                    return Next::Alert(Box::new(alert));
+            if let Some(key) = q.order.pop_front() {
+                if let Some(item) = q.latest.remove(&key) {
+                    return Next::Item(item);
                 }
                 continue;
             }
@@ -287,25 +193,36 @@ impl Queue {
     }
 }
 
+/// An alert state for Alertmanager, with the incident it belongs to now.
+type Labelled = (Alert, Option<String>);
+
 /// The running sinks.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Sinks {
-    queues: Vec<Arc<Queue>>,
+    /// Alertmanagers: alerts.
+    alert_queues: Vec<Arc<Queue<Labelled>>>,
+    /// Webhooks and Slack: each run's incidents.
+    incident_queues: Vec<Arc<Queue<RunIncidents>>>,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Sinks {
-    /// Starts one thread per configured receiver, each reconciled with `alerts` (the store's
-    /// alerts now) against what it was told before the collector last stopped. Firing alerts
-    /// `muted` picks (silenced) are not announced; the engine tells them when the silence ends.
+    /// Starts one thread per configured receiver, each reconciled with the store now (`alerts`
+    /// and every run's `incidents`) against what it was told before the collector last
+    /// stopped. Firing alerts `muted` picks (silenced) are not announced; the engine tells them
+    /// when the silence ends.
     pub fn start(
         config: &SinkConfig,
         telemetry: Arc<SinkMetrics>,
         alerts: &[Alert],
+        incidents: &[RunIncidents],
         muted: &dyn Fn(&Alert) -> bool,
     ) -> Sinks {
-        let mut queues = Vec::new();
-        let mut threads = Vec::new();
+        let mut sinks = Sinks::default();
+        let incident_of: HashMap<String, String> = incidents
+            .iter()
+            .flat_map(RunIncidents::incident_of)
+            .collect();
         let targets = [
             (SinkKind::Webhook, &config.webhooks),
             (SinkKind::Slack, &config.slack),
@@ -317,12 +234,7 @@ impl Sinks {
                     .state_dir
                     .as_deref()
                     .map(|dir| dir.join(format!("{}-{:016x}.json", kind.as_str(), fnv1a(url))));
-                let told = record.as_deref().map(load_told).unwrap_or_default();
-                let queue = Arc::new(Queue::default());
-                for alert in reconcile(&told, alerts, config.clock.now_ms(), muted) {
-                    queue.push(alert);
-                }
-                let worker = Worker {
+                let poster = Poster {
                     kind,
                     url: url.clone(),
                     config: config.clone(),
@@ -334,14 +246,56 @@ impl Sinks {
                         .into(),
                     record,
                 };
-                let rx = queue.clone();
-                let spawned = std::thread::Builder::new()
-                    .name(format!("rankwatch-{}", kind.as_str()))
-                    .spawn(move || worker.run(&rx, told));
+                let name = format!("rankwatch-{}", kind.as_str());
+                let spawned = if kind == SinkKind::Alertmanager {
+                    let told = poster
+                        .record
+                        .as_deref()
+                        .map(load_alerts_told)
+                        .unwrap_or_default();
+                    let queue = Arc::new(Queue::default());
+                    let told_alerts: BTreeMap<String, Alert> = told
+                        .iter()
+                        .map(|(id, (a, _))| (id.clone(), a.clone()))
+                        .collect();
+                    for alert in reconcile(&told_alerts, alerts, config.clock.now_ms(), muted) {
+                        let incident = incident_of.get(&alert.id).cloned();
+                        queue.push(alert.id.clone(), (alert, incident));
+                    }
+                    let rx = queue.clone();
+                    std::thread::Builder::new()
+                        .name(name)
+                        .spawn(move || poster.alertmanager(&rx, told))
+                        .map(|handle| (handle, Some(queue), None))
+                } else {
+                    let told = poster
+                        .record
+                        .as_deref()
+                        .map(|p| load_incidents_told(p, incidents))
+                        .unwrap_or_default();
+                    let queue = Arc::new(Queue::default());
+                    for now in incidents {
+                        queue.push(now.run.to_string(), now.clone());
+                    }
+                    // Runs it heard of that have no alerts any more (deleted while it was down).
+                    for note in told.values() {
+                        if !incidents.iter().any(|i| i.run.as_str() == note.run)
+                            && let Ok(run) = rankwatch_analytics::RunId::new(note.run.clone())
+                        {
+                            queue.push(note.run.clone(), RunIncidents::none(run));
+                        }
+                    }
+                    let rx = queue.clone();
+                    std::thread::Builder::new()
+                        .name(name)
+                        .spawn(move || poster.incidents(&rx, told))
+                        .map(|handle| (handle, None, Some(queue)))
+                };
                 match spawned {
-                    Ok(handle) => {
-                        threads.push(handle);
-                        queues.push(queue);
+                    Ok((handle, alert_queue, incident_queue)) => {
+                        sinks.threads.push(handle);
+                        sinks.alert_queues.extend(alert_queue);
+                        sinks.incident_queues.extend(incident_queue);
                     }
                     Err(e) => {
                         tracing::error!(sink = kind.as_str(), error = %e, "could not start an alert sink")
@@ -349,20 +303,40 @@ impl Sinks {
                 }
             }
         }
-        Sinks { queues, threads }
+        sinks
     }
 
-    /// Hands an alert to every sink without waiting.
-    pub fn send(&self, alert: &Alert) {
-        for queue in &self.queues {
-            queue.push(alert.clone());
+    /// Whether no receiver is configured (nothing to group incidents for).
+    pub fn is_empty(&self) -> bool {
+        self.threads.is_empty()
+    }
+
+    /// Hands an alert state, and the incident it belongs to now, to every Alertmanager without
+    /// waiting.
+    pub fn send(&self, alert: &Alert, incident: Option<&str>) {
+        for queue in &self.alert_queues {
+            queue.push(
+                alert.id.clone(),
+                (alert.clone(), incident.map(str::to_owned)),
+            );
+        }
+    }
+
+    /// Hands a run's incidents as they are now to every webhook and Slack receiver without
+    /// waiting.
+    pub fn send_incidents(&self, now: &RunIncidents) {
+        for queue in &self.incident_queues {
+            queue.push(now.run.to_string(), now.clone());
         }
     }
 
     /// Closes the queues and waits for the threads to deliver what they hold (each gives up
     /// after its attempts).
     pub fn shutdown(mut self) {
-        for queue in self.queues.drain(..) {
+        for queue in self.alert_queues.drain(..) {
+            queue.close();
+        }
+        for queue in self.incident_queues.drain(..) {
             queue.close();
         }
         for thread in self.threads.drain(..) {
@@ -371,8 +345,8 @@ impl Sinks {
     }
 }
 
-/// What a receiver must hear after a restart: alerts firing it was not told of, and the end of
-/// those it was told fire that are resolved now or gone (their run deleted).
+/// What Alertmanager must hear after a restart: alerts firing it was not told of, and the end
+/// of those it was told fire that are resolved now or gone (their run deleted).
 fn reconcile(
     told: &BTreeMap<String, Alert>,
     alerts: &[Alert],
@@ -410,25 +384,72 @@ fn fnv1a(text: &str) -> u64 {
     })
 }
 
-/// A receiver's record of what it was told; empty (with a warning) when missing or damaged.
-fn load_told(path: &Path) -> BTreeMap<String, Alert> {
-    let Ok(bytes) = std::fs::read(path) else {
-        return BTreeMap::new();
-    };
-    match serde_json::from_slice::<Vec<StoredAlert>>(&bytes) {
-        Ok(list) => list
-            .into_iter()
-            .map(StoredAlert::into_alert)
-            .map(|a| (a.id.clone(), a))
-            .collect(),
+/// An alert as Alertmanager was told of it, with its incident label (absent in records written
+/// before incidents were labelled).
+#[derive(Debug, Serialize, Deserialize)]
+struct ToldAlert {
+    #[serde(flatten)]
+    alert: StoredAlert,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    incident: Option<String>,
+}
+
+/// A webhook's record: the incidents it heard firing.
+#[derive(Debug, Serialize, Deserialize)]
+struct IncidentRecord {
+    incidents: Vec<IncidentNote>,
+}
+
+/// Reads a record; `None` (with a warning) when missing or damaged: the receiver may hear open
+/// alerts again rather than miss one.
+fn read_record<T: serde::de::DeserializeOwned>(path: &Path) -> Option<T> {
+    let bytes = std::fs::read(path).ok()?;
+    match serde_json::from_slice::<T>(&bytes) {
+        Ok(record) => Some(record),
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "an alert receiver's record is unreadable; it may hear open alerts again");
-            BTreeMap::new()
+            None
         }
     }
 }
 
-struct Worker {
+/// Alertmanager's record of what it was told.
+fn load_alerts_told(path: &Path) -> BTreeMap<String, Labelled> {
+    read_record::<Vec<ToldAlert>>(path)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| {
+            let alert = t.alert.into_alert();
+            (alert.id.clone(), (alert, t.incident))
+        })
+        .collect()
+}
+
+/// A webhook's record of the incidents it heard firing. A record from before incidents (the
+/// alerts it heard firing) counts the incidents now holding those alerts as heard, so an
+/// upgrade does not announce them again.
+fn load_incidents_told(path: &Path, now: &[RunIncidents]) -> Told {
+    let Ok(bytes) = std::fs::read(path) else {
+        return Told::new();
+    };
+    if let Ok(alerts) = serde_json::from_slice::<Vec<StoredAlert>>(&bytes) {
+        let heard: std::collections::HashSet<String> =
+            alerts.into_iter().map(|a| a.into_alert().id).collect();
+        return now
+            .iter()
+            .flat_map(|run| &run.incidents)
+            .filter(|i| i.state == AlertState::Firing)
+            .filter(|i| i.alerts.iter().any(|a| heard.contains(&a.id)))
+            .map(|i| (i.id.clone(), IncidentNote::from(i)))
+            .collect();
+    }
+    read_record::<IncidentRecord>(path)
+        .map(|r| r.incidents.into_iter().map(|n| (n.id.clone(), n)).collect())
+        .unwrap_or_default()
+}
+
+/// One receiver's connection and record.
+struct Poster {
     kind: SinkKind,
     url: String,
     config: SinkConfig,
@@ -438,24 +459,103 @@ struct Worker {
     record: Option<PathBuf>,
 }
 
-impl Worker {
-    fn run(self, rx: &Queue, mut told: BTreeMap<String, Alert>) {
-        // What the receiver was last told, per alert id (Alertmanager: the firing set).
+impl Poster {
+    /// A webhook or Slack receiver: tells each run's incident changes as they come.
+    fn incidents(self, rx: &Queue<RunIncidents>, mut told: Told) {
+        loop {
+            match rx.next(Duration::from_secs(3600)) {
+                Next::Item(now) => {
+                    let mut changed = false;
+                    for m in told::messages(&told, &now, self.config.clock.now_ms()) {
+                        if m.event.is_some() {
+                            let body = match self.kind {
+                                SinkKind::Slack => {
+                                    payload::slack_payload(&m, &self.config.external_url)
+                                }
+                                _ => payload::webhook_payload(&m, &self.config.external_url),
+                            };
+                            if !self.post(&body) {
+                                // Not recorded: the next change of this run, or a restart,
+                                // tells it again.
+                                continue;
+                            }
+                        }
+                        m.apply(&mut told);
+                        changed = true;
+                    }
+                    if changed {
+                        self.save(&IncidentRecord {
+                            incidents: told.values().cloned().collect(),
+                        });
+                    }
+                }
+                Next::Timeout => {}
+                Next::Closed => return,
+            }
+        }
+    }
+
+    /// An Alertmanager: every firing state is posted (it deduplicates by labels itself), the
+    /// firing set re-posted every `resend_interval`, a resolution posted with `endsAt`.
+    fn alertmanager(self, rx: &Queue<Labelled>, mut told: BTreeMap<String, Labelled>) {
+        let url = self.config.external_url.clone();
         let mut next_resend = Instant::now() + self.config.resend_interval;
         loop {
             let wait = next_resend.saturating_duration_since(Instant::now());
             match rx.next(wait) {
-                Next::Alert(alert) => {
-                    if self.deliver(*alert, &mut told) {
-                        self.save(&told);
+                Next::Item((alert, incident)) => {
+                    let firing = alert.state == AlertState::Firing;
+                    let heard = told.get(&alert.id);
+                    if !(firing || (alert.state == AlertState::Resolved && heard.is_some())) {
+                        continue;
                     }
+                    let now = self.config.clock.now_ms();
+                    let mut bodies = Vec::new();
+                    // Moved to another incident (a merge): its old label set ends, or
+                    // Alertmanager would hold it until its own resolve_timeout.
+                    if let Some((was, old)) = heard
+                        && old.is_some()
+                        && *old != incident
+                    {
+                        bodies.push(payload::alertmanager_alert(
+                            was,
+                            old.as_deref(),
+                            &url,
+                            Some(now),
+                        ));
+                    }
+                    let ends = (!firing).then(|| alert.resolved_at_ms.unwrap_or(now));
+                    bodies.push(payload::alertmanager_alert(
+                        &alert,
+                        incident.as_deref(),
+                        &url,
+                        ends,
+                    ));
+                    if !self.post(&Value::Array(bodies)) {
+                        continue;
+                    }
+                    if firing {
+                        told.insert(alert.id.clone(), (alert, incident));
+                    } else {
+                        told.remove(&alert.id);
+                    }
+                    self.save(
+                        &told
+                            .values()
+                            .map(|(a, incident)| ToldAlert {
+                                alert: StoredAlert::new(a),
+                                incident: incident.clone(),
+                            })
+                            .collect::<Vec<_>>(),
+                    );
                 }
                 Next::Timeout => {
-                    if self.kind == SinkKind::Alertmanager && !told.is_empty() {
-                        let now = self.config.clock.now_ms();
+                    if !told.is_empty() {
                         let body: Vec<Value> = told
                             .values()
-                            .map(|a| alertmanager_alert(a, &self.config.external_url, now))
+                            .map(|(a, incident)| {
+                                payload::alertmanager_alert(a, incident.as_deref(), &url, None)
+                            })
                             .collect();
                         self.post(&Value::Array(body));
                     }
@@ -467,12 +567,11 @@ impl Worker {
     }
 
     /// Rewrites the record of what the receiver was told.
-    fn save(&self, told: &BTreeMap<String, Alert>) {
+    fn save(&self, record: &impl Serialize) {
         let Some(path) = &self.record else {
             return;
         };
-        let list: Vec<StoredAlert> = told.values().map(StoredAlert::new).collect();
-        let written = serde_json::to_vec(&list)
+        let written = serde_json::to_vec(record)
             .map_err(crate::error::Error::from)
             .and_then(|bytes| {
                 if let Some(dir) = path.parent() {
@@ -482,53 +581,6 @@ impl Worker {
             });
         if let Err(e) = written {
             tracing::warn!(sink = self.kind.as_str(), error = %e, "could not keep the record of delivered alerts");
-        }
-    }
-
-    /// Delivers one alert state if the receiver should hear it; true when what it was told
-    /// changed.
-    fn deliver(&self, alert: Alert, told: &mut BTreeMap<String, Alert>) -> bool {
-        match self.kind {
-            SinkKind::Alertmanager => {
-                let firing = alert.state == AlertState::Firing;
-                let resolved = alert.state == AlertState::Resolved && told.contains_key(&alert.id);
-                // Alertmanager deduplicates by labels itself: every firing state is posted.
-                if !(firing || resolved) {
-                    return false;
-                }
-                let body = alertmanager_alert(
-                    &alert,
-                    &self.config.external_url,
-                    self.config.clock.now_ms(),
-                );
-                if !self.post(&json!([body])) {
-                    return false;
-                }
-                if firing {
-                    told.insert(alert.id.clone(), alert);
-                } else {
-                    told.remove(&alert.id);
-                }
-                true
-            }
-            SinkKind::Webhook | SinkKind::Slack => {
-                if !worth_telling(&alert, told.get(&alert.id)) {
-                    return false;
-                }
-                let body = match self.kind {
-                    SinkKind::Slack => slack_payload(&alert, &self.config.external_url),
-                    _ => webhook_payload(&alert),
-                };
-                if !self.post(&body) {
-                    return false;
-                }
-                if alert.state == AlertState::Resolved {
-                    told.remove(&alert.id);
-                } else {
-                    told.insert(alert.id.clone(), alert);
-                }
-                true
-            }
         }
     }
 
@@ -599,12 +651,13 @@ mod tests {
         let queue = Queue::default();
         // More alerts at once than the first design's 1,024-slot channel held.
         for i in 0..3000 {
-            queue.push(alert(&format!("a{i}"), AlertState::Firing));
+            let a = alert(&format!("a{i}"), AlertState::Firing);
+            queue.push(a.id.clone(), a);
         }
-        queue.push(alert("a5", AlertState::Resolved));
+        queue.push("a5".into(), alert("a5", AlertState::Resolved));
         queue.close();
         let mut seen = Vec::new();
-        while let Next::Alert(a) = queue.next(Duration::from_millis(1)) {
+        while let Next::Item(a) = queue.next(Duration::from_millis(1)) {
             seen.push((a.id.clone(), a.state));
         }
         assert_eq!(seen.len(), 3000, "nothing dropped, nothing twice");
@@ -617,7 +670,7 @@ mod tests {
     }
 
     #[test]
-    fn a_restarted_receiver_hears_what_it_missed_and_nothing_twice() {
+    fn a_restarted_alertmanager_hears_what_it_missed() {
         let told: BTreeMap<String, Alert> = [
             ("told-firing", AlertState::Firing),
             ("told-then-resolved", AlertState::Firing),
@@ -638,6 +691,7 @@ mod tests {
             .map(|a| (a.id, a.state))
             .collect();
         out.sort();
+        // Alertmanager is re-posted what fires anyway: `told-firing` goes again.
         assert_eq!(
             out,
             [
@@ -647,25 +701,64 @@ mod tests {
                 ("told-then-resolved".to_owned(), AlertState::Resolved),
             ]
         );
-        // `told-firing` is queued, but a receiver told it already is not told again.
-        assert!(!worth_telling(&now[0], told.get("told-firing")));
-        assert!(worth_telling(&now[2], None));
     }
 
     #[test]
-    fn the_record_of_what_was_told_round_trips_with_its_nan() {
+    fn the_records_round_trip_with_a_nan_and_read_the_formats_before_them() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("webhook-0.json");
+        let path = dir.path().join("alertmanager-0.json");
+        // Before incidents: a plain list of alerts.
         let list = vec![StoredAlert::new(&alert("a", AlertState::Firing))];
         std::fs::write(&path, serde_json::to_vec(&list).unwrap()).unwrap();
-        let told = load_told(&path);
-        assert!(told["a"].value.is_nan());
+        let told = load_alerts_told(&path);
+        assert!(told["a"].0.value.is_nan());
+        assert_eq!(told["a"].1, None);
+        let labelled = vec![ToldAlert {
+            alert: StoredAlert::new(&told["a"].0),
+            incident: Some("incident:a".into()),
+        }];
+        std::fs::write(&path, serde_json::to_vec(&labelled).unwrap()).unwrap();
+        assert_eq!(
+            load_alerts_told(&path)["a"].1.as_deref(),
+            Some("incident:a")
+        );
         std::fs::write(&path, b"{damaged").unwrap();
         assert!(
-            load_told(&path).is_empty(),
+            load_alerts_told(&path).is_empty(),
             "damaged: heard again rather than refused"
         );
         assert_ne!(fnv1a("https://a/x"), fnv1a("https://a/y"));
+
+        // A webhook's record from before incidents: the incident holding an alert it heard
+        // counts as heard, so the upgrade announces nothing twice.
+        let run = rankwatch_analytics::RunId::new("r").unwrap();
+        let incidents = rankwatch_analytics::incident::group(
+            vec![
+                alert("a", AlertState::Firing),
+                alert("b", AlertState::Firing),
+            ],
+            |_: &rankwatch_analytics::RunId| Some(4),
+            100,
+        );
+        let now = [RunIncidents {
+            run,
+            incidents,
+            muted: Default::default(),
+        }];
+        let hook = dir.path().join("webhook-0.json");
+        std::fs::write(&hook, serde_json::to_vec(&list).unwrap()).unwrap();
+        let told = load_incidents_told(&hook, &now);
+        assert_eq!(told.len(), 1);
+        assert!(
+            told::messages(&told, &now[0], 5)
+                .iter()
+                .all(|m| m.event.is_none())
+        );
+        let record = IncidentRecord {
+            incidents: told.values().cloned().collect(),
+        };
+        std::fs::write(&hook, serde_json::to_vec(&record).unwrap()).unwrap();
+        assert_eq!(load_incidents_told(&hook, &[]), told);
     }
 
     #[test]
@@ -686,12 +779,5 @@ mod tests {
         for secret in ["h00k7oken9f2", "pa55", "abc", "services"] {
             assert!(!redact_url("https://u:pa55@h/services/h00k7oken9f2?t=abc").contains(secret));
         }
-    }
-
-    #[test]
-    fn timestamps_are_rfc3339_utc() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(1_795_000_000_123), "2026-11-18T11:06:40.123Z");
-        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
     }
 }
