@@ -10,7 +10,8 @@ dashboard, the collector binary) and then runs this script. It:
    at 40 % of the run: rank 1's local gradient silently scaled ×8 before the all-reduce (a
    desynchronised worker: silent inconsistency) and layer 1 pushed toward attention-dominated
    collapse (the MLP/attention spectral ratio falls);
-3. prints the dashboard's address and every alert as it fires and resolves;
+3. prints the dashboard's address and each incident as it opens (one line for all of its
+   alerts, with what to do), grows a new kind of symptom, and resolves;
 4. when training ends, prints what was caught and keeps the dashboard up until Ctrl-C
    (`--exit` stops there instead).
 
@@ -108,51 +109,63 @@ def faults(steps: int, ranks: int) -> list[str]:
     return out
 
 
-def describe(alert: dict) -> str:
-    where = []
-    if alert.get("layer") is not None:
-        where.append(f"layer {alert['layer']}")
-    if alert.get("rank") is not None:
-        where.append(f"rank {alert['rank']}")
-    if alert.get("outlier_ranks"):
-        where.append("outlier ranks " + ",".join(str(r) for r in alert["outlier_ranks"]))
-    place = f" ({', '.join(where)})" if where else ""
-    return f"{alert['severity']} {alert['rule']}{place} at step {alert['first_step']}: {alert['explanation']}"
-
-
-class AlertFollower:
-    """Prints each alert of the run once when it fires and once when it resolves."""
+class IncidentFollower:
+    """Prints each incident of the run as it opens (one line for all of its alerts, with what
+    to do), when it grows a new kind of symptom or absorbs another, and when it resolves — what
+    the collector's webhooks and Slack receivers are told."""
 
     def __init__(self, url: str, run: str) -> None:
-        self.url = f"{url}/api/v1/alerts?run={urllib.request.quote(run, safe='')}"
-        self.fired: dict[str, dict] = {}
-        self.resolved: set[str] = set()
+        self.url = f"{url}/api/v1/incidents?run={urllib.request.quote(run, safe='')}"
+        self.told: dict[str, dict] = {}
+        self.opened = 0
 
     def poll(self) -> None:
         try:
             answer = get_json(self.url, timeout=2)
         except (urllib.error.URLError, OSError, ValueError):
             return  # the collector is busy or restarting; the next poll catches up
-        for alert in sorted(answer.get("alerts", []), key=lambda a: (a.get("fired_at_ms") or 0, a["id"])):  # type: ignore[union-attr]
-            if alert.get("fired_at_ms") is None:
-                continue
-            if alert["id"] not in self.fired:
-                self.fired[alert["id"]] = alert
-                say(f"  ALERT  {describe(alert)}")
-            if alert["state"] == "resolved" and alert["id"] not in self.resolved:
-                self.resolved.add(alert["id"])
-                say(f"  resolved  {alert['rule']} at step {alert.get('last_step')}")
+        incidents = sorted(answer.get("incidents", []), key=lambda i: (i["first_step"], i["id"]))  # type: ignore[union-attr]
+        for i in incidents:
+            members = {a["id"] for a in i["alerts"]}
+            merged = [t for t in self.told if t != i["id"] and members & {a["id"] for a in self.told[t]["alerts"]}]
+            prior = self.told.get(i["id"]) or (self.told[merged[0]] if merged else None)
+            if i["state"] == "firing" and prior is None:
+                self.opened += 1
+                say(f"  INCIDENT opened  {i['severity']} from step {i['first_step']}: {i['summary']}")
+                say(f"      what to do: {i['action']}")
+            elif i["state"] == "firing" and prior is not None:
+                new_rules = [r for r in i["rules"] if r not in prior["rules"]]
+                if new_rules or merged:
+                    more = f"now also {', '.join(new_rules)}" if new_rules else f"merged with {', '.join(merged)}"
+                    say(f"  INCIDENT updated from step {i['first_step']}: {more} — {i['summary']}")
+            elif i["state"] == "resolved" and prior is not None:
+                say(f"  INCIDENT resolved from step {i['first_step']} (through step {i['last_step']}): {', '.join(i['rules'])}")
+            for t in merged:
+                del self.told[t]
+            if i["state"] == "firing":
+                self.told[i["id"]] = i
+            else:
+                self.told.pop(i["id"], None)
+
+
+def fired_alerts(url: str, run: str) -> list[dict]:
+    """The run's alerts that fired (pending ones that cleared are not counted)."""
+    try:
+        answer = get_json(f"{url}/api/v1/alerts?run={urllib.request.quote(run, safe='')}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+    return [a for a in answer.get("alerts", []) if a.get("fired_at_ms") is not None]  # type: ignore[union-attr]
 
 
 def show_incidents(url: str, run: str) -> None:
-    """The run's alerts as the alerts page groups them: one line per incident, cause first."""
+    """The run's incidents at the end, as the Alerts page lists them: one line each, cause first."""
     try:
         answer = get_json(f"{url}/api/v1/incidents?run={urllib.request.quote(run, safe='')}")
     except (urllib.error.URLError, OSError, ValueError):
         return
     incidents = answer.get("incidents", [])  # type: ignore[union-attr]
     if incidents:
-        say(f"Grouped by cause, they are {len(incidents)} incident(s) (the Alerts page shows the same):")
+        say(f"The run's {len(incidents)} incident(s) (the Alerts page shows the same):")
     for i in incidents:
         say(f"  INCIDENT  {i['severity']} {i['state']} from step {i['first_step']}: {i['summary']}")
 
@@ -264,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             training = subprocess.Popen(cmd, stdout=train_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if args.attach:
             attach_by_pid(training, url, run, logs / "train.log")
-        follower = AlertFollower(url, run)
+        follower = IncidentFollower(url, run)
         shown = -1
         started = time.monotonic()
         while training.poll() is None:
@@ -286,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             follower.poll()
             time.sleep(0.5)
         follower.poll()
-        rules = sorted({a["rule"] for a in follower.fired.values()})
-        say(f"Training finished in {time.monotonic() - started:.0f} s. Alerts fired: {len(follower.fired)} ({', '.join(rules) or 'none'}).")
+        fired = fired_alerts(url, run)
+        rules = sorted({a["rule"] for a in fired})
+        say(f"Training finished in {time.monotonic() - started:.0f} s. Alerts fired: {len(fired)} ({', '.join(rules) or 'none'}), told as {follower.opened} incident(s).")
         show_incidents(url, run)
         say(f"Story finished. The dashboard stays up at {url}/runs/{run}" + ("" if args.exit else " — Ctrl-C to stop."))
         if not args.exit:

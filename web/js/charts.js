@@ -7,7 +7,7 @@
 const SYNC_KEY = "rankwatch-step";
 
 function markerPlugin(handle) {
-  // Alert spans and non-finite steps, drawn under the series on every redraw.
+  // Incident spans and non-finite steps, drawn under the series on every redraw.
   return {
     hooks: {
       drawClear: [
@@ -19,7 +19,14 @@ function markerPlugin(handle) {
           ctx.beginPath();
           ctx.rect(left, top, width, height);
           ctx.clip();
-          for (const m of spec.marks || []) {
+          // One band per incident; labels go in the first of three rows where they do not
+          // touch a label already placed, and are left off (the band and its hover stay) where
+          // no row has room.
+          const rowEnds = [-Infinity, -Infinity, -Infinity];
+          const placed = [];
+          ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
+          const bands = [...(spec.marks || [])].sort((a, b) => a.from - b.from);
+          for (const m of bands) {
             let x0 = u.valToPos(m.from, "x", true);
             let x1 = u.valToPos(m.to, "x", true);
             if (x1 < left || x0 > left + width) continue;
@@ -31,9 +38,16 @@ function markerPlugin(handle) {
             ctx.fillRect(x0, top, x1 - x0, height);
             ctx.fillStyle = m.color;
             ctx.fillRect(x0, top, 2 * devicePixelRatio, height);
-            ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
-            ctx.fillText(m.label, x0 + 4 * devicePixelRatio, top + 12 * devicePixelRatio);
+            const lx = Math.max(x0, left) + 4 * devicePixelRatio;
+            const lw = ctx.measureText(m.label).width;
+            const row = rowEnds.findIndex((end) => lx >= end + 6 * devicePixelRatio);
+            if (row < 0) continue;
+            rowEnds[row] = lx + lw;
+            ctx.fillText(m.label, lx, top + (12 + 13 * row) * devicePixelRatio);
+            placed.push({ id: m.id, x0: lx / devicePixelRatio, x1: (lx + lw) / devicePixelRatio, row });
           }
+          handle.el.dataset.bands = String((spec.marks || []).length);
+          handle.el.dataset.bandLabels = JSON.stringify(placed);
           for (const x of spec.nonfinite || []) {
             const px = u.valToPos(x, "x", true);
             ctx.fillStyle = "#d0021b";
@@ -105,6 +119,17 @@ function options(handle, el, spec) {
     ],
     plugins: [markerPlugin(handle)],
     hooks: {
+      // Details of the incidents under the cursor, as the plot's tooltip.
+      setCursor: [
+        (u) => {
+          const left = u.cursor.left;
+          const at = left == null || left < 0 ? null : u.posToVal(left, "x");
+          const under = at == null ? [] : (handle.spec.marks || []).filter((m) => m.from - 0.5 <= at && at <= m.to + 0.5);
+          const text = under.map((m) => m.detail).join("\n\n");
+          if (text) u.over.title = text;
+          else u.over.removeAttribute("title");
+        },
+      ],
       setSelect: [
         (u) => {
           if (u.select.width > 4) {

@@ -1,6 +1,6 @@
 //! Charts: the Rust side of `js/charts.js`.
 //!
-//! A chart is described by a [`ChartSpec`] (aligned x and y arrays, alert spans, threshold
+//! A chart is described by a [`ChartSpec`] (aligned x and y arrays, incident spans, threshold
 //! lines, the selected step) and handed to uPlot as one JSON string; later specs update the
 //! same plot in place. Zoom (a drag on the plot) and pick (a click) come back as callbacks,
 //! and the page turns them into new queries: the server does the downsampling, so a zoom
@@ -13,7 +13,7 @@ use wasm_bindgen::JsValue;
 use wasm_bindgen::closure::Closure;
 use wasm_bindgen::prelude::wasm_bindgen;
 
-use crate::api::{Alert, BucketRange as Buckets, NumExt, SeriesAnswer};
+use crate::api::{BucketRange as Buckets, Incident, NumExt, SeriesAnswer};
 
 #[wasm_bindgen(module = "/js/charts.js")]
 extern "C" {
@@ -51,13 +51,18 @@ pub(crate) struct LineStyle {
     pub(crate) dash: Option<Vec<f64>>,
 }
 
-/// A shaded step range on a chart (an alert's span).
+/// A shaded step range on a chart: one incident's span, however many alerts it holds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub(crate) struct Mark {
+    /// The incident's id (tests read which bands were drawn).
+    pub(crate) id: String,
     pub(crate) from: f64,
     pub(crate) to: f64,
     pub(crate) color: String,
+    /// Short, drawn on the band when there is room beside the other labels.
     pub(crate) label: String,
+    /// Shown on hover: the summary and what to do.
+    pub(crate) detail: String,
 }
 
 /// A horizontal threshold line.
@@ -130,19 +135,43 @@ impl ChartSpec {
         }
     }
 
-    /// Shades each alert's step span.
-    pub(crate) fn add_alerts<'a>(&mut self, alerts: impl IntoIterator<Item = &'a Alert>) {
-        for a in alerts {
-            let color = match a.severity {
+    /// Shades each incident's step span: one band and one label per incident (its cause's
+    /// rule, and how many more rules followed), its summary and action on hover.
+    pub(crate) fn add_incidents<'a>(&mut self, incidents: impl IntoIterator<Item = &'a Incident>) {
+        for i in incidents {
+            let color = match i.severity {
                 Severity::Critical => "#d0021b",
                 Severity::Warning => "#f5a623",
                 Severity::Info => "#4a90e2",
             };
+            let cause = i
+                .rules
+                .first()
+                .map_or("incident", |r| crate::format::rule_label(*r));
+            let label = match i.rules.len() {
+                0 | 1 => cause.to_owned(),
+                n => format!("{cause} +{}", n - 1),
+            };
+            let mut detail = format!(
+                "{} {} · steps {}–{} · {} alert{}\n{}",
+                i.severity.as_str(),
+                i.state.as_str(),
+                i.first_step,
+                i.last_step,
+                i.alerts.len(),
+                if i.alerts.len() == 1 { "" } else { "s" },
+                i.summary
+            );
+            if !i.action.is_empty() {
+                detail.push_str(&format!("\nWhat to do: {}", i.action));
+            }
             self.marks.push(Mark {
-                from: a.first_step as f64,
-                to: a.last_step as f64,
+                id: i.id.clone(),
+                from: i.first_step as f64,
+                to: i.last_step as f64,
                 color: color.into(),
-                label: crate::format::rule_label(a.rule).into(),
+                label,
+                detail,
             });
         }
     }

@@ -202,6 +202,37 @@ def test_overview_draws_every_rank_zooms_and_shares_the_cursor(finished_run, pag
     page.wait_for_function("el => el.dataset.from === '0'", arg=grad.element_handle(), timeout=20_000)
 
 
+def test_chart_bands_are_incidents_whose_labels_never_overlap_with_details_on_hover(finished_run, page) -> None:
+    """One band per incident (not per alert), labels in rows that never touch, and the
+    incident's summary and suggested action on hover."""
+    collector = finished_run
+    incidents = [i for i in api(collector, "/api/v1/incidents", run=RUN)["incidents"] if i.get("fired_at_ms") is not None]
+    alerts = [a for a in api(collector, "/api/v1/alerts", run=RUN)["alerts"] if a.get("fired_at_ms") is not None]
+    assert incidents, "the scaled rank raised nothing"
+    page.goto(f"{collector.url}/runs/{RUN}")
+    loss = chart(page, "Loss")
+    page.wait_for_function("el => el.dataset.bands !== undefined", arg=loss.element_handle(), timeout=20_000)
+    # The overview's charts draw every incident of the run: one band each, however many alerts.
+    assert int(loss.get_attribute("data-bands")) == len(incidents), (len(incidents), len(alerts))
+    placed = json.loads(loss.get_attribute("data-band-labels"))
+    ids = [p["id"] for p in placed]
+    assert len(ids) == len(set(ids)) and set(ids) <= {i["id"] for i in incidents}, placed
+    assert placed, "no band label was drawn"
+    for a in placed:
+        for b in placed:
+            if a is not b and a["row"] == b["row"]:
+                assert a["x1"] <= b["x0"] or b["x1"] <= a["x0"], (a, b)
+    # Hovering the first incident's first step shows its summary and what to do.
+    first = min(incidents, key=lambda i: i["first_step"])
+    lo, hi = int(loss.get_attribute("data-from")), int(loss.get_attribute("data-to"))
+    box = loss.locator(".u-over").bounding_box()
+    step = min(max(first["first_step"] + 1, lo), hi)
+    page.mouse.move(box["x"] + box["width"] * (step - lo) / (hi - lo), box["y"] + box["height"] * 0.5)
+    title = loss.locator(".u-over").get_attribute("title") or ""
+    assert first["summary"] in title and "What to do: " + first["action"] in title, title
+    screenshot(page, "overview-incident-hover")
+
+
 def test_layers_heatmap_has_one_row_per_layer_and_a_click_opens_the_layer(finished_run, page) -> None:
     collector = finished_run
     page.goto(f"{collector.url}/runs/{RUN}/layers")

@@ -33,7 +33,7 @@ usage: cargo xtask <task>
 tasks:
   demo [--steps N] [--ranks N] [--no-faults] [--port P] [--exit]
            the main job: collector + dashboard on 127.0.0.1:7070 and a real DDP training
-           job on CPU with scripted trouble; prints each alert as it fires (Ctrl-C stops)
+           job on CPU with scripted trouble; prints each incident as it opens (Ctrl-C stops)
   test     formatting, the layer check, clippy (-D warnings), the API docs (broken links
            denied), every test of the workspace with the browser tests of the dashboard, and
            ruff + mypy --strict on the Python SDK; ends with a table of its stages' times

@@ -63,7 +63,10 @@ def test_demo_tells_its_story_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> Non
         fired = [a for a in alerts if a.get("fired_at_ms") is not None]
         assert any(a["rule"] == "silent_inconsistency" and 1 in a["outlier_ranks"] and a["first_step"] >= 240 for a in fired), text[-4000:]
         assert any(a["rule"] == "rank_collapse" and a["layer"] == 1 and a["first_step"] >= 240 for a in fired), text[-4000:]
-        assert "ALERT  warning silent_inconsistency" in text and "rank_collapse (layer 1)" in text
+        # Told as incidents, not one line per alert: each opening says what to do.
+        opened = [line for line in text.splitlines() if line.startswith("  INCIDENT opened")]
+        assert opened and len(opened) < len(fired), text[-4000:]
+        assert "what to do:" in text and "silent_inconsistency" in text and "rank_collapse" in text, text[-4000:]
         # Both faults start at one step: one incident holds both rules, and the finished run
         # leaves nothing open.
         incidents = requests.get(f"{url}/api/v1/incidents", params={"run": run}, timeout=10).json()["incidents"]

@@ -38,7 +38,7 @@ pub(crate) fn run_revision(run: Memo<String>) -> Memo<u64> {
 }
 
 /// What every chart of a run page follows: the zoom window, the selected step, the run's
-/// alerts and its live revision.
+/// alerts and incidents (the charts' bands) and its live revision.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RunView {
     pub(crate) run: Memo<String>,
@@ -46,6 +46,7 @@ pub(crate) struct RunView {
     pub(crate) window: RwSignal<(Option<u64>, Option<u64>)>,
     pub(crate) selected: RwSignal<Option<u64>>,
     pub(crate) alerts: Fetched<AlertsAnswer>,
+    pub(crate) incidents: Fetched<api::Incidents>,
     pub(crate) revision: Memo<u64>,
 }
 
@@ -65,11 +66,17 @@ impl RunView {
             live.alerts.track();
             Some(async move { api::alerts(Some(&run)).await })
         });
+        let incidents = fetched(move || {
+            let run = run.get();
+            live.alerts.track();
+            Some(async move { api::incidents(Some(&run)).await })
+        });
         RunView {
             run,
             window,
             selected,
             alerts,
+            incidents,
             revision,
         }
     }
@@ -343,7 +350,7 @@ pub(crate) fn MetricChart(
     parts: Vec<Part>,
     #[prop(optional)] levels: Vec<Level>,
     #[prop(optional)] log: bool,
-    /// Only alerts of these rules are drawn (all when empty).
+    /// Only incidents involving these rules are drawn (all when empty).
     #[prop(optional)]
     rules: Vec<&'static str>,
 ) -> impl IntoView {
@@ -397,9 +404,10 @@ pub(crate) fn MetricChart(
             }
         }
         spec.lines = levels.clone();
-        if let Some(Ok(alerts)) = view.alerts.get() {
-            spec.add_alerts(alerts.alerts.iter().filter(|a| {
-                a.has_fired() && (rules.is_empty() || rules.contains(&a.rule.as_str()))
+        if let Some(Ok(incidents)) = view.incidents.get() {
+            spec.add_incidents(incidents.incidents.iter().filter(|i| {
+                i.fired_at_ms.is_some()
+                    && (rules.is_empty() || i.rules.iter().any(|r| rules.contains(&r.as_str())))
             }));
         }
         spec.selected = view.selected.get();
