@@ -155,6 +155,24 @@ def test_real_text_healthy_run_is_silent_and_rank_faults_need_no_baseline(collec
     assert "ranks 1, 2, 3 computed the same loss and gradient norm" in seeds[0]["explanation"], seeds
 
 
+def test_a_two_rank_job_names_the_rank_whose_labels_were_corrupted_within_20_steps(collector: Collector, tmp_path: Path) -> None:
+    """Two ranks cannot out-vote each other: the stand-out test needs three, and the run-level
+    test judges nothing before step 230. Each rank against its own history can (the `pair`
+    test): rank 1 fed shuffled labels from step 50 of a 150-step job is named within 20 steps,
+    and the same job without the fault raises nothing."""
+    train(collector, "pair-labels-r1", tmp_path, steps=150, nproc=2, faults=("shuffle_labels@50:rank=1",))
+    train(collector, "pair-healthy", tmp_path, steps=150, nproc=2)
+    labels = fired(settle(collector, "pair-labels-r1", 149), "silent_inconsistency")
+    healthy = [a for a in settle(collector, "pair-healthy", 149) if a.get("fired_at_ms") is not None]
+    pick = ("rule", "first_step", "last_step", "outlier_ranks", "explanation")
+    record("pair_labels", {"labels": [{k: a[k] for k in pick} for a in labels], "healthy": [{k: a[k] for k in pick} for a in healthy]})
+    assert labels, "the corrupted rank was not caught"
+    # Fired within 20 steps of the fault: its first breaching step plus the 3 steps pending.
+    assert labels[0]["outlier_ranks"] == [1] and labels[0]["first_step"] + 3 <= 70, labels
+    assert "the one whose own statistics changed is named" in labels[0]["explanation"], labels
+    assert healthy == [], healthy
+
+
 def test_natural_collapse_is_caught_before_the_loss_diverges(collector: Collector, tmp_path: Path) -> None:
     """The fast subset of the natural-collapse benchmark (docs/detection.md § Collapse lead
     time, bench/detection_collapse.py, judged by its code): the 4-layer post-LN GPT whose

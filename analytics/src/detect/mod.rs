@@ -20,6 +20,7 @@ pub mod config;
 pub mod lifecycle;
 pub mod loss_spike;
 pub mod nonfinite;
+mod pair;
 mod peers;
 pub mod rank_collapse;
 pub mod replica_divergence;

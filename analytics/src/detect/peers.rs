@@ -9,7 +9,9 @@
 //! * **A rank that stands out step after step.** At each step, every rank whose distance from
 //!   the median of the *other* ranks (loss or gradient norm relative to theirs, either way, or
 //!   cosine to the mean below theirs) reaches `peer_min_effect` is noted; a rank noted at
-//!   `peer_share` of the last `peer_window` steps breaches, and the verdict holds (neither
+//!   `peer_share` of the steps logged in the last `peer_window` steps (bounded in steps, judged
+//!   once `peer_min_observations` are in it, so sparse logging neither stretches the window
+//!   nor judges on a handful of steps) breaches, and the verdict holds (neither
 //!   breach nor clear) while the most-noted rank's share stays above half of that, so an alert
 //!   does not flap on the steps where the rank happens to sit close to its peers. By chance,
 //!   with K = 4, one rank is the furthest at 40 of 50 steps with probability ~5×10⁻¹⁶. The
@@ -71,7 +73,10 @@ pub(super) enum PeerVerdict {
 /// Thresholds, from `SilentInconsistencyConfig`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PeerConfig {
+    /// Steps (not observations) the stand-out window spans.
     pub(super) window: usize,
+    /// Observations in the window needed to judge.
+    pub(super) min_observations: usize,
     pub(super) share: f64,
     pub(super) min_effect: f64,
     pub(super) identical_steps: u32,
@@ -79,7 +84,8 @@ pub(super) struct PeerConfig {
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct Peers {
-    recent: VecDeque<Vec<Standout>>,
+    /// The steps of the last `window` steps that had values, with the ranks noted at each.
+    recent: VecDeque<(u64, Vec<Standout>)>,
     /// Steps each rank is noted at within `recent`.
     noted: BTreeMap<u32, usize>,
     /// The groups of ranks with bit-identical values, and for how many steps in a row.
@@ -134,14 +140,19 @@ fn list(ranks: &[u32]) -> String {
 
 impl Peers {
     /// Folds in one step.
-    pub(super) fn observe(&mut self, ranks: &[RankValues], c: PeerConfig) -> PeerVerdict {
+    pub(super) fn observe(
+        &mut self,
+        step: u64,
+        ranks: &[RankValues],
+        c: PeerConfig,
+    ) -> PeerVerdict {
         let identical = if c.identical_steps > 0 {
             self.identical(ranks, c.identical_steps)
         } else {
             None
         };
         let standout = if c.window > 0 {
-            self.standout(ranks, c)
+            self.standout(step, ranks, c)
         } else {
             PeerVerdict::Clear
         };
@@ -156,18 +167,29 @@ impl Peers {
         }
     }
 
-    fn standout(&mut self, ranks: &[RankValues], c: PeerConfig) -> PeerVerdict {
+    fn standout(&mut self, step: u64, ranks: &[RankValues], c: PeerConfig) -> PeerVerdict {
         let noted = if ranks.len() >= 3 {
             Self::distant(ranks, c.min_effect)
         } else {
             vec![]
         };
+        // A step that goes back (a resume) starts the window over.
+        if self.recent.back().is_some_and(|(last, _)| *last >= step) {
+            self.recent.clear();
+            self.noted.clear();
+        }
         for s in &noted {
             *self.noted.entry(s.rank).or_default() += 1;
         }
-        self.recent.push_back(noted);
-        while self.recent.len() > c.window {
-            for s in self.recent.pop_front().unwrap_or_default() {
+        self.recent.push_back((step, noted));
+        // Bounded in steps: logging every 10th step does not stretch it over 500 steps.
+        let oldest = step.saturating_sub(c.window as u64);
+        while self
+            .recent
+            .front()
+            .is_some_and(|(s, _)| *s <= oldest && *s != step)
+        {
+            for s in self.recent.pop_front().map(|(_, n)| n).unwrap_or_default() {
                 if let Some(n) = self.noted.get_mut(&s.rank) {
                     *n -= 1;
                     if *n == 0 {
@@ -176,10 +198,10 @@ impl Peers {
                 }
             }
         }
-        if self.recent.len() < c.window {
+        if self.recent.len() < c.min_observations {
             return PeerVerdict::Clear;
         }
-        let window = c.window as f64;
+        let window = self.recent.len() as f64;
         let top = self.noted.values().copied().max().unwrap_or(0) as f64 / window;
         if top < c.share {
             return if top >= c.share / 2.0 {
@@ -196,7 +218,7 @@ impl Peers {
             .collect();
         let parts: Vec<String> = named
             .iter()
-            .map(|&(rank, n)| format!("rank {rank} stood out from the other {} ranks at {n} of the last {} steps ({})", ranks.len() - 1, c.window, self.how(rank)))
+            .map(|&(rank, n)| format!("rank {rank} stood out from the other {} ranks at {n} of the last {} steps ({})", ranks.len() - 1, self.recent.len(), self.how(rank)))
             .collect();
         PeerVerdict::Breach(Breach {
             severity: Severity::Warning,
@@ -212,7 +234,7 @@ impl Peers {
         let mine: Vec<&Standout> = self
             .recent
             .iter()
-            .flatten()
+            .flat_map(|(_, noted)| noted)
             .filter(|s| s.rank == rank)
             .collect();
         let count = |q: Quantity| mine.iter().filter(|s| s.what == q).count();

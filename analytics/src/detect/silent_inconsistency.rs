@@ -2,7 +2,9 @@
 //!
 //! The averaged loss hides it; the per-rank values show it. Two tests, either of which breaches.
 //! The *peer* tests (`peers`: a rank standing out from the other ranks step after step, ranks
-//! fed identical batches) need no history and judge from step 0. The *run-level* test, below,
+//! fed identical batches) need no history and judge from step 0; with two ranks, where no rank
+//! can stand out from "the others", each rank is held against its own history instead (`pair`:
+//! the one whose own loss or gradient norm left its past is named, from its first 20 steps). The *run-level* test, below,
 //! judges the run against its own recent past. At the run level, each step the rule computes the
 //! cross-rank loss CV, gradient-norm CV and C_w ([`StepStats`]) and scores each against a robust
 //! baseline: median, and 1.4826·MAD floored at `rel_floor`·|median| and `abs_floor` (so a
@@ -42,6 +44,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
+use super::pair::{Pair, PairConfig, PairVerdict};
 use super::peers::{PeerConfig, PeerVerdict, Peers};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
@@ -75,8 +78,12 @@ pub struct SilentInconsistencyConfig {
     /// Cross-rank scale floor relative to the median, so identical ranks give finite scores.
     /// Default 0.01.
     pub rank_rel_floor: f64,
-    /// Steps in the window of the per-rank stand-out test (0 disables it; see `peers`). Default 50.
+    /// Steps in the window of the per-rank stand-out test (0 disables it; see `peers`): the
+    /// window is bounded in steps, whatever the logging cadence. Default 50.
     pub peer_window: usize,
+    /// Observations the stand-out window needs before it judges (so sparse logging does not
+    /// judge on a handful of steps). Default 40.
+    pub peer_min_observations: usize,
     /// Share of the window at which one rank standing out breaches. Default 0.8.
     pub peer_share: f64,
     /// How far from the other ranks' median a rank must be to stand out at a step: loss or
@@ -86,6 +93,16 @@ pub struct SilentInconsistencyConfig {
     /// Steps in a row of ranks with bit-identical loss and gradient norm that breach (0
     /// disables it). Default 20.
     pub identical_steps: u32,
+    /// Two-rank jobs: steps of each rank's own history the recent steps are compared with (0
+    /// disables the test; see `pair`). Default 100.
+    pub pair_window: u64,
+    /// Two-rank jobs: the recent steps whose median ratio is compared. Default 5.
+    pub pair_recent: u64,
+    /// Two-rank jobs: observations the history needs before anything is judged. Default 20.
+    pub pair_min_observations: usize,
+    /// Two-rank jobs: robust z-score of the ratio's move that breaches (beside the
+    /// `peer_min_effect` floor on its size). Default 6.
+    pub pair_z: f64,
     /// Default: fire after 3 breaching steps, resolve after 10 clear ones.
     pub lifecycle: LifecycleConfig,
 }
@@ -103,9 +120,14 @@ impl Default for SilentInconsistencyConfig {
             rank_z: 3.5,
             rank_rel_floor: 0.01,
             peer_window: 50,
+            peer_min_observations: 40,
             peer_share: 0.8,
             peer_min_effect: 0.25,
             identical_steps: 20,
+            pair_window: 100,
+            pair_recent: 5,
+            pair_min_observations: 20,
+            pair_z: 6.0,
             lifecycle: LifecycleConfig {
                 pending_for: 3,
                 resolve_after: 10,
@@ -128,10 +150,17 @@ impl SilentInconsistencyConfig {
             && self.rank_rel_floor > 0.0
             && self.peer_share > 0.0
             && self.peer_share <= 1.0
-            && self.peer_min_effect > 0.0;
+            && self.peer_min_effect > 0.0
+            && (self.peer_window == 0
+                || (1..=self.peer_window).contains(&self.peer_min_observations))
+            && (self.pair_window == 0
+                || (self.pair_recent >= 1
+                    && self.pair_min_observations >= 5
+                    && self.pair_min_observations as u64 <= self.pair_window
+                    && self.pair_z > 0.0));
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, and 0 < peer_share ≤ 1; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")
@@ -251,6 +280,7 @@ pub struct SilentInconsistency {
     config: SilentInconsistencyConfig,
     history: History,
     peers: Peers,
+    pair: Pair,
     trackers: Trackers<()>,
 }
 
@@ -262,6 +292,7 @@ impl SilentInconsistency {
             config,
             history: History::default(),
             peers: Peers::default(),
+            pair: Pair::default(),
             trackers: Trackers::new(run, Rule::SilentInconsistency, |_| (None, None, None)),
         })
     }
@@ -380,9 +411,22 @@ impl SilentInconsistencyConfig {
     fn peer_config(&self) -> PeerConfig {
         PeerConfig {
             window: self.peer_window,
+            min_observations: self.peer_min_observations,
             share: self.peer_share,
             min_effect: self.peer_min_effect,
             identical_steps: self.identical_steps,
+        }
+    }
+}
+
+impl SilentInconsistencyConfig {
+    fn pair_config(&self) -> PairConfig {
+        PairConfig {
+            window: self.pair_window,
+            recent: self.pair_recent,
+            min_observations: self.pair_min_observations,
+            min_effect: self.peer_min_effect,
+            z: self.pair_z,
         }
     }
 }
@@ -416,8 +460,18 @@ impl Detector for SilentInconsistency {
 
     fn observe(&mut self, obs: &StepObservation) -> Vec<Alert> {
         let c = self.config;
-        // The peers judge from step 0: they need no baseline.
-        let peers = self.peers.observe(&obs.ranks, c.peer_config());
+        // The peers judge from step 0: they need no baseline; with two ranks, each rank's own
+        // history does what the peers cannot (name the one that changed).
+        let mut peers = self.peers.observe(obs.step, &obs.ranks, c.peer_config());
+        if c.pair_window > 0
+            && let PairVerdict::Breach(found) =
+                self.pair.observe(obs.step, &obs.ranks, c.pair_config())
+        {
+            peers = match peers {
+                PeerVerdict::Breach(b) => PeerVerdict::Breach(b.join(found)),
+                _ => PeerVerdict::Breach(found),
+            };
+        }
         let run_level = self.run_level(obs);
         let signal = match (peers, run_level) {
             (PeerVerdict::Breach(found), Some(Signal::Breach(b))) => Signal::Breach(b.join(found)),

@@ -622,12 +622,13 @@ fn silent_inconsistency_does_not_latch_after_a_level_shift() {
 fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline() {
     // Rank 3 reads off-task data from the first step: its loss is 2.8 against the others' 2.0.
     // The run-level baseline would learn it as normal; its peers do not.
+    // The window judges once 40 of its 50 steps are in: 3 breaching steps from step 39.
     let events = run_dp(4, 200, 0..200, Fault::LossOffset(3, 0.8), 31);
-    let a = fired_within(&events, 49..=55);
+    let a = fired_within(&events, 41..=47);
     assert_eq!(a.outlier_ranks, vec![3]);
     assert!(
         a.explanation.contains(
-            "rank 3 stood out from the other 3 ranks at 50 of the last 50 steps (loss 1.4× theirs)"
+            "rank 3 stood out from the other 3 ranks at 42 of the last 42 steps (loss 1.4× theirs)"
         ),
         "{}",
         a.explanation
@@ -820,13 +821,40 @@ fn silent_inconsistency_names_a_desynchronised_loss() {
 }
 
 #[test]
-fn two_ranks_detect_but_cannot_name() {
+fn two_ranks_name_the_one_whose_own_history_changed() {
+    // No rank stands out from "the others" with two; each against its own past does: rank 1's
+    // gradient ×4 from step 300 is named by the pair test within a few steps (3 of the 5 recent
+    // steps move the median, then 3 breaching steps), long before the run-level test could.
     let events = run_dp(2, 460, 300..460, Fault::ScaleGradient(1, 4.0), 9);
-    let (_, a) = first_firing(&events);
+    let (step, a) = first_firing(&events);
     assert!(
-        a.outlier_ranks.is_empty(),
-        "no robust z-score with two ranks"
+        (302..=308).contains(step),
+        "fired at {step}: {}",
+        a.explanation
     );
+    assert_eq!(a.outlier_ranks, vec![1], "{}", a.explanation);
+    assert!(
+        a.explanation.contains("rank 1's gradient norm moved 3.9"),
+        "{}",
+        a.explanation
+    );
+    // The same fault from step 40 (before the run-level test judges anything): named too.
+    let early = run_dp(2, 150, 40..150, Fault::ScaleGradient(1, 4.0), 10);
+    let (step, a) = first_firing(&early);
+    assert!(
+        (42..=48).contains(step),
+        "fired at {step}: {}",
+        a.explanation
+    );
+    assert_eq!(a.outlier_ranks, vec![1]);
+    // Healthy two-rank runs raise nothing.
+    for seed in 11..16 {
+        let healthy = run_dp(2, 460, 0..0, Fault::None, seed);
+        assert!(
+            fired(&healthy.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>()).is_empty(),
+            "seed {seed}: {healthy:#?}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1590,4 +1618,36 @@ fn replica_divergence_judges_a_step_only_when_every_replica_sent_its_digest() {
     let mut three = replicas(30, 3, &[(2, &[0], false)]);
     three.ranks.remove(0);
     assert!(d.observe(&three).is_empty());
+}
+
+#[test]
+fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
+    // Rank 3 off-task from step 0, its peers judged alone (the run-level test never starts).
+    // Logged every step, the 50-step window judges once 40 steps are in; logged every 2nd or
+    // 10th step, it never holds 40 observations, so it judges nothing — before, its 50
+    // observations stretched over 100 or 500 steps.
+    let config = SilentInconsistencyConfig {
+        skip_steps: u64::MAX,
+        ..SilentInconsistencyConfig::default()
+    };
+    for (every, fires) in [(1u64, true), (2, false), (10, false)] {
+        let mut d = SilentInconsistency::new(run(), config).unwrap();
+        let mut sim = DataParallelSim::new(4, 1024, 41);
+        let mut events = vec![];
+        for step in 0..1000u64 {
+            let obs = sim.step(step, Fault::LossOffset(3, 0.8));
+            if step % every == 0 {
+                events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
+            }
+        }
+        let first = events.iter().find(|(_, a)| a.state == AlertState::Firing);
+        match (fires, first) {
+            (true, Some((step, a))) => {
+                assert!((41..=47).contains(step), "every {every}: fired at {step}");
+                assert_eq!(a.outlier_ranks, vec![3]);
+            }
+            (false, None) => {}
+            _ => panic!("logged every {every} step(s): {first:?}"),
+        }
+    }
 }
