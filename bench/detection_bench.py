@@ -216,6 +216,11 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
         names = ", ".join(f"'{m}'" for m in (*PAPER_METRICS, *OUR_METRICS))
         rows = sql(url, f"SELECT metric, avg(value) AS v FROM samples WHERE run = '{s.name}' AND rank IS NULL AND metric IN ({names}) AND step >= {FROM_STEP} AND NOT isnan(value) GROUP BY metric")
         means = {m: None for m in (*PAPER_METRICS, *OUR_METRICS)} | {r["metric"]: r["v"] for r in rows}
+    consistency = None
+    if error is None:
+        # The run's worker-consistency report over the same steps (GET /runs/{run}/consistency).
+        answer = requests.get(f"{url}/api/v1/runs/{s.name}/consistency", params={"from": FROM_STEP}, timeout=60)
+        consistency = answer.json() if answer.status_code == 200 else {"error": answer.text}
     losses: list[float] = []
     for f in sorted(where.glob("rank-0-from-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
         losses += json.loads(f.read_text())["losses"]
@@ -231,6 +236,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
         "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
         "alerts": [{k: a.get(k) for k in keep} for a in alerts],
         "means_from_step_200": means,
+        "consistency_from_step_200": consistency,
     }
 
 
@@ -404,6 +410,25 @@ def seed_table(results: list[dict], machine: str) -> str:
             cells.append(f"{mean:.4g} ± {half:.2g}")
         fired = [f"{a['rule']}: {a['outlier_ranks']}" for r in runs for a in r["alerts"] if a["fired_at_ms"] is not None]
         lines.append(f"| {mode} ({len(runs)} seeds) | " + " | ".join(cells) + f" | {len(fired)}: {'; '.join(sorted(set(fired))) or '—'} |")
+    # The paper's indicators read as the paper reads them: to assess each configuration's
+    # worker-level consistency, beside what independent shards give (ratio ≈ 1).
+    lines += [
+        "",
+        f"Worker-consistency report per setting (GET /api/v1/runs/{{run}}/consistency, steps ≥ {FROM_STEP}): each seed's ratio observed/independent shards",
+        "",
+        "| setting | loss ratio | gradient-norm ratio | C_w median | verdicts |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in settings:
+        reports = [r["consistency_from_step_200"] for r in results if r["name"].startswith(f"seeds-{mode}-") and r["error"] is None and (r.get("consistency_from_step_200") or {}).get("verdict")]
+
+        def ratios(key: str, reports: list[dict] = reports) -> str:
+            xs = [rep[key]["ratio"] for rep in reports if rep.get(key)]
+            return ", ".join(f"{x:.3g}" if isinstance(x, float | int) else str(x) for x in xs) or "—"
+
+        cos = ", ".join(f"{rep['cos_weighted_median']:.3g}" for rep in reports if isinstance(rep.get("cos_weighted_median"), float | int)) or "—"
+        verdicts = ", ".join(sorted({rep["verdict"] for rep in reports})) or "—"
+        lines.append(f"| {mode} ({len(reports)} seeds) | {ratios('loss')} | {ratios('grad_norm')} | {cos} | {verdicts} |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@
 
 pub mod advice;
 pub mod alert;
+pub mod consistency;
 pub mod detect;
 pub mod error;
 pub mod incident;

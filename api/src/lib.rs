@@ -16,6 +16,7 @@
 //! carries); the analytics crate re-exports it rather than keeping a second copy.
 
 mod alerts;
+mod consistency;
 mod error;
 mod events;
 mod incidents;
@@ -32,6 +33,7 @@ mod vocab;
 mod workers;
 
 pub use alerts::{Alert, AlertFeed, Alerts};
+pub use consistency::{ConsistencyReport, ConsistencyVerdict, DispersionIndicator, RankStanding};
 pub use error::{ErrorBody, ErrorReason};
 pub use events::Event;
 pub use incidents::{

@@ -39,6 +39,7 @@ pub fn schemas(metrics: &[&str]) -> Map<String, Value> {
     answers.subschema_for::<SeriesAnswer>();
     answers.subschema_for::<Heatmap>();
     answers.subschema_for::<Workers>();
+    answers.subschema_for::<ConsistencyReport>();
     answers.subschema_for::<Alerts>();
     answers.subschema_for::<AlertFeed>();
     answers.subschema_for::<Incidents>();

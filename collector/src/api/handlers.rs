@@ -185,6 +185,15 @@ pub(super) async fn workers(
     Ok(Json(state.inner.queries.workers(&run, q).await?))
 }
 
+/// `GET /api/v1/runs/{run}/consistency[?from=&to=]`: the run's worker-level consistency.
+pub(super) async fn consistency(
+    State(state): State<AppState>,
+    Path(run): Path<String>,
+    Query(q): Query<crate::query::consistency::ConsistencyQuery>,
+) -> Result<Json<rankwatch_api::ConsistencyReport>> {
+    Ok(Json(state.inner.queries.consistency(&run, q).await?))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct AlertsQuery {

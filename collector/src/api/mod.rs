@@ -187,6 +187,7 @@ pub fn app(state: AppState) -> Router {
         .route("/api/v1/runs/{run}/series", get(handlers::series))
         .route("/api/v1/runs/{run}/heatmap", get(handlers::heatmap))
         .route("/api/v1/runs/{run}/workers", get(handlers::workers))
+        .route("/api/v1/runs/{run}/consistency", get(handlers::consistency))
         .route("/api/v1/alerts", get(handlers::alerts))
         // Acknowledging and silencing change no data, only who is told: the dashboard's
         // users do it with the read token, as Alertmanager's UI users do.

@@ -9,6 +9,7 @@
 //! the planner (`plan`) picks rollup windows and raw step ranges, and the point reader
 //! (`parts`) reads those rows straight from each part through a cached series index.
 
+pub mod consistency;
 pub mod downsample;
 pub mod json;
 mod parts;

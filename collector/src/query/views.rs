@@ -95,7 +95,12 @@ impl Queries {
     }
 
     /// Step range to use: the request's, else the run's.
-    fn range(&self, run: &RunId, from: Option<u64>, to: Option<u64>) -> Result<(u64, u64)> {
+    pub(super) fn range(
+        &self,
+        run: &RunId,
+        from: Option<u64>,
+        to: Option<u64>,
+    ) -> Result<(u64, u64)> {
         let (first, last) = self
             .store()
             .with_runs(|r| r.get(run).map(|s| (s.first_step, s.last_step)))

@@ -6,6 +6,7 @@ mod alerting;
 mod bad_input;
 mod browser;
 mod common;
+mod consistency;
 mod crash;
 mod dashboard;
 mod hostile;
