@@ -22,9 +22,9 @@ use futures_util::future::LocalBoxFuture;
 
 use rankwatch_api::ErrorBody;
 pub(crate) use rankwatch_api::{
-    AckRequest, Alert, Alerts, BucketRange, Catalog, Cosine, Heatmap, Incident, Incidents,
-    Matchers, NewSilence, Num, ProbeSwitch, RulesAnswer, RunSummary, Runs, Series, SeriesAnswer,
-    SetProbes, Silence, Workers,
+    AckRequest, Alert, Alerts, BucketRange, Catalog, ConsistencyReport, Cosine, Heatmap, Incident,
+    Incidents, Matchers, NewSilence, Num, ProbeSwitch, RulesAnswer, RunSummary, Runs, Series,
+    SeriesAnswer, SetProbes, Silence, Workers,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -348,6 +348,23 @@ pub(crate) async fn workers(run: &str, step: Option<u64>) -> ApiResult<Workers> 
     let mut path = format!("/api/v1/runs/{}/workers", enc(run));
     if let Some(step) = step {
         path.push_str(&format!("?step={step}"));
+    }
+    get(&path).await
+}
+
+/// The run's worker-level consistency over `from`–`to` (default: the whole run).
+pub(crate) async fn consistency(
+    run: &str,
+    from: Option<u64>,
+    to: Option<u64>,
+) -> ApiResult<ConsistencyReport> {
+    let mut path = format!("/api/v1/runs/{}/consistency", enc(run));
+    let range: Vec<String> = [("from", from), ("to", to)]
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+        .collect();
+    if !range.is_empty() {
+        path.push_str(&format!("?{}", range.join("&")));
     }
     get(&path).await
 }

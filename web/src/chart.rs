@@ -273,6 +273,8 @@ pub(crate) struct HeatSpec {
     pub(crate) filled: Vec<Vec<bool>>,
     pub(crate) nonfinite: Vec<Vec<u64>>,
     pub(crate) scale: Scale,
+    /// What the colour measures (the colour scale's caption).
+    pub(crate) unit: String,
     pub(crate) band: Option<Band>,
     pub(crate) selected_row: Option<usize>,
     pub(crate) selected_col: Option<usize>,
@@ -305,6 +307,46 @@ pub(crate) fn HeatmapCanvas(
         <div class="heat-box">
             <canvas node_ref=node data-heatmap="1"></canvas>
             <div class="heat-tip"></div>
+        </div>
+        {move || spec.get().map(|s| view! { <ColourScale spec=s /> })}
+    }
+}
+
+/// The viridis stops the heatmap draws with (`charts.js`), as a CSS gradient.
+const VIRIDIS_CSS: &str = "linear-gradient(to right, rgb(68,1,84), rgb(59,82,139), rgb(33,145,140), rgb(94,201,98), rgb(253,231,37))";
+
+/// A heatmap's colour scale: the gradient with its low, middle and high values (the middle is
+/// the geometric mean on a log scale), what the colour measures, and the special colours.
+#[component]
+fn ColourScale(spec: HeatSpec) -> impl IntoView {
+    let Scale { kind, min, max } = spec.scale;
+    let mid = if kind == "log" && min > 0.0 {
+        (min * max).sqrt()
+    } else {
+        (min + max) / 2.0
+    };
+    let caption = if kind == "log" {
+        format!("{} — log scale", spec.unit)
+    } else {
+        spec.unit.clone()
+    };
+    view! {
+        <div class="colour-scale" data-kind=kind data-min=min.to_string() data-max=max.to_string()>
+            <span class="caption">{caption}</span>
+            <div class="bar-row">
+                <span class="lo">{crate::format::num(Some(min))}</span>
+                <span class="bar" style=format!("background: {VIRIDIS_CSS}")></span>
+                <span class="hi">{crate::format::num(Some(max))}</span>
+            </div>
+            <span class="mid">{format!("middle {}", crate::format::num(Some(mid)))}</span>
+            <span class="special">
+                <span class="swatch nonfinite"></span>" non-finite "
+                <span class="swatch empty"></span>" no data"
+                {spec.band.map(|b| view! {
+                    " "<span class="swatch band"></span>
+                    {format!(" outside the healthy band {}–{}", crate::format::num(Some(b.low)), crate::format::num(Some(b.high)))}
+                })}
+            </span>
         </div>
     }
 }

@@ -142,6 +142,21 @@ def test_runs_page_lists_the_run_and_filters_by_name(finished_run, page) -> None
     page.wait_for_selector("[data-chart=Loss][data-drawn]")
 
 
+def fmt(v: float) -> str:
+    """A number as the dashboard's `format::num` prints it (finite values)."""
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if not 1e-3 <= a < 1e5:
+        mantissa, exponent = f"{v:.2e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}" if a >= 1 else f"{v:.3f}"
+
+
 def chart(page, name: str):
     loc = page.locator(f"[data-chart='{name}']")
     loc.wait_for(timeout=20_000)
@@ -242,6 +257,16 @@ def test_layers_heatmap_has_one_row_per_layer_and_a_click_opens_the_layer(finish
     assert heat["layers"] == list(range(LAYERS))
     assert canvas.get_attribute("data-rows") == str(LAYERS)
     assert int(canvas.get_attribute("data-cols")) == len(heat["steps"])
+    # The colour scale says what a colour means: the range drawn (the heatmap's own finite
+    # extremes, on a log scale for a ratio), in words and units.
+    scale = page.locator(".colour-scale")
+    scale.wait_for(timeout=10_000)
+    finite = [v for row in heat["last"] for v in row if isinstance(v, float | int)]
+    assert scale.get_attribute("data-kind") == "log"
+    lo, hi = float(scale.get_attribute("data-min")), float(scale.get_attribute("data-max"))
+    assert abs(lo - min(finite)) <= 1e-9 * abs(lo) and abs(hi - max(finite)) <= 1e-9 * abs(hi), (lo, hi)
+    text = scale.inner_text()
+    assert "σ_MLP / σ_attention" in text and "log scale" in text and "non-finite" in text, text
     screenshot(page, "layers")
     # Click the middle of the last row: that layer's series open below.
     box = canvas.bounding_box()
@@ -265,6 +290,9 @@ def test_workers_page_shows_each_rank_and_the_dispersion(finished_run, page) -> 
     table = page.locator("table.cosine")
     table.wait_for(timeout=20_000)
     assert table.locator("tbody tr").count() == RANKS
+    # Every row of the per-rank values names what it is: one metric at two sites is two labels.
+    labels = page.locator("table.values tbody th").all_inner_texts()
+    assert labels and len(labels) == len(set(labels)), labels
     loss = chart(page, "Loss per rank")
     assert loss.get_attribute("data-series") == str(RANKS)
     disp = chart(page, "Dispersion across ranks (coefficient of variation)")
@@ -274,6 +302,22 @@ def test_workers_page_shows_each_rank_and_the_dispersion(finished_run, page) -> 
     # What watching costs each rank, reported by the agent itself.
     cost = chart(page, "Monitoring cost per rank: gradient probe (ms per report)")
     assert cost.get_attribute("data-series") == str(RANKS)
+    # The run's consistency, as the API reports it, over the zoomed steps: the whole run reads
+    # as independent shards (its median step is before the fault); zoomed to the steps after
+    # step 250, where rank 1's gradient is scaled ×8, it reads more dispersed, rank 1 apart.
+    whole = api(collector, f"/api/v1/runs/{RUN}/consistency")
+    panel = page.locator(".consistency")
+    panel.wait_for(timeout=20_000)
+    assert panel.get_attribute("data-verdict") == whole["verdict"] == "independent_shards", whole
+    page.goto(f"{collector.url}/runs/{RUN}/workers?from={FAULT_STEP}&to={STEPS - 1}")
+    report = api(collector, f"/api/v1/runs/{RUN}/consistency", **{"from": FAULT_STEP, "to": STEPS - 1})
+    panel = page.locator(f".consistency[data-verdict='{report['verdict']}']")
+    panel.wait_for(timeout=20_000)
+    assert report["verdict"] == "more_dispersed", report
+    ratio = panel.locator("tr[data-indicator='grad_norm'] td.ratio").inner_text()
+    assert ratio == fmt(report["grad_norm"]["ratio"]), (ratio, report)
+    standing = {r["rank"]: r["grad_norm_vs_others"] for r in report["ranks"]}
+    assert max(standing, key=standing.get) == 1 and panel.locator("table.standing tbody tr").count() == RANKS, report
     screenshot(page, "workers")
 
 

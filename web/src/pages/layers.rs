@@ -66,6 +66,19 @@ fn band(metric: &str, rules: Option<&RulesAnswer>) -> (Option<Band>, String) {
     }
 }
 
+/// What a heatmap's colour measures, in words and units, for its colour scale.
+fn unit_of(metric: &str) -> String {
+    match metric {
+        "spectral.ratio" => "σ_MLP / σ_attention (ratio of spectral norms)".into(),
+        "spectral.ratio_ov" => "σ_MLP / σ(W_O·W_V) (ratio of spectral norms)".into(),
+        "token_cosine" => "mean pairwise cosine of token states (−1 to 1)".into(),
+        "act_max" => "max |activation| (absolute value)".into(),
+        "effective_rank" => "effective rank (directions kept)".into(),
+        m if m.starts_with("spectral.sigma") => format!("{m} (spectral norm σ)"),
+        m => m.to_owned(),
+    }
+}
+
 fn heat_spec(
     h: &Heatmap,
     metric: &str,
@@ -131,6 +144,7 @@ fn heat_spec(
         filled,
         nonfinite: h.nonfinite.clone(),
         scale,
+        unit: unit_of(metric),
         band,
         selected_row: layer.and_then(|l| h.layers.iter().position(|&x| x == l)),
         selected_col,

@@ -2,6 +2,7 @@
 //! every chart of a page follows, error boxes, and the metric chart that fetches its own data.
 
 pub(crate) mod alerts;
+pub(crate) mod consistency;
 pub(crate) mod layers;
 pub(crate) mod overview;
 pub(crate) mod runs;

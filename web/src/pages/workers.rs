@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use leptos::prelude::*;
 
+use super::consistency::ConsistencyPanel;
 use super::{ErrorBox, MetricChart, Part, Role, RunHeader, RunView, catalog};
 use rankwatch_api::{AlertState, CosineMatrix as Matrix, Rule};
 
@@ -151,9 +152,16 @@ fn RankValues(workers: Workers) -> impl IntoView {
         .iter()
         .filter(|m| m.layer.is_none())
         .map(|m| {
+            // Two rows of one metric differ by site (act_max at the embedding and the final
+            // norm): the label says which.
+            let label = match &m.site {
+                Some(site) => format!("{} ({site})", m.metric),
+                None => m.metric.clone(),
+            };
+            let attribute = label.clone();
             view! {
-                <tr>
-                    <th>{m.metric.clone()}</th>
+                <tr data-label=attribute>
+                    <th>{label}</th>
                     {m.values.iter().map(|v| view! { <td>{format::num(v.value())}</td> }).collect_view()}
                 </tr>
             }
@@ -328,6 +336,7 @@ pub(crate) fn WorkersPage() -> impl IntoView {
                 }
             }}
         </section>
+        <ConsistencyPanel view=view />
         <div class="charts">{charts}</div>
     }
 }
