@@ -20,7 +20,7 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends ca-certificates curl \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --home /data --shell /usr/sbin/nologin rankwatch \
- && mkdir -p /data && chown rankwatch /data
+ && mkdir -p /data /run/rankwatch && chown rankwatch /data /run/rankwatch
 COPY --from=build /usr/local/bin/rankwatch /usr/local/bin/rankwatch
 USER rankwatch
 VOLUME /data

@@ -24,6 +24,19 @@ pub struct Cli {
 pub enum Command {
     /// Run the collector: ingest, storage, queries and /metrics.
     Serve(Box<ServeConfig>),
+    /// Create the collector's ingest, read and admin tokens as files in DIR (each once: existing
+    /// ones are kept and not shown again), printing the new ones. The compose deployment runs
+    /// it at first start and points the collector and Prometheus at the files.
+    Tokens {
+        /// The directory to keep the token files in (`ingest-token`, `read-token`, `admin-token`).
+        #[arg(long, env = "RANKWATCH_TOKEN_DIR")]
+        dir: PathBuf,
+        /// Make the files readable by every user (0644 instead of 0600): for a volume shared
+        /// with a container that runs as another user, such as Prometheus reading the read
+        /// token.
+        #[arg(long)]
+        shared: bool,
+    },
     /// Print the alert rules in force as TOML: the documented defaults, or a rules file's
     /// (checked first, like `serve --rules` does).
     Rules {
@@ -228,6 +241,19 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
 
+    /// A file holding the ingest token (its first line); for deployments that keep secrets
+    /// in files, e.g. the compose file's `rankwatch tokens` volume. Not with --ingest-token.
+    #[arg(long, env = "RANKWATCH_INGEST_TOKEN_FILE")]
+    pub ingest_token_file: Option<PathBuf>,
+
+    /// A file holding the read token (its first line). Not with --read-token.
+    #[arg(long, env = "RANKWATCH_READ_TOKEN_FILE")]
+    pub read_token_file: Option<PathBuf>,
+
+    /// A file holding the admin token (its first line). Not with --admin-token.
+    #[arg(long, env = "RANKWATCH_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+
     /// Delete runs that have not reported for this long, e.g. `30d` (unset: kept for ever).
     #[arg(long, env = "RANKWATCH_RETENTION_AGE", value_parser = parse_duration)]
     pub retention_age: Option<Duration>,
@@ -241,9 +267,9 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_RETENTION_INTERVAL", default_value = "10m", value_parser = parse_duration)]
     pub retention_interval: Duration,
 
-    /// A host name (without port) browsers may reach this collector by, besides loopback
-    /// names; repeat for several. Requests naming another `Host` are refused while listening
-    /// on loopback (a guard against DNS rebinding).
+    /// A host name (without port) this collector may be reached by without a token, besides
+    /// loopback names and IP addresses; repeat for several. A request without a token naming
+    /// another `Host` is refused, whatever the listen address (a guard against DNS rebinding).
     #[arg(
         long = "allowed-host",
         env = "RANKWATCH_ALLOWED_HOSTS",
@@ -414,7 +440,9 @@ pub struct ServeConfig {
     #[arg(
         long = "webhook-url",
         env = "RANKWATCH_WEBHOOK_URLS",
-        value_delimiter = ','
+        value_delimiter = ',',
+        // A webhook URL's path is its secret: `--help` must not print it.
+        hide_env_values = true
     )]
     pub webhook_urls: Vec<String>,
 
@@ -432,7 +460,9 @@ pub struct ServeConfig {
     #[arg(
         long = "alertmanager-url",
         env = "RANKWATCH_ALERTMANAGER_URLS",
-        value_delimiter = ','
+        value_delimiter = ',',
+        // It may carry basic-auth credentials.
+        hide_env_values = true
     )]
     pub alertmanager_urls: Vec<String>,
 
@@ -476,6 +506,38 @@ impl ServeConfig {
     /// Whether the Parquet side lives in object storage.
     pub fn remote_storage(&self) -> Option<&str> {
         (self.storage != "local").then_some(self.storage.as_str())
+    }
+
+    /// Reads the `--*-token-file` files into the tokens (their first line, trimmed); a file
+    /// given beside its token, unreadable, or empty is refused with its path.
+    pub fn read_token_files(&mut self) -> Result<()> {
+        for (name, file, token) in [
+            ("ingest", &self.ingest_token_file, &mut self.ingest_token),
+            ("read", &self.read_token_file, &mut self.read_token),
+            ("admin", &self.admin_token_file, &mut self.admin_token),
+        ] {
+            let Some(path) = file else { continue };
+            if token.is_some() {
+                return Err(Error::bad(format!(
+                    "both --{name}-token and --{name}-token-file are given; keep one"
+                )));
+            }
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                Error::bad(format!(
+                    "the {name} token file {} cannot be read: {e}",
+                    path.display()
+                ))
+            })?;
+            let first = text.lines().next().unwrap_or("").trim();
+            if first.is_empty() {
+                return Err(Error::bad(format!(
+                    "the {name} token file {} is empty",
+                    path.display()
+                )));
+            }
+            *token = Some(first.to_owned());
+        }
+        Ok(())
     }
 
     /// Refuses configurations that would expose data or cannot work.
@@ -688,6 +750,32 @@ mod tests {
                 .unwrap_err()
                 .contains("too large")
         );
+    }
+
+    #[test]
+    fn token_files_are_read_and_bad_ones_refused_with_their_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = crate::tokens::create(dir.path(), false).unwrap();
+        let mut config = ServeConfig::with_data_dir(dir.path().join("data"));
+        config.ingest_token_file = Some(made[0].1.clone());
+        config.read_token_file = Some(made[1].1.clone());
+        config.read_token_files().unwrap();
+        assert_eq!(config.ingest_token.as_deref(), Some(made[0].2.as_str()));
+        assert_eq!(config.read_token.as_deref(), Some(made[1].2.as_str()));
+        // Both forms of one token, a missing file, an empty one.
+        let e = config.read_token_files().unwrap_err().to_string();
+        assert!(
+            e.contains("both --ingest-token and --ingest-token-file"),
+            "{e}"
+        );
+        let mut config = ServeConfig::with_data_dir(dir.path().join("data"));
+        config.admin_token_file = Some(dir.path().join("missing"));
+        let e = config.read_token_files().unwrap_err().to_string();
+        assert!(e.contains("cannot be read"), "{e}");
+        std::fs::write(dir.path().join("empty"), "\n").unwrap();
+        config.admin_token_file = Some(dir.path().join("empty"));
+        let e = config.read_token_files().unwrap_err().to_string();
+        assert!(e.contains("is empty"), "{e}");
     }
 
     #[test]

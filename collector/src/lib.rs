@@ -40,6 +40,7 @@ pub mod store;
 pub mod summary;
 pub mod switches;
 pub mod telemetry;
+pub mod tokens;
 pub mod wal;
 
 pub use api::{AppState, app};

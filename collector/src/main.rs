@@ -100,6 +100,11 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     match cli.command {
+        Command::Tokens { dir, shared } => {
+            let made = rankwatch_collector::tokens::create(&dir, shared)?;
+            print!("{}", rankwatch_collector::tokens::report(&dir, &made));
+            Ok(())
+        }
         Command::Rules { rules } => {
             let config = match rules {
                 Some(path) => rankwatch_collector::alerting::rules::load_file(&path)?,

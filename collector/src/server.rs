@@ -165,7 +165,6 @@ impl Collector {
             config.retention(),
             switches,
             crate::api::browser::BrowserPolicy {
-                loopback_only: config.listen.ip().is_loopback(),
                 extra_hosts: config.allowed_hosts.clone(),
                 origins: config.allowed_origins.clone(),
             },
@@ -461,9 +460,10 @@ async fn retainer(
 /// Runs `rankwatch serve` until `shutdown` resolves. Prints the bound address (useful with
 /// port 0) once requests are accepted.
 pub async fn serve(
-    config: ServeConfig,
+    mut config: ServeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    config.read_token_files()?;
     let collector = Collector::open(&config).await?;
     let listener = TcpListener::bind(config.listen).await?;
     serve_on(collector, listener, &config, shutdown).await

@@ -23,7 +23,14 @@ pub(crate) const COLLECTOR_LAYERS: &[&[&str]] = &[
     // File helpers, the data directory's lock and the clock.
     &["fsutil", "dirlock", "clock"],
     // The data model and the durable primitives under the store.
-    &["entry", "summary", "wal", "idempotency", "switches"],
+    &[
+        "entry",
+        "summary",
+        "wal",
+        "idempotency",
+        "switches",
+        "tokens",
+    ],
     // Parsing bodies into entries; the store (hot buffer + Parquet).
     &["decode", "store"],
     // Writing an entry durably; reading the store.

@@ -33,6 +33,16 @@ fn check(expected: Option<&str>, request: &Request) -> Result<(), Error> {
     }
 }
 
+/// Whether `request` carries one of the collector's tokens (any group): then it is not a web
+/// page's doing, since browsers never attach a bearer token across sites.
+pub(super) fn bears_a_token(state: &AppState, request: &Request) -> bool {
+    let inner = &state.inner;
+    [&inner.ingest_token, &inner.read_token, &inner.admin_token]
+        .into_iter()
+        .flatten()
+        .any(|token| check(Some(token.as_str()), request).is_ok())
+}
+
 fn guard(expected: Option<&str>, state: &AppState, request: &Request) -> Option<Response> {
     check(expected, request).err().map(|e| {
         state.inner.requests.reject(&e);

@@ -602,3 +602,38 @@ fn collector_incidents(collector: &Binary, run: &str) -> Vec<Value> {
         .unwrap()
         .clone()
 }
+
+/// `rankwatch serve --help` documents the variables it reads but never prints their values:
+/// tokens, and webhook, Slack and Alertmanager URLs (a webhook URL's path is its secret, an
+/// Alertmanager URL may carry credentials). Before, the webhook and Alertmanager URLs were
+/// printed.
+#[test]
+fn help_never_prints_the_secrets_it_reads_from_the_environment() {
+    let secrets = [
+        ("RANKWATCH_INGEST_TOKEN", "in-secret-1"),
+        ("RANKWATCH_READ_TOKEN", "read-secret-2"),
+        ("RANKWATCH_ADMIN_TOKEN", "admin-secret-3"),
+        (
+            "RANKWATCH_WEBHOOK_URLS",
+            "https://hooks.example/hook-secret-4",
+        ),
+        (
+            "RANKWATCH_SLACK_WEBHOOK_URLS",
+            "https://hooks.slack.com/services/secret-5",
+        ),
+        (
+            "RANKWATCH_ALERTMANAGER_URLS",
+            "https://user:pass-secret-6@am.example",
+        ),
+    ];
+    let out = Command::new(env!("CARGO_BIN_EXE_rankwatch"))
+        .args(["serve", "--help"])
+        .envs(secrets)
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for (name, value) in secrets {
+        assert!(help.contains(name), "{name} is documented");
+        assert!(!help.contains(value), "{name}'s value is printed:\n{help}");
+    }
+}

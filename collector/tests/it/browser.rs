@@ -173,3 +173,81 @@ async fn with_tokens_but_no_admin_token_deletion_is_refused_even_with_the_ingest
     assert_eq!(run_names(&c).await, ["t"]);
     c.shutdown().await.unwrap();
 }
+
+/// Issue 45's attack on the compose deployment: listening on 0.0.0.0 without tokens
+/// (`RANKWATCH_INSECURE=true`), a page on a rebound name — its own name in Host and a matching
+/// Origin — read the runs (200) and deleted one (200). The Host allow-list now holds whatever
+/// the listen address; loopback names and any IP address still pass, a name only when allowed
+/// (the compose file passes `--allowed-host collector`), and so does a request with a token.
+#[tokio::test]
+async fn on_every_interface_without_tokens_a_rebound_name_can_neither_read_nor_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.no_alert_engine = true;
+    config.listen = "0.0.0.0:7070".parse().unwrap();
+    config.insecure = true;
+    let c = Collector::open(&config).await.unwrap();
+    ingest_runs(&c, &["demo", "kept"], 1, 3).await;
+    let rebound = |method: &str, uri: &str| {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("host", "evil.example:7070")
+            .header("origin", "http://evil.example:7070")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let r = call(&c, rebound("GET", "/api/v1/runs")).await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert!(
+        r.error().contains("--allowed-host evil.example"),
+        "{}",
+        r.error()
+    );
+    let r = call(&c, rebound("DELETE", "/api/v1/runs/demo")).await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    let r = call(&c, rebound("GET", "/runs/demo")).await;
+    assert_eq!(r.status, 403, "the dashboard's pages too: {}", r.text());
+    assert_eq!(run_names(&c).await, ["demo", "kept"], "nothing was deleted");
+    // Agents post to an address, the published port is 127.0.0.1:7070; a name needs allowing.
+    let runs = |host: &str| {
+        Request::get("/api/v1/runs")
+            .header("host", host)
+            .body(Body::empty())
+            .unwrap()
+    };
+    for host in ["10.1.2.3:7070", "127.0.0.1:7070", "localhost:7070"] {
+        let r = call(&c, runs(host)).await;
+        assert_eq!(r.status, 200, "{host}: {}", r.text());
+    }
+    let r = call(&c, runs("collector:7070")).await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    c.shutdown().await.unwrap();
+    // As the compose file starts it: Prometheus scrapes `collector:7070`.
+    let dir = tempfile::tempdir().unwrap();
+    config.data_dir = dir.path().to_owned();
+    config.allowed_hosts = vec!["collector".into()];
+    let c = Collector::open(&config).await.unwrap();
+    assert_eq!(call(&c, runs("collector:7070")).await.status, 200);
+    assert_eq!(call(&c, runs("evil.example:7070")).await.status, 403);
+    c.shutdown().await.unwrap();
+
+    // With a read token, a request bearing it may name any host (a proxy's name, say).
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = self::config(dir.path());
+    config.no_alert_engine = true;
+    config.listen = "0.0.0.0:7070".parse().unwrap();
+    config.read_token = Some("r".into());
+    config.ingest_token = Some("i".into());
+    let c = Collector::open(&config).await.unwrap();
+    let request = |token: Option<&str>| {
+        let mut b = Request::get("/api/v1/runs").header("host", "rankwatch.corp");
+        if let Some(t) = token {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        b.body(Body::empty()).unwrap()
+    };
+    assert_eq!(call(&c, request(Some("r"))).await.status, 200);
+    assert_eq!(call(&c, request(None)).await.status, 403);
+    c.shutdown().await.unwrap();
+}

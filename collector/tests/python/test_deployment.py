@@ -53,7 +53,7 @@ def exprs(dashboard: dict) -> list[tuple[str, str]]:
 def test_compose_file_references_existing_files_and_consistent_ports() -> None:
     c = compose()
     services = c["services"]
-    assert set(services) == {"collector", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {"tokens", "collector", "prometheus", "alertmanager", "grafana"}
     # Every bind-mounted file exists; named volumes are declared.
     for name, service in services.items():
         for source, _ in bind_mounts(service):
@@ -81,6 +81,22 @@ def test_compose_file_references_existing_files_and_consistent_ports() -> None:
     am = prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
     assert am == ["alertmanager:9093"] and services["alertmanager"]["ports"] == ["127.0.0.1:9093:9093"]
     assert "--alertmanager-url=http://alertmanager:9093" in services["collector"]["command"]
+    # Secure by default: the tokens service makes the tokens in a volume the collector reads
+    # them from (it waits for it), Prometheus scrapes with the read token from the same
+    # volume, nothing turns the guard off, and the name Prometheus uses is an allowed host.
+    tokens = services["tokens"]
+    assert tokens["command"][0] == "tokens" and "--shared" in tokens["command"]
+    token_dir = tokens["command"][tokens["command"].index("--dir") + 1]
+    volume = next(v.split(":")[0] for v in tokens["volumes"] if v.split(":")[1] == token_dir)
+    collector = services["collector"]
+    assert collector["depends_on"]["tokens"]["condition"] == "service_completed_successfully"
+    assert f"{volume}:{token_dir}:ro" in collector["volumes"] and f"{volume}:{token_dir}:ro" in services["prometheus"]["volumes"]
+    for group in ("INGEST", "READ", "ADMIN"):
+        assert collector["environment"][f"RANKWATCH_{group}_TOKEN_FILE"] == f"{token_dir}/{group.lower()}-token"
+    assert "RANKWATCH_INSECURE" not in collector["environment"]
+    assert "--allowed-host=collector" in collector["command"] and scrape == ["collector:7070"]
+    credentials = prometheus["scrape_configs"][0]["authorization"]
+    assert credentials == {"type": "Bearer", "credentials_file": f"{token_dir}/read-token"}
     # Prometheus loads the rule file it is given.
     mounts = dict((t, s) for s, t in bind_mounts(services["prometheus"]))
     for rule_file in prometheus["rule_files"]:
@@ -112,10 +128,13 @@ def test_prometheus_and_alertmanager_configs_pass_their_own_checkers(tmp_path: P
     rules = ROOT / "deploy/prometheus/alerts.yml"
     done = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    # The config names the rule file by its path inside the container; check a copy that
-    # names it here instead.
+    # The config names the rule file and the token file by their paths inside the container;
+    # check a copy that names them here instead (promtool opens the token file).
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["rule_files"] = [str(rules)]
+    token = tmp_path / "read-token"
+    token.write_text("0" * 64 + "\n")
+    config["scrape_configs"][0]["authorization"]["credentials_file"] = str(token)
     local = tmp_path / "prometheus.yml"
     local.write_text(yaml.safe_dump(config))
     done = subprocess.run([promtool, "check", "config", str(local)], capture_output=True, text=True)
@@ -127,26 +146,48 @@ def test_prometheus_and_alertmanager_configs_pass_their_own_checkers(tmp_path: P
 
 
 def test_collector_accepts_the_compose_command_and_environment(tmp_path: Path) -> None:
-    service = compose()["services"]["collector"]
+    """The tokens service's command, then the collector's, as compose runs them (paths inside
+    the containers mapped to a temporary directory): tokens required, a rebound name refused."""
+    services = compose()["services"]
+    binary = os.environ["RANKWATCH_BIN"]
+    token_dir = services["tokens"]["command"][services["tokens"]["command"].index("--dir") + 1]
+    here = tmp_path / "tokens"
+    command = [here.as_posix() if part == token_dir else part for part in services["tokens"]["command"]]
+    made = subprocess.run([binary, *command], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and "shown this once" in made.stdout, made.stdout + made.stderr
+    again = subprocess.run([binary, *command], capture_output=True, text=True, timeout=60)
+    assert "not shown again" in again.stdout and (here / "read-token").read_text().strip() in made.stdout, again.stdout
+    read_token = (here / "read-token").read_text().strip()
+    service = services["collector"]
     env = {**os.environ, "RANKWATCH_LOG": "warn"}
     for key, value in service["environment"].items():
         # ${VAR:-default} as compose expands it with nothing set.
-        env[key] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+        env[key] = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value)).replace(token_dir, here.as_posix())
     env["RANKWATCH_DATA_DIR"] = str(tmp_path / "data")
     # Not 0.0.0.0 here: the test binds loopback only, on a free port.
     env["RANKWATCH_LISTEN"] = "127.0.0.1:0"
-    proc = subprocess.Popen([os.environ["RANKWATCH_BIN"], *service["command"]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([binary, *service["command"]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
-    ready = None
+    answers: dict[str, int] = {}
     if line.startswith("rankwatch listening on http://"):
         url = line.strip().rsplit(" ", 1)[1]
-        ready = requests.get(f"{url}/readyz", timeout=5).status_code
+        answers["ready"] = requests.get(f"{url}/readyz", timeout=5).status_code
+        answers["runs without a token"] = requests.get(f"{url}/api/v1/runs", timeout=5).status_code
+        answers["runs with the read token"] = requests.get(f"{url}/api/v1/runs", headers={"authorization": f"Bearer {read_token}"}, timeout=5).status_code
+        answers["the dashboard under a rebound name"] = requests.get(f"{url}/", headers={"host": "evil.example:7070"}, timeout=5).status_code
+        answers["the dashboard as Prometheus's name"] = requests.get(f"{url}/healthz", headers={"host": "collector:7070"}, timeout=5).status_code
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     # Every outcome with the collector's own log, so a failure explains itself.
     log = proc.stderr.read()[-4000:] if proc.stderr else ""
     assert line.startswith("rankwatch listening on http://"), (line, log)
-    assert ready == 200, (ready, log)
+    assert answers == {
+        "ready": 200,
+        "runs without a token": 401,
+        "runs with the read token": 200,
+        "the dashboard under a rebound name": 403,
+        "the dashboard as Prometheus's name": 200,
+    }, (answers, log)
     assert code == 0, (code, log)
 
 
@@ -185,11 +226,18 @@ def finite(result: list) -> bool:
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Path, alertmanager: str) -> None:
     """Prometheus scrapes every second while the run trains; each expression must give a
     finite value at some point (a rate over an idle counter would give 0, a quantile NaN)."""
-    collector = Collector(tmp_path / "data", f"--alertmanager-url={alertmanager}", "--flush-interval", "1s")
+    # As compose runs it: tokens made by `rankwatch tokens`, the collector reading them from the
+    # files, Prometheus scraping with the read token's file, the training job with the ingest one.
+    tokens = tmp_path / "tokens"
+    made = subprocess.run([os.environ["RANKWATCH_BIN"], "tokens", "--dir", str(tokens), "--shared"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    files = [f"--{group}-token-file={tokens / f'{group}-token'}" for group in ("ingest", "read", "admin")]
+    collector = Collector(tmp_path / "data", f"--alertmanager-url={alertmanager}", "--flush-interval", "1s", *files)
     prometheus = training = None
     try:
         port = free_port()
         config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+        config["scrape_configs"][0]["authorization"]["credentials_file"] = str(tokens / "read-token")
         config["global"]["scrape_interval"] = "1s"
         config["rule_files"] = [str(ROOT / "deploy/prometheus/alerts.yml")]
         config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [alertmanager.removeprefix("http://")]
@@ -201,7 +249,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         # One malformed batch, so the rejects panel has a reason to show.
-        bad = requests.post(f"{collector.url}/api/v1/ingest", data=b"{not json", headers={"content-type": "application/json"}, timeout=10)
+        ingest = {"authorization": f"Bearer {(tokens / 'ingest-token').read_text().strip()}"}
+        bad = requests.post(f"{collector.url}/api/v1/ingest", data=b"{not json", headers={"content-type": "application/json", **ingest}, timeout=10)
         assert bad.status_code == 400
         # A real 2-rank run whose rank 1 hits a NaN at step 40: an alert fires (and resolves),
         # so the alert gauges, transitions and Alertmanager notifications have data.
@@ -209,7 +258,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
         cmd = [sys.executable, str(EXAMPLE), "--nproc", "2", "--steps", "150", "--run", run, "--collector", collector.url,
                "--spool-dir", str(tmp_path / "spool"), "--layers", "2", "--width", "32", "--seq", "32", "--batch", "4",
                "--vocab", "64", "--corpus", "256", "--cadence", "spectral=5", "--fault", "nan@40:rank=1", "--step-sleep", "0.1"]
-        training = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        training = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANKWATCH_INGEST_TOKEN": ingest["authorization"].removeprefix("Bearer ")},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
         def query(expr: str) -> list:
