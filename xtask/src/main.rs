@@ -24,6 +24,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 mod dist;
+mod generated;
 mod layers;
 mod precompress;
 
@@ -37,7 +38,8 @@ tasks:
   test     formatting, the layer check, clippy (-D warnings), the API docs (broken links
            denied), every test of the workspace with the browser tests of the dashboard, and
            ruff + mypy --strict on the Python SDK; ends with a table of its stages' times
-  check    the collector's modules import only from lower layers (xtask/src/layers.rs)
+  check    the collector's modules import only from lower layers (xtask/src/layers.rs),
+           and git tracks no generated file (egg-info, __pycache__, target, web/dist)
   openapi  rewrites the component schemas of collector/openapi.json from the contract's
            types (rankwatch-api); `test` fails while the file differs from them
   dist [--debug] [--collector]
@@ -330,8 +332,20 @@ fn print_stages(total: f64) {
     println!("{:<width$}  {total:>8.1}", "total");
 }
 
-/// `cargo xtask check`: the collector's import layers.
+/// `cargo xtask check`: the collector's import layers, and no generated file in git.
 fn check_layers() -> Result<()> {
+    if let Some(found) = generated::tracked(&root())
+        && !found.is_empty()
+    {
+        for path in &found {
+            eprintln!("tracked but generated: {path}");
+        }
+        bail!(
+            "{} generated file(s) are tracked by git: `git rm -r --cached` them (.gitignore \
+             keeps them out)",
+            found.len()
+        );
+    }
     let src = root().join("collector/src");
     let started = Instant::now();
     let violations = layers::check(&src, layers::COLLECTOR_LAYERS)
