@@ -30,6 +30,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 
+from rankwatch_testkit.faults import Fault, Injector
+from rankwatch_testkit.faults import check as check_faults
 from rankwatch_testkit.spawn import spawn_ranks
 from rankwatch_testkit.text import SOURCES, corpus, learning_rate
 
@@ -115,6 +117,8 @@ def train(args: argparse.Namespace) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())
     special = {"cls": tokenizer.cls_token_id, "sep": tokenizer.sep_token_id, "mask": tokenizer.mask_token_id}
     ids = tokenised(args.source, args.corpus_dir)
+    faults = Injector([Fault.parse(f) for f in args.fault], rank)
+    faults.attach(model)  # before DDP: its gradient hooks fire before the all-reduce reads them
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -131,15 +135,20 @@ def train(args: argparse.Namespace) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, labels = masked_batch(ids, args.batch, args.seq, generator, special, tokenizer.vocab_size)
-        loss = ddp(x, labels)
+        faults.begin_step(step)
+        chosen = labels != -100
+        labels[chosen] = faults.targets(labels[chosen])  # corrupted data: the masked tokens' answers permuted
+        loss = faults.loss(ddp(x, labels))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        faults.end_backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
-        if run is not None:
+        if run is not None and faults.reporting():
             run.log(step, loss=loss.detach(), tokens=int((labels != -100).sum()), lr=lr)
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - started
+    faults.remove()
     if run is not None:
         run.finish()
     dist.barrier()
@@ -173,12 +182,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--spectral-budget", type=float, default=0.01, help="share of step time the spectral probe may take")
     p.add_argument("--cadence", action="append", default=[], help="probe cadence override, e.g. activations=5 (repeatable)")
+    p.add_argument("--fault", action="append", default=[], help="KIND@STEP[:key=value...], see rankwatch_testkit.faults (repeatable): e.g. shuffle_labels@50:rank=1")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
+    check_faults(args.fault, p.error)
     if args.result_dir:
         Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     tokenised(args.source, args.corpus_dir)  # once, here
