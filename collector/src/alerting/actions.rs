@@ -35,6 +35,9 @@ use crate::error::{Error, Result};
 const MAX_SILENCE_S: u64 = 90 * 24 * 3600;
 /// How long an ended silence stays listed.
 const KEEP_ENDED_MS: i64 = 7 * 24 * 3600 * 1000;
+/// Most active silences at once, and most ended ones kept listed: each costs a match per alert
+/// state, and the read token that creates them is the dashboard's (before, unlimited).
+pub const MAX_SILENCES: usize = 1_000;
 /// Longest name or comment accepted.
 const MAX_TEXT: usize = 1000;
 const MAX_NAME: usize = 100;
@@ -92,6 +95,8 @@ pub struct AlertActions {
     path: Option<PathBuf>,
     clock: SharedClock,
     saved: Mutex<Saved>,
+    /// Most active silences, and most ended ones kept ([`MAX_SILENCES`]).
+    max_silences: usize,
 }
 
 impl AlertActions {
@@ -113,6 +118,7 @@ impl AlertActions {
             path,
             clock,
             saved: Mutex::new(saved),
+            max_silences: MAX_SILENCES,
         })
     }
 
@@ -208,10 +214,36 @@ impl AlertActions {
             created_by: text("created_by", &request.created_by, MAX_NAME, true)?,
             comment: text("comment", &request.comment, MAX_TEXT, false)?,
         };
+        let max = self.max_silences;
         self.change(|saved| {
             saved
                 .silences
                 .retain(|s| now - s.ends_at_ms < KEEP_ENDED_MS);
+            let active = saved.silences.iter().filter(|s| s.active(now)).count();
+            if active >= max {
+                return Err(Error::Cardinality(format!(
+                    "{active} silences are active, the most this collector keeps ({max}); end \
+                     some (DELETE /api/v1/silences/{{id}}) or widen one's matchers"
+                )));
+            }
+            // Ended ones beyond the limit go, oldest end first.
+            let ended = saved.silences.len() - active;
+            if ended >= max {
+                let mut ends: Vec<i64> = saved
+                    .silences
+                    .iter()
+                    .filter(|s| !s.active(now))
+                    .map(|s| s.ends_at_ms)
+                    .collect();
+                ends.sort_unstable();
+                let cut = ends[ended - max];
+                let mut drop = ended + 1 - max;
+                saved.silences.retain(|s| {
+                    let gone = drop > 0 && !s.active(now) && s.ends_at_ms <= cut;
+                    drop -= usize::from(gone);
+                    !gone
+                });
+            }
             saved.silences.push(silence.clone());
             Ok(silence.public(now))
         })
@@ -432,6 +464,40 @@ mod tests {
         );
         actions.unacknowledge(std::slice::from_ref(&a)).unwrap();
         assert!(actions.acknowledgement(&[a]).is_none());
+    }
+
+    #[test]
+    fn silences_are_bounded_active_and_ended() {
+        let clock = ManualClock::at(0);
+        let mut actions = AlertActions::open(None, clock.clone()).unwrap();
+        assert_eq!(actions.max_silences, MAX_SILENCES);
+        actions.max_silences = 20;
+        let new = |run: String| NewSilence {
+            matchers: Matchers {
+                run: Some(run),
+                ..Matchers::default()
+            },
+            duration_s: 60,
+            created_by: "ana".into(),
+            comment: String::new(),
+        };
+        for i in 0..20 {
+            actions.silence(new(format!("r{i}"))).unwrap();
+        }
+        let e = actions.silence(new("one-more".into())).unwrap_err();
+        assert_eq!(e.status(), axum::http::StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(e.to_string().contains("20 silences are active"), "{e}");
+        // Once they end, new ones are taken, and the ended ones kept stay bounded.
+        clock.advance(std::time::Duration::from_secs(61));
+        for i in 0..MAX_SILENCES + 10 {
+            actions.silence(new(format!("s{i}"))).unwrap();
+            clock.advance(std::time::Duration::from_secs(61));
+        }
+        assert!(
+            actions.lock().silences.len() <= 2 * MAX_SILENCES,
+            "{}",
+            actions.lock().silences.len()
+        );
     }
 
     #[test]
