@@ -533,10 +533,22 @@ pub fn encode_entry(
     out.put_u8(parts.len() as u8);
     for (table, bytes) in parts {
         out.put_u8(table.tag());
-        out.put_u32_le(bytes.len() as u32);
+        // A part's length is 4 bytes on the log: a larger one is refused, never wrapped (a
+        // wrapped length would make replay read the rest of the record as the next part).
+        out.put_u32_le(part_len(bytes.len())?);
         out.put_slice(&bytes);
     }
+    // The log's record length is 4 bytes too (with the 8-byte sequence number): refused here,
+    // before the log sees it — a write error there stops the log for every batch.
+    part_len(out.len() + 8)?;
     Ok(out.freeze())
+}
+
+/// A log part's length as its 4-byte field, or the refusal of a part of 4 GiB or more.
+fn part_len(len: usize) -> Result<u32> {
+    u32::try_from(len).map_err(|_| Error::BodyTooLarge {
+        limit: u32::MAX as usize,
+    })
 }
 
 /// Decodes a log payload written by [`encode_entry`]. The rows were checked when they arrived;
@@ -590,4 +602,18 @@ pub fn decode_entry(mut payload: &[u8]) -> Result<(Option<String>, Entry)> {
     }
     let entry = entry.ok_or_else(|| corrupt("no parts"))?;
     Ok(((!key.is_empty()).then_some(key), entry))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_part_or_record_of_4_gib_is_refused_not_wrapped() {
+        assert_eq!(part_len(12).unwrap(), 12);
+        assert_eq!(part_len(u32::MAX as usize).unwrap(), u32::MAX);
+        // Before, `as u32` wrapped 4 GiB + 6 to 5, and replay read the rest as another part.
+        let e = part_len(u32::MAX as usize + 6).unwrap_err();
+        assert_eq!(e.status(), axum::http::StatusCode::PAYLOAD_TOO_LARGE);
+    }
 }
