@@ -120,6 +120,10 @@ struct State {
     /// Samples parts found too short for a rollup since start, so compaction does not read
     /// them again to find out (see `add_missing_rollups`).
     without_rollup: std::collections::HashSet<PathBuf>,
+    /// New series of batches admitted but not yet applied, per run: what the series cap counts
+    /// besides the run's own (before, N concurrent batches each passed against the series
+    /// applied so far, and a run reached N times the cap).
+    reserved_series: HashMap<RunId, usize>,
 }
 
 impl State {
@@ -174,8 +178,9 @@ pub struct RunUsage {
 /// Outcome of [`Store::begin`].
 #[derive(Debug)]
 pub enum Admission {
-    /// Write it.
-    Write,
+    /// Write it; its new series are reserved against the run's cap until
+    /// [`Store::release_series`] is called (applied or failed).
+    Write { reserved: usize },
     /// Already durable; acknowledge.
     Duplicate,
 }
@@ -421,20 +426,46 @@ impl Store {
                 Some(s) => s.new_series(&batch),
                 None => RunSummary::default().new_series(&batch),
             };
-            if have + fresh > self.limits.max_series_per_run {
+            // Batches in flight count with their new series (conservatively: two in flight
+            // with the same new series count it twice until one is applied).
+            let pending = state.reserved_series.get(&entry.run).copied().unwrap_or(0);
+            if have + pending + fresh > self.limits.max_series_per_run {
                 let limit = self.limits.max_series_per_run;
                 return refuse(
                     &mut state,
                     Error::Cardinality(format!(
                         "run {} would have {} series (metric, layer, site, rank), over the limit of {limit}; \
-                         this batch adds {fresh} new ones",
+                         this batch adds {fresh} new ones{}",
                         entry.run,
-                        have + fresh
+                        have + pending + fresh,
+                        if pending > 0 {
+                            format!(" and batches being written add up to {pending}")
+                        } else {
+                            String::new()
+                        }
                     )),
                 );
             }
+            if fresh > 0 {
+                *state.reserved_series.entry(entry.run.clone()).or_default() += fresh;
+            }
+            return Ok(Admission::Write { reserved: fresh });
         }
-        Ok(Admission::Write)
+        Ok(Admission::Write { reserved: 0 })
+    }
+
+    /// Ends the reservation of an admitted batch's new series (it was applied, or failed).
+    pub fn release_series(&self, run: &RunId, reserved: usize) {
+        if reserved == 0 {
+            return;
+        }
+        let mut state = self.lock();
+        if let Some(n) = state.reserved_series.get_mut(run) {
+            *n = n.saturating_sub(reserved);
+            if *n == 0 {
+                state.reserved_series.remove(run);
+            }
+        }
     }
 
     /// Forgets an in-flight key whose write failed.

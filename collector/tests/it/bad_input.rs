@@ -683,3 +683,45 @@ async fn a_batch_of_another_wire_protocol_is_refused_naming_both_versions() {
     );
     assert_eq!(send(None).await.status, 200);
 }
+
+/// Issue 45's series-cap race: the cap was checked against the series already applied, and a
+/// batch's series are applied only after its fsync, so batches in flight together each passed
+/// and a run reached many times its cap. Now the new series of admitted batches are reserved:
+/// 16 concurrent batches of 5 new series each against a cap of 10 store at most 10 series, and
+/// the rest are refused with 422 naming the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_batches_cannot_take_a_run_past_its_series_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.no_alert_engine = true;
+    config.max_series_per_run = 10;
+    let c = Collector::open(&config).await.unwrap();
+    let bodies: Vec<Vec<u8>> = (0..16u32)
+        .map(|b| {
+            let rows: Vec<_> = (0..5u32)
+                .map(|r| sample("capped", Some(b * 5 + r), 0, "loss", None, None, 1.0))
+                .collect();
+            samples_ipc(&rows, false)
+        })
+        .collect();
+    let replies = futures_util::future::join_all(
+        bodies
+            .into_iter()
+            .map(|body| post(&c, "/api/v1/ingest", ARROW, None, body)),
+    )
+    .await;
+    let accepted = replies.iter().filter(|r| r.status == 200).count();
+    for r in replies.iter().filter(|r| r.status != 200) {
+        assert_eq!(r.status, 422, "{}", r.text());
+        assert!(r.error().contains("over the limit of 10"), "{}", r.error());
+    }
+    let runs = get(&c, "/api/v1/runs").await.json();
+    let series = runs["runs"][0]["series"].as_u64().unwrap();
+    assert!(
+        series <= 10,
+        "{series} series stored, {accepted} batches accepted"
+    );
+    assert_eq!(series, accepted as u64 * 5);
+    assert!(accepted >= 1);
+    c.shutdown().await.unwrap();
+}
