@@ -36,13 +36,13 @@ impl Committer {
     ) -> Result<Option<u64>> {
         let reserved = match self.store.begin(key, entry)? {
             Admission::Duplicate => return Ok(None),
-            Admission::Write { reserved } => reserved,
+            Admission::Write(reservation) => reservation,
         };
         let abort = |e: Error| {
             if let Some(k) = key {
                 self.store.abort(k);
             }
-            self.store.release_series(&entry.run, reserved);
+            self.store.release(&entry.run, reserved);
             e
         };
         let key_text = key.map(|k| k.to_string());
@@ -58,8 +58,8 @@ impl Committer {
                     if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, store.now_ms()) {
                         tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
                     }
-                    // Applied: its series are the run's own now (or, failed, never will be).
-                    store.release_series(&apply_entry.run, reserved);
+                    // Applied: its series and run are known now (or, failed, never will be).
+                    store.release(&apply_entry.run, reserved);
                 }),
             )
             .await

@@ -303,6 +303,11 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_MAX_SERIES_PER_RUN", default_value_t = 1 << 20)]
     pub max_series_per_run: usize,
 
+    /// Most runs the collector keeps; a batch of a new run beyond it is refused with 422 (each
+    /// run costs a summary, files per flush and a branch in every SQL query).
+    #[arg(long, env = "RANKWATCH_MAX_RUNS", default_value_t = 100_000)]
+    pub max_runs: usize,
+
     /// Most ranks one run may declare (`world_size`); larger is refused with 400.
     #[arg(long, env = "RANKWATCH_MAX_WORLD_SIZE", default_value_t = 16_384)]
     pub max_world_size: u32,
@@ -595,12 +600,13 @@ impl ServeConfig {
             return Err(Error::bad("--align-timeout must be positive"));
         }
         if self.max_body_bytes == 0
+            || self.max_runs == 0
             || self.max_batch_rows == 0
             || self.hot_budget_bytes == 0
             || self.max_world_size == 0
         {
             return Err(Error::bad(
-                "body, batch-row, hot-buffer and world-size limits must be positive",
+                "body, run, batch-row, hot-buffer and world-size limits must be positive",
             ));
         }
         for (flag, n) in [

@@ -264,6 +264,7 @@ async fn open_store(config: &ServeConfig, clock: SharedClock) -> Result<Store> {
     let limits = StoreLimits {
         hot_budget_bytes: config.hot_budget_bytes,
         max_series_per_run: config.max_series_per_run,
+        max_runs: config.max_runs,
         compact_small_rows: config.compact_small_rows,
         compact_max_rows: config.compact_max_rows,
         file_grace: config.query_timeout + Duration::from_secs(5),

@@ -53,11 +53,23 @@ use metrics::StoreMetrics;
 /// What changed, for `/api/v1/events` subscribers: the contract's event type.
 pub use rankwatch_api::Event;
 
+/// What an admitted batch holds against the caps until it is applied or fails.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// New series of its run.
+    pub series: usize,
+    /// Its run is not known yet.
+    pub new_run: bool,
+}
+
 /// Limits the store enforces at ingest.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreLimits {
     pub hot_budget_bytes: usize,
     pub max_series_per_run: usize,
+    /// Most runs the collector keeps (each costs a summary, files per flush and a branch in
+    /// every SQL query).
+    pub max_runs: usize,
     pub compact_small_rows: u64,
     pub compact_max_rows: u64,
     pub file_grace: Duration,
@@ -124,6 +136,9 @@ struct State {
     /// besides the run's own (before, N concurrent batches each passed against the series
     /// applied so far, and a run reached N times the cap).
     reserved_series: HashMap<RunId, usize>,
+    /// Runs not yet known whose first batches are admitted but not yet applied (how many
+    /// batches each), for the run cap.
+    reserved_runs: HashMap<RunId, usize>,
 }
 
 impl State {
@@ -178,9 +193,9 @@ pub struct RunUsage {
 /// Outcome of [`Store::begin`].
 #[derive(Debug)]
 pub enum Admission {
-    /// Write it; its new series are reserved against the run's cap until
-    /// [`Store::release_series`] is called (applied or failed).
-    Write { reserved: usize },
+    /// Write it; what it adds is reserved against the caps until [`Store::release`] is
+    /// called (applied or failed).
+    Write(Reservation),
     /// Already durable; acknowledge.
     Duplicate,
 }
@@ -418,6 +433,20 @@ impl Store {
             ));
             return refuse(&mut state, error);
         }
+        let new_run = !state.runs.contains_key(&entry.run);
+        if new_run && !state.reserved_runs.contains_key(&entry.run) {
+            let runs = state.runs.len() + state.reserved_runs.len();
+            if runs >= self.limits.max_runs {
+                let error = Error::Cardinality(format!(
+                    "the collector keeps {runs} runs, its limit (--max-runs {}): run {} is \
+                     not taken; delete runs (rankwatch runs delete) or let retention remove \
+                     them",
+                    self.limits.max_runs, entry.run
+                ));
+                return refuse(&mut state, error);
+            }
+        }
+        let mut reservation = Reservation { series: 0, new_run };
         if let Some(samples) = &entry.samples {
             let summary = state.runs.get(&entry.run);
             let have = summary.map_or(0, |s| s.series.len());
@@ -449,21 +478,33 @@ impl Store {
             if fresh > 0 {
                 *state.reserved_series.entry(entry.run.clone()).or_default() += fresh;
             }
-            return Ok(Admission::Write { reserved: fresh });
+            reservation.series = fresh;
         }
-        Ok(Admission::Write { reserved: 0 })
+        if new_run {
+            *state.reserved_runs.entry(entry.run.clone()).or_default() += 1;
+        }
+        Ok(Admission::Write(reservation))
     }
 
-    /// Ends the reservation of an admitted batch's new series (it was applied, or failed).
-    pub fn release_series(&self, run: &RunId, reserved: usize) {
-        if reserved == 0 {
+    /// Ends an admitted batch's reservation (it was applied, or failed).
+    pub fn release(&self, run: &RunId, reservation: Reservation) {
+        if reservation == Reservation::default() {
             return;
         }
         let mut state = self.lock();
-        if let Some(n) = state.reserved_series.get_mut(run) {
-            *n = n.saturating_sub(reserved);
-            if *n == 0 {
-                state.reserved_series.remove(run);
+        let state = &mut *state;
+        for (map, n) in [
+            (&mut state.reserved_series, reservation.series),
+            (&mut state.reserved_runs, usize::from(reservation.new_run)),
+        ] {
+            if n == 0 {
+                continue;
+            }
+            if let Some(left) = map.get_mut(run) {
+                *left = left.saturating_sub(n);
+                if *left == 0 {
+                    map.remove(run);
+                }
             }
         }
     }

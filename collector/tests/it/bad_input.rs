@@ -725,3 +725,67 @@ async fn concurrent_batches_cannot_take_a_run_past_its_series_cap() {
     assert!(accepted >= 1);
     c.shutdown().await.unwrap();
 }
+
+/// Issue 45's unlimited runs: a million one-row runs were accepted, each costing a summary,
+/// files per flush and a branch in every SQL query. Now a collector keeps at most `--max-runs`
+/// (100,000 by default); a new run beyond it — concurrent first batches included — is refused
+/// with 422 naming the flag, known runs still write, and a deleted run makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_collector_keeps_at_most_max_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.no_alert_engine = true;
+    config.max_runs = 3;
+    let c = Collector::open(&config).await.unwrap();
+    let body = |run: &str, step: u64| {
+        samples_ipc(
+            &[sample(run, Some(0), step, "loss", None, None, 1.0)],
+            false,
+        )
+    };
+    let names: Vec<String> = (0..8).map(|i| format!("r{i}")).collect();
+    let replies = futures_util::future::join_all(
+        names
+            .iter()
+            .map(|run| post(&c, "/api/v1/ingest", ARROW, None, body(run, 0))),
+    )
+    .await;
+    let accepted = replies.iter().filter(|r| r.status == 200).count();
+    assert_eq!(
+        accepted,
+        3,
+        "{:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    let refused = replies.iter().find(|r| r.status != 200).unwrap();
+    assert_eq!(refused.status, 422);
+    assert!(
+        refused.error().contains("--max-runs 3"),
+        "{}",
+        refused.error()
+    );
+    let runs = get(&c, "/api/v1/runs").await.json();
+    let kept: Vec<String> = runs["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(kept.len(), 3);
+    // A known run still writes; a deleted one makes room for a new one.
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body(&kept[0], 1)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("late", 0)).await;
+    assert_eq!(r.status, 422);
+    let deleted = call(
+        &c,
+        axum::http::Request::delete(format!("/api/v1/runs/{}", kept[1]))
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(deleted.status, 200, "{}", deleted.text());
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("late", 0)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    c.shutdown().await.unwrap();
+}
