@@ -368,8 +368,8 @@ pub struct ServeConfig {
     pub max_concurrent_requests: usize,
 
     /// Ingest bodies being read, decoded and committed at once, in bytes (by their declared
-    /// length); beyond it a batch waits up to --queue-wait, then gets 429. At least
-    /// --max-body-bytes.
+    /// length; a body without one as its bytes arrive); beyond it a batch waits up to
+    /// --queue-wait, then gets 429. At least --max-body-bytes.
     #[arg(long, env = "RANKWATCH_MAX_INFLIGHT_BYTES", default_value = "256MiB", value_parser = parse_size)]
     pub max_inflight_bytes: usize,
 

@@ -63,6 +63,47 @@ pub(super) async fn read_body(
     }
 }
 
+/// How much of an ingest body of unknown length is charged to the in-flight budget at a time.
+const CHARGE_STEP: usize = 64 << 10;
+
+/// Reads an ingest body of unknown length (chunked), charging the in-flight budget in
+/// [`CHARGE_STEP`]s as bytes arrive, so a stalled body holds what it sent, not the limit;
+/// within `--body-timeout`, refused past `limit`.
+async fn read_charging(
+    state: &AppState,
+    body: Body,
+    limit: usize,
+) -> Result<(Bytes, Vec<super::admission::Slot>)> {
+    let admission = &state.inner.admission;
+    let timeout = admission.limits().body_timeout;
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buffer = bytes::BytesMut::new();
+        let mut slots = Vec::new();
+        let mut charged = 0usize;
+        while let Some(chunk) = stream.next().await {
+            let chunk =
+                chunk.map_err(|e| Error::bad(format!("the request body broke off: {e}")))?;
+            if buffer.len() + chunk.len() > limit {
+                return Err(Error::BodyTooLarge { limit });
+            }
+            buffer.extend_from_slice(&chunk);
+            while charged < buffer.len() {
+                let step = CHARGE_STEP.min(limit - charged).max(1);
+                slots.push(admission.body_bytes(step).await?);
+                charged += step;
+            }
+        }
+        Ok((buffer.freeze(), slots))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::Timeout(format!(
+            "the request body did not arrive within {timeout:?} (--body-timeout)"
+        ))),
+    }
+}
+
 /// Bodies of the small JSON endpoints (rules, probe switches, retention).
 pub(super) const SMALL_BODY_LIMIT: usize = 2 << 20;
 
@@ -97,15 +138,17 @@ pub(super) async fn ingest(
             return Err(Error::BodyTooLarge { limit });
         }
         // Before a byte is read: a collector over its memory budget says so at once, and
-        // bodies are admitted only while there is room for them (a body of unknown length
-        // is counted at the limit).
+        // bodies are admitted only while there is room for them. A declared length is charged
+        // whole before the body is read; a body of unknown length (chunked) as it arrives —
+        // charged at the limit up front, four stalled ones held the whole budget.
         ingestor.committer.store.check_budget()?;
-        let room = state
-            .inner
-            .admission
-            .body_bytes(declared.unwrap_or(limit))
-            .await?;
-        let body = read_body(&state, body, &headers, limit).await?;
+        let (body, room) = match declared {
+            Some(length) => {
+                let room = state.inner.admission.body_bytes(length).await?;
+                (read_body(&state, body, &headers, limit).await?, vec![room])
+            }
+            None => read_charging(&state, body, limit).await?,
+        };
         let key = match headers.get("idempotency-key") {
             Some(v) => Some(
                 v.to_str()

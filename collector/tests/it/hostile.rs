@@ -248,6 +248,52 @@ async fn ingest_bodies_in_flight_are_bounded_by_their_declared_size() {
     server.stop().await;
 }
 
+/// Issue 45's stalled chunked bodies: a body without Content-Length was charged the whole
+/// body limit up front and held it up to --body-timeout, so a few of them took the ingest
+/// budget and every agent got 429. Now it is charged as its bytes arrive (64 KiB at a time):
+/// four stalled chunked bodies hold 4 × 64 KiB, and a real batch beside them is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_chunked_bodies_hold_what_they_sent_not_the_body_limit() {
+    let server = Server::start(|c| {
+        c.max_body_bytes = 1 << 20;
+        c.max_inflight_bytes = 2 << 20;
+        c.queue_wait = Duration::from_millis(100);
+        c.body_timeout = Duration::from_secs(20);
+    })
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        let mut stream = server.connect().await;
+        let head = format!(
+            "POST /api/v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ARROW}\r\n\
+             Transfer-Encoding: chunked\r\n\r\na\r\nxxxxxxxxxx\r\n"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stalled.push(stream);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        metric(&server, "rankwatch_inflight_body_bytes").await,
+        4.0 * 65_536.0,
+        "each stalled body holds one step, not the 1 MiB limit"
+    );
+    let body = samples_ipc(&workload("beside", 2, 5, 1), false);
+    let stored = server.ingest(&body, None).await;
+    assert_eq!(stored.status, 200, "{stored:?}");
+    // The stalled ones are still waiting, not refused.
+    for stream in &mut stalled {
+        let mut byte = [0u8; 1];
+        let answered =
+            tokio::time::timeout(Duration::from_millis(50), stream.read(&mut byte)).await;
+        assert!(
+            answered.is_err(),
+            "a stalled body was answered: {answered:?}"
+        );
+    }
+    drop(stalled);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_streams_are_capped_and_end_cleanly_at_shutdown() {
     let server = Server::start(|c| c.max_event_streams = 2).await;
