@@ -10,8 +10,9 @@
 use crate::alert::{Alert, Rule};
 use rankwatch_api::Incident;
 
-/// The suggested action for `incident`, whose cause is `cause`.
-pub fn suggest(incident: &Incident, cause: &Alert) -> String {
+/// The suggested action for `incident`, whose cause is `cause`, in a run of `world` ranks
+/// (when known).
+pub fn suggest(incident: &Incident, cause: &Alert, world: Option<u32>) -> String {
     let step = incident.first_step;
     let one_rank = !incident.every_rank && !incident.ranks.is_empty();
     let ranks = ranks_phrase(&incident.ranks);
@@ -19,11 +20,8 @@ pub fn suggest(incident: &Incident, cause: &Alert) -> String {
     match cause.rule {
         Rule::ReplicaDivergence => {
             let named = ranks_phrase(&cause.outlier_ranks);
-            // The detector's words for "every replica named": two replicas, or a tie.
-            let untold = cause
-                .explanation
-                .contains("which one changed cannot be told")
-                || cause.explanation.contains("no majority");
+            // Every replica named (two replicas, or a tie): which changed cannot be told.
+            let untold = world.is_some_and(|w| cause.outlier_ranks.len() >= w as usize);
             if untold {
                 format!(
                     "Stop the run: its replicas no longer hold the same parameters, and which \

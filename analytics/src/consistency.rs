@@ -26,7 +26,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::math::dispersion::{MAD_TO_SIGMA, median};
+use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA, median};
 
 pub use rankwatch_api::{ConsistencyReport, ConsistencyVerdict, DispersionIndicator, RankStanding};
 
@@ -76,7 +76,6 @@ fn sample_cv(values: &[f64]) -> Option<f64> {
 
 /// One quantity's indicator: observed vs independent shards; `None` without enough data.
 fn indicator(steps: &[StepValues], get: Pick) -> Option<DispersionIndicator> {
-    let usable = |v: Option<f64>| v.filter(|v| v.is_finite() && *v > 0.0);
     // Observed: the cross-rank CV of each step where every reporting rank has a value.
     let mut observed = Vec::new();
     let mut k_seen = Vec::new();
@@ -103,7 +102,7 @@ fn indicator(steps: &[StepValues], get: Pick) -> Option<DispersionIndicator> {
     }
     let mut relative_noise = Vec::new();
     for series in per_rank.values() {
-        let mut diffs: Vec<f64> = series
+        let diffs: Vec<f64> = series
             .windows(2)
             .filter(|w| w[1].0 == w[0].0 + 1)
             .map(|w| w[1].1 - w[0].1)
@@ -111,9 +110,10 @@ fn indicator(steps: &[StepValues], get: Pick) -> Option<DispersionIndicator> {
         if diffs.len() < MIN_STEPS {
             continue;
         }
-        let centre = median(&mut diffs.clone());
-        let mut dev: Vec<f64> = diffs.iter_mut().map(|d| (*d - centre).abs()).collect();
-        let sigma = MAD_TO_SIGMA * median(&mut dev) / std::f64::consts::SQRT_2;
+        let Some(steps_apart) = Dispersion::of(&diffs) else {
+            continue;
+        };
+        let sigma = MAD_TO_SIGMA * steps_apart.mad / std::f64::consts::SQRT_2;
         let level = median(&mut series.iter().map(|&(_, v)| v).collect::<Vec<_>>());
         if level > 0.0 {
             relative_noise.push(sigma / level);
@@ -136,51 +136,53 @@ fn indicator(steps: &[StepValues], get: Pick) -> Option<DispersionIndicator> {
     })
 }
 
-/// Each rank's typical loss and gradient norm relative to the median of the others'.
-fn standings(steps: &[StepValues]) -> Vec<RankStanding> {
-    let mut rel: BTreeMap<u32, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+/// A value the report can use: finite and positive (a CV and a ratio need a level).
+fn usable(v: Option<f64>) -> Option<f64> {
+    v.filter(|v| v.is_finite() && *v > 0.0)
+}
+
+/// Each rank's median, over the steps where two or more ranks have the quantity, of its value
+/// over the median of the other ranks'.
+fn relative_to_others(steps: &[StepValues], get: Pick) -> BTreeMap<u32, f64> {
+    let mut ratios: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
     for s in steps {
-        for (which, get) in [
-            (
-                0,
-                (|r: &(Option<f64>, Option<f64>)| r.0) as fn(&_) -> Option<f64>,
-            ),
-            (1, |r: &(Option<f64>, Option<f64>)| r.1),
-        ] {
-            let values: Vec<(u32, f64)> = s
-                .ranks
+        let values: Vec<(u32, f64)> = s
+            .ranks
+            .iter()
+            .filter_map(|(&rank, r)| usable(get(r)).map(|v| (rank, v)))
+            .collect();
+        if values.len() < 2 {
+            continue;
+        }
+        for &(rank, own) in &values {
+            let mut others: Vec<f64> = values
                 .iter()
-                .filter_map(|(&rank, r)| {
-                    get(r)
-                        .filter(|v| v.is_finite() && *v > 0.0)
-                        .map(|v| (rank, v))
-                })
+                .filter(|(r, _)| *r != rank)
+                .map(|&(_, v)| v)
                 .collect();
-            if values.len() < 2 {
-                continue;
-            }
-            for &(rank, own) in &values {
-                let mut others: Vec<f64> = values
-                    .iter()
-                    .filter(|(r, _)| *r != rank)
-                    .map(|&(_, v)| v)
-                    .collect();
-                let theirs = median(&mut others);
-                let entry = rel.entry(rank).or_default();
-                let list = if which == 0 {
-                    &mut entry.0
-                } else {
-                    &mut entry.1
-                };
-                list.push(own / theirs);
-            }
+            ratios
+                .entry(rank)
+                .or_default()
+                .push(own / median(&mut others));
         }
     }
-    rel.into_iter()
-        .map(|(rank, (mut loss, mut grad))| RankStanding {
+    ratios
+        .into_iter()
+        .map(|(rank, mut r)| (rank, median(&mut r)))
+        .collect()
+}
+
+/// Each rank's typical loss and gradient norm relative to the median of the others'.
+fn standings(steps: &[StepValues]) -> Vec<RankStanding> {
+    let loss = relative_to_others(steps, |r| r.0);
+    let grad = relative_to_others(steps, |r| r.1);
+    let ranks: std::collections::BTreeSet<u32> = loss.keys().chain(grad.keys()).copied().collect();
+    ranks
+        .into_iter()
+        .map(|rank| RankStanding {
             rank,
-            loss_vs_others: (!loss.is_empty()).then(|| median(&mut loss)),
-            grad_norm_vs_others: (!grad.is_empty()).then(|| median(&mut grad)),
+            loss_vs_others: loss.get(&rank).copied(),
+            grad_norm_vs_others: grad.get(&rank).copied(),
         })
         .collect()
 }

@@ -154,7 +154,7 @@ fn summarise(alerts: Vec<Alert>, world: Option<u32>) -> Incident {
         silenced_by: Vec::new(),
         alerts: alerts.iter().map(Into::into).collect(),
     };
-    incident.action = crate::advice::suggest(&incident, cause);
+    incident.action = crate::advice::suggest(&incident, cause, world);
     incident
 }
 

@@ -32,9 +32,24 @@ pub fn run_files(dir: &Path) -> Result<Vec<(RunId, std::path::PathBuf)>> {
 
 /// Atomically replaces `path` with `bytes`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_mode(path, bytes, None)
+}
+
+/// [`write_atomic`] with the file's Unix permissions set to `mode` when given (before a byte
+/// is written: a token file is never readable by others, not even while being written).
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: Option<u32>) -> Result<()> {
     let tmp = path.with_extension("tmp");
     {
-        let mut file = File::create(&tmp)?;
+        let mut options = fs::OpenOptions::new();
+        options.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        if let Some(mode) = mode {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(mode);
+        }
+        #[cfg(not(unix))]
+        let _ = mode;
+        let mut file = options.open(&tmp)?;
         file.write_all(bytes)?;
         file.sync_all()?;
     }

@@ -9,7 +9,6 @@
 //! token or a complete one. Files that exist are kept and not printed again: running it twice
 //! changes nothing, and a token already handed out stays valid.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -41,35 +40,11 @@ pub fn create(dir: &Path, shared: bool) -> Result<Vec<(&'static str, PathBuf, St
             continue;
         }
         let token = fresh()?;
-        write_whole(
-            &path,
-            format!("{token}\n").as_bytes(),
-            if shared { 0o644 } else { 0o600 },
-        )?;
+        let mode = if shared { 0o644 } else { 0o600 };
+        crate::fsutil::write_atomic_mode(&path, format!("{token}\n").as_bytes(), Some(mode))?;
         made.push((group, path, token));
     }
     Ok(made)
-}
-
-/// Writes `bytes` to `path` with permissions `mode`, atomically.
-fn write_whole(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(mode);
-    }
-    #[cfg(not(unix))]
-    let _ = mode;
-    {
-        let mut file = options.open(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    crate::fsutil::sync_parent(path)
 }
 
 /// What `rankwatch tokens` prints.

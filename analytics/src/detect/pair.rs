@@ -28,7 +28,7 @@ use std::collections::VecDeque;
 use super::lifecycle::Breach;
 use super::short;
 use crate::alert::Severity;
-use crate::math::dispersion::{MAD_TO_SIGMA, median};
+use crate::math::dispersion::{Dispersion, MAD_TO_SIGMA, median};
 use crate::math::step::RankValues;
 
 /// Thresholds, from `SilentInconsistencyConfig`.
@@ -57,6 +57,8 @@ pub(super) enum PairVerdict {
 #[derive(Debug, Clone, Copy)]
 struct Point {
     step: u64,
+    /// The two ranks, lower first; the arrays below follow this order.
+    ranks: [u32; 2],
     /// ln loss of rank 0 and rank 1 (by rank number).
     loss: [f64; 2],
     norm: [f64; 2],
@@ -69,6 +71,7 @@ impl Point {
         let ln = |v: Option<f64>| v.filter(|v| v.is_finite() && *v > 0.0).map(f64::ln);
         Some(Point {
             step,
+            ranks: [a.rank, b.rank],
             loss: [ln(a.loss)?, ln(b.loss)?],
             norm: [ln(a.grad_norm)?, ln(b.grad_norm)?],
         })
@@ -107,13 +110,6 @@ impl Quantity {
     }
 }
 
-/// Robust centre and scale of `values` (consumed).
-fn centre_and_scale(mut values: Vec<f64>) -> (f64, f64) {
-    let centre = median(&mut values);
-    let mut deviations: Vec<f64> = values.iter().map(|v| (v - centre).abs()).collect();
-    (centre, MAD_TO_SIGMA * median(&mut deviations))
-}
-
 impl Pair {
     /// Folds in one step (only 2-rank steps count; anything else abstains).
     pub(super) fn observe(
@@ -142,9 +138,7 @@ impl Pair {
         let Some(point) = Point::of(step, ranks) else {
             return PairVerdict::Abstain;
         };
-        let mut order: Vec<u32> = ranks.iter().map(|r| r.rank).collect();
-        order.sort_unstable();
-        self.ranks = [order[0], order[1]];
+        self.ranks = point.ranks;
         // A step that goes back (a resume) starts over.
         if self.points.back().is_some_and(|p| p.step >= step) {
             self.points.clear();
@@ -169,7 +163,10 @@ impl Pair {
         let mut worst: Option<(f64, Quantity, f64, [f64; 2])> = None;
         for q in [Quantity::Loss, Quantity::GradNorm] {
             let ratio = |p: &Point| q.get(p)[1] - q.get(p)[0];
-            let (centre, scale) = centre_and_scale(base.iter().map(ratio).collect());
+            let Some(spread) = Dispersion::of(&base.iter().map(ratio).collect::<Vec<_>>()) else {
+                continue;
+            };
+            let (centre, scale) = (spread.median, MAD_TO_SIGMA * spread.mad);
             let now = median(&mut recent.iter().map(ratio).collect::<Vec<_>>());
             let shift = now - centre;
             let z = shift.abs() / scale.max(0.01);

@@ -53,14 +53,27 @@ pub(super) async fn read_body(
     if declared_length(headers).is_some_and(|n| n > limit) {
         return Err(Error::BodyTooLarge { limit });
     }
+    within_body_timeout(state, async {
+        axum::body::to_bytes(body, limit)
+            .await
+            .map_err(|_| Error::BodyTooLarge { limit })
+    })
+    .await
+}
+
+/// `read` (a body being read), cut off at `--body-timeout`.
+async fn within_body_timeout<T>(
+    state: &AppState,
+    read: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
     let timeout = state.inner.admission.limits().body_timeout;
-    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(_)) => Err(Error::BodyTooLarge { limit }),
-        Err(_) => Err(Error::Timeout(format!(
-            "the request body did not arrive within {timeout:?} (--body-timeout)"
-        ))),
-    }
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Timeout(format!(
+                "the request body did not arrive within {timeout:?} (--body-timeout)"
+            )))
+        })
 }
 
 /// How much of an ingest body of unknown length is charged to the in-flight budget at a time.
@@ -75,8 +88,7 @@ async fn read_charging(
     limit: usize,
 ) -> Result<(Bytes, Vec<super::admission::Slot>)> {
     let admission = &state.inner.admission;
-    let timeout = admission.limits().body_timeout;
-    let read = async {
+    within_body_timeout(state, async {
         let mut stream = body.into_data_stream();
         let mut buffer = bytes::BytesMut::new();
         let mut slots = Vec::new();
@@ -95,13 +107,8 @@ async fn read_charging(
             }
         }
         Ok((buffer.freeze(), slots))
-    };
-    match tokio::time::timeout(timeout, read).await {
-        Ok(result) => result,
-        Err(_) => Err(Error::Timeout(format!(
-            "the request body did not arrive within {timeout:?} (--body-timeout)"
-        ))),
-    }
+    })
+    .await
 }
 
 /// Bodies of the small JSON endpoints (rules, probe switches, retention).
