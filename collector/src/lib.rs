@@ -26,6 +26,7 @@ pub mod commit;
 pub mod config;
 pub mod decode;
 pub mod dirlock;
+pub mod disk;
 pub mod entry;
 pub mod error;
 pub mod export;

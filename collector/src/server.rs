@@ -26,6 +26,7 @@ use crate::clock::{SharedClock, SystemClock};
 use crate::commit::Committer;
 use crate::config::ServeConfig;
 use crate::decode::{self, Entry, Limits};
+use crate::disk::{RealDisk, SharedDisk};
 use crate::error::Result;
 use crate::idempotency::Key;
 use crate::ingest::{IngestMetrics, Ingestor};
@@ -62,10 +63,20 @@ impl Collector {
     /// [`Collector::open`] on a given clock: every time-dependent rule (step deadlines, stale
     /// ranks, idle runs, retention ages, the active-run window) reads this one.
     pub async fn open_with_clock(config: &ServeConfig, clock: SharedClock) -> Result<Collector> {
+        Collector::open_on(config, clock, RealDisk::shared()).await
+    }
+
+    /// [`Collector::open_with_clock`] with the Parquet side written through `disk` (tests of
+    /// a full or failing disk; see [`crate::disk`]).
+    pub async fn open_on(
+        config: &ServeConfig,
+        clock: SharedClock,
+        disk: SharedDisk,
+    ) -> Result<Collector> {
         config.check()?;
         // Before anything in the directory is read, let alone deleted as a leftover.
         let lock = crate::dirlock::DirLock::acquire(&config.data_dir)?;
-        let store = Arc::new(open_store(config, clock).await?);
+        let store = Arc::new(open_store(config, clock, disk).await?);
         let queries = Queries::new(
             store.clone(),
             config.query_timeout,
@@ -260,7 +271,7 @@ impl Collector {
 
 /// Opens the store on its backend (local directory or object storage): the manifest, the run
 /// tables, the key snapshot.
-async fn open_store(config: &ServeConfig, clock: SharedClock) -> Result<Store> {
+async fn open_store(config: &ServeConfig, clock: SharedClock, disk: SharedDisk) -> Result<Store> {
     let limits = StoreLimits {
         hot_budget_bytes: config.hot_budget_bytes,
         max_series_per_run: config.max_series_per_run,
@@ -272,7 +283,7 @@ async fn open_store(config: &ServeConfig, clock: SharedClock) -> Result<Store> {
     };
     let backend = match config.remote_storage() {
         Some(url) => Backend::s3(url, &config.node_id(), &config.data_dir)?,
-        None => Backend::Local(config.data_dir.clone()),
+        None => Backend::local_on(&config.data_dir, disk),
     };
     tracing::info!(storage = %backend.describe(), "opening the store");
     // Opening reads the manifest and the run tables, over the network with object storage.

@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 pub(crate) const COLLECTOR_LAYERS: &[&[&str]] = &[
     // The error type and the metric helpers everything shares.
     &["error", "Labels", "seconds_histogram"],
-    // File helpers, the data directory's lock and the clock.
-    &["fsutil", "dirlock", "clock"],
+    // File helpers, the file-system seam, the data directory's lock and the clock.
+    &["fsutil", "disk", "dirlock", "clock"],
     // The data model and the durable primitives under the store.
     &[
         "entry",

@@ -184,7 +184,7 @@ impl Queries {
         let filter = read.select.expr();
         // Local parts are read directly; the rest (object storage) through DataFusion.
         let local = match self.store().backend() {
-            Backend::Local(dir) if self.point_reads => Some(dir.clone()),
+            Backend::Local(l) if self.point_reads => Some(l.dir.clone()),
             _ => None,
         };
         let (mut raw_rows, mut rollup_rows) = (0u64, 0u64);

@@ -37,15 +37,24 @@ use url::Url;
 
 use super::files;
 use super::manifest::Manifest;
+use crate::disk::{RealDisk, SharedDisk};
 use crate::error::{Error, Result};
 
 /// The Parquet side's home.
 #[derive(Debug, Clone)]
 pub enum Backend {
     /// Files under the data directory.
-    Local(PathBuf),
+    Local(Local),
     /// Objects under a prefix of an object store.
     Remote(Arc<Remote>),
+}
+
+/// The data directory as the Parquet side's home, written through a [`Disk`] (the real one
+/// but in tests of disk faults).
+#[derive(Debug, Clone)]
+pub struct Local {
+    pub dir: PathBuf,
+    pub disk: SharedDisk,
 }
 
 /// An object-store prefix this collector writes its parts and manifest under.
@@ -94,6 +103,19 @@ fn instance_id(data_dir: &Path) -> Result<String> {
 }
 
 impl Backend {
+    /// Parts and manifest under `dir`, on the machine's file system.
+    pub fn local(dir: &Path) -> Backend {
+        Backend::local_on(dir, RealDisk::shared())
+    }
+
+    /// Parts and manifest under `dir`, written through `disk`.
+    pub fn local_on(dir: &Path, disk: SharedDisk) -> Backend {
+        Backend::Local(Local {
+            dir: dir.to_owned(),
+            disk,
+        })
+    }
+
     /// Connects to the object store named by `url` (`s3://bucket[/prefix]`), with credentials
     /// and endpoint from the usual `AWS_*` environment variables. `data_dir` holds the staging
     /// area. Must be called inside the runtime (it keeps its handle).
@@ -146,7 +168,7 @@ impl Backend {
     /// Where a reader finds the part at `relative`: an absolute path, or an `s3://` URL.
     pub fn location(&self, relative: &Path) -> String {
         match self {
-            Backend::Local(dir) => dir.join(relative).to_string_lossy().into_owned(),
+            Backend::Local(l) => l.dir.join(relative).to_string_lossy().into_owned(),
             Backend::Remote(r) => format!("{}/{}", r.bucket(), r.key(relative)),
         }
     }
@@ -154,7 +176,7 @@ impl Backend {
     /// A human-readable name of where the data lives, for logs.
     pub fn describe(&self) -> String {
         match self {
-            Backend::Local(dir) => dir.display().to_string(),
+            Backend::Local(l) => l.dir.display().to_string(),
             Backend::Remote(r) => format!("{}/{} (node {})", r.bucket(), r.prefix, r.node),
         }
     }
@@ -167,10 +189,10 @@ impl Backend {
         relative: &Path,
     ) -> Result<u64> {
         match self {
-            Backend::Local(dir) => files::write(layout, batches, &dir.join(relative)),
+            Backend::Local(l) => files::write(&*l.disk, layout, batches, &l.dir.join(relative)),
             Backend::Remote(r) => {
                 let staged = r.staging.join(relative);
-                let size = files::write(layout, batches, &staged)?;
+                let size = files::write(&RealDisk, layout, batches, &staged)?;
                 let uploaded = r.upload(&staged, relative);
                 let _ = std::fs::remove_file(&staged);
                 uploaded.map(|()| size)
@@ -181,7 +203,7 @@ impl Backend {
     /// Reads a whole part.
     pub fn read(&self, relative: &Path) -> Result<Vec<RecordBatch>> {
         match self {
-            Backend::Local(dir) => files::read(&dir.join(relative)),
+            Backend::Local(l) => files::read(&l.dir.join(relative)),
             Backend::Remote(r) => files::read_bytes(r.fetch(relative)?),
         }
     }
@@ -190,16 +212,16 @@ impl Backend {
     /// goes too.
     pub fn remove(&self, relative: &Path) -> Result<()> {
         match self {
-            Backend::Local(dir) => {
-                let path = dir.join(relative);
-                match std::fs::remove_file(&path) {
+            Backend::Local(l) => {
+                let path = l.dir.join(relative);
+                match l.disk.remove_file(&path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => return Err(e.into()),
                 }
                 // Removing a non-empty directory fails, which is the test.
                 if let Some(parent) = path.parent() {
-                    let _ = std::fs::remove_dir(parent);
+                    let _ = l.disk.remove_dir(parent);
                 }
                 Ok(())
             }
@@ -273,7 +295,7 @@ impl Backend {
     /// The committed manifest; `None` where none was ever written.
     pub fn find_manifest(&self) -> Result<Option<Manifest>> {
         match self {
-            Backend::Local(dir) => Manifest::load(dir),
+            Backend::Local(l) => Manifest::load(&l.dir),
             Backend::Remote(r) => {
                 let key = r.manifest_key()?;
                 let read = r.handle.block_on(async {
@@ -296,7 +318,7 @@ impl Backend {
     /// Replaces the manifest atomically: the commit point of flushes and compactions.
     pub fn save_manifest(&self, manifest: &Manifest) -> Result<()> {
         match self {
-            Backend::Local(dir) => manifest.save(dir),
+            Backend::Local(l) => manifest.save(&*l.disk, &l.dir),
             Backend::Remote(r) => {
                 // Fencing, twice. The claim first: a collector that took this node id over
                 // owns the manifest from then on, even if this one could still write the
@@ -345,7 +367,7 @@ impl Backend {
     /// (`dry`: would go, deleting nothing).
     pub fn remove_unlisted(&self, manifest: &Manifest, dry: bool) -> Result<usize> {
         match self {
-            Backend::Local(dir) => manifest.remove_unlisted(dir, dry),
+            Backend::Local(l) => manifest.remove_unlisted(&*l.disk, &l.dir, dry),
             Backend::Remote(r) => {
                 if !dry {
                     match std::fs::remove_dir_all(&r.staging) {

@@ -6,7 +6,7 @@
 //! it is the Hive partition directory `run=<id>`, which is how DuckDB, Spark and Trino expect
 //! partition columns.
 
-use std::fs::{self, File};
+use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -16,6 +16,8 @@ use arrow_array::types::UInt64Type;
 use arrow_row::{RowConverter, SortField};
 use arrow_schema::{SchemaRef, SortOptions};
 use parquet::arrow::ArrowWriter;
+
+use crate::disk::Disk;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::SortingColumn;
@@ -23,7 +25,6 @@ use parquet::file::properties::{EnabledStatistics, WriterProperties};
 
 use crate::entry::Table;
 use crate::error::{Error, Result};
-use crate::fsutil::sync_parent;
 
 /// Columns a table is sorted by, by name.
 pub fn sort_columns(table: Table) -> &'static [&'static str] {
@@ -296,31 +297,23 @@ fn properties(layout: Layout, schema: &SchemaRef) -> WriterProperties {
 /// Writes `batches` (one schema, together already sorted as `layout` says, which the file
 /// records) to `path` durably: a temporary file, fsync, rename, directory fsync. Returns the
 /// file's size. Several batches are written one after the other, not concatenated first.
-pub fn write(layout: Layout, batches: &[RecordBatch], path: &Path) -> Result<u64> {
+pub fn write(disk: &dyn Disk, layout: Layout, batches: &[RecordBatch], path: &Path) -> Result<u64> {
     let Some(first) = batches.first() else {
         return Err(Error::Corrupt {
             what: format!("a write of {}", path.display()),
             reason: "it has no batch".into(),
         });
     };
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir)?;
-        sync_parent(dir)?;
-    }
-    let tmp = path.with_extension("tmp");
-    let file = File::create(&tmp)?;
     let schema = first.schema();
-    let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(properties(layout, &schema)))?;
-    for batch in batches {
-        writer.write(batch)?;
-    }
-    let file = writer.into_inner()?;
-    file.sync_all()?;
-    let size = file.metadata()?.len();
-    drop(file);
-    fs::rename(&tmp, path)?;
-    sync_parent(path)?;
-    Ok(size)
+    crate::disk::write_with(disk, path, |file| -> Result<()> {
+        let mut writer =
+            ArrowWriter::try_new(file, schema.clone(), Some(properties(layout, &schema)))?;
+        for batch in batches {
+            writer.write(batch)?;
+        }
+        writer.close()?;
+        Ok(())
+    })
 }
 
 /// Reads a whole file.
@@ -513,6 +506,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("part-0.parquet");
         write(
+            &crate::disk::RealDisk,
             Layout::of(Table::Samples),
             std::slice::from_ref(&batch),
             &path,

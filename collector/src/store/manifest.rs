@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use rankwatch_analytics::RunId;
 use serde::{Deserialize, Serialize};
 
+use crate::disk::{Disk, write_atomic};
 use crate::entry::Table;
 use crate::error::{Error, Result};
-use crate::fsutil::write_atomic;
 
 const FILE: &str = "manifest.json";
 const VERSION: u32 = 1;
@@ -120,14 +120,14 @@ impl Manifest {
     }
 
     /// Replaces the manifest durably.
-    pub fn save(&self, dir: &Path) -> Result<()> {
-        write_atomic(&dir.join(FILE), &self.to_json()?)
+    pub fn save(&self, disk: &dyn Disk, dir: &Path) -> Result<()> {
+        Ok(write_atomic(disk, &dir.join(FILE), &self.to_json()?)?)
     }
 
     /// Deletes Parquet files the manifest does not list (left by a crash between writing a
     /// file and committing it) and temporary files. Returns how many were removed (`dry`:
     /// would be, deleting nothing).
-    pub fn remove_unlisted(&self, dir: &Path, dry: bool) -> Result<usize> {
+    pub fn remove_unlisted(&self, disk: &dyn Disk, dir: &Path, dry: bool) -> Result<usize> {
         let listed: std::collections::HashSet<PathBuf> =
             self.files.iter().map(|f| dir.join(f.relative())).collect();
         let mut removed = 0;
@@ -146,7 +146,7 @@ impl Manifest {
                     if ours && !listed.contains(&file) {
                         if !dry {
                             tracing::info!(file = %file.display(), "removing a file no manifest lists");
-                            fs::remove_file(&file)?;
+                            disk.remove_file(&file)?;
                         }
                         removed += 1;
                     }

@@ -24,6 +24,8 @@ pub struct StoreMetrics {
     pub parquet_bytes: Gauge,
     pub hot_bytes: Gauge,
     pub idempotency_sessions: Gauge,
+    /// Files a failed flush or compaction wrote that wait to be deleted (see `unlisted`).
+    pub unlisted_files: Gauge,
     /// Rows the series and heatmap reads took from raw samples and from rollups.
     pub downsampled_raw_rows: Counter,
     pub downsampled_rollup_rows: Counter,
@@ -49,6 +51,7 @@ impl Default for StoreMetrics {
             parquet_bytes: Gauge::default(),
             hot_bytes: Gauge::default(),
             idempotency_sessions: Gauge::default(),
+            unlisted_files: Gauge::default(),
             downsampled_raw_rows: Counter::default(),
             downsampled_rollup_rows: Counter::default(),
             point_read_parts: Counter::default(),
@@ -120,6 +123,11 @@ impl StoreMetrics {
             "idempotency_sessions",
             "Agent sessions whose applied idempotency keys are kept (bounded by the runs kept)",
             self.idempotency_sessions.clone(),
+        );
+        r.register(
+            "unlisted_files",
+            "Files a failed flush or compaction wrote that no manifest lists, waiting to be deleted",
+            self.unlisted_files.clone(),
         );
         r.register(
             "downsampled_raw_rows",

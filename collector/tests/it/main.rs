@@ -9,6 +9,7 @@ mod common;
 mod consistency;
 mod crash;
 mod dashboard;
+mod disk_full;
 mod hostile;
 mod incidents;
 mod openapi;

@@ -1,0 +1,136 @@
+//! The file-system seam of the Parquet side: every create, write, fsync, rename and delete
+//! the store makes under its data directory goes through a [`Disk`].
+//!
+//! Production uses [`RealDisk`] (`std::fs`). Tests implement the trait to be the disk that
+//! fails: one that fills up part-way through a flush, one that refuses the manifest's rename.
+//! That keeps fault injection out of the production path (no counters consulted on every
+//! write), as Vector's disk buffer does with its `Filesystem` trait. Reads stay on `std::fs`:
+//! what is read was written through the seam.
+
+use std::fmt::Debug;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+/// A file being written through a [`Disk`].
+pub trait DiskFile: Write + Send {
+    /// Makes the file's content durable (`fsync`).
+    fn sync_all(&mut self) -> io::Result<()>;
+    /// Its size now.
+    fn len(&self) -> io::Result<u64>;
+}
+
+/// What the store asks of the file system it writes to.
+pub trait Disk: Send + Sync + Debug {
+    /// Creates `dir` and its parents.
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Creates (or truncates) `path` for writing.
+    fn create(&self, path: &Path) -> io::Result<Box<dyn DiskFile>>;
+    /// Renames `from` over `to` (atomic replacement).
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Deletes a file.
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Deletes an empty directory (fails on a non-empty one).
+    fn remove_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Makes the creates, renames and deletes in `dir` durable (a directory fsync).
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+}
+
+/// A shared disk.
+pub type SharedDisk = Arc<dyn Disk>;
+
+/// The machine's file system.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RealDisk;
+
+impl RealDisk {
+    /// The real disk, shared.
+    pub fn shared() -> SharedDisk {
+        Arc::new(RealDisk)
+    }
+}
+
+impl DiskFile for File {
+    fn sync_all(&mut self) -> io::Result<()> {
+        File::sync_all(self)
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+}
+
+impl Disk for RealDisk {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        fs::create_dir_all(dir)
+    }
+
+    fn create(&self, path: &Path) -> io::Result<Box<dyn DiskFile>> {
+        Ok(Box::new(File::create(path)?))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        fs::rename(from, to)
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+
+    fn remove_dir(&self, dir: &Path) -> io::Result<()> {
+        fs::remove_dir(dir)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+}
+
+/// Durably replaces `path` with `bytes` on `disk`: a temporary file, fsync, rename, directory
+/// fsync. A failure removes the temporary file, so a full disk leaves nothing behind.
+pub fn write_atomic(disk: &dyn Disk, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_with(disk, path, |file| file.write_all(bytes)).map(|_| ())
+}
+
+/// Writes `path` durably on `disk` with what `fill` writes: a temporary file beside it, filled
+/// and fsynced, renamed over `path`, and the directory fsynced. Returns the file's size. On any
+/// failure the temporary file is removed (best effort) and the error returned: nothing is left
+/// that no manifest will ever list. The parent directory is created (and made durable) first.
+pub fn write_with<E: From<io::Error> + std::fmt::Display>(
+    disk: &dyn Disk,
+    path: &Path,
+    fill: impl FnOnce(&mut Box<dyn DiskFile>) -> Result<(), E>,
+) -> Result<u64, E> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        disk.create_dir_all(dir)?;
+        disk.sync_dir(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let written = (|| -> Result<u64, E> {
+        let mut file = disk.create(&tmp)?;
+        fill(&mut file)?;
+        file.flush()?;
+        file.sync_all()?;
+        let size = file.len()?;
+        drop(file);
+        disk.rename(&tmp, path)?;
+        Ok(size)
+    })();
+    let size = match written {
+        Ok(size) => size,
+        Err(e) => {
+            if let Err(left) = disk.remove_file(&tmp)
+                && left.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(file = %tmp.display(), error = %left, "could not remove a temporary file after a failed write");
+            }
+            return Err(e);
+        }
+    };
+    if let Some(dir) = dir {
+        disk.sync_dir(dir)?;
+    }
+    Ok(size)
+}

@@ -1,0 +1,219 @@
+//! Admission and apply: what a batch must pass before it is logged (the hot-buffer budget,
+//! the run and series caps, idempotency), and how a durable batch joins the hot buffer. The
+//! caps count what admitted batches will add ([`Reservation`]) until they are applied or
+//! fail, so batches in flight together cannot pass a cap one by one.
+
+use rankwatch_analytics::RunId;
+
+use super::index::RunSummary;
+use super::{Admission, Event, Reservation, State, Store, files};
+use crate::entry::{Entry, Table};
+use crate::error::{Error, Result};
+use crate::idempotency::{Check, Key};
+
+impl Store {
+    /// Refuses with 429 (and starts a flush) while the hot buffer is at twice its budget:
+    /// ingest asks before it reads a body, and again when it commits.
+    pub fn check_budget(&self) -> Result<()> {
+        let hot = self.lock().hot_bytes;
+        self.budget_left(hot)
+    }
+
+    fn budget_left(&self, hot_bytes: usize) -> Result<()> {
+        if hot_bytes >= self.limits.hot_budget_bytes.saturating_mul(2) {
+            self.flush_wanted.notify_one();
+            return Err(Error::Backpressure {
+                bytes: hot_bytes,
+                retry_after_s: 1,
+            });
+        }
+        Ok(())
+    }
+
+    /// Admission control before a batch is logged: memory budget, cardinality, idempotency.
+    pub fn begin(&self, key: Option<&Key>, entry: &Entry) -> Result<Admission> {
+        let mut state = self.lock();
+        if let Some(key) = key {
+            match state.keys.begin(key) {
+                Check::Applied => return Ok(Admission::Duplicate),
+                Check::InFlight => return Err(Error::InFlight(key.to_string())),
+                Check::New => {}
+            }
+        }
+        let refuse = |state: &mut State, error: Error| -> Result<Admission> {
+            if let Some(key) = key {
+                state.keys.abort(key);
+            }
+            Err(error)
+        };
+        if let Err(e) = self.budget_left(state.hot_bytes) {
+            return refuse(&mut state, e);
+        }
+        if !state.runs.contains_key(&entry.run)
+            && let Some(twin) = state
+                .runs
+                .keys()
+                .find(|r| r.as_str().eq_ignore_ascii_case(entry.run.as_str()))
+        {
+            // On a case-insensitive file system (macOS, Windows) or a data set copied to one,
+            // `run=Run1/` and `run=run1/` are one folder: the two runs' parts would mix.
+            let error = Error::bad(format!(
+                "run id {:?} differs from the existing run {:?} only in letter case; run ids \
+                 must differ in more than case (their folders collide on case-insensitive \
+                 file systems)",
+                entry.run.as_str(),
+                twin.as_str()
+            ));
+            return refuse(&mut state, error);
+        }
+        let new_run = !state.runs.contains_key(&entry.run);
+        if new_run && !state.reserved_runs.contains_key(&entry.run) {
+            let runs = state.runs.len() + state.reserved_runs.len();
+            if runs >= self.limits.max_runs {
+                let error = Error::Cardinality(format!(
+                    "the collector keeps {runs} runs, its limit (--max-runs {}): run {} is \
+                     not taken; delete runs (rankwatch runs delete) or let retention remove \
+                     them",
+                    self.limits.max_runs, entry.run
+                ));
+                return refuse(&mut state, error);
+            }
+        }
+        let mut reservation = Reservation { series: 0, new_run };
+        if let Some(samples) = &entry.samples {
+            let summary = state.runs.get(&entry.run);
+            let have = summary.map_or(0, |s| s.series.len());
+            let batch = files::without_run(samples)?;
+            let fresh = match summary {
+                Some(s) => s.new_series(&batch),
+                None => RunSummary::default().new_series(&batch),
+            };
+            // Batches in flight count with their new series (conservatively: two in flight
+            // with the same new series count it twice until one is applied).
+            let pending = state.reserved_series.get(&entry.run).copied().unwrap_or(0);
+            if have + pending + fresh > self.limits.max_series_per_run {
+                let limit = self.limits.max_series_per_run;
+                return refuse(
+                    &mut state,
+                    Error::Cardinality(format!(
+                        "run {} would have {} series (metric, layer, site, rank), over the limit of {limit}; \
+                         this batch adds {fresh} new ones{}",
+                        entry.run,
+                        have + pending + fresh,
+                        if pending > 0 {
+                            format!(" and batches being written add up to {pending}")
+                        } else {
+                            String::new()
+                        }
+                    )),
+                );
+            }
+            if fresh > 0 {
+                *state.reserved_series.entry(entry.run.clone()).or_default() += fresh;
+            }
+            reservation.series = fresh;
+        }
+        if new_run {
+            *state.reserved_runs.entry(entry.run.clone()).or_default() += 1;
+        }
+        Ok(Admission::Write(reservation))
+    }
+
+    /// Ends an admitted batch's reservation (it was applied, or failed).
+    pub fn release(&self, run: &RunId, reservation: Reservation) {
+        if reservation == Reservation::default() {
+            return;
+        }
+        let mut state = self.lock();
+        let state = &mut *state;
+        for (map, n) in [
+            (&mut state.reserved_series, reservation.series),
+            (&mut state.reserved_runs, usize::from(reservation.new_run)),
+        ] {
+            if n == 0 {
+                continue;
+            }
+            if let Some(left) = map.get_mut(run) {
+                *left = left.saturating_sub(n);
+                if *left == 0 {
+                    map.remove(run);
+                }
+            }
+        }
+    }
+
+    /// Forgets an in-flight key whose write failed.
+    pub fn abort(&self, key: &Key) {
+        self.lock().keys.abort(key);
+    }
+
+    /// Applies a durable entry (called by the log writer in sequence order, and by replay).
+    pub fn apply(&self, seq: u64, key: Option<&Key>, entry: &Entry, seen_ms: i64) -> Result<()> {
+        let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
+        let sketches = entry
+            .sketches
+            .as_ref()
+            .map(files::without_run)
+            .transpose()?;
+        let mut events = Vec::new();
+        {
+            let mut state = self.lock();
+            let state = &mut *state;
+            state.applied_seq = state.applied_seq.max(seq);
+            if let Some(key) = key {
+                state.keys.commit(key, self.clock.now_ms());
+            }
+            // A record of a run deleted after it was logged (only seen in replay).
+            if state
+                .manifest
+                .deleted_runs
+                .get(&entry.run)
+                .is_some_and(|&through| seq <= through)
+            {
+                return Ok(());
+            }
+            let summary = state.runs.entry(entry.run.clone()).or_default();
+            summary.last_seen_ms = summary.last_seen_ms.max(seen_ms);
+            if let Some(info) = &entry.info {
+                if summary.info.as_ref() != Some(info) {
+                    summary.info = Some(info.clone());
+                    state.runs_dirty.push(entry.run.clone());
+                }
+                events.push(Event::Run {
+                    run: entry.run.to_string(),
+                    world_size: info.world_size,
+                });
+            }
+            if let Some(batch) = &samples {
+                summary.add_samples(batch, seen_ms);
+                let (first, last) = files::step_range(batch);
+                events.push(Event::Samples {
+                    run: entry.run.to_string(),
+                    rows: batch.num_rows() as u64,
+                    first_step: first.unwrap_or(0),
+                    last_step: last.unwrap_or(0),
+                });
+            }
+            if let Some(batch) = &sketches {
+                summary.sketches += batch.num_rows() as u64;
+            }
+            for (table, batch) in [(Table::Samples, samples), (Table::Sketches, sketches)] {
+                if let Some(batch) = batch {
+                    let bytes = batch.get_array_memory_size();
+                    let part = state.hot.entry((table, entry.run.clone())).or_default();
+                    part.bytes += bytes;
+                    part.batches.push(batch);
+                    state.hot_bytes += bytes;
+                }
+            }
+            self.metrics.hot_bytes.set(state.hot_bytes as i64);
+            if state.hot_bytes >= self.limits.hot_budget_bytes {
+                self.flush_wanted.notify_one();
+            }
+        }
+        for event in events {
+            self.publish(event);
+        }
+        Ok(())
+    }
+}
