@@ -68,6 +68,8 @@ pub struct Remote {
     node: String,
     /// This data directory's identity (`DIR/instance-id`): what the node's claim names.
     instance: String,
+    /// Its first characters, as part names carry it (see [`Backend::writer`]).
+    writer: String,
     /// The manifest's ETag as this collector last read or wrote it: its next write is
     /// conditional on it (`If-Match`), so a write by anyone else in between fails it. `None`
     /// before any manifest exists (the first write is `If-None-Match: *`).
@@ -137,16 +139,35 @@ impl Backend {
     ) -> Result<Backend> {
         let (bucket_url, prefix) = parse_s3_url(url)?;
         check_node_id(node)?;
+        let instance = instance_id(data_dir)?;
+        let mut writer: String = instance
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .take(WRITER_CHARS)
+            .collect();
+        if writer.is_empty() {
+            writer.push('0');
+        }
         Ok(Backend::Remote(Arc::new(Remote {
             store,
             bucket_url,
             prefix,
             node: node.to_owned(),
-            instance: instance_id(data_dir)?,
+            instance,
+            writer,
             manifest_tag: Mutex::new(None),
             staging: data_dir.join("staging"),
             handle: Handle::current(),
         })))
+    }
+
+    /// Which holder of the node id writes (a prefix of this data directory's identity), part of
+    /// every part name in object storage (see [`super::manifest::FileMeta::writer`]).
+    pub fn writer(&self) -> Option<&str> {
+        match self {
+            Backend::Local(_) => None,
+            Backend::Remote(r) => Some(&r.writer),
+        }
     }
 
     /// The node id that part names carry (only with an object store).
@@ -334,21 +355,54 @@ impl Backend {
                     }),
                     None => PutMode::Create,
                 };
-                let written =
+                let put = |mode: PutMode| {
                     r.handle
-                        .block_on(r.store.put_opts(&key, body.clone(), PutOptions::from(mode)));
-                let result = match written {
+                        .block_on(r.store.put_opts(&key, body.clone(), PutOptions::from(mode)))
+                };
+                let result = match put(mode) {
                     Ok(result) => result,
                     Err(
                         object_store::Error::Precondition { .. }
                         | object_store::Error::AlreadyExists { .. },
                     ) => {
-                        return Err(Error::Unavailable(format!(
-                            "the manifest of node id {:?} was written by another collector since \
-                             this one read it: this one no longer writes it; its batches stay in \
-                             its write-ahead log",
-                            r.node
-                        )));
+                        // Written since this collector last saw it. Either by the collector
+                        // that lost this node id, racing past its claim check (a take-over), or
+                        // by this one's own earlier write whose answer was lost. The claim says
+                        // which: while this data directory holds it, its manifest is the truth,
+                        // and the write is made over the version now there (else every later
+                        // flush would fail on the same stale version).
+                        r.check_still_held()?;
+                        let now = r.handle.block_on(r.store.head(&key)).ok();
+                        let retry = match now.and_then(|meta| meta.e_tag) {
+                            Some(tag) => PutMode::Update(UpdateVersion {
+                                e_tag: Some(tag),
+                                version: None,
+                            }),
+                            None => PutMode::Create,
+                        };
+                        match put(retry) {
+                            Ok(result) => {
+                                tracing::warn!(
+                                    node = %r.node,
+                                    "the manifest was written by another writer since this \
+                                     collector last saw it; this collector holds the node id, so \
+                                     its manifest replaced that version"
+                                );
+                                result
+                            }
+                            Err(
+                                object_store::Error::Precondition { .. }
+                                | object_store::Error::AlreadyExists { .. },
+                            ) => {
+                                return Err(Error::Unavailable(format!(
+                                    "the manifest of node id {:?} keeps being written by another \
+                                     collector: this one no longer writes it; its batches stay in \
+                                     its write-ahead log",
+                                    r.node
+                                )));
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
                     }
                     // A store without conditional writes: the claim check is the fence.
                     Err(object_store::Error::NotImplemented { .. }) => {
@@ -505,13 +559,23 @@ impl Remote {
     }
 }
 
-/// `part-<node>-<n>.parquet` for exactly this node (another node's id may extend this one's).
+/// How many characters of the data directory's identity name a writer in part names.
+const WRITER_CHARS: usize = 8;
+
+/// `part-<node>-<n>[.<writer>].parquet` for exactly this node, whichever of its holders wrote
+/// it (another node's id may extend this one's).
 fn is_own_part(name: &str, node: &str) -> bool {
-    name.strip_prefix("part-")
+    let Some(rest) = name
+        .strip_prefix("part-")
         .and_then(|rest| rest.strip_prefix(node))
         .and_then(|rest| rest.strip_prefix('-'))
         .and_then(|rest| rest.strip_suffix(".parquet"))
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    else {
+        return false;
+    };
+    let (number, writer) = rest.split_once('.').unwrap_or((rest, "0"));
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    digits(number) && !writer.is_empty() && writer.bytes().all(|b| b.is_ascii_alphanumeric())
 }
 
 /// Splits `s3://bucket/some/prefix/` into (`s3://bucket`, `some/prefix`); the configuration
@@ -572,6 +636,17 @@ mod tests {
         assert!(!is_own_part("part-a-.parquet", "a"));
         assert!(!is_own_part("part-a-12.parquet.tmp", "a"));
         assert!(!is_own_part("part-12.parquet", "a"), "a local part name");
+        // With the writer named (any holder of the node id).
+        assert!(is_own_part("part-a-12.3f9c01aa.parquet", "a"));
+        assert!(is_own_part("part-a-1-12.3f9c01aa.parquet", "a-1"));
+        assert!(!is_own_part("part-a-1-12.3f9c01aa.parquet", "a"));
+        assert!(
+            !is_own_part("part-a-1.eu-12.3f9c01aa.parquet", "a"),
+            "node a-1.eu's"
+        );
+        assert!(is_own_part("part-a-1.eu-12.3f9c01aa.parquet", "a-1.eu"));
+        assert!(!is_own_part("part-a-12..parquet", "a"));
+        assert!(!is_own_part("part-a-12.3f9c01aa.parquet.tmp", "a"));
     }
 
     #[test]
@@ -673,26 +748,48 @@ mod tests {
                 "not overwritten"
             );
 
-            // The race the claim check cannot see (both pass it): every manifest write is
-            // conditional on the version its writer last saw.
-            let twin = Backend::remote(m.clone(), "s3://bkt/ds", "host-1", &d2).unwrap();
-            assert_eq!(twin.load_manifest().unwrap().flushed_seq, 7);
-            let eight = Manifest {
-                flushed_seq: 8,
+            // The race the claim check cannot see: the old holder passed it just before the
+            // take-over, and its manifest PUT lands after the new holder read the manifest.
+            let manifest_key = ObjectPath::parse("ds/_rankwatch/manifest-host-1.json").unwrap();
+            let late = Manifest {
+                flushed_seq: 3,
                 ..Manifest::default()
             };
-            second.save_manifest(&eight).unwrap();
-            let nine = Manifest {
-                flushed_seq: 9,
-                ..Manifest::default()
+            Handle::current()
+                .block_on(m.put(&manifest_key, PutPayload::from(late.to_json().unwrap())))
+                .unwrap();
+            // The new holder is not stuck on the version it last saw: it holds the claim, so its
+            // manifest replaces the late one (before, every later flush failed).
+            second
+                .save_manifest(&Manifest {
+                    flushed_seq: 8,
+                    ..Manifest::default()
+                })
+                .unwrap();
+            assert_eq!(second.load_manifest().unwrap().flushed_seq, 8);
+            second
+                .save_manifest(&Manifest {
+                    flushed_seq: 9,
+                    ..Manifest::default()
+                })
+                .unwrap();
+            assert_eq!(second.load_manifest().unwrap().flushed_seq, 9);
+
+            // A late flush of the old holder writes parts under its own writer name: it can
+            // never replace the part the new holder lists under the same number.
+            let run = rankwatch_analytics::RunId::new("r").unwrap();
+            let path = |b: &Backend| {
+                super::super::manifest::file_path("samples", &run, b.node(), b.writer(), 5)
             };
-            let err = twin.save_manifest(&nine).unwrap_err().to_string();
-            assert!(err.contains("written by another collector"), "{err}");
-            assert_eq!(
-                second.load_manifest().unwrap().flushed_seq,
-                8,
-                "not overwritten"
-            );
+            assert_ne!(path(&first), path(&second));
+            second
+                .write(files::Layout::UNSORTED, &[batch(0..10)], &path(&second))
+                .unwrap();
+            first
+                .write(files::Layout::UNSORTED, &[batch(100..107)], &path(&first))
+                .unwrap();
+            let kept = second.read(&path(&second)).unwrap();
+            assert_eq!(kept.iter().map(RecordBatch::num_rows).sum::<usize>(), 10);
         })
         .await
         .unwrap();
@@ -714,10 +811,12 @@ mod tests {
             keys.sort();
             keys
         };
+        let writer = backend.writer().unwrap().to_owned();
+        assert_eq!(writer.len(), WRITER_CHARS);
         let b = backend.clone();
         let (size, read, manifest) = tokio::task::spawn_blocking(move || {
             let run = rankwatch_analytics::RunId::new("r1").unwrap();
-            let part = super::super::manifest::file_path("samples", &run, b.node(), 7);
+            let part = super::super::manifest::file_path("samples", &run, b.node(), b.writer(), 7);
             let size = b
                 .write(files::Layout::UNSORTED, &[batch(0..100)], &part)
                 .unwrap();
@@ -733,6 +832,7 @@ mod tests {
                     min_step: Some(0),
                     max_step: Some(99),
                     node: Some("n-1".into()),
+                    writer: b.writer().map(str::to_owned),
                 }],
                 ..Manifest::default()
             };
@@ -747,13 +847,13 @@ mod tests {
         assert_eq!(
             keys(memory.clone()).await,
             [
-                "ds/prod/_rankwatch/manifest-n-1.json",
-                "ds/prod/table=samples/run=r1/part-n-1-7.parquet"
+                "ds/prod/_rankwatch/manifest-n-1.json".to_owned(),
+                format!("ds/prod/table=samples/run=r1/part-n-1-7.{writer}.parquet")
             ]
         );
         assert_eq!(
             backend.location(&manifest.files[0].relative()),
-            "s3://bkt/ds/prod/table=samples/run=r1/part-n-1-7.parquet"
+            format!("s3://bkt/ds/prod/table=samples/run=r1/part-n-1-7.{writer}.parquet")
         );
         // Staging is empty once uploaded.
         assert_eq!(

@@ -290,7 +290,8 @@ impl Store {
         written: &mut Vec<PathBuf>,
     ) -> Result<FileMeta> {
         let node = self.backend.node();
-        let relative = manifest::file_path(name, run, node, part);
+        let writer = self.backend.writer();
+        let relative = manifest::file_path(name, run, node, writer, part);
         written.push(relative.clone());
         let bytes = self.backend.write(layout, batches, &relative)?;
         let ranges = batches.iter().map(files::step_range);
@@ -305,6 +306,7 @@ impl Store {
             min_step,
             max_step,
             node: node.map(str::to_owned),
+            writer: writer.map(str::to_owned),
         })
     }
 }

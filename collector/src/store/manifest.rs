@@ -29,12 +29,24 @@ pub struct FileMeta {
     /// sharing one prefix never collide); absent for the data directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// Which holder of `node` wrote it (a prefix of its data directory's identity), in object
+    /// storage: after a take-over, a late flush of the collector that lost the node id writes
+    /// other names than the new holder's, so it can never replace a part the new holder lists.
+    /// Absent in parts written before this existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<String>,
 }
 
 impl FileMeta {
     /// Path relative to the data directory, in the Hive layout.
     pub fn relative(&self) -> PathBuf {
-        file_path(&self.table, &self.run, self.node.as_deref(), self.part)
+        file_path(
+            &self.table,
+            &self.run,
+            self.node.as_deref(),
+            self.writer.as_deref(),
+            self.part,
+        )
     }
 
     /// Whether this file and `other` share their run, part number and writer: a samples part
@@ -49,11 +61,19 @@ impl FileMeta {
     }
 }
 
-/// `table=<t>/run=<id>/part-<n>.parquet`, or `part-<node>-<n>.parquet` for a node's part.
-pub fn file_path(table: &str, run: &RunId, node: Option<&str>, part: u64) -> PathBuf {
-    let name = match node {
-        Some(node) => format!("part-{node}-{part}.parquet"),
-        None => format!("part-{part}.parquet"),
+/// `table=<t>/run=<id>/part-<n>.parquet`, or `part-<node>-<n>.<writer>.parquet` for a node's
+/// part (`part-<node>-<n>.parquet` when written before writers were named).
+pub fn file_path(
+    table: &str,
+    run: &RunId,
+    node: Option<&str>,
+    writer: Option<&str>,
+    part: u64,
+) -> PathBuf {
+    let name = match (node, writer) {
+        (Some(node), Some(writer)) => format!("part-{node}-{part}.{writer}.parquet"),
+        (Some(node), None) => format!("part-{node}-{part}.parquet"),
+        (None, _) => format!("part-{part}.parquet"),
     };
     Path::new(&format!("table={table}"))
         .join(format!("run={run}"))
