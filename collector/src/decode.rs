@@ -89,8 +89,10 @@ fn read_i32(body: &[u8], at: usize) -> Result<i32> {
 /// request, no dictionary batches (no table has dictionaries), at most `max_rows` rows, and
 /// declared decompressed sizes within [`MAX_EXPANSION`] times the body. The decoder trusts these
 /// lengths when it allocates, so without this check a few hostile bytes could make it ask for
-/// terabytes and abort the process.
-fn preflight(body: &[u8], max_rows: usize) -> Result<()> {
+/// terabytes and abort the process. Returns the bytes the buffers decode to (their declared
+/// decompressed sizes; the stored sizes where uncompressed): what ingest charges to its
+/// in-flight budget before decoding.
+pub fn preflight(body: &[u8], max_rows: usize) -> Result<usize> {
     let fail = malformed;
     let max_decoded = body.len().saturating_mul(MAX_EXPANSION);
     let (mut at, mut rows, mut decoded) = (0usize, 0i64, 0usize);
@@ -162,7 +164,7 @@ fn preflight(body: &[u8], max_rows: usize) -> Result<()> {
         }
         at += body_len;
     }
-    Ok(())
+    Ok(decoded)
 }
 
 /// Reads every batch of an Arrow IPC stream whose schema is `expected`'s. The framing is checked
@@ -170,15 +172,17 @@ fn preflight(body: &[u8], max_rows: usize) -> Result<()> {
 /// (a bug in a dependency on hostile input) becomes an error too.
 pub fn read_ipc(body: &[u8], table: Table, max_rows: usize) -> Result<Vec<RecordBatch>> {
     preflight(body, max_rows)?;
-    let body = body.to_vec();
-    std::panic::catch_unwind(move || -> Result<Vec<RecordBatch>> {
-        let reader = StreamReader::try_new(Cursor::new(body), None).map_err(Error::Arrow)?;
-        // The schema message alone says whether the batches can be ours.
-        normalizer(table)(&RecordBatch::new_empty(reader.schema()))?;
-        reader
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(Error::Arrow)
-    })
+    // Read in place: a copy of the body (once made here) doubled what a batch holds in memory.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+        || -> Result<Vec<RecordBatch>> {
+            let reader = StreamReader::try_new(Cursor::new(body), None).map_err(Error::Arrow)?;
+            // The schema message alone says whether the batches can be ours.
+            normalizer(table)(&RecordBatch::new_empty(reader.schema()))?;
+            reader
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(Error::Arrow)
+        },
+    ))
     .unwrap_or_else(|_| Err(malformed("the decoder rejected it".into())))
 }
 

@@ -32,6 +32,13 @@ pub enum Error {
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
 
+    /// A compressed body whose buffers decode to more than a body may hold: refused before a
+    /// byte is decoded (the in-flight budget would otherwise count the compressed size only).
+    #[error(
+        "the body's buffers decode to {decoded} bytes, over the limit of {limit} bytes a body may hold (--max-body-bytes); send smaller batches"
+    )]
+    DecodesTooLarge { decoded: usize, limit: usize },
+
     /// A batch over the configured row limit.
     #[error("batch of {rows} rows exceeds the limit of {limit} rows")]
     TooManyRows { rows: usize, limit: usize },
@@ -144,7 +151,9 @@ impl Error {
             | Error::Json(_)
             | Error::Sql(_)
             | Error::IncompatibleVersion(_) => StatusCode::BAD_REQUEST,
-            Error::BodyTooLarge { .. } | Error::TooManyRows { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Error::BodyTooLarge { .. }
+            | Error::DecodesTooLarge { .. }
+            | Error::TooManyRows { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Error::Cardinality(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Error::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Error::Unauthorized(_) => StatusCode::UNAUTHORIZED,
@@ -168,7 +177,7 @@ impl Error {
             Error::Domain(_) => ErrorReason::InvalidData,
             Error::Arrow(_) => ErrorReason::MalformedArrow,
             Error::Json(_) => ErrorReason::MalformedJson,
-            Error::BodyTooLarge { .. } => ErrorReason::BodyTooLarge,
+            Error::BodyTooLarge { .. } | Error::DecodesTooLarge { .. } => ErrorReason::BodyTooLarge,
             Error::TooManyRows { .. } => ErrorReason::TooManyRows,
             Error::Cardinality(_) => ErrorReason::Cardinality,
             Error::UnsupportedMediaType(_) => ErrorReason::MediaType,

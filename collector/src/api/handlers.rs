@@ -149,13 +149,23 @@ pub(super) async fn ingest(
         // whole before the body is read; a body of unknown length (chunked) as it arrives —
         // charged at the limit up front, four stalled ones held the whole budget.
         ingestor.committer.store.check_budget()?;
-        let (body, room) = match declared {
+        let (body, mut room) = match declared {
             Some(length) => {
                 let room = state.inner.admission.body_bytes(length).await?;
                 (read_body(&state, body, &headers, limit).await?, vec![room])
             }
             None => read_charging(&state, body, limit).await?,
         };
+        // The decoded batch is charged too, before a byte is decoded: a zstd body may decode
+        // to a thousand times its size, and the budget counted only the compressed bytes
+        // (32 bodies of 2 MiB asked for 64 GiB). Its framing says how much.
+        if format == Format::Arrow {
+            let decoded = crate::decode::preflight(&body, ingestor.limits.max_rows)?;
+            if decoded > limit {
+                return Err(Error::DecodesTooLarge { decoded, limit });
+            }
+            room.push(state.inner.admission.body_bytes(decoded).await?);
+        }
         let key = match headers.get("idempotency-key") {
             Some(v) => Some(
                 v.to_str()

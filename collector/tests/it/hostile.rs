@@ -294,6 +294,93 @@ async fn stalled_chunked_bodies_hold_what_they_sent_not_the_body_limit() {
     server.stop().await;
 }
 
+/// Issue 45's decompression bombs: the in-flight budget counted compressed bytes, so a zstd
+/// body of a few KiB decoding to 50 MiB was decoded whatever the budget. Now a body whose
+/// buffers decode to more than `--max-body-bytes` is refused (`413`) before a byte is decoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_decoding_past_the_body_limit_is_refused_before_it_is_decoded() {
+    use std::sync::Arc;
+    let server = Server::start(|c| {
+        c.max_body_bytes = 1 << 20;
+        c.max_inflight_bytes = 2 << 20;
+    })
+    .await;
+    let batch = arrow_array::RecordBatch::try_from(
+        rankwatch_analytics::schema::samples::to_batch(&workload("bomb", 1, 1, 1)[..1]).unwrap(),
+    )
+    .unwrap();
+    let metric = batch.schema().index_of("metric").unwrap();
+    let mut columns = batch.columns().to_vec();
+    // 20 MiB that zstd shrinks about a hundredfold (a random letter every 100 bytes): under the
+    // framing check's 1000-fold bound, far over the body limit once decoded.
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let text: String = (0..20 << 20)
+        .map(|i| {
+            if i % 100 == 0 {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                char::from(b'a' + (seed >> 59) as u8 % 26)
+            } else {
+                'm'
+            }
+        })
+        .collect();
+    columns[metric] = Arc::new(arrow_array::StringArray::from(vec![text]));
+    let bomb = common::ipc(
+        &arrow_array::RecordBatch::try_new(batch.schema(), columns).unwrap(),
+        true,
+    );
+    assert!(bomb.len() < 1 << 20, "the bomb is {} bytes", bomb.len());
+    let answer = server.ingest(&bomb, None).await;
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert!(
+        answer.body.contains("decode to") && answer.body.contains("--max-body-bytes"),
+        "{answer:?}"
+    );
+    server.stop().await;
+}
+
+/// The decoded size is charged to the in-flight budget with the body: a zstd batch whose
+/// compressed bytes fit beside a stalled body but whose decoded rows do not waits, then gets
+/// `429`; once the room is free it is stored. (Before, only its compressed bytes were charged
+/// and it was decoded at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoded_bytes_are_charged_to_the_in_flight_budget() {
+    let server = Server::start(|c| {
+        c.max_body_bytes = 2 << 20;
+        c.max_inflight_bytes = 2 << 20;
+        c.queue_wait = Duration::from_millis(200);
+        c.body_timeout = Duration::from_secs(20);
+    })
+    .await;
+    let body = common::ipc(
+        &rankwatch_analytics::schema::samples::to_batch(&workload("zstd", 8, 400, 4)).unwrap(),
+        true,
+    );
+    let decoded = rankwatch_collector::decode::preflight(&body, usize::MAX).unwrap();
+    let held = 1_200_000;
+    let free = (2 << 20) - held;
+    assert!(
+        body.len() < free && body.len() + decoded > free && decoded < 2 << 20,
+        "compressed {} bytes, decoded {decoded}",
+        body.len()
+    );
+    let stalled = stalled_post(&server, "/api/v1/ingest", ARROW, held).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = server.ingest(&body, None).await;
+    assert_eq!(refused.status, 429, "{refused:?}");
+    assert!(refused.body.contains("--max-inflight-bytes"), "{refused:?}");
+    drop(stalled);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stored = server.ingest(&body, None).await;
+    assert_eq!(stored.status, 200, "{stored:?}");
+    assert_eq!(
+        metric(&server, "rankwatch_inflight_body_bytes").await,
+        0.0,
+        "every charge is returned"
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_streams_are_capped_and_end_cleanly_at_shutdown() {
     let server = Server::start(|c| c.max_event_streams = 2).await;
