@@ -5,11 +5,11 @@
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A run id that is empty, too long, or could escape a directory.
-    #[error("invalid run id {id:?}: {reason}")]
+    #[error("invalid run id {}: {reason}", rankwatch_api::quoted(.id))]
     InvalidRunId { id: String, reason: String },
 
     /// A metric name outside the allowed charset or length.
-    #[error("invalid metric name {name:?}: {reason}")]
+    #[error("invalid metric name {}: {reason}", rankwatch_api::quoted(.name))]
     InvalidMetricName { name: String, reason: String },
 
     /// A name outside one of the contract's vocabularies (a site, a sketch kind, a rule...).

@@ -193,6 +193,23 @@ mod tests {
         }
     }
 
+    /// A refused name is repeated cut short: a 20 MB metric name in a batch once came back
+    /// whole in the 400 that refused it.
+    #[test]
+    fn a_huge_refused_name_is_not_repeated_whole() {
+        let name = format!("m{}", "é".repeat(1 << 20));
+        for err in [
+            MetricName::new(name.clone()).unwrap_err().to_string(),
+            RunId::new(name.clone()).unwrap_err().to_string(),
+            name.parse::<Metric>().unwrap_err().to_string(),
+        ] {
+            assert!(err.len() < 400, "{} bytes", err.len());
+            assert!(err.contains(&format!("({} bytes)", name.len())), "{err}");
+        }
+        let short = MetricName::new("9lives").unwrap_err().to_string();
+        assert!(short.contains("\"9lives\":"), "{short}");
+    }
+
     #[test]
     fn metric_names_are_checked_and_vocabulary_recognised() {
         assert_eq!(

@@ -51,5 +51,5 @@ pub use series::{Bucket, BucketRange, Heatmap, Series, SeriesAnswer};
 pub use version::{
     PROTOCOL_HEADER, VERSION, VERSION_HEADER, VERSION_TAG, WIRE_PROTOCOL, check_peer,
 };
-pub use vocab::{AlertState, Rule, Severity, UnknownName};
+pub use vocab::{AlertState, Rule, Severity, UnknownName, quoted};
 pub use workers::{Cosine, CosineMatrix, WorkerMetric, Workers};

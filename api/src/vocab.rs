@@ -20,11 +20,24 @@ impl fmt::Display for UnknownName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "unknown {} {:?}; expected one of {}",
+            "unknown {} {}; expected one of {}",
             self.kind,
-            self.given,
+            quoted(&self.given),
             self.expected.join(", ")
         )
+    }
+}
+
+/// Most characters of a refused value an error message repeats.
+const SHOWN_CHARS: usize = 80;
+
+/// A refused value as an error message shows it: quoted, and cut to its first
+/// [`SHOWN_CHARS`] characters with its length when longer, so that a 20 MB name in a batch is
+/// not sent back whole in the answer that refuses it.
+pub fn quoted(value: &str) -> String {
+    match value.char_indices().nth(SHOWN_CHARS) {
+        None => format!("{value:?}"),
+        Some((cut, _)) => format!("{:?}… ({} bytes)", &value[..cut], value.len()),
     }
 }
 
