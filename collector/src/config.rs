@@ -411,6 +411,12 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_HEADER_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub header_timeout: Duration,
 
+    /// Longest a write to a client may wait for it to read: a connection whose client stops
+    /// reading its answers is closed after it (pipelined requests never read held their
+    /// connections for ever).
+    #[arg(long, env = "RANKWATCH_WRITE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub write_timeout: Duration,
+
     /// Time a client has to send a request's body in full (408 `timeout` after it), and
     /// longest an export waits for its client to take more data.
     #[arg(long, env = "RANKWATCH_BODY_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
@@ -627,9 +633,12 @@ impl ServeConfig {
                 self.max_inflight_bytes, self.max_body_bytes
             )));
         }
-        if self.header_timeout.is_zero() || self.body_timeout.is_zero() {
+        if self.header_timeout.is_zero()
+            || self.body_timeout.is_zero()
+            || self.write_timeout.is_zero()
+        {
             return Err(Error::bad(
-                "--header-timeout and --body-timeout must be positive",
+                "--header-timeout, --body-timeout and --write-timeout must be positive",
             ));
         }
         Ok(())

@@ -501,6 +501,7 @@ pub async fn serve_on(
     let limits = crate::http::HttpLimits {
         max_connections: config.max_connections,
         header_timeout: config.header_timeout,
+        write_timeout: config.write_timeout,
     };
     crate::http::serve(listener, collector.app(), limits, async move {
         shutdown.await;

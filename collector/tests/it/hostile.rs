@@ -453,6 +453,57 @@ async fn connections_over_the_cap_wait_for_one_to_close() {
     server.stop().await;
 }
 
+/// Issue 45's clients that never read: each pipelines requests for the OpenAPI document with
+/// a tiny receive window and reads nothing, so the server's writes block. hyper has no write
+/// timeout, so they held every connection permit for ever and a newcomer's `/healthz` was
+/// never accepted. Now a write that makes no progress for `--write-timeout` closes its
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_their_answers_are_cut_off_and_others_are_served() {
+    let server = Server::start(|c| {
+        c.max_connections = 8;
+        c.write_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let requests = b"GET /api/v1/openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(400);
+    let mut hogs = Vec::new();
+    for _ in 0..8 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(1024).unwrap();
+        let stream = socket.connect(server.addr).await.unwrap();
+        let (reader, mut writer) = stream.into_split();
+        let requests = requests.clone();
+        let sending = tokio::spawn(async move {
+            let _ = writer.write_all(&requests).await;
+            writer
+        });
+        hogs.push((reader, sending));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let answered = tokio::time::timeout(
+        Duration::from_secs(20),
+        server.request("GET /healthz HTTP/1.1", b""),
+    )
+    .await
+    .expect("a newcomer is served while the clients that never read hold their connections");
+    assert_eq!(answered.status, 200, "{answered:?}");
+    // The ones that never read were closed: their reads end (after what the kernel held).
+    for (mut reader, _) in hogs {
+        let mut sink = vec![0u8; 1 << 16];
+        let ended = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                match reader.read(&mut sink).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "a connection that never read is still open");
+    }
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_over_the_memory_pool_fails_naming_the_limit_and_the_collector_goes_on() {
     let server = Server::start(|c| c.query_memory = 256 << 10).await;

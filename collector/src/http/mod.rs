@@ -13,6 +13,9 @@
 //! - at most `max_connections` are open; at the cap the loop stops accepting (the kernel's
 //!   backlog holds newcomers) until one closes, and the cap is kept below the process's
 //!   open-file limit with room for the collector's own files;
+//! - every write must make progress within `write_timeout` ([`write_deadline`]): a client
+//!   that pipelines requests and never reads the answers is cut off, instead of holding its
+//!   connection's permit for ever;
 //! - the request body's deadline and the per-resource slots are the API's (see
 //!   `api::admission`); HTTP/2 is not offered (no client of the collector speaks h2c, and it
 //!   would bring its own stream limits to get right).
@@ -21,6 +24,8 @@
 //! close, and waits up to [`DRAIN`] for them (event streams end on their own, see `api`);
 //! any still open then is ended, since each holds the router and with it parts of the
 //! collector its shutdown waits to see released.
+
+mod write_deadline;
 
 use std::pin::pin;
 use std::sync::Arc;
@@ -45,6 +50,8 @@ const RESERVED_FDS: usize = 256;
 pub struct HttpLimits {
     pub max_connections: usize,
     pub header_timeout: Duration,
+    /// Longest a write may wait for the client to read (see [`write_deadline`]).
+    pub write_timeout: Duration,
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then drains.
@@ -88,6 +95,7 @@ pub async fn serve(
         let service = TowerToHyperService::new(router.clone());
         let mut closed = closed.clone();
         let header_timeout = limits.header_timeout;
+        let stream = write_deadline::WriteDeadline::new(stream, limits.write_timeout);
         tasks.spawn(async move {
             let mut builder = http1::Builder::new();
             builder
