@@ -87,6 +87,26 @@ impl Disk for RealDisk {
     }
 }
 
+/// Creates `dir` and whichever of its ancestors are missing, and makes each new entry durable
+/// (an fsync of the directory holding it): a file fsynced in a directory whose own entry was
+/// not is lost with it at a power cut.
+pub fn create_dir_durably(disk: &dyn Disk, dir: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    disk.create_dir_all(dir)?;
+    for created in missing {
+        if let Some(parent) = created.parent().filter(|p| !p.as_os_str().is_empty()) {
+            disk.sync_dir(parent)?;
+        }
+    }
+    Ok(())
+}
+
 /// Durably replaces `path` with `bytes` on `disk`: a temporary file, fsync, rename, directory
 /// fsync. A failure removes the temporary file, so a full disk leaves nothing behind.
 pub fn write_atomic(disk: &dyn Disk, path: &Path, bytes: &[u8]) -> io::Result<()> {
@@ -104,8 +124,7 @@ pub fn write_with<E: From<io::Error> + std::fmt::Display>(
 ) -> Result<u64, E> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
     if let Some(dir) = dir {
-        disk.create_dir_all(dir)?;
-        disk.sync_dir(dir)?;
+        create_dir_durably(disk, dir)?;
     }
     let tmp = path.with_extension("tmp");
     let written = (|| -> Result<u64, E> {

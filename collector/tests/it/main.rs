@@ -13,6 +13,7 @@ mod disk_full;
 mod hostile;
 mod incidents;
 mod openapi;
+mod power_loss;
 mod recovery;
 mod replay;
 mod rollups;
