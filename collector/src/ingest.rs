@@ -12,12 +12,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-use crate::Labels;
 use crate::alerting::EngineHandle;
 use crate::commit::Committer;
 use crate::decode::{self, Entry, Limits, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
+use crate::instrument::Labels;
 
 /// The body's format, from its content type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

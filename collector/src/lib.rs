@@ -34,6 +34,7 @@ pub mod fsutil;
 pub mod http;
 pub mod idempotency;
 pub mod ingest;
+pub mod instrument;
 pub mod query;
 pub mod retention;
 pub mod server;
@@ -48,14 +49,3 @@ pub use api::{AppState, app};
 pub use config::{Cli, Command, ServeConfig};
 pub use error::{Error, Result};
 pub use server::{Collector, serve};
-
-/// A label set of fixed, low-cardinality metric labels (`reason`, `table`, `format`): each
-/// component keeps its own counters under these, and [`telemetry`] exports them.
-pub type Labels = Vec<(&'static str, &'static str)>;
-
-/// Buckets for durations of the collector's own work (group commits, flushes, compactions):
-/// 0.5 ms to ~16 s.
-pub fn seconds_histogram() -> prometheus_client::metrics::histogram::Histogram {
-    use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
-}

@@ -27,10 +27,10 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::registry::Registry;
 use rankwatch_analytics::math::dispersion::Dispersion;
 
-use crate::Labels;
 use crate::alerting::EngineMetrics;
 use crate::alerting::sinks::SinkMetrics;
 use crate::ingest::IngestMetrics;
+use crate::instrument::Labels;
 use crate::store::Store;
 use crate::wal::WalMetrics;
 

@@ -196,7 +196,7 @@ pub struct WalMetrics {
 impl Default for WalMetrics {
     fn default() -> Self {
         WalMetrics {
-            fsync_seconds: crate::seconds_histogram(),
+            fsync_seconds: crate::instrument::seconds_histogram(),
             group_records: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
             bytes: Gauge::default(),
             segments: Gauge::default(),

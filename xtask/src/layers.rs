@@ -15,11 +15,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The collector's layers, lowest first. `Labels` and `seconds_histogram` are items of the
-/// crate root.
+/// The collector's layers, lowest first.
 pub(crate) const COLLECTOR_LAYERS: &[&[&str]] = &[
     // The error type and the metric helpers everything shares.
-    &["error", "Labels", "seconds_histogram"],
+    &["error", "instrument"],
     // File helpers, the file-system seam, the data directory's lock and the clock.
     &["fsutil", "disk", "dirlock", "clock"],
     // The data model and the durable primitives under the store.

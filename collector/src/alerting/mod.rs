@@ -42,11 +42,11 @@ use rankwatch_analytics::{Alert, AlertState, RunId};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::Labels;
 use crate::commit::Committer;
 use crate::entry::Entry;
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
+use crate::instrument::Labels;
 use actions::AlertActions;
 use incidents::RunIncidents;
 use rules::RuleBook;

@@ -7,7 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::seconds_histogram;
+use crate::instrument::seconds_histogram;
 
 /// What the store counts.
 #[derive(Debug)]

@@ -47,8 +47,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::incidents::RunIncidents;
-use crate::Labels;
 use crate::clock::SharedClock;
+use crate::instrument::Labels;
 use crate::store::alert_log::StoredAlert;
 use told::{IncidentNote, Told};
 
