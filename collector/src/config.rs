@@ -358,6 +358,11 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_SQL_MAX_ROWS", default_value_t = 10_000)]
     pub sql_max_rows: usize,
 
+    /// Bytes (in Arrow memory) a /api/v1/sql answer may hold: the result stops there and is
+    /// marked truncated, so its JSON answer is bounded too.
+    #[arg(long, env = "RANKWATCH_SQL_MAX_RESULT_BYTES", default_value_t = 64 << 20)]
+    pub sql_max_result_bytes: usize,
+
     /// Time a query may run before it is cancelled.
     #[arg(long, env = "RANKWATCH_QUERY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub query_timeout: Duration,

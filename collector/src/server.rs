@@ -80,7 +80,10 @@ impl Collector {
         let queries = Queries::new(
             store.clone(),
             config.query_timeout,
-            config.sql_max_rows,
+            crate::query::SqlLimits {
+                max_rows: config.sql_max_rows,
+                max_result_bytes: config.sql_max_result_bytes,
+            },
             config.query_memory,
             config.read_cache_bytes,
         )?;

@@ -24,6 +24,7 @@ use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::{
     DataFrame, Expr, ParquetReadOptions, SQLOptions, SessionConfig, SessionContext, lit,
 };
+use futures_util::StreamExt;
 use rankwatch_analytics::RunId;
 use rankwatch_analytics::schema::{alerts, runs};
 
@@ -38,7 +39,7 @@ pub struct Queries {
     store: Arc<Store>,
     ctx: SessionContext,
     timeout: Duration,
-    sql_max_rows: usize,
+    sql: SqlLimits,
     /// DataFusion's memory pool, shared by every query (for messages).
     memory: usize,
     /// Whether downsampled reads use the rollups (see [`plan`]); off only to compare.
@@ -52,8 +53,54 @@ impl std::fmt::Debug for Queries {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Queries")
             .field("timeout", &self.timeout)
-            .field("sql_max_rows", &self.sql_max_rows)
+            .field("sql", &self.sql)
             .finish_non_exhaustive()
+    }
+}
+
+/// What one `/api/v1/sql` answer may hold.
+#[derive(Debug, Clone, Copy)]
+pub struct SqlLimits {
+    pub max_rows: usize,
+    pub max_result_bytes: usize,
+}
+
+/// Functions whose result's size is set by an argument (`repeat('x', 2000000000)`,
+/// `range(0, 1e10)`): DataFusion allocates it inside the function, outside the memory pool, so
+/// `--query-memory` cannot bound it and four such queries at once took more than 20 GB.
+const AMPLIFIERS: [&str; 6] = [
+    "repeat",
+    "lpad",
+    "rpad",
+    "range",
+    "generate_series",
+    "array_repeat",
+];
+
+/// Refuses a plan that calls one of the [`AMPLIFIERS`], naming it.
+fn refuse_amplifiers(plan: &datafusion::logical_expr::LogicalPlan) -> Result<()> {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    let mut found = None;
+    plan.apply_with_subqueries(|node| {
+        node.apply_expressions(|expr| {
+            expr.apply(|e| {
+                if let datafusion::prelude::Expr::ScalarFunction(call) = e
+                    && AMPLIFIERS.contains(&call.name())
+                {
+                    found = Some(call.name().to_owned());
+                    return Ok(TreeNodeRecursion::Stop);
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })
+        })
+    })
+    .map_err(|e| Error::Sql(e.to_string()))?;
+    match found {
+        Some(name) => Err(Error::Sql(format!(
+            "function {name} is not available here: the size of its result is set by an \
+             argument, and it is allocated outside the query memory limit (--query-memory)"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -79,7 +126,7 @@ impl Queries {
     pub fn new(
         store: Arc<Store>,
         timeout: Duration,
-        sql_max_rows: usize,
+        sql: SqlLimits,
         memory: usize,
         read_cache: usize,
     ) -> Result<Self> {
@@ -107,7 +154,7 @@ impl Queries {
             ctx: session(runtime),
             store,
             timeout,
-            sql_max_rows,
+            sql,
             memory,
             rollups: true,
             point_reads: true,
@@ -337,21 +384,41 @@ impl Queries {
                 .sql_with_options(sql, options)
                 .await
                 .map_err(|e| self.sql_error(e))?;
-            let batches = frame
-                .limit(0, Some(self.sql_max_rows + 1))
+            refuse_amplifiers(frame.logical_plan())?;
+            let mut stream = frame
+                .limit(0, Some(self.sql.max_rows + 1))
                 .map_err(|e| self.sql_error(e))?
-                .collect()
+                .execute_stream()
                 .await
                 .map_err(|e| self.sql_error(e))?;
-            let rows: usize = batches.iter().map(RecordBatch::num_rows).sum();
-            let truncated = rows > self.sql_max_rows;
-            let batches = if truncated {
+            // Taken batch by batch up to the row and byte limits: what is past them is never
+            // held (a `collect` held the whole result, outside the memory pool).
+            let (mut batches, mut rows, mut bytes, mut truncated) = (Vec::new(), 0, 0, false);
+            while let Some(batch) = stream.next().await {
+                let batch = batch.map_err(|e| self.sql_error(e))?;
+                let size = batch.get_array_memory_size();
+                if bytes + size > self.sql.max_result_bytes {
+                    // The rows of this batch that fit, at its average row size.
+                    let per_row = size.div_ceil(batch.num_rows().max(1)).max(1);
+                    let fit = (self.sql.max_result_bytes - bytes) / per_row;
+                    rows += fit.min(batch.num_rows());
+                    batches.push(batch.slice(0, fit.min(batch.num_rows())));
+                    truncated = true;
+                    break;
+                }
+                bytes += size;
+                rows += batch.num_rows();
+                batches.push(batch);
+                if rows > self.sql.max_rows {
+                    break;
+                }
+            }
+            if rows > self.sql.max_rows {
+                truncated = true;
                 let all = arrow_select::concat::concat_batches(&batches[0].schema(), &batches)
                     .map_err(Error::Arrow)?;
-                vec![all.slice(0, self.sql_max_rows)]
-            } else {
-                batches
-            };
+                batches = vec![all.slice(0, self.sql.max_rows)];
+            }
             Ok((batches, truncated))
         })
         .await

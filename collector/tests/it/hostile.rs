@@ -521,6 +521,54 @@ async fn a_query_over_the_memory_pool_fails_naming_the_limit_and_the_collector_g
     server.stop().await;
 }
 
+/// Issue 45's SQL results outside the memory pool: a function whose result's size is set by an
+/// argument allocated it inside DataFusion (`repeat('x', 2000000000)` four times at once took
+/// more than 20 GB with the read token), and the answer was collected whole whatever its
+/// size. Such functions are refused, naming why, wherever they appear; the answer stops at
+/// `--sql-max-result-bytes` and says it was truncated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_answers_are_bounded_in_bytes_and_amplifying_functions_are_refused() {
+    let server = Server::start(|c| {
+        c.sql_max_rows = 1_000_000;
+        c.sql_max_result_bytes = 1 << 20;
+    })
+    .await;
+    for sql in [
+        "SELECT repeat('x', 200000000) AS x",
+        "SELECT length(x) FROM (SELECT lpad('a', 200000000, 'b') AS x)",
+        "SELECT count(*) FROM samples WHERE metric IN (SELECT rpad(metric, 200000000) FROM samples)",
+        "SELECT x FROM (SELECT repeat(metric, 10000000) AS x FROM samples) LIMIT 1",
+    ] {
+        let answer = server.sql(sql.as_bytes()).await;
+        assert_eq!(
+            answer.status,
+            400,
+            "{sql}: {}",
+            &answer.body[..answer.body.len().min(300)]
+        );
+        assert!(
+            answer.body.contains("is not available here") && answer.body.contains("--query-memory"),
+            "{sql}: {}",
+            &answer.body[..answer.body.len().min(300)]
+        );
+    }
+    let body = samples_ipc(&workload("big", 8, 400, 8), false);
+    assert_eq!(server.ingest(&body, None).await.status, 200);
+    let all = server.sql(b"SELECT * FROM samples").await;
+    assert_eq!(all.status, 200, "{}", &all.body[..all.body.len().min(300)]);
+    let answer: serde_json::Value = serde_json::from_str(&all.body).unwrap();
+    let rows = answer["rows"].as_array().unwrap().len();
+    assert_eq!(answer["truncated"], true, "28,800 rows are over 1 MiB");
+    assert!(rows > 0 && rows < 28_800, "{rows} rows");
+    // What fits is answered whole.
+    let count = server.sql(b"SELECT count(*) AS n FROM samples").await;
+    assert!(
+        count.body.contains("28800") && count.body.contains("\"truncated\":false"),
+        "{count:?}"
+    );
+    server.stop().await;
+}
+
 /// The soft limit on open files of this process (from /proc).
 fn open_file_limit() -> usize {
     std::fs::read_to_string("/proc/self/limits")
