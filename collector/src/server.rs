@@ -76,7 +76,7 @@ impl Collector {
         config.check()?;
         // Before anything in the directory is read, let alone deleted as a leftover.
         let lock = crate::dirlock::DirLock::acquire(&config.data_dir)?;
-        let store = Arc::new(open_store(config, clock, disk).await?);
+        let store = Arc::new(open_store(config, clock, disk.clone()).await?);
         let queries = Queries::new(
             store.clone(),
             config.query_timeout,
@@ -103,7 +103,7 @@ impl Collector {
             wal,
             wal_thread,
             replayed,
-        } = recover_log(config, &store, wal_metrics.clone())?;
+        } = recover_log(config, &store, wal_metrics.clone(), disk)?;
         let committer = Committer {
             store: store.clone(),
             wal: wal.clone(),
@@ -312,9 +312,14 @@ struct Recovered {
 
 /// Replays the log's records after the manifest's `flushed_seq` into the hot buffer, then
 /// starts the log writer and deletes segments wholly flushed before a crash.
-fn recover_log(config: &ServeConfig, store: &Store, metrics: Arc<WalMetrics>) -> Result<Recovered> {
+fn recover_log(
+    config: &ServeConfig,
+    store: &Store,
+    metrics: Arc<WalMetrics>,
+    disk: SharedDisk,
+) -> Result<Recovered> {
     let wal_dir = config.data_dir.join(wal::DIR);
-    let report = wal::replay(&wal_dir, store.flushed_seq())?;
+    let report = wal::replay(&*disk, &wal_dir, store.flushed_seq())?;
     let mut records = 0usize;
     let mut replayed = Vec::new();
     for record in report.records {
@@ -347,8 +352,13 @@ fn recover_log(config: &ServeConfig, store: &Store, metrics: Arc<WalMetrics>) ->
             "recovered from the write-ahead log"
         );
     }
-    let (wal, wal_thread) =
-        WalHandle::start(wal_dir, report.next_seq, config.wal_segment_bytes, metrics)?;
+    let (wal, wal_thread) = WalHandle::start(
+        wal_dir,
+        report.next_seq,
+        config.wal_segment_bytes,
+        metrics,
+        disk,
+    )?;
     wal.truncate(store.flushed_seq());
     Ok(Recovered {
         wal,

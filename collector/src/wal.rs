@@ -46,12 +46,14 @@
 //! accepts gaps). If the process ends while the disk still refuses the rollback, bytes of the
 //! failed group that did reach the disk may replay at the next start; that is the one case in
 //! which a batch answered `503` can be stored, and the log says so when it happens.
-//! [`FaultInjector`] makes writes or fsyncs fail on purpose, for tests and drills.
+//! Every write, fsync, truncation and delete goes through the data directory's
+//! [`crate::disk::Disk`], so tests fail them on purpose ([`crate::disk::faulty`]) or model a
+//! power cut ([`crate::disk::model`]) without a counter in this path.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -61,6 +63,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
 
+use crate::disk::{Disk, DiskFile, SharedDisk};
 use crate::error::{Error, Result};
 
 /// The log's directory inside the data directory.
@@ -75,69 +78,6 @@ const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Runs after a record is durable, on the writer thread, in sequence order.
 pub type ApplyFn = Box<dyn FnOnce(u64) + Send>;
-
-/// Makes the log's next writes or fsyncs fail as a full disk does (`ENOSPC`), for tests and
-/// failure drills; it does nothing until told to.
-#[derive(Debug, Default)]
-pub struct FaultInjector {
-    writes: AtomicU32,
-    syncs: AtomicU32,
-    /// Once [`FaultInjector::track_durability`] was called: each segment's length at its last
-    /// successful fsync (and its creation, once its directory entry was synced), which is what
-    /// a power cut now would leave of it. Off by default: the writer then records nothing.
-    durable: Mutex<Option<std::collections::BTreeMap<PathBuf, u64>>>,
-}
-
-impl FaultInjector {
-    /// Starts recording what a power cut would leave of each segment (for tests: the record
-    /// is kept for every segment ever written, deleted ones included).
-    pub fn track_durability(&self) {
-        self.durable
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(Default::default);
-    }
-
-    /// What a power cut at this instant would leave: each segment's length as of its last
-    /// fsync since tracking began. Bytes after it are only in the page cache. (Tests cut copies
-    /// of the segments to these lengths and replay them.)
-    pub fn durable_lengths(&self) -> std::collections::BTreeMap<PathBuf, u64> {
-        self.durable
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .unwrap_or_default()
-    }
-
-    fn synced(&self, path: &Path, len: u64) {
-        if let Some(durable) = self
-            .durable
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            durable.insert(path.to_owned(), len);
-        }
-    }
-
-    /// The next `n` segment writes fail (0 stops failing them).
-    pub fn fail_writes(&self, n: u32) {
-        self.writes.store(n, Ordering::Release);
-    }
-
-    /// The next `n` fsyncs (and rollback truncations) fail (0 stops failing them).
-    pub fn fail_syncs(&self, n: u32) {
-        self.syncs.store(n, Ordering::Release);
-    }
-
-    fn take(counter: &AtomicU32) -> std::io::Result<()> {
-        let took = counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-        match took {
-            Ok(_) => Err(std::io::Error::from_raw_os_error(28)), // ENOSPC
-            Err(_) => Ok(()),
-        }
-    }
-}
 
 /// Whether the log is failed, and why; shared by the writer and the handles.
 #[derive(Debug, Default)]
@@ -310,15 +250,10 @@ fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(segments)
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)?.sync_all()?;
-    Ok(())
-}
-
 /// Reads every record after `flushed_seq`. Damage is set aside, never skipped past: see the
 /// module docs.
-pub fn replay(dir: &Path, flushed_seq: u64) -> Result<ReplayReport> {
-    fs::create_dir_all(dir)?;
+pub fn replay(disk: &dyn Disk, dir: &Path, flushed_seq: u64) -> Result<ReplayReport> {
+    crate::disk::create_dir_durably(disk, dir)?;
     let segments = list_segments(dir)?;
     let mut report = ReplayReport {
         next_seq: flushed_seq + 1,
@@ -361,10 +296,9 @@ pub fn replay(dir: &Path, flushed_seq: u64) -> Result<ReplayReport> {
                     kept = %aside.display(),
                     "write-ahead log ends in a torn record (a crash mid-write); truncating it"
                 );
-                OpenOptions::new()
-                    .write(true)
-                    .open(path)?
-                    .set_len(offset as u64)?;
+                // Durably: the writer appends after it, and a torn tail coming back under
+                // records appended later would read as damage inside the log.
+                disk.truncate(path, offset as u64)?;
                 report.torn_bytes += (end - offset) as u64;
             } else {
                 tracing::error!(
@@ -437,7 +371,6 @@ fn encode_header(seq: u64, payload: &[u8]) -> [u8; HEADER] {
 pub struct WalHandle {
     tx: mpsc::Sender<Message>,
     failure: Arc<Failure>,
-    faults: Arc<FaultInjector>,
 }
 
 impl WalHandle {
@@ -447,14 +380,15 @@ impl WalHandle {
         next_seq: u64,
         segment_bytes: u64,
         observer: Arc<dyn WalObserver>,
+        disk: SharedDisk,
     ) -> Result<(WalHandle, std::thread::JoinHandle<()>)> {
-        fs::create_dir_all(&dir)?;
+        crate::disk::create_dir_durably(&*disk, &dir)?;
         let segments = list_segments(&dir)?;
         let (tx, rx) = mpsc::channel();
         let failure = Arc::new(Failure::default());
-        let faults = Arc::new(FaultInjector::default());
         let mut writer = Writer {
             dir,
+            disk,
             segment_bytes,
             next_seq,
             active: None,
@@ -468,21 +402,13 @@ impl WalHandle {
                 .collect(),
             observer,
             failure: failure.clone(),
-            faults: faults.clone(),
             rollback: None,
             last_attempt: None,
         };
         let thread = std::thread::Builder::new()
             .name("rankwatch-wal".into())
             .spawn(move || writer.run(rx))?;
-        Ok((
-            WalHandle {
-                tx,
-                failure,
-                faults,
-            },
-            thread,
-        ))
+        Ok((WalHandle { tx, failure }, thread))
     }
 
     /// Appends `payload`; resolves once it is fsynced and `apply` has run, with its sequence
@@ -535,24 +461,19 @@ impl WalHandle {
             ))),
         }
     }
-
-    /// The log's fault injector (see [`FaultInjector`]).
-    pub fn faults(&self) -> &Arc<FaultInjector> {
-        &self.faults
-    }
 }
 
 struct Writer {
     dir: PathBuf,
+    disk: SharedDisk,
     segment_bytes: u64,
     next_seq: u64,
-    active: Option<BufWriter<File>>,
+    active: Option<BufWriter<Box<dyn DiskFile>>>,
     active_size: u64,
     /// (first seq, path, size), oldest first; the last one is active when `active` is set.
     segments: Vec<(u64, PathBuf, u64)>,
     observer: Arc<dyn WalObserver>,
     failure: Arc<Failure>,
-    faults: Arc<FaultInjector>,
     /// Set while a failed group is not yet rolled back: the log refuses appends.
     rollback: Option<Checkpoint>,
     last_attempt: Option<Instant>,
@@ -628,7 +549,7 @@ impl Writer {
                 );
             }
         } else if let Some(active) = self.active.as_mut() {
-            let _ = active.flush().and_then(|_| active.get_ref().sync_data());
+            let _ = active.flush().and_then(|_| active.get_mut().sync_data());
         }
     }
 
@@ -721,7 +642,7 @@ impl Writer {
     fn roll_back(&mut self, checkpoint: Checkpoint) -> Result<()> {
         while self.segments.len() > checkpoint.segments {
             let (_, path, _) = &self.segments[self.segments.len() - 1];
-            match fs::remove_file(path) {
+            match self.disk.remove_file(path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e.into()),
@@ -731,13 +652,10 @@ impl Writer {
         if let Some(last) = self.segments.last_mut()
             && last.2 != checkpoint.last_len
         {
-            FaultInjector::take(&self.faults.syncs)?;
-            let file = OpenOptions::new().write(true).open(&last.1)?;
-            file.set_len(checkpoint.last_len)?;
-            file.sync_all()?;
+            self.disk.truncate(&last.1, checkpoint.last_len)?;
             last.2 = checkpoint.last_len;
         }
-        sync_dir(&self.dir)?;
+        self.disk.sync_dir(&self.dir)?;
         Ok(())
     }
 
@@ -749,7 +667,6 @@ impl Writer {
             .active
             .as_mut()
             .ok_or_else(|| Error::Unavailable("write-ahead log has no active segment".into()))?;
-        FaultInjector::take(&self.faults.writes)?;
         active.write_all(&encode_header(seq, payload))?;
         active.write_all(payload)?;
         let size = (HEADER + payload.len()) as u64;
@@ -762,12 +679,8 @@ impl Writer {
 
     fn sync(&mut self) -> Result<()> {
         if let Some(active) = self.active.as_mut() {
-            FaultInjector::take(&self.faults.syncs)?;
             active.flush()?;
-            active.get_ref().sync_data()?;
-            if let Some((_, path, len)) = self.segments.last() {
-                self.faults.synced(path, *len);
-            }
+            active.get_mut().sync_data()?;
         }
         Ok(())
     }
@@ -775,9 +688,8 @@ impl Writer {
     fn rotate(&mut self, first_seq: u64) -> Result<()> {
         self.sync()?;
         let path = self.dir.join(segment_name(first_seq));
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
-        sync_dir(&self.dir)?;
-        self.faults.synced(&path, 0);
+        let file = self.disk.open_append(&path)?;
+        self.disk.sync_dir(&self.dir)?;
         self.active = Some(BufWriter::with_capacity(1 << 20, file));
         self.active_size = 0;
         self.segments.push((first_seq, path, 0));
@@ -802,7 +714,7 @@ impl Writer {
                 .unwrap_or(last_written);
             let is_active = i + 1 == count && self.active.is_some();
             if !is_active && last_seq <= flushed_seq {
-                if let Err(e) = fs::remove_file(&segment.1) {
+                if let Err(e) = self.disk.remove_file(&segment.1) {
                     tracing::warn!(segment = %segment.1.display(), error = %e, "could not delete flushed segment");
                     keep.push(segment.clone());
                 }
@@ -823,6 +735,9 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::disk::RealDisk;
+    use crate::disk::faulty::FaultyDisk;
+    use crate::disk::model::PowerCutDisk;
     use std::collections::BTreeMap;
     use std::sync::Mutex;
 
@@ -841,8 +756,14 @@ mod tests {
     }
 
     fn write(dir: &Path, next_seq: u64, segment_bytes: u64, payloads: &[&[u8]]) -> Vec<u64> {
-        let (wal, thread) =
-            WalHandle::start(dir.into(), next_seq, segment_bytes, Arc::new(Quiet)).unwrap();
+        let (wal, thread) = WalHandle::start(
+            dir.into(),
+            next_seq,
+            segment_bytes,
+            Arc::new(Quiet),
+            RealDisk::shared(),
+        )
+        .unwrap();
         let applied = Arc::new(Mutex::new(Vec::new()));
         let seqs = runtime().block_on(async {
             let mut seqs = Vec::new();
@@ -877,12 +798,12 @@ mod tests {
         let seqs = write(dir.path(), 1, 1000, &refs);
         assert_eq!(seqs, (1..=50).collect::<Vec<_>>());
         assert!(list_segments(dir.path()).unwrap().len() > 3);
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         assert_eq!(report.next_seq, 51);
         let got: Vec<Vec<u8>> = report.records.into_iter().map(|r| r.payload).collect();
         assert_eq!(got, payloads);
         // Records at or below the flushed sequence number are skipped.
-        assert_eq!(replay(dir.path(), 40).unwrap().records.len(), 10);
+        assert_eq!(replay(&RealDisk, dir.path(), 40).unwrap().records.len(), 10);
     }
 
     #[test]
@@ -892,18 +813,18 @@ mod tests {
         let (_, path) = list_segments(dir.path()).unwrap().pop().unwrap();
         let len = fs::metadata(&path).unwrap().len();
         // Cut the last record in half, as a crash mid-write would.
-        OpenOptions::new()
+        fs::OpenOptions::new()
             .write(true)
             .open(&path)
             .unwrap()
             .set_len(len - 3)
             .unwrap();
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         assert_eq!(report.records.len(), 2);
         assert_eq!(report.torn_bytes, (HEADER + 5 - 3) as u64);
         assert_eq!(report.next_seq, 3);
         write(dir.path(), report.next_seq, 1 << 20, &[b"delta"]);
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         let got: Vec<&[u8]> = report
             .records
             .iter()
@@ -921,7 +842,7 @@ mod tests {
         let last = data.len() - 1;
         data[last] ^= 1;
         fs::write(&path, data).unwrap();
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         assert_eq!(report.records.len(), 1);
         assert!(report.torn_bytes > 0);
     }
@@ -951,7 +872,7 @@ mod tests {
         // A bit of "beta"'s payload: the second record starts after the first.
         let beta_at = HEADER + 5;
         flip(&path, beta_at + HEADER + 1);
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         let got: Vec<&[u8]> = report
             .records
             .iter()
@@ -982,7 +903,7 @@ mod tests {
         assert!(segments.len() >= 4);
         // The first record of the first segment: everything after it in that segment stays.
         flip(&segments[0].1, 3);
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         assert_eq!(report.records.len(), 39);
         assert_eq!(
             report.records[0].seq, 2,
@@ -1036,7 +957,7 @@ mod tests {
                     }
                 }
             }
-            let report = replay(dir.path(), 0).unwrap();
+            let report = replay(&RealDisk, dir.path(), 0).unwrap();
             let got: std::collections::BTreeMap<u64, Vec<u8>> =
                 report.records.iter().map(|r| (r.seq, r.payload.clone())).collect();
             for (i, payload) in payloads.iter().enumerate() {
@@ -1066,16 +987,24 @@ mod tests {
     fn a_power_cut_keeps_every_acknowledged_record() {
         for case in 0u64..12 {
             let dir = tempfile::tempdir().unwrap();
-            let (wal, thread) =
-                WalHandle::start(dir.path().into(), 1, 2048, Arc::new(Quiet)).unwrap();
-            wal.faults().track_durability();
+            let disk = PowerCutDisk::new(u64::MAX);
+            let (wal, thread) = WalHandle::start(
+                dir.path().into(),
+                1,
+                2048,
+                Arc::new(Quiet),
+                Arc::new(disk.clone()),
+            )
+            .unwrap();
+            // What a power cut leaves, imaged at the cut.
+            let cut = tempfile::tempdir().unwrap();
             let acked: Arc<Mutex<BTreeMap<u64, Vec<u8>>>> = Arc::default();
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .unwrap();
-            let (seen, durable) = runtime.block_on(async {
+            let seen = runtime.block_on(async {
                 let mut writers = Vec::new();
                 for w in 0..4u64 {
                     let (wal, acked) = (wal.clone(), acked.clone());
@@ -1099,28 +1028,32 @@ mod tests {
                     tokio::time::sleep(Duration::from_micros(200)).await;
                 }
                 let seen = acked.lock().unwrap().clone();
-                let durable = wal.faults().durable_lengths();
+                disk.materialise(dir.path(), cut.path()).unwrap();
                 for w in writers {
                     w.await.unwrap();
                 }
-                (seen, durable)
+                seen
             });
             drop(wal);
             thread.join().unwrap();
 
-            // The disk after the cut, in another folder.
-            let cut = tempfile::tempdir().unwrap();
-            let last = durable.keys().next_back().cloned();
-            for (path, len) in &durable {
-                let data = fs::read(path).unwrap();
-                let mut kept = data[..*len as usize].to_vec();
-                if Some(path) == last.as_ref() {
-                    // Part of the unsynced tail reached the platter, scrambled.
-                    kept.extend(data[*len as usize..].iter().take(40).map(|b| b ^ 0x5a));
-                }
-                fs::write(cut.path().join(path.file_name().unwrap()), kept).unwrap();
+            // Part of the unsynced tail of the newest segment reached the platter, scrambled.
+            let cut_wal = cut.path();
+            if let Some((_, newest)) = list_segments(cut_wal).unwrap().pop() {
+                let kept = fs::read(&newest).unwrap();
+                let live =
+                    fs::read(dir.path().join(newest.file_name().unwrap())).unwrap_or_default();
+                let tail: Vec<u8> = live
+                    .iter()
+                    .skip(kept.len())
+                    .take(40)
+                    .map(|b| b ^ 0x5a)
+                    .collect();
+                let mut scrambled = kept;
+                scrambled.extend(tail);
+                fs::write(&newest, scrambled).unwrap();
             }
-            let report = replay(cut.path(), 0).unwrap();
+            let report = replay(&RealDisk, cut.path(), 0).unwrap();
             let replayed: BTreeMap<u64, Vec<u8>> = report
                 .records
                 .into_iter()
@@ -1161,7 +1094,7 @@ mod tests {
     }
 
     fn payloads(dir: &Path) -> Vec<(u64, Vec<u8>)> {
-        let report = replay(dir, 0).unwrap();
+        let report = replay(&RealDisk, dir, 0).unwrap();
         report
             .records
             .into_iter()
@@ -1172,19 +1105,20 @@ mod tests {
     #[test]
     fn a_failed_group_is_refused_rolled_back_healed_and_never_replayed() {
         let dir = tempfile::tempdir().unwrap();
+        let disk = Arc::new(FaultyDisk::default());
         let (wal, thread) =
-            WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet)).unwrap();
+            WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet), disk.clone()).unwrap();
         let applied = Arc::new(Mutex::new(Vec::new()));
         runtime().block_on(async {
             assert_eq!(append(&wal, b"alpha", &applied).await.unwrap(), 1);
-            wal.faults().fail_syncs(u32::MAX);
+            disk.fail_syncs(u32::MAX);
             let e = append(&wal, b"refused", &applied).await.unwrap_err();
             assert!(e.to_string().contains("os error 28"), "{e}");
             assert!(wal.is_failed() && wal.failure().is_some());
             // Refused at once while failed, without a sequence number.
             let e = append(&wal, b"also refused", &applied).await.unwrap_err();
             assert!(e.to_string().contains("retrying every 1 s"), "{e}");
-            wal.faults().fail_syncs(0);
+            disk.fail_syncs(0);
             let deadline = Instant::now() + Duration::from_secs(10);
             while wal.is_failed() {
                 assert!(Instant::now() < deadline, "the log never healed");
@@ -1208,13 +1142,14 @@ mod tests {
     #[test]
     fn a_failed_group_is_not_written_at_shutdown() {
         let dir = tempfile::tempdir().unwrap();
+        let disk = Arc::new(FaultyDisk::default());
         let (wal, thread) =
-            WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet)).unwrap();
+            WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet), disk.clone()).unwrap();
         let applied = Arc::new(Mutex::new(Vec::new()));
         runtime().block_on(async {
             append(&wal, b"alpha", &applied).await.unwrap();
             // Written into the segment's buffer, then the fsync fails.
-            wal.faults().fail_syncs(1);
+            disk.fail_syncs(1);
             append(&wal, b"refused", &applied).await.unwrap_err();
         });
         // Shut down while failed: the group's buffered bytes are dropped, not flushed.
@@ -1226,14 +1161,16 @@ mod tests {
     #[test]
     fn a_failed_group_that_started_a_segment_takes_it_back() {
         let dir = tempfile::tempdir().unwrap();
+        let disk = Arc::new(FaultyDisk::default());
         // Segments of ~one record: the next append starts a new segment.
-        let (wal, thread) = WalHandle::start(dir.path().into(), 1, 10, Arc::new(Quiet)).unwrap();
+        let (wal, thread) =
+            WalHandle::start(dir.path().into(), 1, 10, Arc::new(Quiet), disk.clone()).unwrap();
         let applied = Arc::new(Mutex::new(Vec::new()));
         runtime().block_on(async {
             append(&wal, b"alpha", &applied).await.unwrap();
             assert_eq!(list_segments(dir.path()).unwrap().len(), 1);
             // The rotation's fsync of the old segment passes, the new segment's fails.
-            wal.faults().fail_writes(1);
+            disk.fail_writes(1);
             append(&wal, b"refused", &applied).await.unwrap_err();
         });
         drop(wal);
@@ -1249,7 +1186,14 @@ mod tests {
     #[test]
     fn truncate_deletes_only_fully_flushed_segments() {
         let dir = tempfile::tempdir().unwrap();
-        let (wal, thread) = WalHandle::start(dir.path().into(), 1, 300, Arc::new(Quiet)).unwrap();
+        let (wal, thread) = WalHandle::start(
+            dir.path().into(),
+            1,
+            300,
+            Arc::new(Quiet),
+            RealDisk::shared(),
+        )
+        .unwrap();
         runtime().block_on(async {
             for _ in 0..10 {
                 wal.append(Bytes::from(vec![7u8; 200]), Box::new(|_| {}))
@@ -1259,7 +1203,7 @@ mod tests {
             wal.truncate(5);
             wal.barrier().await;
         });
-        let report = replay(dir.path(), 0).unwrap();
+        let report = replay(&RealDisk, dir.path(), 0).unwrap();
         let seqs: Vec<u64> = report.records.iter().map(|r| r.seq).collect();
         assert!(seqs.iter().all(|&s| s >= 6 - 1), "{seqs:?}");
         assert!(seqs.contains(&6) && seqs.contains(&10), "{seqs:?}");

@@ -90,6 +90,23 @@ impl Disk for SmallDisk {
         }))
     }
 
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn DiskFile>> {
+        Ok(Box::new(Metered {
+            file: std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+            free: self.free.clone(),
+        }))
+    }
+
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+        self.give_back(path);
+        RealDisk.truncate(path, len)?;
+        self.free.fetch_sub(len as i64, Ordering::SeqCst);
+        Ok(())
+    }
+
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         if to.file_name().is_some_and(|n| n == "manifest.json")
             && self.refuse_manifest.swap(false, Ordering::SeqCst)

@@ -1,11 +1,11 @@
-//! Power loss under the Parquet side (issue 45 item 9): the store's flushes, compactions and
-//! manifest commits run on a model disk that keeps, at a simulated power cut, only what was
-//! made durable — file contents fsynced, directory entries (creates, renames, deletes)
-//! fsynced in their directory — as LazyFS does, through the store's file-system seam
-//! (`rankwatch_collector::disk`). The power fails after the Nth disk operation, for crash
-//! points spread over a whole run of concurrent ingest, flushes and a compaction; the durable
-//! image, with the write-ahead log as it stands, is opened by a fresh collector. Every
-//! acknowledged batch must be there, none twice.
+//! Power loss (issue 45 item 9): the write-ahead log, the store's flushes, compactions and
+//! manifest commits all run on a model disk that keeps, at a simulated power cut, only what
+//! was made durable — file contents fsynced, directory entries (creates, renames, deletes)
+//! fsynced in their directory — as LazyFS does, through the data directory's file-system seam
+//! (`rankwatch_collector::disk::model`). The power fails after the Nth disk operation, for
+//! crash points spread over a whole run of concurrent ingest, flushes and a compaction; the
+//! durable image is opened by a fresh collector. Every acknowledged batch must be there, none
+//! twice.
 //!
 //! `RANKWATCH_POWER_CUTS` sets the number of crash points (40 by default) and
 //! `RANKWATCH_POWER_ROUNDS` the length of the run (6 rounds); the 1,000-point benchmark is
@@ -13,245 +13,17 @@
 //! --test it power_loss -- --nocapture`, which prints its tally. Removing the directory fsync after a rename in
 //! `disk::write_with`, or the file fsync before it, makes this test fail.
 
-use std::collections::{BTreeMap, HashMap};
-use std::ffi::OsString;
-use std::io::{self, Write};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
 
 use rankwatch_analytics::RunId;
 use rankwatch_collector::Collector;
 use rankwatch_collector::clock::SystemClock;
-use rankwatch_collector::disk::{Disk, DiskFile, RealDisk};
+use rankwatch_collector::disk::model::PowerCutDisk;
 use rankwatch_collector::entry::Table;
 
 use crate::common::*;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Entry {
-    File(u64),
-    Dir,
-}
-
-#[derive(Debug, Default)]
-struct Inode {
-    current: Vec<u8>,
-    durable: Vec<u8>,
-}
-
-#[derive(Debug, Default)]
-struct DirEntries {
-    current: BTreeMap<OsString, Entry>,
-    durable: BTreeMap<OsString, Entry>,
-}
-
-/// What a power cut would leave: the model of every file and directory the store wrote.
-#[derive(Debug, Default)]
-struct Model {
-    inodes: HashMap<u64, Inode>,
-    dirs: HashMap<PathBuf, DirEntries>,
-    next_inode: u64,
-    ops: u64,
-    /// The power fails after this many operations (every later one fails with `EIO`).
-    cut_after: u64,
-}
-
-impl Model {
-    fn step(&mut self) -> io::Result<()> {
-        self.ops += 1;
-        if self.ops > self.cut_after {
-            return Err(io::Error::from_raw_os_error(5)); // EIO: the disk is gone
-        }
-        Ok(())
-    }
-
-    fn split(path: &Path) -> (PathBuf, OsString) {
-        (
-            path.parent().unwrap().to_owned(),
-            path.file_name().unwrap().to_owned(),
-        )
-    }
-
-    fn dir(&mut self, dir: &Path) -> &mut DirEntries {
-        self.dirs.entry(dir.to_owned()).or_default()
-    }
-}
-
-/// The real file system, mirrored into a [`Model`] that knows what is durable.
-#[derive(Debug)]
-struct PowerCutDisk {
-    model: Arc<Mutex<Model>>,
-}
-
-struct ModelFile {
-    file: std::fs::File,
-    inode: u64,
-    model: Arc<Mutex<Model>>,
-}
-
-impl Write for ModelFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        self.file.write_all(buf)?;
-        model
-            .inodes
-            .get_mut(&self.inode)
-            .unwrap()
-            .current
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl DiskFile for ModelFile {
-    fn sync_all(&mut self) -> io::Result<()> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        let inode = model.inodes.get_mut(&self.inode).unwrap();
-        inode.durable = inode.current.clone();
-        Ok(())
-    }
-
-    fn len(&self) -> io::Result<u64> {
-        Ok(self.file.metadata()?.len())
-    }
-}
-
-impl Disk for PowerCutDisk {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        let missing: Vec<PathBuf> = dir
-            .ancestors()
-            .take_while(|d| !d.exists())
-            .map(Path::to_owned)
-            .collect();
-        RealDisk.create_dir_all(dir)?;
-        for created in missing.iter().rev() {
-            let (parent, name) = Model::split(created);
-            model.dir(&parent).current.insert(name, Entry::Dir);
-            model.dir(created);
-        }
-        Ok(())
-    }
-
-    fn create(&self, path: &Path) -> io::Result<Box<dyn DiskFile>> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        let file = std::fs::File::create(path)?;
-        model.next_inode += 1;
-        let inode = model.next_inode;
-        model.inodes.insert(inode, Inode::default());
-        let (parent, name) = Model::split(path);
-        model.dir(&parent).current.insert(name, Entry::File(inode));
-        Ok(Box::new(ModelFile {
-            file,
-            inode,
-            model: self.model.clone(),
-        }))
-    }
-
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        RealDisk.rename(from, to)?;
-        let (from_dir, from_name) = Model::split(from);
-        let (to_dir, to_name) = Model::split(to);
-        let moved = model.dir(&from_dir).current.remove(&from_name).unwrap();
-        model.dir(&to_dir).current.insert(to_name, moved);
-        Ok(())
-    }
-
-    fn remove_file(&self, path: &Path) -> io::Result<()> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        RealDisk.remove_file(path)?;
-        let (dir, name) = Model::split(path);
-        model.dir(&dir).current.remove(&name);
-        Ok(())
-    }
-
-    fn remove_dir(&self, dir: &Path) -> io::Result<()> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        RealDisk.remove_dir(dir)?;
-        let (parent, name) = Model::split(dir);
-        model.dir(&parent).current.remove(&name);
-        Ok(())
-    }
-
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        let mut model = self.model.lock().unwrap();
-        model.step()?;
-        let entries = model.dir(dir);
-        entries.durable = entries.current.clone();
-        Ok(())
-    }
-}
-
-/// Whether the model owns this top-level name of the data directory (the Parquet side).
-fn modelled(name: &str) -> bool {
-    name.starts_with("table=") || name.starts_with("manifest.")
-}
-
-/// Writes what survives the power cut into `image`: the Parquet side from the model's durable
-/// state, everything else (the write-ahead log, the key snapshots) as it is on disk.
-fn materialise(model: &Model, live: &Path, image: &Path) {
-    fn copy_tree(from: &Path, to: &Path, top: bool) {
-        std::fs::create_dir_all(to).unwrap();
-        for entry in std::fs::read_dir(from).unwrap().flatten() {
-            let name = entry.file_name();
-            if top && (modelled(&name.to_string_lossy()) || name == "LOCK") {
-                continue;
-            }
-            let path = entry.path();
-            if path.is_dir() {
-                copy_tree(&path, &to.join(&name), false);
-            } else {
-                std::fs::copy(&path, to.join(&name)).unwrap();
-            }
-        }
-    }
-    copy_tree(live, image, true);
-    fn durable_tree(model: &Model, dir: &Path, to: &Path) {
-        let Some(entries) = model.dirs.get(dir) else {
-            return;
-        };
-        for (name, entry) in &entries.durable {
-            match entry {
-                Entry::Dir => {
-                    std::fs::create_dir_all(to.join(name)).unwrap();
-                    durable_tree(model, &dir.join(name), &to.join(name));
-                }
-                Entry::File(inode) => {
-                    std::fs::write(to.join(name), &model.inodes[inode].durable).unwrap();
-                }
-            }
-        }
-    }
-    let Some(root) = model.dirs.get(live) else {
-        return;
-    };
-    for (name, entry) in &root.durable {
-        if !modelled(&name.to_string_lossy()) {
-            continue;
-        }
-        match entry {
-            Entry::Dir => {
-                std::fs::create_dir_all(image.join(name)).unwrap();
-                durable_tree(model, &live.join(name), &image.join(name));
-            }
-            Entry::File(inode) => {
-                std::fs::write(image.join(name), &model.inodes[inode].durable).unwrap();
-            }
-        }
-    }
-}
 
 const RUNS: [&str; 3] = ["alpha", "beta", "gamma"];
 const STEPS_PER_BATCH: u64 = 5;
@@ -280,19 +52,13 @@ async fn run_until_the_power_fails(
 ) -> (BTreeMap<&'static str, Vec<u64>>, u64, tempfile::TempDir) {
     let live = tempfile::tempdir().unwrap();
     let image = tempfile::tempdir().unwrap();
-    let model = Arc::new(Mutex::new(Model {
-        cut_after,
-        ..Model::default()
-    }));
-    model.lock().unwrap().dir(live.path());
+    let disk = PowerCutDisk::new(cut_after);
     let mut acked: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
     let mut config = config(live.path());
     config.no_alert_engine = true;
     config.compact_small_rows = 1 << 20;
-    let disk = Arc::new(PowerCutDisk {
-        model: model.clone(),
-    });
-    if let Ok(c) = Collector::open_on(&config, SystemClock::shared(), disk).await {
+    if let Ok(c) = Collector::open_on(&config, SystemClock::shared(), Arc::new(disk.clone())).await
+    {
         for round in 0..rounds() {
             let sends = RUNS.map(|run| {
                 let c = &c;
@@ -318,12 +84,12 @@ async fn run_until_the_power_fails(
         }
         // The power fails here (if it has not yet): what is durable is imaged, then the
         // collector is stopped (its own last flush cannot change the image).
-        materialise(&model.lock().unwrap(), live.path(), image.path());
+        disk.materialise(live.path(), image.path()).unwrap();
         let _ = c.shutdown().await;
     } else {
-        materialise(&model.lock().unwrap(), live.path(), image.path());
+        disk.materialise(live.path(), image.path()).unwrap();
     }
-    let ops = model.lock().unwrap().ops;
+    let ops = disk.operations();
     (acked, ops, image)
 }
 

@@ -145,8 +145,14 @@ async fn a_log_entry_that_does_not_decode_is_set_aside_and_the_rest_replays() {
     let c = open_store_only(dir.path()).await;
     ingest_runs(&c, &["before"], 1, 3).await;
     drop(c); // no shutdown: nothing is flushed, the batch stays in the log
-    let (handle, thread) =
-        WalHandle::start(log.clone(), 100, 1 << 20, Arc::new(WalMetrics::default())).unwrap();
+    let (handle, thread) = WalHandle::start(
+        log.clone(),
+        100,
+        1 << 20,
+        Arc::new(WalMetrics::default()),
+        rankwatch_collector::disk::RealDisk::shared(),
+    )
+    .unwrap();
     handle
         .append(bytes::Bytes::from_static(b"not an entry"), Box::new(|_| {}))
         .await

@@ -1,11 +1,29 @@
 //! A full disk under the write-ahead log: batches get `503` with `Retry-After`, `/healthz` and
 //! `/readyz` say why, the collector heals by itself when space returns, and no refused batch is
-//! ever stored — not then, not after a restart. The faults come from the log's own injector,
+//! ever stored — not then, not after a restart. The faults come from the data directory's disk
+//! (`rankwatch_collector::disk::faulty::FaultyDisk`, behind the store's file-system seam),
 //! which fails its fsyncs with `ENOSPC` as a full disk does.
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use rankwatch_collector::clock::SystemClock;
+use rankwatch_collector::disk::faulty::FaultyDisk;
+
 use crate::common::*;
+
+async fn open_on_faulty(
+    dir: &std::path::Path,
+) -> (rankwatch_collector::Collector, Arc<FaultyDisk>) {
+    let mut config = config(dir);
+    config.no_alert_engine = true;
+    let disk = Arc::new(FaultyDisk::default());
+    let c = rankwatch_collector::Collector::open_on(&config, SystemClock::shared(), disk.clone())
+        .await
+        .expect("collector opens");
+    (c, disk)
+}
 
 async fn send(c: &rankwatch_collector::Collector, run: &str) -> Reply {
     let rows = workload(run, 2, 3, 1);
@@ -15,10 +33,10 @@ async fn send(c: &rankwatch_collector::Collector, run: &str) -> Reply {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_is_a_503_with_retry_after_and_heals_without_storing_a_refused_batch() {
     let dir = tempfile::tempdir().unwrap();
-    let c = open_store_only(dir.path()).await;
+    let (c, disk) = open_on_faulty(dir.path()).await;
     assert_eq!(send(&c, "before").await.status, 200);
 
-    c.wal().faults().fail_syncs(u32::MAX); // the disk is full until told otherwise
+    disk.fail_syncs(u32::MAX); // the disk is full until told otherwise
     let refused = send(&c, "refused").await;
     assert_eq!(refused.status, 503, "{}", refused.text());
     assert_eq!(refused.headers["retry-after"], "5");
@@ -50,7 +68,7 @@ async fn a_full_disk_is_a_503_with_retry_after_and_heals_without_storing_a_refus
     assert_eq!(get(&c, "/healthz").await.status, 503);
 
     // Space returns: the log rolls the refused batch back and heals without a restart.
-    c.wal().faults().fail_syncs(0);
+    disk.fail_syncs(0);
     let deadline = Instant::now() + Duration::from_secs(20);
     while get(&c, "/healthz").await.status != 200 {
         assert!(Instant::now() < deadline, "the collector never healed");

@@ -1,11 +1,17 @@
-//! The file-system seam of the Parquet side: every create, write, fsync, rename and delete
-//! the store makes under its data directory goes through a [`Disk`].
+//! The file-system seam of what must survive: every create, write, fsync, rename, truncation
+//! and delete of the write-ahead log and of the Parquet side (parts and manifest) goes through
+//! a [`Disk`].
 //!
-//! Production uses [`RealDisk`] (`std::fs`). Tests implement the trait to be the disk that
-//! fails: one that fills up part-way through a flush, one that refuses the manifest's rename.
-//! That keeps fault injection out of the production path (no counters consulted on every
-//! write), as Vector's disk buffer does with its `Filesystem` trait. Reads stay on `std::fs`:
-//! what is read was written through the seam.
+//! Production uses [`RealDisk`] (`std::fs`). Tests and drills use the disks that fail:
+//! [`faulty::FaultyDisk`] fails writes or fsyncs as a full disk does, and
+//! [`model::PowerCutDisk`] keeps a model of what a power cut would leave (only fsynced
+//! contents and fsynced directory entries, LazyFS's idea). That keeps fault injection out of
+//! the production path (no counters consulted on every write), as Vector's disk buffer does
+//! with its `Filesystem` trait. Reads stay on `std::fs`: what is read was written through the
+//! seam.
+
+pub mod faulty;
+pub mod model;
 
 use std::fmt::Debug;
 use std::fs::{self, File};
@@ -17,6 +23,11 @@ use std::sync::Arc;
 pub trait DiskFile: Write + Send {
     /// Makes the file's content durable (`fsync`).
     fn sync_all(&mut self) -> io::Result<()>;
+    /// Makes the file's content durable without its metadata where that is cheaper
+    /// (`fdatasync`): what the log's group commit calls.
+    fn sync_data(&mut self) -> io::Result<()> {
+        self.sync_all()
+    }
     /// Its size now.
     fn len(&self) -> io::Result<u64>;
 }
@@ -27,6 +38,10 @@ pub trait Disk: Send + Sync + Debug {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
     /// Creates (or truncates) `path` for writing.
     fn create(&self, path: &Path) -> io::Result<Box<dyn DiskFile>>;
+    /// Opens `path` for appending, creating it when missing.
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn DiskFile>>;
+    /// Cuts `path` to `len` bytes and makes that durable (the file's fsync).
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()>;
     /// Renames `from` over `to` (atomic replacement).
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Deletes a file.
@@ -56,6 +71,10 @@ impl DiskFile for File {
         File::sync_all(self)
     }
 
+    fn sync_data(&mut self) -> io::Result<()> {
+        File::sync_data(self)
+    }
+
     fn len(&self) -> io::Result<u64> {
         Ok(self.metadata()?.len())
     }
@@ -68,6 +87,21 @@ impl Disk for RealDisk {
 
     fn create(&self, path: &Path) -> io::Result<Box<dyn DiskFile>> {
         Ok(Box::new(File::create(path)?))
+    }
+
+    fn open_append(&self, path: &Path) -> io::Result<Box<dyn DiskFile>> {
+        Ok(Box::new(
+            fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        ))
+    }
+
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+        let file = fs::OpenOptions::new().write(true).open(path)?;
+        file.set_len(len)?;
+        file.sync_all()
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
