@@ -637,3 +637,78 @@ fn help_never_prints_the_secrets_it_reads_from_the_environment() {
         assert!(!help.contains(value), "{name}'s value is printed:\n{help}");
     }
 }
+
+/// Issue 45 item 10: a webhook's or Slack's URL carries its secret in its path, query or user
+/// info, and Alertmanager's in its user info. Deliveries that fail are logged (the logging
+/// path, not `--help`): the lines name the receiver's origin only, never a secret.
+#[test]
+fn failed_deliveries_are_logged_without_the_receivers_secrets() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    // A port nobody listens on: every delivery fails and is logged.
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let hook = format!("http://127.0.0.1:{closed}/hooks/wh-secret-1?token=wh-secret-2");
+    let slack = format!("http://bot:sl-secret-3@127.0.0.1:{closed}/services/T0/B0/sl-secret-4");
+    let am = format!("http://am:am-secret-5@127.0.0.1:{closed}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rankwatch"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--flush-interval", "1h"])
+        .args(["--alert-max-attempts", "1"])
+        .args(["--webhook-url", &hook, "--slack-webhook-url", &slack])
+        .args(["--alertmanager-url", &am])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("RANKWATCH_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line.trim().rsplit(' ').next().unwrap().to_owned();
+    let log = Arc::new(Mutex::new(String::new()));
+    let stderr = child.stderr.take().unwrap();
+    let collected = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            collected.lock().unwrap().push_str(&line);
+            collected.lock().unwrap().push('\n');
+        }
+    });
+    let collector = Binary {
+        child,
+        base,
+        dir: dir.path().to_owned(),
+    };
+    let run = "secrets";
+    collector.post(
+        "/api/v1/ingest?table=runs",
+        None,
+        runs_ipc(&info(run, WORLD, 2)),
+    );
+    let mut sim = DataParallelSim::new(WORLD, 64, 3);
+    collector.steps(run, &mut sim, 0..12, 7);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log.lock().unwrap().matches("giving up").count() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "three receivers' failures were never logged:\n{}",
+            log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(collector);
+    let log = log.lock().unwrap().clone();
+    for secret in ["secret-1", "secret-2", "secret-3", "secret-4", "secret-5"] {
+        assert!(!log.contains(secret), "{secret} is in the log:\n{log}");
+    }
+    assert!(
+        log.contains(&format!("http://127.0.0.1:{closed}/…")),
+        "the origin is named:\n{log}"
+    );
+}
