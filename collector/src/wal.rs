@@ -270,7 +270,7 @@ pub fn replay(disk: &dyn Disk, dir: &Path, flushed_seq: u64) -> Result<ReplayRep
             let low = last_good.map_or(*first_seq, |s| s + 1);
             let plausible = |seq: u64| seq >= low && seq - low < MAX_SEQ_GAP;
             if let Some((seq, payload)) =
-                parse_record(&data[offset..]).filter(|(s, _)| plausible(*s))
+                parse_record(&data[offset..], &plausible, &mut crc32fast::hash)
             {
                 if seq > flushed_seq {
                     report.records.push(Replayed {
@@ -284,8 +284,7 @@ pub fn replay(disk: &dyn Disk, dir: &Path, flushed_seq: u64) -> Result<ReplayRep
                 continue;
             }
             // Damage: find where records start again, and keep the bytes between.
-            let resume = (offset + 1..data.len())
-                .find(|&o| parse_record(&data[o..]).is_some_and(|(seq, _)| plausible(seq)));
+            let resume = resync(&data, offset + 1, &plausible, &mut crc32fast::hash);
             let end = resume.unwrap_or(data.len());
             let aside = set_aside(dir, path, offset, &data[offset..end])?;
             if resume.is_none() && index == last {
@@ -340,18 +339,39 @@ fn keep_damaged(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// One verified record at the start of `data`, or `None` if it is cut short or fails its CRC.
-fn parse_record(data: &[u8]) -> Option<(u64, &[u8])> {
+/// The first offset from `from` at which a whole record with a plausible sequence number
+/// verifies, if any.
+fn resync(
+    data: &[u8],
+    from: usize,
+    plausible: &dyn Fn(u64) -> bool,
+    crc: &mut dyn FnMut(&[u8]) -> u32,
+) -> Option<usize> {
+    (from..data.len()).find(|&o| parse_record(&data[o..], plausible, crc).is_some())
+}
+
+/// One verified record at the start of `data` whose sequence number is `plausible`, or `None`
+/// if it is cut short, implausible or fails its CRC. The length and the sequence number are
+/// checked before the CRC is computed: a resync inside a torn 64 MiB record once computed a
+/// CRC over megabytes at almost every offset.
+fn parse_record<'a>(
+    data: &'a [u8],
+    plausible: &dyn Fn(u64) -> bool,
+    crc: &mut dyn FnMut(&[u8]) -> u32,
+) -> Option<(u64, &'a [u8])> {
     if data.len() < HEADER {
         return None;
     }
     let len = u32::from_le_bytes(data[0..4].try_into().ok()?) as usize;
-    let crc = u32::from_le_bytes(data[4..8].try_into().ok()?);
-    let body = data.get(8..HEADER + len)?;
-    if crc32fast::hash(body) != crc {
+    let expected = u32::from_le_bytes(data[4..8].try_into().ok()?);
+    let seq = u64::from_le_bytes(data[8..16].try_into().ok()?);
+    if !plausible(seq) {
         return None;
     }
-    let seq = u64::from_le_bytes(body[0..8].try_into().ok()?);
+    let body = data.get(8..HEADER.checked_add(len)?)?;
+    if crc(body) != expected {
+        return None;
+    }
     Some((seq, &body[8..]))
 }
 
@@ -939,7 +959,8 @@ mod tests {
                 let data = fs::read(path).unwrap();
                 let mut o = 0;
                 while o < data.len() {
-                    let (_, payload) = parse_record(&data[o..]).unwrap();
+                    let (_, payload) =
+                        parse_record(&data[o..], &|_| true, &mut crc32fast::hash).unwrap();
                     spans.push((path.clone(), o, o + HEADER + payload.len()));
                     o += HEADER + payload.len();
                 }
@@ -1181,6 +1202,40 @@ mod tests {
             "the new segment is gone"
         );
         assert_eq!(payloads(dir.path()), [(1, b"alpha".to_vec())]);
+    }
+
+    /// Issue 45 item 10: resynchronising inside a torn record checks each offset's sequence
+    /// number before any CRC. A torn payload whose bytes read as small lengths at every fourth
+    /// offset made the first design hash ~4 KiB there, a gigabyte for one MiB of tail (and
+    /// megabytes per offset for a torn 64 MiB record).
+    #[test]
+    fn a_resync_inside_a_torn_record_hashes_nothing_that_cannot_be_a_record() {
+        let torn: Vec<u8> = [0x00u8, 0x10, 0x00, 0x00]
+            .iter()
+            .copied()
+            .cycle()
+            .take(1 << 20)
+            .collect();
+        let plausible = |seq: u64| (5..5 + MAX_SEQ_GAP).contains(&seq);
+        let mut hashed = 0usize;
+        let found = resync(&torn, 1, &plausible, &mut |bytes: &[u8]| {
+            hashed += bytes.len();
+            crc32fast::hash(bytes)
+        });
+        assert_eq!(found, None);
+        assert_eq!(hashed, 0, "{hashed} bytes hashed");
+        // A real record after the damage is still found, and only it is hashed.
+        let mut data = torn;
+        let at = data.len();
+        data.extend_from_slice(&encode_header(7, b"payload"));
+        data.extend_from_slice(b"payload");
+        let mut hashed = 0usize;
+        let found = resync(&data, 1, &plausible, &mut |bytes: &[u8]| {
+            hashed += bytes.len();
+            crc32fast::hash(bytes)
+        });
+        assert_eq!(found, Some(at));
+        assert_eq!(hashed, 8 + b"payload".len());
     }
 
     #[test]
