@@ -720,6 +720,151 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
           f"(the client's pace, on the same two cores); target: RSS < 512 MiB, nothing refused")
 
 
+def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: int = 200,
+                  never_readers: int = 1000) -> None:
+    """Issue 45's load test: 8 agents post a 64-rank run (each rank one batch a second, as the
+    agent does) while hostile clients attack at full strength, all at once: `never_readers`
+    connections pipelining requests and reading nothing (item 2), 32 concurrent zstd bodies
+    decoding to 64 MiB each (item 4), stalled chunked bodies (item 6), and SQL built to
+    allocate (item 7). Default limits. Prints the agents' latency, what was refused, and RSS."""
+    print(f"\n# hostile: {agents} agents x {ranks // agents} ranks posting {metrics} metrics a second for "
+          f"{seconds} s, beside {never_readers} never-reading connections, 32 zstd bombs, 8 stalled "
+          f"chunked bodies and 4 SQL amplifiers at a time; default limits", flush=True)
+    version = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
+    names = pa.array([f"user/m{i}" for i in range(metrics)], pa.string())
+    latencies: list[float] = []
+    refused = {"429": 0, "other": 0}
+    attacks = {"bombs": 0, "bombs_413": 0, "sql": 0, "sql_400": 0, "stalls": 0, "never_readers": 0}
+    lock = threading.Lock()
+    stop_attacks = threading.Event()
+
+    def record(r: requests.Response, secs: float) -> None:
+        with lock:
+            latencies.append(secs * 1000)
+            if r.status_code == 429:
+                refused["429"] += 1
+            elif r.status_code != 200:
+                refused["other"] += 1
+
+    def post(url: str, rank: int, step: int) -> None:
+        table = pa.table({
+            "run": pa.array(np.full(metrics, "hostile", dtype=object), pa.string()),
+            "rank": pa.array(np.full(metrics, rank, dtype=np.uint32)),
+            "step": pa.array(np.full(metrics, step, dtype=np.uint64)),
+            "time": pa.array(np.full(metrics, 1_700_000_000_000 + step * 1000), pa.timestamp("ms", tz="UTC")),
+            "metric": names,
+            "layer": pa.nulls(metrics, pa.uint32()),
+            "site": pa.nulls(metrics, pa.string()),
+            "value": pa.array(np.arange(metrics, dtype=np.float64) * 0.001 + rank),
+        })
+        headers = {"content-type": ARROW, "idempotency-key": f"hostile/{rank}/bench/{step}",
+                   "rankwatch-version": version, "rankwatch-protocol": "1"}
+        post_retrying(f"{url}/api/v1/ingest?table=samples", ipc_bytes(table), headers, timeout=60, attempt=record)
+
+    # A zstd bomb: one 64 MiB metric name that compresses ~100-fold.
+    rng = np.random.default_rng(0)
+    text = np.full(64 << 20, ord("m"), dtype=np.uint8)
+    text[::100] = rng.integers(ord("a"), ord("z"), size=text[::100].shape[0], dtype=np.uint8)
+    bomb = ipc_bytes(pa.table({
+        "run": pa.array(["bomb"], pa.string()), "rank": pa.array([0], pa.uint32()),
+        "step": pa.array([0], pa.uint64()), "time": pa.array([0], pa.timestamp("ms", tz="UTC")),
+        "metric": pa.array([text.tobytes().decode()], pa.string()), "layer": pa.nulls(1, pa.uint32()),
+        "site": pa.nulls(1, pa.string()), "value": pa.array([1.0]),
+    }))
+
+    def host_port(url: str) -> tuple[str, int]:
+        host, port = url.removeprefix("http://").split(":")
+        return host, int(port)
+
+    def never_reader(url: str) -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.connect(host_port(url))
+        s.setblocking(False)
+        try:
+            s.send(b"GET /api/v1/openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 200)
+        except BlockingIOError:
+            pass
+        return s
+
+    def bombs(url: str) -> None:
+        while not stop_attacks.is_set():
+            r = requests.post(f"{url}/api/v1/ingest", data=bomb, headers={"content-type": ARROW}, timeout=60)
+            with lock:
+                attacks["bombs"] += 1
+                attacks["bombs_413"] += r.status_code == 413
+
+    def sql(url: str) -> None:
+        while not stop_attacks.is_set():
+            r = requests.post(f"{url}/api/v1/sql", data="SELECT repeat('x', 2000000000) AS x",
+                              headers={"content-type": "text/plain"}, timeout=60)
+            with lock:
+                attacks["sql"] += 1
+                attacks["sql_400"] += r.status_code == 400
+
+    def stalls(url: str) -> None:
+        while not stop_attacks.is_set():
+            held = []
+            for _ in range(8):
+                s = socket.create_connection(host_port(url))
+                s.sendall(b"POST /api/v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + ARROW.encode()
+                          + b"\r\nTransfer-Encoding: chunked\r\n\r\n10000\r\n" + b"x" * 65536)
+                held.append(s)
+            with lock:
+                attacks["stalls"] += len(held)
+            stop_attacks.wait(20)
+            for s in held:
+                s.close()
+
+    with tempfile.TemporaryDirectory() as d:
+        proc, url = start_collector(Path(d) / "data", cpus=None)
+        timeline: list[tuple[float, float]] = []
+        sockets: list[socket.socket] = []
+        try:
+            for _ in range(never_readers):
+                try:
+                    sockets.append(never_reader(url))
+                except OSError:
+                    break
+            attacks["never_readers"] = len(sockets)
+            attackers = [threading.Thread(target=bombs, args=(url,), daemon=True) for _ in range(32)]
+            attackers += [threading.Thread(target=sql, args=(url,), daemon=True) for _ in range(4)]
+            attackers += [threading.Thread(target=stalls, args=(url,), daemon=True)]
+            for a in attackers:
+                a.start()
+            started = time.perf_counter()
+            with cf.ThreadPoolExecutor(agents) as pool:
+                for step in range(seconds):
+                    t0 = time.perf_counter()
+                    # Each agent posts its ranks' batches one after another, as 8 processes would.
+                    futures = [pool.submit(lambda a, s=step: [post(url, r, s) for r in range(a * ranks // agents, (a + 1) * ranks // agents)], a)
+                               for a in range(agents)]
+                    for f in futures:
+                        f.result()
+                    timeline.append((time.perf_counter() - started, rss_mib(proc.pid)))
+                    time.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
+            stop_attacks.set()
+            for a in attackers:
+                a.join(timeout=90)
+            stored = requests.get(f"{url}/api/v1/runs", timeout=60).json()["runs"]
+            stored = next(r["samples"] for r in stored if r["run"] == "hostile")
+        finally:
+            for s in sockets:
+                s.close()
+            stop(proc)
+    lat = sorted(latencies)
+    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    sent = seconds * ranks * metrics
+    print(f"{'samples sent':>13} {'stored':>10} {'429 (retried)':>14} {'refused':>8} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'max ms':>8} {'peak RSS MiB':>13}")
+    print(f"{sent:>13,} {stored:>10,} {refused['429']:>14,} {refused['other']:>8,} {q(0.5):>7.1f} {q(0.99):>7.1f} "
+          f"{lat[-1]:>8.1f} {max(r for _, r in timeline):>13.1f}")
+    print(f"attacks: {attacks['never_readers']} never-reading connections; {attacks['bombs']} zstd bombs "
+          f"({attacks['bombs_413']} refused 413); {attacks['stalls']} stalled chunked bodies; {attacks['sql']} "
+          f"SQL amplifiers ({attacks['sql_400']} refused 400). Targets: every batch stored, p99 <= 250 ms, "
+          f"RSS <= 1 GiB")
+
+
 def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
     which = sys.argv[1:] or ["ingest", "queries", "storage", "memory"]
@@ -733,6 +878,9 @@ def main() -> None:
         return
     if which[0] == "ingest-floor":
         bench_ingest_floor()
+        return
+    if which[0] == "hostile":
+        bench_hostile(int(os.environ.get("RANKWATCH_BENCH_HOSTILE_SECONDS", "60")))
         return
     if "ingest" in which:
         bench_ingest()
