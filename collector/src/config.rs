@@ -303,6 +303,11 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_MAX_SERIES_PER_RUN", default_value_t = 1 << 20)]
     pub max_series_per_run: usize,
 
+    /// Most distinct series all runs together may have (each costs ~60 bytes of the run
+    /// index in memory, whatever the run); a batch past it is refused with 422.
+    #[arg(long, env = "RANKWATCH_MAX_SERIES", default_value_t = 5_000_000)]
+    pub max_series: usize,
+
     /// Most runs the collector keeps; a batch of a new run beyond it is refused with 422 (each
     /// run costs a summary, files per flush and a branch in every SQL query).
     #[arg(long, env = "RANKWATCH_MAX_RUNS", default_value_t = 100_000)]
@@ -612,6 +617,7 @@ impl ServeConfig {
         }
         if self.max_body_bytes == 0
             || self.max_runs == 0
+            || self.max_series == 0
             || self.max_batch_rows == 0
             || self.hot_budget_bytes == 0
             || self.max_world_size == 0

@@ -278,6 +278,7 @@ async fn open_store(config: &ServeConfig, clock: SharedClock, disk: SharedDisk) 
     let limits = StoreLimits {
         hot_budget_bytes: config.hot_budget_bytes,
         max_series_per_run: config.max_series_per_run,
+        max_series: config.max_series,
         max_runs: config.max_runs,
         compact_small_rows: config.compact_small_rows,
         compact_max_rows: config.compact_max_rows,

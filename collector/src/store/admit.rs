@@ -91,6 +91,20 @@ impl Store {
             // Batches in flight count with their new series (conservatively: two in flight
             // with the same new series count it twice until one is applied).
             let pending = state.reserved_series.get(&entry.run).copied().unwrap_or(0);
+            let all_pending: usize = state.reserved_series.values().sum();
+            let everywhere = state.total_series + all_pending + fresh;
+            if fresh > 0 && everywhere > self.limits.max_series {
+                let limit = self.limits.max_series;
+                return refuse(
+                    &mut state,
+                    Error::Cardinality(format!(
+                        "the collector would keep {everywhere} series over all runs, over its \
+                         limit of {limit} (--max-series); this batch of run {} adds {fresh} new \
+                         ones; delete runs (rankwatch runs delete) or let retention remove them",
+                        entry.run
+                    )),
+                );
+            }
             if have + pending + fresh > self.limits.max_series_per_run {
                 let limit = self.limits.max_series_per_run;
                 return refuse(
@@ -185,7 +199,10 @@ impl Store {
                 });
             }
             if let Some(batch) = &samples {
+                let before = summary.series.len();
                 summary.add_samples(batch, seen_ms);
+                let added = summary.series.len().saturating_sub(before);
+                state.total_series += added;
                 let (first, last) = files::step_range(batch);
                 events.push(Event::Samples {
                     run: entry.run.to_string(),

@@ -67,7 +67,9 @@ impl Store {
                 }
             }
         }
-        state.runs.remove(run);
+        if let Some(summary) = state.runs.remove(run) {
+            state.total_series = state.total_series.saturating_sub(summary.series.len());
+        }
         state.keys.forget_run(run);
         state.runs_dirty.retain(|r| r != run);
         state.alerts_dirty.retain(|r| r != run);

@@ -70,6 +70,8 @@ pub struct Reservation {
 pub struct StoreLimits {
     pub hot_budget_bytes: usize,
     pub max_series_per_run: usize,
+    /// Most series of all runs together (the run index lives in memory).
+    pub max_series: usize,
     /// Most runs the collector keeps (each costs a summary, files per flush and a branch in
     /// every SQL query).
     pub max_runs: usize,
@@ -142,6 +144,8 @@ struct State {
     /// Runs not yet known whose first batches are admitted but not yet applied (how many
     /// batches each), for the run cap.
     reserved_runs: HashMap<RunId, usize>,
+    /// Series of every run's summary together, for the collector-wide cap.
+    total_series: usize,
     /// Files a failed flush or compaction wrote that no manifest lists yet (see `unlisted`).
     unlisted: Vec<PathBuf>,
 }
@@ -474,7 +478,12 @@ impl Store {
     /// Runs the closure on one run's summary, creating it if needed (the index rebuild).
     pub fn with_run_mut<T>(&self, run: &RunId, f: impl FnOnce(&mut RunSummary) -> T) -> T {
         let mut state = self.lock();
-        f(state.runs.entry(run.clone()).or_default())
+        let state = &mut *state;
+        let summary = state.runs.entry(run.clone()).or_default();
+        let before = summary.series.len();
+        let out = f(summary);
+        state.total_series = (state.total_series + summary.series.len()).saturating_sub(before);
+        out
     }
 
     /// Runs that have Parquet sample files.

@@ -789,3 +789,52 @@ async fn the_collector_keeps_at_most_max_runs() {
     assert_eq!(r.status, 200, "{}", r.text());
     c.shutdown().await.unwrap();
 }
+
+/// Issue 45's global limits: every run's series index lives in memory, and the per-run cap
+/// times the run cap is a billion series. `--max-series` bounds them over all runs: a batch
+/// that would pass it is refused with 422 naming the flag, a batch adding no new series still
+/// writes, and a deleted run gives its series back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_collector_keeps_at_most_max_series_over_all_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.no_alert_engine = true;
+    config.max_series = 10;
+    let c = Collector::open(&config).await.unwrap();
+    // Six series a run: (loss, ranks 0..6).
+    let body = |run: &str, step: u64| {
+        let rows: Vec<_> = (0..6)
+            .map(|rank| sample(run, Some(rank), step, "loss", None, None, 1.0))
+            .collect();
+        samples_ipc(&rows, false)
+    };
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("first", 0)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("second", 0)).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(
+        r.error().contains("--max-series") && r.error().contains("12 series"),
+        "{}",
+        r.error()
+    );
+    // The first run's known series still write.
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("first", 1)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let deleted = call(
+        &c,
+        axum::http::Request::delete("/api/v1/runs/first")
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(deleted.status, 200, "{}", deleted.text());
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("second", 0)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    c.shutdown().await.unwrap();
+
+    // After a restart the index is rebuilt from Parquet and counted again.
+    let c = Collector::open(&config).await.unwrap();
+    let r = post(&c, "/api/v1/ingest", ARROW, None, body("third", 0)).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    c.shutdown().await.unwrap();
+}
