@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sdk-python"))
 import torch
 import triton
 from rankwatch import _sketch_triton as kernel
-from rankwatch.gradients import _fmix32
+from rankwatch.countsketch import _fmix32
 
 DIM = 1024
 

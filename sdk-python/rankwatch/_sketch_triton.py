@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gradients import sketch_keys
+from .countsketch import sketch_keys
 
 BLOCK = 1024  # coordinates a program sketches
 # Private copies of the sketch the programs spread their atomic adds over. Swept on an H200
@@ -18,7 +18,7 @@ COPIES = 128
 
 @triton.jit
 def _fmix32_device(h):  # type: ignore[no-untyped-def]
-    # murmur3's finaliser on int64 values in [0, 2^32), as `gradients._fmix32_`.
+    # murmur3's finaliser on int64 values in [0, 2^32), as `countsketch._fmix32_`.
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & 0xFFFFFFFF
     h = h ^ (h >> 13)

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .discovery import Layout
+from .layout import Layout
 
 Metric = tuple[str, int | None, str | None, torch.Tensor]
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .discovery import Layout
+    from .layout import Layout
 
 MASK = (1 << 52) - 1
 

@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from ._native import AgentStats
-    from .discovery import Layout
     from .fingerprint import ReplicaFingerprint
+    from .layout import Layout
 
     # What `stats()` and `finish()` return: the agent's counters, or `{}` from a `NoopRun`.
     RunStats: TypeAlias = AgentStats | dict[str, NoReturn]
@@ -1079,8 +1079,8 @@ def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list
     of one replica's gradient; the spectral probe measures DTensor weights exactly."""
     if not (grad or spectral):
         return None
-    from .discovery import is_dtensor
     from .gradients import FsdpLayout, find_wrapper, is_fsdp2
+    from .layout import is_dtensor
 
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel

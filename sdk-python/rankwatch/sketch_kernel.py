@@ -1,6 +1,6 @@
 """The CountSketch of a CUDA gradient as one fused Triton kernel.
 
-Why. The reference path (`gradients.countsketch_coordinates`, then `index_add_`) hashes the
+Why. The reference path (`countsketch.countsketch_coordinates`, then `index_add_`) hashes the
 coordinates with some twenty elementwise int64 passes, a chunk at a time, and keeps the result
 (4 bytes a coordinate) while it fits a 512 MiB budget. On an H200, for a ~0.85 B-parameter Llama
 in bf16 (gradients past the budget, and sketched twice a step: the rank's own and the mean's),

@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 
-from .discovery import AttentionShape, Layout, RowSlice, is_dtensor
+from .layout import AttentionShape, Layout, RowSlice, is_dtensor
 from .mapping import MATRIX_SITES
 
 Metric = tuple[str, int | None, str | None, torch.Tensor]

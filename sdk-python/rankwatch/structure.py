@@ -58,15 +58,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .discovery import (
+from .layout import (
     AttentionShape,
     Block,
     DiscoveryError,
     MatrixAccessor,
-    _weight,
     is_dtensor,
     rows,
 )
+from .layout import weight_of as _weight
 
 NONE = -1  # no linear map's output
 MIXED = -2  # elements of two different maps combined

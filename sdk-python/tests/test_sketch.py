@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rankwatch import gradients
-from rankwatch.gradients import countsketch_coordinates
+from rankwatch import countsketch
+from rankwatch.countsketch import countsketch_coordinates
 
 PINNED = {0: 0x837B1BE9, 1: 0x9B17D22B, 2: 0x98A8D0F2, 1 << 32: 0x5F27E438, (1 << 64) - 1: 0xC4443598}
 
@@ -26,7 +26,7 @@ def test_coordinates_reproduce_the_pinned_hashes() -> None:
 
 def test_chunks_and_shard_indices_agree_with_the_whole(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     whole = countsketch_coordinates(7, 3, 10_000, 1000, torch.device("cpu"))
-    monkeypatch.setattr(gradients, "_HASH_CHUNK", 999)  # chunk edges inside the range
+    monkeypatch.setattr(countsketch, "_HASH_CHUNK", 999)  # chunk edges inside the range
     chunked = countsketch_coordinates(7, 3, 10_000, 1000, torch.device("cpu"))
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     picked = torch.tensor([0, 998, 999, 5000, 9999])

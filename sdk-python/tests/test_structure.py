@@ -230,7 +230,7 @@ def test_under_fsdp2_blocks_are_read_and_scattered_rows_of_a_sharded_weight_are_
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rankwatch.discovery import RowSlice
+    from rankwatch.layout import RowSlice
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -12,7 +12,7 @@ def fused_error(fused: Callable[..., None], values: torch.Tensor, seed: int, blo
                 indices: torch.Tensor | None = None, base: int = 0) -> float:
     """max |fused − reference| / max |reference| over the folded buckets of `values`' sketch,
     the reference being the hashed coordinates (`countsketch_coordinates`) summed in float64."""
-    from rankwatch.gradients import countsketch_coordinates
+    from rankwatch.countsketch import countsketch_coordinates
 
     n = values.numel()
     coordinates = indices if indices is not None else torch.arange(base, base + n, device=values.device)
