@@ -1,0 +1,203 @@
+//! Running commands and keeping count: each step echoed, timed and recorded for the stage
+//! table; cargo's and pytest's result lines tallied; independent suites' failures gathered.
+
+use super::*;
+
+/// Test counts summed over runners.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Tally {
+    pub(crate) passed: u64,
+    pub(crate) failed: u64,
+    pub(crate) skipped: u64,
+}
+
+impl Tally {
+    /// Adds another runner's counts.
+    pub(crate) fn merge(&mut self, other: Tally) {
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.skipped += other.skipped;
+    }
+
+    /// Adds the counts of a pytest summary line (`==== 5 passed, 1 skipped in 3.2s ====`).
+    pub(crate) fn add_pytest_line(&mut self, line: &str) {
+        let line = line.trim().trim_matches('=').trim();
+        if !line.contains(" in ") {
+            return;
+        }
+        for part in line.split(',') {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next())
+                && let Ok(n) = n.parse::<u64>()
+            {
+                match what {
+                    "passed" => self.passed += n,
+                    "failed" | "error" | "errors" => self.failed += n,
+                    "skipped" | "xfailed" => self.skipped += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Adds the counts of a cargo `test result: ok. 9 passed; 0 failed; 1 ignored; ...` line.
+    pub(crate) fn add_cargo_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split([';', '.']) {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next())
+                && let Ok(n) = n.parse::<u64>()
+            {
+                match what {
+                    "passed" => self.passed += n,
+                    "failed" => self.failed += n,
+                    "ignored" => self.skipped += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Runs `cmd`, echoing it, and fails with its exit status. With a tally, its stdout is passed
+/// through line by line and cargo's test result lines are counted.
+pub(crate) fn run_with(step: &str, cmd: Command, tally: Option<&mut Tally>) -> Result<()> {
+    run_counting(step, cmd, tally, Tally::add_cargo_line)
+}
+
+pub(crate) fn run_counting(
+    step: &str,
+    mut cmd: Command,
+    mut tally: Option<&mut Tally>,
+    count: fn(&mut Tally, &str),
+) -> Result<()> {
+    // A step on a side lane runs beside the main line: its output is held and printed in one
+    // block when it ends, so the two never interleave line by line.
+    let side = on_side_lane();
+    let mut held = String::new();
+    let mut say = |line: &str| {
+        if side {
+            held.push_str(line);
+            held.push('\n');
+        } else {
+            println!("{line}");
+        }
+    };
+    say(&format!("\n==> {step}: {cmd:?}"));
+    let started = Instant::now();
+    if tally.is_some() || side {
+        cmd.stdout(Stdio::piped());
+    }
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("{step}: could not start {cmd:?}"))?;
+    if let Some(stdout) = child.stdout.take() {
+        // Lossy: a line that is not UTF-8 must not end the reading early, which would leave
+        // the child running beside the next step.
+        for line in BufReader::new(stdout).split(b'\n') {
+            let Ok(bytes) = line else { break };
+            let line = String::from_utf8_lossy(bytes.strip_suffix(b"\r").unwrap_or(&bytes));
+            say(&line);
+            if let Some(tally) = tally.as_deref_mut() {
+                count(tally, &line);
+            }
+        }
+    }
+    let status = child.wait()?;
+    let seconds = started.elapsed().as_secs_f64();
+    record_stage(step, seconds, status.success());
+    if status.success() {
+        say(&format!("==> {step}: ok in {seconds:.1}s"));
+    }
+    if side {
+        print!("{held}");
+    }
+    if !status.success() {
+        bail!("{step} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Every step this process ran: name, seconds, success.
+pub(crate) static STAGES: Mutex<Vec<(String, f64, bool)>> = Mutex::new(Vec::new());
+
+/// Background steps (run while the main line compiles) are marked, and left out of the sum.
+pub(crate) const BACKGROUND: &str = "(background) ";
+
+/// Whether this thread is a side lane (anything but the main thread): its steps run beside
+/// the main line.
+pub(crate) fn on_side_lane() -> bool {
+    std::thread::current().name() != Some("main")
+}
+
+pub(crate) fn record_stage(step: &str, seconds: f64, ok: bool) {
+    let name = if on_side_lane() {
+        format!("{BACKGROUND}{step}")
+    } else {
+        step.to_owned()
+    };
+    if let Ok(mut stages) = STAGES.lock() {
+        stages.push((name, seconds, ok));
+    }
+}
+
+/// The stage table: where a run's time went.
+pub(crate) fn print_stages(total: f64) {
+    let Ok(stages) = STAGES.lock() else {
+        return;
+    };
+    let width = stages
+        .iter()
+        .map(|(s, ..)| s.len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
+    println!("\n{:<width$}  {:>8}  {:>6}", "stage", "seconds", "share");
+    for (step, seconds, ok) in stages.iter() {
+        let mark = if *ok { "" } else { "  FAILED" };
+        println!(
+            "{step:<width$}  {seconds:>8.1}  {:>5.1}%{mark}",
+            100.0 * seconds / total.max(1e-9)
+        );
+    }
+    let counted: f64 = stages
+        .iter()
+        .filter(|(step, ..)| !step.starts_with(BACKGROUND))
+        .map(|(_, s, _)| s)
+        .sum();
+    println!(
+        "{:<width$}  {:>8.1}  {:>5.1}%",
+        "(between stages)",
+        total - counted,
+        100.0 * (total - counted) / total.max(1e-9)
+    );
+    println!("{:<width$}  {total:>8.1}", "total");
+}
+
+pub(crate) fn run(step: &str, cmd: Command) -> Result<()> {
+    run_with(step, cmd, None)
+}
+
+/// Independent suites' outcomes, gathered so that one failing suite does not keep the ones
+/// after it from running: a run then shows every suite that fails, not only the first.
+#[derive(Default)]
+pub(crate) struct Failures(Vec<anyhow::Error>);
+
+impl Failures {
+    pub(crate) fn note(&mut self, outcome: Result<()>) {
+        if let Err(e) = outcome {
+            self.0.push(e);
+        }
+    }
+
+    /// Ok when nothing failed, else one error naming every failure.
+    pub(crate) fn into_result(self) -> Result<()> {
+        if self.0.is_empty() {
+            return Ok(());
+        }
+        let each: Vec<String> = self.0.iter().map(|e| format!("{e:#}")).collect();
+        Err(anyhow::anyhow!("{}", each.join("; ")))
+    }
+}
