@@ -60,10 +60,7 @@ Every value stays a device tensor; the run's reporter copies them to the host as
 
 from __future__ import annotations
 
-import gc
-import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +69,7 @@ import torch.distributed as dist
 
 from . import scaling, sketch_kernel
 from .countsketch import countsketch_coordinates
-from .layout import is_dtensor
+from .sharding import FsdpLayout, find_ddp_wrapper, shard_base, shard_indices
 
 _UNSCALED = object()  # the loss went through a disabled GradScaler
 
@@ -87,125 +84,6 @@ class GradientRecord:
     dot: torch.Tensor | None
     skipped: torch.Tensor | None
     sketch: torch.Tensor | None
-
-
-def find_ddp_wrapper(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
-    """The DistributedDataParallel that wraps `module`, if one exists (frameworks such as the
-    Hugging Face Trainer hand callbacks the inner module and keep the wrapper to themselves).
-
-    DDP keeps the module in its `_modules` dict, which its instance dict holds: the wrapper is
-    found through at most those two dicts among the module's referrers (a one-off walk, at
-    the end of the first backward)."""
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        return module
-    found = find_wrapper(module, lambda holder: isinstance(holder, torch.nn.parallel.DistributedDataParallel))
-    return found if isinstance(found, torch.nn.parallel.DistributedDataParallel) else None
-
-
-def find_wrapper(module: torch.nn.Module, is_wrapper: Callable[[object], bool]) -> object | None:
-    """An object satisfying `is_wrapper` whose `.module` is `module`, found through at most
-    three dicts among the module's referrers (a wrapper's instance dict and its `_modules`)."""
-    frontier: list[Any] = [module]
-    seen = {id(module)}
-    holder: object
-    for _ in range(3):
-        holders: list[Any] = []
-        for obj in frontier:
-            for holder in gc.get_referrers(obj):
-                if not isinstance(holder, dict) and is_wrapper(holder) and getattr(holder, "module", None) is module:
-                    return holder
-                if isinstance(holder, dict) and id(holder) not in seen:
-                    seen.add(id(holder))
-                    holders.append(holder)
-        frontier = holders
-    return None
-
-
-def is_fsdp2(model: torch.nn.Module) -> bool:
-    """Whether `fully_shard` (FSDP2) manages any part of `model`."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-class FsdpLayout:
-    """What the gradient probe needs of a model under FSDP2: for each sharded parameter, FSDP's
-    record of it (whose unsharded parameter receives the local gradient) and its group (whose
-    `reduce_grads` says whether this backward reduces), and the shard group to sum over."""
-
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        self.groups: list[Any] = []
-        owner: dict[int, tuple[Any, Any]] = {}
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is None or any(g is group for g in self.groups):
-                continue
-            self.groups.append(group)
-            for fsdp_param in group.fsdp_params:
-                owner[id(fsdp_param.sharded_param)] = (fsdp_param, group)
-        # Trainable ones only, in the model's order: the probe's slots index this list.
-        self.params = [p for p in params if id(p) in owner and p.requires_grad]
-        self.entries = [owner[id(p)] for p in self.params]
-        if not self.entries:
-            raise ValueError("rankwatch.watch: FSDP2 manages none of the model's trainable parameters")
-        for fsdp_param, _ in self.entries:
-            if getattr(fsdp_param, "_unsharded_dtensor_spec", None) is not None:
-                raise ValueError(
-                    "rankwatch.watch: this FSDP2 model is also tensor-parallel (its parameters are DTensors inside FSDP); the "
-                    "gradient probe measures data-parallel replicas only (DistributedDataParallel, FSDP2 over a 1-D or HSDP mesh). "
-                    "Pass every={'grad': 0} to rankwatch.init to watch its spectral norms and activations."
-                )
-        groups = {id(g.mesh_info.shard_process_group): g.mesh_info.shard_process_group for g in self.groups}
-        if len(groups) != 1:
-            raise ValueError("rankwatch.watch: the model's FSDP2 modules shard over different process groups; the gradient probe needs one")
-        self.process_group = next(iter(groups.values()))
-        self.size = dist.get_world_size(self.process_group)
-
-    def reduces(self) -> bool:
-        """Whether the backward under way ends in FSDP's reduce-scatter (not a no-sync micro-batch)."""
-        return any(g.reduce_grads for g in self.groups)
-
-
-def shard_indices(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The flat coordinates, in the whole tensor, of this rank's block of DTensor `tensor`
-    (None for a plain tensor: all of it)."""
-    if not is_dtensor(tensor):
-        return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape = tuple(tensor.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
-    device = tensor.to_local().device
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    index = torch.zeros((), dtype=torch.int64, device=device)
-    for d, (start, length) in enumerate(zip(offset, local_shape, strict=True)):
-        axis = torch.arange(start, start + length, dtype=torch.int64, device=device) * strides[d]
-        index = index.unsqueeze(-1) + axis
-    return index.reshape(-1)
-
-
-def shard_base(tensor: torch.Tensor) -> int | None:
-    """Where this rank's block of DTensor `tensor` starts in the whole, flat, when the block is
-    one contiguous range of it (a block of rows, as FSDP2's dim-0 sharding makes); else None."""
-    if not is_dtensor(tensor):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape = tuple(tensor.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
-    if not shape:
-        return 0
-    if tuple(local_shape[1:]) != shape[1:]:
-        return None
-    return int(offset[0]) * math.prod(shape[1:])
 
 
 class GradientProbe:

@@ -41,6 +41,7 @@ import torch
 from . import _native
 from .offline import collector_url, spool_root
 from .report import Reporter, SeriesKey
+from .sharding import check_sharding
 from .topology import ReplicaGroup, agree_run_name, clean_run_id, launcher_run_name, local_rank, rank_and_world
 
 if TYPE_CHECKING:
@@ -310,7 +311,7 @@ class Run:
         if not params:
             raise ValueError("rankwatch.watch: the model has no parameters")
         want_spectral = spectral and self.cadence.spectral > 0
-        fsdp = _check_sharding(given, model, params, grad=self.cadence.grad > 0, spectral=want_spectral)
+        fsdp = check_sharding(given, model, params, grad=self.cadence.grad > 0, spectral=want_spectral)
         # Accelerate (and others) wrap the optimizer: hooks belong on the torch optimizer inside,
         # and its loss scaler is the one the gradients were scaled with.
         inner = getattr(optimizer, "optimizer", None)
@@ -524,7 +525,7 @@ class Run:
         then), or, with that probe off, looked for once here (False: none)."""
         if self._gradients is not None:
             return self._gradients.ddp_wrapper
-        from .gradients import find_ddp_wrapper
+        from .sharding import find_ddp_wrapper
 
         return find_ddp_wrapper(model) or False
 
@@ -1062,52 +1063,6 @@ class NoopRun(Run):
         self.finish()
 
 
-_SUPPORTED = (
-    "rankwatch measures gradients under DistributedDataParallel and FSDP2 (torch.distributed.fsdp.fully_shard, 1-D or HSDP "
-    "mesh), and spectral norms of plain, FSDP2-sharded and tensor-parallel (DTensor) weights"
-)
-_PROBES_OFF = "pass every={'grad': 0, 'spectral': 0} to rankwatch.init to watch its activations and token cosine"
-
-
-def _check_sharding(given: torch.nn.Module, model: torch.nn.Module, params: list[torch.nn.Parameter], *, grad: bool, spectral: bool) -> Any:
-    """Refuses layouts whose gradients or weights the probes would misread, with a message
-    naming what is supported; returns the FSDP2 layout the gradient probe needs, if any.
-
-    FSDP1 flattens every weight of a unit into one flat parameter; DeepSpeed ZeRO partitions
-    parameters and reduces gradients in hooks of its own: the probes would read shards as
-    wholes, so they are refused rather than wrong. Tensor-parallel DTensor gradients are shards
-    of one replica's gradient; the spectral probe measures DTensor weights exactly."""
-    if not (grad or spectral):
-        return None
-    from .gradients import FsdpLayout, find_wrapper, is_fsdp2
-    from .layout import is_dtensor
-
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        FullyShardedDataParallel = ()  # type: ignore[assignment,misc]
-    modules = [given, *model.modules()]
-    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
-        raise ValueError(
-            f"rankwatch.watch: this model is wrapped in FSDP1 (FullyShardedDataParallel), whose flat parameters hide each weight and "
-            f"each rank's gradient; {_SUPPORTED}. Move to fully_shard, or {_PROBES_OFF}."
-        )
-    if any(_is_deepspeed(m) for m in modules) or any(hasattr(p, "ds_id") for p in params) or find_wrapper(model, _is_deepspeed) is not None:
-        raise ValueError(
-            f"rankwatch.watch: this model runs under DeepSpeed, whose ZeRO stages partition parameters and reduce gradients in "
-            f"hooks of their own; {_SUPPORTED}. To watch it anyway, {_PROBES_OFF}."
-        )
-    if is_fsdp2(model):
-        return FsdpLayout(model, params) if grad else None
-    if grad and any(is_dtensor(p) for p in params):
-        raise ValueError(
-            "rankwatch.watch: this model's parameters are DTensors (tensor parallelism): each rank's gradient is a shard of one "
-            f"replica's gradient, not a replica's gradient; {_SUPPORTED}. Pass every={{'grad': 0}} to rankwatch.init to watch "
-            "its spectral norms and activations."
-        )
-    return None
-
-
 @dataclass
 class _LayerProbes:
     """What `watch` was asked for the layer probes, kept until the layout is known."""
@@ -1131,10 +1086,6 @@ def _compiled(module: torch.nn.Module) -> bool:
 
 def _has_dtensor(params: list[torch.nn.Parameter]) -> bool:
     return any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params)
-
-
-def _is_deepspeed(module: Any) -> bool:
-    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__)
 
 
 def _sketch_seed(run: str) -> int:

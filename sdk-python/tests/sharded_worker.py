@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rankwatch  # noqa: E402
 from rankwatch.discovery import discover  # noqa: E402
 from rankwatch.countsketch import countsketch_coordinates
-from rankwatch.gradients import shard_base, shard_indices  # noqa: E402
+from rankwatch.sharding import shard_base, shard_indices  # noqa: E402
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 from rankwatch.spectral import SpectralProbe  # noqa: E402
 
