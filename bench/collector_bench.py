@@ -647,6 +647,45 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+class AgentPosts:
+    """Ranks posting the agent's per-step report (one Arrow IPC stream of `metrics` user
+    scalars, zstd, with its idempotency key and version headers), retried on 429 as the agent
+    does; every try's latency and refusal is recorded."""
+
+    def __init__(self, run: str, metrics: int) -> None:
+        self.run = run
+        self.metrics = metrics
+        self.names = pa.array([f"user/m{i}" for i in range(metrics)], pa.string())
+        self.version = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
+        self.latencies: list[float] = []
+        self.refused = {"429": 0, "other": 0}
+        self.lock = threading.Lock()
+
+    def record(self, r: requests.Response, seconds: float) -> None:
+        with self.lock:
+            self.latencies.append(seconds * 1000)
+            if r.status_code == 429:
+                self.refused["429"] += 1
+            elif r.status_code != 200:
+                self.refused["other"] += 1
+
+    def post(self, url: str, rank: int, step: int) -> None:
+        n = self.metrics
+        table = pa.table({
+            "run": pa.array(np.full(n, self.run, dtype=object), pa.string()),
+            "rank": pa.array(np.full(n, rank, dtype=np.uint32)),
+            "step": pa.array(np.full(n, step, dtype=np.uint64)),
+            "time": pa.array(np.full(n, 1_700_000_000_000 + step * 1000), pa.timestamp("ms", tz="UTC")),
+            "metric": self.names,
+            "layer": pa.nulls(n, pa.uint32()),
+            "site": pa.nulls(n, pa.string()),
+            "value": pa.array(np.arange(n, dtype=np.float64) * 0.001 + rank),
+        })
+        headers = {"content-type": ARROW, "idempotency-key": f"{self.run}/{rank}/bench/{step}",
+                   "rankwatch-version": self.version, "rankwatch-protocol": "1"}
+        post_retrying(f"{url}/api/v1/ingest?table=samples", ipc_bytes(table), headers, timeout=60, attempt=self.record)
+
+
 def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
     """Every rank posts its own batch once a second, as the agent does (one Arrow IPC stream of
     its 200 values, zstd, with the agent's idempotency key and version headers); the
@@ -654,34 +693,8 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
     refused."""
     print(f"\n# memory: {ranks} ranks x {metrics} metrics, each rank one batch per second, {seconds} s, "
           f"default limits", flush=True)
-    version = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
-    names = pa.array([f"user/m{i}" for i in range(metrics)], pa.string())
-    latencies: list[float] = []
-    refused = {"429": 0, "other": 0}
-    lock = threading.Lock()
-
-    def record(r: requests.Response, seconds: float) -> None:
-        with lock:
-            latencies.append(seconds * 1000)
-            if r.status_code == 429:
-                refused["429"] += 1
-            elif r.status_code != 200:
-                refused["other"] += 1
-
-    def post(url: str, rank: int, step: int) -> None:
-        table = pa.table({
-            "run": pa.array(np.full(metrics, "mem", dtype=object), pa.string()),
-            "rank": pa.array(np.full(metrics, rank, dtype=np.uint32)),
-            "step": pa.array(np.full(metrics, step, dtype=np.uint64)),
-            "time": pa.array(np.full(metrics, 1_700_000_000_000 + step * 1000), pa.timestamp("ms", tz="UTC")),
-            "metric": names,
-            "layer": pa.nulls(metrics, pa.uint32()),
-            "site": pa.nulls(metrics, pa.string()),
-            "value": pa.array(np.arange(metrics, dtype=np.float64) * 0.001 + rank),
-        })
-        headers = {"content-type": ARROW, "idempotency-key": f"mem/{rank}/bench/{step}",
-                   "rankwatch-version": version, "rankwatch-protocol": "1"}
-        post_retrying(f"{url}/api/v1/ingest?table=samples", ipc_bytes(table), headers, timeout=60, attempt=record)
+    posts = AgentPosts("mem", metrics)
+    post, latencies, refused = posts.post, posts.latencies, posts.refused
 
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data", cpus=None)
@@ -730,36 +743,10 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
     print(f"\n# hostile: {agents} agents x {ranks // agents} ranks posting {metrics} metrics a second for "
           f"{seconds} s, beside {never_readers} never-reading connections, 32 zstd bombs, 8 stalled "
           f"chunked bodies and 4 SQL amplifiers at a time; default limits", flush=True)
-    version = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
-    names = pa.array([f"user/m{i}" for i in range(metrics)], pa.string())
-    latencies: list[float] = []
-    refused = {"429": 0, "other": 0}
+    posts = AgentPosts("hostile", metrics)
+    post, latencies, refused, lock = posts.post, posts.latencies, posts.refused, posts.lock
     attacks = {"bombs": 0, "bombs_413": 0, "sql": 0, "sql_400": 0, "stalls": 0, "never_readers": 0}
-    lock = threading.Lock()
     stop_attacks = threading.Event()
-
-    def record(r: requests.Response, secs: float) -> None:
-        with lock:
-            latencies.append(secs * 1000)
-            if r.status_code == 429:
-                refused["429"] += 1
-            elif r.status_code != 200:
-                refused["other"] += 1
-
-    def post(url: str, rank: int, step: int) -> None:
-        table = pa.table({
-            "run": pa.array(np.full(metrics, "hostile", dtype=object), pa.string()),
-            "rank": pa.array(np.full(metrics, rank, dtype=np.uint32)),
-            "step": pa.array(np.full(metrics, step, dtype=np.uint64)),
-            "time": pa.array(np.full(metrics, 1_700_000_000_000 + step * 1000), pa.timestamp("ms", tz="UTC")),
-            "metric": names,
-            "layer": pa.nulls(metrics, pa.uint32()),
-            "site": pa.nulls(metrics, pa.string()),
-            "value": pa.array(np.arange(metrics, dtype=np.float64) * 0.001 + rank),
-        })
-        headers = {"content-type": ARROW, "idempotency-key": f"hostile/{rank}/bench/{step}",
-                   "rankwatch-version": version, "rankwatch-protocol": "1"}
-        post_retrying(f"{url}/api/v1/ingest?table=samples", ipc_bytes(table), headers, timeout=60, attempt=record)
 
     # A zstd bomb: one 64 MiB metric name that compresses ~100-fold.
     rng = np.random.default_rng(0)

@@ -71,8 +71,8 @@ impl DiskFile for FaultyFile {
         self.file.sync_data()
     }
 
-    fn len(&self) -> io::Result<u64> {
-        self.file.len()
+    fn size(&self) -> io::Result<u64> {
+        self.file.size()
     }
 }
 

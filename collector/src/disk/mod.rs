@@ -28,8 +28,8 @@ pub trait DiskFile: Write + Send {
     fn sync_data(&mut self) -> io::Result<()> {
         self.sync_all()
     }
-    /// Its size now.
-    fn len(&self) -> io::Result<u64>;
+    /// Its size now, in bytes.
+    fn size(&self) -> io::Result<u64>;
 }
 
 /// What the store asks of the file system it writes to.
@@ -75,7 +75,7 @@ impl DiskFile for File {
         File::sync_data(self)
     }
 
-    fn len(&self) -> io::Result<u64> {
+    fn size(&self) -> io::Result<u64> {
         Ok(self.metadata()?.len())
     }
 }
@@ -166,7 +166,7 @@ pub fn write_with<E: From<io::Error> + std::fmt::Display>(
         fill(&mut file)?;
         file.flush()?;
         file.sync_all()?;
-        let size = file.len()?;
+        let size = file.size()?;
         drop(file);
         disk.rename(&tmp, path)?;
         Ok(size)

@@ -213,8 +213,8 @@ impl DiskFile for ModelFile {
         Ok(())
     }
 
-    fn len(&self) -> io::Result<u64> {
-        self.file.len()
+    fn size(&self) -> io::Result<u64> {
+        self.file.size()
     }
 }
 

@@ -376,12 +376,31 @@ fn payloads(dir: &Path) -> Vec<(u64, Vec<u8>)> {
         .collect()
 }
 
-#[test]
-fn a_failed_group_is_refused_rolled_back_healed_and_never_replayed() {
+/// A log on a disk that fails on demand, with segments of `segment_bytes`.
+fn on_faulty_disk(
+    segment_bytes: u64,
+) -> (
+    tempfile::TempDir,
+    Arc<FaultyDisk>,
+    WalHandle,
+    std::thread::JoinHandle<()>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let disk = Arc::new(FaultyDisk::default());
-    let (wal, thread) =
-        WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet), disk.clone()).unwrap();
+    let (wal, thread) = WalHandle::start(
+        dir.path().into(),
+        1,
+        segment_bytes,
+        Arc::new(Quiet),
+        disk.clone(),
+    )
+    .unwrap();
+    (dir, disk, wal, thread)
+}
+
+#[test]
+fn a_failed_group_is_refused_rolled_back_healed_and_never_replayed() {
+    let (dir, disk, wal, thread) = on_faulty_disk(1 << 20);
     let applied = Arc::new(Mutex::new(Vec::new()));
     runtime().block_on(async {
         assert_eq!(append(&wal, b"alpha", &applied).await.unwrap(), 1);
@@ -415,10 +434,7 @@ fn a_failed_group_is_refused_rolled_back_healed_and_never_replayed() {
 
 #[test]
 fn a_failed_group_is_not_written_at_shutdown() {
-    let dir = tempfile::tempdir().unwrap();
-    let disk = Arc::new(FaultyDisk::default());
-    let (wal, thread) =
-        WalHandle::start(dir.path().into(), 1, 1 << 20, Arc::new(Quiet), disk.clone()).unwrap();
+    let (dir, disk, wal, thread) = on_faulty_disk(1 << 20);
     let applied = Arc::new(Mutex::new(Vec::new()));
     runtime().block_on(async {
         append(&wal, b"alpha", &applied).await.unwrap();
@@ -434,11 +450,8 @@ fn a_failed_group_is_not_written_at_shutdown() {
 
 #[test]
 fn a_failed_group_that_started_a_segment_takes_it_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let disk = Arc::new(FaultyDisk::default());
     // Segments of ~one record: the next append starts a new segment.
-    let (wal, thread) =
-        WalHandle::start(dir.path().into(), 1, 10, Arc::new(Quiet), disk.clone()).unwrap();
+    let (dir, disk, wal, thread) = on_faulty_disk(10);
     let applied = Arc::new(Mutex::new(Vec::new()));
     runtime().block_on(async {
         append(&wal, b"alpha", &applied).await.unwrap();

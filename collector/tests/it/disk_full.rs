@@ -71,7 +71,7 @@ impl DiskFile for Metered {
         self.file.sync_all()
     }
 
-    fn len(&self) -> io::Result<u64> {
+    fn size(&self) -> io::Result<u64> {
         Ok(self.file.metadata()?.len())
     }
 }
