@@ -305,10 +305,8 @@ async fn a_body_decoding_past_the_body_limit_is_refused_before_it_is_decoded() {
         c.max_inflight_bytes = 2 << 20;
     })
     .await;
-    let batch = arrow_array::RecordBatch::try_from(
-        rankwatch_analytics::schema::samples::to_batch(&workload("bomb", 1, 1, 1)[..1]).unwrap(),
-    )
-    .unwrap();
+    let batch =
+        rankwatch_analytics::schema::samples::to_batch(&workload("bomb", 1, 1, 1)[..1]).unwrap();
     let metric = batch.schema().index_of("metric").unwrap();
     let mut columns = batch.columns().to_vec();
     // 20 MiB that zstd shrinks about a hundredfold (a random letter every 100 bytes): under the

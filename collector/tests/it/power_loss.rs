@@ -9,8 +9,9 @@
 //!
 //! `RANKWATCH_POWER_CUTS` sets the number of crash points (40 by default) and
 //! `RANKWATCH_POWER_ROUNDS` the length of the run (6 rounds); the 1,000-point benchmark is
-//! `RANKWATCH_POWER_CUTS=1000 RANKWATCH_POWER_ROUNDS=40 cargo test -p rankwatch-collector
-//! --test it power_loss -- --nocapture`, which prints its tally. Removing the directory fsync after a rename in
+//! `RANKWATCH_POWER_CUTS=1000 cargo test -p rankwatch-collector --test it power_loss --
+//! --nocapture`, which prints its tally every 100 points. Removing the log's `sync_data`, its
+//! directory fsync after a new segment, the directory fsync after a rename in
 //! `disk::write_with`, or the file fsync before it, makes this test fail.
 
 use std::collections::BTreeMap;
