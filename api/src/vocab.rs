@@ -31,9 +31,9 @@ impl fmt::Display for UnknownName {
 /// Most characters of a refused value an error message repeats.
 const SHOWN_CHARS: usize = 80;
 
-/// A refused value as an error message shows it: quoted, and cut to its first
-/// [`SHOWN_CHARS`] characters with its length when longer, so that a 20 MB name in a batch is
-/// not sent back whole in the answer that refuses it.
+/// A refused value as an error message shows it: quoted, and cut to its first 80
+/// (`SHOWN_CHARS`) characters with its length when longer, so that a 20 MB name in a batch
+/// is not sent back whole in the answer that refuses it.
 pub fn quoted(value: &str) -> String {
     match value.char_indices().nth(SHOWN_CHARS) {
         None => format!("{value:?}"),

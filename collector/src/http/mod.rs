@@ -13,7 +13,7 @@
 //! - at most `max_connections` are open; at the cap the loop stops accepting (the kernel's
 //!   backlog holds newcomers) until one closes, and the cap is kept below the process's
 //!   open-file limit with room for the collector's own files;
-//! - every write must make progress within `write_timeout` ([`write_deadline`]): a client
+//! - every write must make progress within `write_timeout` (`write_deadline.rs`): a client
 //!   that pipelines requests and never reads the answers is cut off, instead of holding its
 //!   connection's permit for ever;
 //! - the request body's deadline and the per-resource slots are the API's (see
@@ -50,7 +50,7 @@ const RESERVED_FDS: usize = 256;
 pub struct HttpLimits {
     pub max_connections: usize,
     pub header_timeout: Duration,
-    /// Longest a write may wait for the client to read (see [`write_deadline`]).
+    /// Longest a write may wait for the client to read (see `http/write_deadline.rs`).
     pub write_timeout: Duration,
 }
 

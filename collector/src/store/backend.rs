@@ -49,7 +49,7 @@ pub enum Backend {
     Remote(Arc<Remote>),
 }
 
-/// The data directory as the Parquet side's home, written through a [`Disk`] (the real one
+/// The data directory as the Parquet side's home, written through a [`crate::disk::Disk`] (the real one
 /// but in tests of disk faults).
 #[derive(Debug, Clone)]
 pub struct Local {
