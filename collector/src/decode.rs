@@ -88,8 +88,8 @@ fn read_i32(body: &[u8], at: usize) -> Result<i32> {
 /// Walks the stream's framing before any decoding: every message and body must lie inside the
 /// request, no dictionary batches (no table has dictionaries), at most `max_rows` rows, and
 /// declared decompressed sizes within `MAX_EXPANSION` (1000) times the body. The decoder
-/// trusts these lengths when it allocates, so without this check a few hostile bytes could make it ask for
-/// terabytes and abort the process. Returns the bytes the buffers decode to (their declared
+/// trusts these lengths when it allocates, so without this check a few hostile bytes could
+/// make it ask for terabytes and abort the process. Returns the bytes the buffers decode to (their declared
 /// decompressed sizes; the stored sizes where uncompressed): what ingest charges to its
 /// in-flight budget before decoding.
 pub fn preflight(body: &[u8], max_rows: usize) -> Result<usize> {
