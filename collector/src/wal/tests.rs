@@ -80,6 +80,15 @@ fn records_come_back_in_order_across_segments() {
     assert_eq!(replay(&RealDisk, dir.path(), 40).unwrap().records.len(), 10);
 }
 
+/// The payloads `report` replayed, in order.
+fn payloads_of(report: &ReplayReport) -> Vec<&[u8]> {
+    report
+        .records
+        .iter()
+        .map(|r| r.payload.as_slice())
+        .collect()
+}
+
 #[test]
 fn a_torn_tail_is_truncated_and_later_records_append_cleanly() {
     let dir = tempfile::tempdir().unwrap();
@@ -99,11 +108,7 @@ fn a_torn_tail_is_truncated_and_later_records_append_cleanly() {
     assert_eq!(report.next_seq, 3);
     write(dir.path(), report.next_seq, 1 << 20, &[b"delta"]);
     let report = replay(&RealDisk, dir.path(), 0).unwrap();
-    let got: Vec<&[u8]> = report
-        .records
-        .iter()
-        .map(|r| r.payload.as_slice())
-        .collect();
+    let got = payloads_of(&report);
     assert_eq!(got, [&b"alpha"[..], b"beta", b"delta"]);
 }
 
@@ -147,11 +152,7 @@ fn damage_inside_the_last_segment_is_set_aside_and_every_later_record_replays() 
     let beta_at = HEADER + 5;
     flip(&path, beta_at + HEADER + 1);
     let report = replay(&RealDisk, dir.path(), 0).unwrap();
-    let got: Vec<&[u8]> = report
-        .records
-        .iter()
-        .map(|r| r.payload.as_slice())
-        .collect();
+    let got = payloads_of(&report);
     assert_eq!(got, [&b"alpha"[..], b"gamma", b"delta", b"epsilon"]);
     assert_eq!((report.damaged_ranges, report.torn_bytes), (1, 0));
     assert_eq!(report.damaged_bytes, (HEADER + 4) as u64);
