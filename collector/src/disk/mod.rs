@@ -125,10 +125,7 @@ impl Disk for RealDisk {
 /// (an fsync of the directory holding it): a file fsynced in a directory whose own entry was
 /// not is lost with it at a power cut.
 pub fn create_dir_durably(disk: &dyn Disk, dir: &Path) -> io::Result<()> {
-    let missing: Vec<&Path> = dir
-        .ancestors()
-        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
-        .collect();
+    let missing = missing_ancestors(dir);
     if missing.is_empty() {
         return Ok(());
     }
@@ -139,6 +136,13 @@ pub fn create_dir_durably(disk: &dyn Disk, dir: &Path) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `dir` and those of its ancestors that do not exist yet, deepest first.
+fn missing_ancestors(dir: &Path) -> Vec<&Path> {
+    dir.ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        .collect()
 }
 
 /// Durably replaces `path` with `bytes` on `disk`: a temporary file, fsync, rename, directory

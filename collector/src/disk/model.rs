@@ -79,21 +79,17 @@ impl Model {
     /// Whether `dir` would be there after a power cut now (directories the model never
     /// created were there before it began).
     fn durably_exists(&self, dir: &Path, root: &Path) -> bool {
-        if dir == root {
+        if dir == root || !dir.starts_with(root) {
             return true;
         }
         let (parent, name) = split(dir);
-        let created_here = self
-            .dirs
-            .get(&parent)
-            .is_some_and(|entries| entries.seen.contains(&name));
-        let entry_survives = !created_here
-            || self
-                .dirs
-                .get(&parent)
-                .is_some_and(|entries| entries.durable.get(&name) == Some(&Entry::Dir));
-        entry_survives
-            && (parent == root || !parent.starts_with(root) || self.durably_exists(&parent, root))
+        let entry_survives = match self.dirs.get(&parent) {
+            Some(entries) if entries.seen.contains(&name) => {
+                entries.durable.get(&name) == Some(&Entry::Dir)
+            }
+            _ => true,
+        };
+        entry_survives && self.durably_exists(&parent, root)
     }
 }
 
@@ -123,6 +119,16 @@ impl PowerCutDisk {
 
     fn lock(&self) -> MutexGuard<'_, Model> {
         self.model.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Removes `path` with `remove`, and its entry from its directory (undone by a power cut
+    /// until that directory is fsynced).
+    fn unlink(&self, path: &Path, remove: impl FnOnce(&Path) -> io::Result<()>) -> io::Result<()> {
+        let mut model = self.lock();
+        model.step()?;
+        remove(path)?;
+        model.take(path);
+        Ok(())
     }
 
     /// Operations done so far (those refused after the cut included).
@@ -222,9 +228,8 @@ impl Disk for PowerCutDisk {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         let mut model = self.lock();
         model.step()?;
-        let missing: Vec<PathBuf> = dir
-            .ancestors()
-            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        let missing: Vec<PathBuf> = super::missing_ancestors(dir)
+            .into_iter()
             .map(Path::to_owned)
             .collect();
         RealDisk.create_dir_all(dir)?;
@@ -311,19 +316,11 @@ impl Disk for PowerCutDisk {
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        let mut model = self.lock();
-        model.step()?;
-        RealDisk.remove_file(path)?;
-        model.take(path);
-        Ok(())
+        self.unlink(path, |p| RealDisk.remove_file(p))
     }
 
     fn remove_dir(&self, dir: &Path) -> io::Result<()> {
-        let mut model = self.lock();
-        model.step()?;
-        RealDisk.remove_dir(dir)?;
-        model.take(dir);
-        Ok(())
+        self.unlink(dir, |p| RealDisk.remove_dir(p))
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {

@@ -393,33 +393,26 @@ impl Queries {
                 .map_err(|e| self.sql_error(e))?;
             // Taken batch by batch up to the row and byte limits: what is past them is never
             // held (a `collect` held the whole result, outside the memory pool).
-            let (mut batches, mut rows, mut bytes, mut truncated) = (Vec::new(), 0, 0, false);
+            let (mut batches, mut rows, mut bytes) = (Vec::new(), 0, 0);
             while let Some(batch) = stream.next().await {
                 let batch = batch.map_err(|e| self.sql_error(e))?;
-                let size = batch.get_array_memory_size();
-                if bytes + size > self.sql.max_result_bytes {
-                    // The rows of this batch that fit, at its average row size.
-                    let per_row = size.div_ceil(batch.num_rows().max(1)).max(1);
-                    let fit = (self.sql.max_result_bytes - bytes) / per_row;
-                    rows += fit.min(batch.num_rows());
-                    batches.push(batch.slice(0, fit.min(batch.num_rows())));
-                    truncated = true;
-                    break;
+                let (n, size) = (batch.num_rows(), batch.get_array_memory_size());
+                // The rows of this batch within both limits (past the bytes left, at its
+                // average row size).
+                let within_bytes = if bytes + size <= self.sql.max_result_bytes {
+                    n
+                } else {
+                    (self.sql.max_result_bytes - bytes) / size.div_ceil(n.max(1)).max(1)
+                };
+                let fit = n.min(self.sql.max_rows - rows).min(within_bytes);
+                if fit < n {
+                    batches.push(batch.slice(0, fit));
+                    return Ok((batches, true));
                 }
-                bytes += size;
-                rows += batch.num_rows();
+                (rows, bytes) = (rows + n, bytes + size);
                 batches.push(batch);
-                if rows > self.sql.max_rows {
-                    break;
-                }
             }
-            if rows > self.sql.max_rows {
-                truncated = true;
-                let all = arrow_select::concat::concat_batches(&batches[0].schema(), &batches)
-                    .map_err(Error::Arrow)?;
-                batches = vec![all.slice(0, self.sql.max_rows)];
-            }
-            Ok((batches, truncated))
+            Ok((batches, false))
         })
         .await
     }

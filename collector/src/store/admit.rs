@@ -91,9 +91,12 @@ impl Store {
             // Batches in flight count with their new series (conservatively: two in flight
             // with the same new series count it twice until one is applied).
             let pending = state.reserved_series.get(&entry.run).copied().unwrap_or(0);
-            let all_pending: usize = state.reserved_series.values().sum();
-            let everywhere = state.total_series + all_pending + fresh;
-            if fresh > 0 && everywhere > self.limits.max_series {
+            // Over all runs (summed only when this batch adds series: most add none).
+            let everywhere = match fresh {
+                0 => 0,
+                _ => state.total_series + state.reserved_series.values().sum::<usize>() + fresh,
+            };
+            if everywhere > self.limits.max_series {
                 let limit = self.limits.max_series;
                 return refuse(
                     &mut state,

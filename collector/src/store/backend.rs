@@ -348,23 +348,13 @@ impl Backend {
                 r.check_still_held()?;
                 let key = r.manifest_key()?;
                 let body = PutPayload::from(manifest.to_json()?);
-                let mode = match r.tag().clone() {
-                    Some(tag) => PutMode::Update(UpdateVersion {
-                        e_tag: Some(tag),
-                        version: None,
-                    }),
-                    None => PutMode::Create,
-                };
                 let put = |mode: PutMode| {
                     r.handle
                         .block_on(r.store.put_opts(&key, body.clone(), PutOptions::from(mode)))
                 };
-                let result = match put(mode) {
+                let result = match put(conditional_on(r.tag().clone())) {
                     Ok(result) => result,
-                    Err(
-                        object_store::Error::Precondition { .. }
-                        | object_store::Error::AlreadyExists { .. },
-                    ) => {
+                    Err(e) if is_conflict(&e) => {
                         // Written since this collector last saw it. Either by the collector
                         // that lost this node id, racing past its claim check (a take-over), or
                         // by this one's own earlier write whose answer was lost. The claim says
@@ -373,14 +363,7 @@ impl Backend {
                         // flush would fail on the same stale version).
                         r.check_still_held()?;
                         let now = r.handle.block_on(r.store.head(&key)).ok();
-                        let retry = match now.and_then(|meta| meta.e_tag) {
-                            Some(tag) => PutMode::Update(UpdateVersion {
-                                e_tag: Some(tag),
-                                version: None,
-                            }),
-                            None => PutMode::Create,
-                        };
-                        match put(retry) {
+                        match put(conditional_on(now.and_then(|meta| meta.e_tag))) {
                             Ok(result) => {
                                 tracing::warn!(
                                     node = %r.node,
@@ -390,10 +373,7 @@ impl Backend {
                                 );
                                 result
                             }
-                            Err(
-                                object_store::Error::Precondition { .. }
-                                | object_store::Error::AlreadyExists { .. },
-                            ) => {
+                            Err(e) if is_conflict(&e) => {
                                 return Err(Error::Unavailable(format!(
                                     "the manifest of node id {:?} keeps being written by another \
                                      collector: this one no longer writes it; its batches stay in \
@@ -557,6 +537,26 @@ impl Remote {
             .handle
             .block_on(async { self.store.get(&key).await?.bytes().await })?)
     }
+}
+
+/// A write conditional on the manifest's version `tag` (`If-Match`), or on there being none
+/// yet (`If-None-Match: *`).
+fn conditional_on(tag: Option<String>) -> PutMode {
+    match tag {
+        Some(tag) => PutMode::Update(UpdateVersion {
+            e_tag: Some(tag),
+            version: None,
+        }),
+        None => PutMode::Create,
+    }
+}
+
+/// Whether a conditional write failed because the object changed (or appeared) meanwhile.
+fn is_conflict(error: &object_store::Error) -> bool {
+    matches!(
+        error,
+        object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. }
+    )
 }
 
 /// How many characters of the data directory's identity name a writer in part names.

@@ -76,7 +76,6 @@ impl Store {
             let batch = files::sorted(table, &batches)?;
             let part = self.reserve_part();
             let mut written = Vec::new();
-            let mut manifest_tried = false;
             let committed = self
                 .write_part(table, &run, part, &batch, &mut written)
                 .and_then(|metas| {
@@ -90,14 +89,13 @@ impl Store {
                         .collect();
                     manifest.files.retain(|f| !old.contains(&f.relative()));
                     manifest.files.extend(metas);
-                    manifest_tried = true;
-                    self.backend.save_manifest(&manifest)?;
+                    self.commit_manifest(&manifest, &mut written)?;
                     Ok((manifest, old))
                 });
             let (mut manifest, old) = match committed {
                 Ok(done) => done,
                 Err(e) => {
-                    self.abandon(written, manifest_tried);
+                    self.abandon(written, false);
                     return Err(e);
                 }
             };
@@ -166,10 +164,7 @@ impl Store {
             };
             let mut manifest = self.lock().manifest.clone();
             manifest.files.push(meta);
-            if let Err(e) = self.backend.save_manifest(&manifest) {
-                self.abandon(files_written, true);
-                return Err(e);
-            }
+            self.commit_manifest(&manifest, &mut files_written)?;
             {
                 let mut state = self.lock();
                 manifest.next_part = manifest.next_part.max(state.manifest.next_part);

@@ -83,7 +83,6 @@ impl Store {
         };
         // Every file this flush writes, so that a failure leaves none behind (see `unlisted`).
         let mut files_written = Vec::new();
-        let mut manifest_tried = false;
         let written = keys
             .save(&self.dir)
             .and_then(|_| self.write_flush(&parts, &infos, &alerts, &mut files_written))
@@ -96,8 +95,7 @@ impl Store {
                 manifest.flushed_seq = through;
                 // The log no longer holds records at or below `through`.
                 manifest.deleted_runs.retain(|_, seq| *seq > through);
-                manifest_tried = true;
-                self.backend.save_manifest(&manifest)?;
+                self.commit_manifest(&manifest, &mut files_written)?;
                 Ok((manifest, replaced, rows))
             });
         let mut state = self.lock();
@@ -150,7 +148,7 @@ impl Store {
                     .extend(alerts.into_iter().map(|(r, _)| r));
                 self.metrics.flush_errors.inc();
                 drop(state);
-                self.abandon(files_written, manifest_tried);
+                self.abandon(files_written, false);
                 Err(e)
             }
         }

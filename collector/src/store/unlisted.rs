@@ -19,7 +19,8 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 
 use super::Store;
-use super::manifest::FileMeta;
+use super::manifest::{FileMeta, Manifest};
+use crate::error::Result;
 
 impl Store {
     /// The next part number, reserved for the caller whether or not its write succeeds.
@@ -28,6 +29,21 @@ impl Store {
         let part = state.manifest.next_part;
         state.manifest.next_part += 1;
         part
+    }
+
+    /// Saves `manifest`, the commit of a step that wrote `written`. When the save fails, those
+    /// files may or may not be committed: they wait for the next commit (see [`Store::abandon`])
+    /// and `written` is left empty, so the step's own clean-up of its files does nothing.
+    pub(super) fn commit_manifest(
+        &self,
+        manifest: &Manifest,
+        written: &mut Vec<PathBuf>,
+    ) -> Result<()> {
+        let saved = self.backend.save_manifest(manifest);
+        if saved.is_err() {
+            self.abandon(std::mem::take(written), true);
+        }
+        saved
     }
 
     /// Gives up on the files a failed step wrote (`written`, relative paths). `maybe_listed`:
