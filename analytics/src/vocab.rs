@@ -100,6 +100,12 @@ metrics! {
     /// The same digest over the rank's optimizer state (Adam's moments and step counts), at a
     /// slower cadence: replicas' optimizer states are equal too.
     OptimFingerprint = "optim_fingerprint", Rank, NONE;
+    /// The locator beside `param_fingerprint`: Σ S_i·(2i+1)² mod 2^52 over the same tensors.
+    /// Two replicas that differ in one tensor only differ in it and in the digest by δ·(2i+1)²
+    /// and δ·(2i+1): their quotient names tensor i (`replica_divergence`).
+    ParamLocator = "param_locator", Rank, NONE;
+    /// The locator beside `optim_fingerprint`: names the parameter whose optimizer state differs.
+    OptimLocator = "optim_locator", Rank, NONE;
     /// σ₁ of one weight matrix of a block.
     SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
     /// σ_mlp = ‖W_down·W_up‖₂.

@@ -123,7 +123,7 @@ def train(args: argparse.Namespace) -> dict:
     stats = run.finish() if run is not None else {}
     faults.remove()
     dist.destroy_process_group()
-    return {"rank": rank, "final_loss": float(loss.detach()), "step_times": step_times, "stats": stats, "alerts": alerts, "stopped_at": stopped_at, "skipped_steps": skipped}
+    return {"rank": rank, "final_loss": float(loss.detach()), "step_times": step_times, "stats": stats, "alerts": alerts, "stopped_at": stopped_at, "skipped_steps": skipped, "flipped": faults.flipped}
 
 
 def _worker(rank: int, args: argparse.Namespace) -> None:

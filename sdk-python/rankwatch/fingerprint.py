@@ -19,15 +19,28 @@ so D changes by an odd multiple of 2^b too, never 0 mod 2^52: every single-bit f
 the digest. (Several changes can cancel only in contrived patterns, e.g. two elements of one
 tensor changed by opposite amounts.)
 
-What is sent, per fingerprinted step: `param_fingerprint` (the rank's whole replicated model)
-and `layer_fingerprint` per block of the layout (the block's parameters), so that the alert
-names the blocks that differ. Read with the other probe values: no host sync.
+The locator. Beside D each rank sends L = Σ_i S_i·(2i+1)² mod 2^52. Where two replicas differ
+in one tensor j only, by δ = S_j − S_j', their differences are ΔD = δ·(2j+1) and ΔL =
+δ·(2j+1)² (mod 2^52), so ΔL/ΔD = 2j+1: the collector names the tensor from two numbers a rank,
+with no second round and no per-tensor values on the wire (a single-error-locating code, as a
+Reed–Solomon syndrome locates an error). δ is an odd multiple of 2^b with b < 32, so after
+dividing both by 2^b the quotient is known modulo 2^(52−b) ≥ 2^21: exact for models of up to a
+million tensors. The collector checks the answer (δ = ΔD/(2j+1) must be a word-sized change and
+δ·(2j+1)² must give ΔL back); differences spread over several tensors (a skipped step, another
+checkpoint) fail that check but for a chance below 2^-19, and are named by block instead.
+
+What is sent, per fingerprinted step: `param_fingerprint` (D) and `param_locator` (L) of the
+rank's whole replicated model, and `layer_fingerprint` per block of the layout (the block's
+parameters), so that an alert names the tensor that differs, or the blocks where several do.
+The parameters' names, in the digest's order, go once into the run's tags
+(`replica_fingerprint_tensors`, a JSON list). Read with the other probe values: no host sync.
 
 The optimizer state (Adam's moments: replicated as the weights are, since every replica feeds
-its optimizer the same averaged gradient) gets the same digest, `optim_fingerprint`, at a tenth
-of the cadence: its tensors on the parameters' device, in the optimizer's parameter order and
-each state's keys sorted (CPU step counters, identical everywhere, are left out: moving them to
-the device would wait for it).
+its optimizer the same averaged gradient) gets the same digest and locator, `optim_fingerprint`
+and `optim_locator`, at a tenth of the cadence: its tensors on the parameters' device, the k-th
+state tensor (keys sorted) of the parameter at position i at position 8i + k, so the locator
+names the parameter whose state differs (CPU step counters, identical everywhere, are left out:
+moving them to the device would wait for it).
 
 What is compared (`ReplicaFingerprint`): under DDP every parameter of the wrapped module but
 those DDP ignores (listed in the run's tags), once the ranks are known to be replicas. Sharded
@@ -37,6 +50,7 @@ there and says so.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,6 +61,10 @@ if TYPE_CHECKING:
     from .layout import Layout
 
 MASK = (1 << 52) - 1
+
+# Positions left for the state tensors of one parameter in the optimizer's digest: the k-th of
+# parameter i sits at 8i + k, so its locator names the parameter (k beyond 7 shares slot 7).
+STATE_SLOTS = 8
 
 _SAME_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
@@ -64,46 +82,64 @@ def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=t.dtype).to(torch.int64)
 
 
-def digest(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """D of `tensors` (positions 0..n-1), a 0-dim float64 on `device`."""
+def _digest_and_locator(terms: torch.Tensor, odd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, L) from the terms S_i·(2i+1) and the weights 2i+1: int64 products wrap, exact
+    modulo 2^64 and so modulo 2^52; 0-dim float64s."""
+    return (terms.sum() & MASK).double(), ((terms * odd).sum() & MASK).double()
+
+
+def digest(tensors: Sequence[torch.Tensor], positions: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, L) of `tensors` at `positions`, 0-dim float64s on `device`."""
     if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.stack([bit_sum(t) for t in tensors])
-    weights = torch.arange(len(tensors), dtype=torch.int64, device=device) * 2 + 1
-    return ((sums * weights).sum() & MASK).double()
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return zero, zero.clone()
+    sums = torch.stack([bit_sum(t).to(device) for t in tensors])
+    odd = torch.tensor(positions, dtype=torch.int64, device=device) * 2 + 1
+    return _digest_and_locator(sums * odd, odd)
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, replicated: set[int] | None = None) -> list[torch.Tensor]:
-    """The optimizer's state tensors on `device`, in its parameter order, each state's keys
-    sorted; with `replicated`, only the state of those parameters (by id): a parameter DDP
-    ignores has a state of its own on each rank."""
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device, positions: dict[int, int] | None = None
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The optimizer's state tensors on `device` and their digest positions: the k-th (keys
+    sorted) of the parameter at position i at STATE_SLOTS·i + k. `positions` maps a parameter's
+    id to its position (the model digest's); without it, the optimizer's own order. Only the
+    parameters in `positions`: one DDP ignores has a state of its own on each rank."""
     tensors: list[torch.Tensor] = []
+    at: list[int] = []
+    order = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if replicated is not None and id(p) not in replicated:
-                continue
+            position = order if positions is None else positions.get(id(p))
+            order += 1
             state = optimizer.state.get(p)
-            if not state:
+            if position is None or not state:
                 continue
+            k = 0
             for key in sorted(state, key=str):
                 value = state[key]
                 if isinstance(value, torch.Tensor) and value.device == device:
                     tensors.append(value)
-    return tensors
+                    at.append(STATE_SLOTS * position + min(k, STATE_SLOTS - 1))
+                    k += 1
+    return tensors, at
 
 
 class FingerprintProbe:
-    """Digests of a fixed list of parameters: the whole list's and each block's."""
+    """Digest and locator of a fixed list of parameters, and each block's digest."""
 
-    def __init__(self, parameters: Sequence[torch.Tensor], block_of: Sequence[int | None], blocks: int) -> None:
+    def __init__(self, parameters: Sequence[torch.Tensor], block_of: Sequence[int | None], blocks: int, names: Sequence[str] | None = None) -> None:
         if len(parameters) != len(block_of):
             raise ValueError("fingerprint: one block index (or None) per parameter")
         self._parameters = list(parameters)
         self._block_of = list(block_of)
+        self.names = list(names) if names is not None else [str(i) for i in range(len(self._parameters))]
+        self.names_json = json.dumps(self.names)
         self.ids = {id(p) for p in self._parameters}
+        self.positions = {id(p): i for i, p in enumerate(self._parameters)}
         device = self._parameters[0].device if self._parameters else torch.device("cpu")
         n = len(self._parameters)
-        self._weights = torch.arange(n, dtype=torch.int64, device=device) * 2 + 1
+        self._odd = torch.arange(n, dtype=torch.int64, device=device) * 2 + 1
         in_block = [i for i, b in enumerate(block_of) if b is not None]
         self._in_block = torch.tensor(in_block, dtype=torch.int64, device=device)
         self._block_index = torch.tensor([block_of[i] for i in in_block], dtype=torch.int64, device=device)
@@ -111,23 +147,24 @@ class FingerprintProbe:
 
     def without(self, ids: set[int]) -> FingerprintProbe:
         """The same probe over its parameters but those in `ids`."""
-        kept = [(p, b) for p, b in zip(self._parameters, self._block_of, strict=True) if id(p) not in ids]
-        return FingerprintProbe([p for p, _ in kept], [b for _, b in kept], self.blocks)
+        kept = [(p, b, n) for p, b, n in zip(self._parameters, self._block_of, self.names, strict=True) if id(p) not in ids]
+        return FingerprintProbe([p for p, _, _ in kept], [b for _, b, _ in kept], self.blocks, [n for _, _, n in kept])
 
-    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(model digest, per-block digests [blocks]) as float64 device tensors; no host sync."""
-        device = self._weights.device
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(model digest, model locator, per-block digests [blocks]) as float64 device tensors;
+        no host sync."""
+        device = self._odd.device
         if not self._parameters:
-            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(self.blocks, dtype=torch.float64, device=device)
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            return zero, zero.clone(), torch.zeros(self.blocks, dtype=torch.float64, device=device)
         # A parameter on another device (a model split over devices) joins by a copy of one number.
         sums = torch.stack([bit_sum(p).to(device) for p in self._parameters])
-        terms = sums * self._weights  # wrapping int64 products: exact mod 2^64
-        model = terms.sum() & MASK
+        terms = sums * self._odd  # wrapping int64 products: exact mod 2^64
+        model, locator = _digest_and_locator(terms, self._odd)
         per_block = torch.zeros(self.blocks, dtype=torch.int64, device=device)
         if self._in_block.numel():
             per_block.index_add_(0, self._block_index, terms.index_select(0, self._in_block))
-        return model.double(), (per_block & MASK).double()
-
+        return model, locator, (per_block & MASK).double()
 
 
 class ReplicaFingerprint:
@@ -165,8 +202,9 @@ class ReplicaFingerprint:
         for block in layout.blocks if layout is not None else ():
             for p in block.module.parameters():
                 block_of.setdefault(id(p), block.index)
-        params = [p for p in self.model.parameters() if id(p) not in self._excluded]
-        return FingerprintProbe(params, [block_of.get(id(p)) for p in params], len(layout.blocks) if layout is not None else 0)
+        named = [(n, p) for n, p in self.model.named_parameters() if id(p) not in self._excluded]
+        params = [p for _, p in named]
+        return FingerprintProbe(params, [block_of.get(id(p)) for p in params], len(layout.blocks) if layout is not None else 0, [n for n, _ in named])
 
     def ready(self, find_ddp: Callable[[torch.nn.Module], object | None]) -> bool:
         """Whether the ranks are replicas to compare now. `find_ddp(model)` looks for the
@@ -211,21 +249,33 @@ class ReplicaFingerprint:
             self.ignored = ",".join(sorted(ignored))
         return True
 
+    @property
+    def tensors(self) -> str:
+        """The compared parameters' names in the digest's order, for the run's tags: the
+        collector turns a located position into a name with it."""
+        return self.probe.names_json
+
     def report(self, keys: list[tuple[str, int | None, str | None, bool]], values: list[torch.Tensor], *, optimizer: bool) -> None:
-        """Appends the digests of the parameters (the whole model's, each block's) and, when
-        `optimizer`, of the optimizer state: every value computed before any key is added, so
-        a failure half way leaves no key without its value (a report pairs them by position)."""
+        """Appends the digests and locators of the parameters (the whole model's, each block's
+        digest) and, when `optimizer`, of the optimizer state: every value computed before any
+        key is added, so a failure half way leaves no key without its value (a report pairs
+        them by position)."""
         started = time.perf_counter()
-        model, blocks = self.probe.compute()
+        model, locator, blocks = self.probe.compute()
         state = None
         if optimizer and self.optimizer is not None:
-            state = digest(optimizer_state(self.optimizer, model.device, self.probe.ids), model.device)
+            tensors, positions = optimizer_state(self.optimizer, model.device, self.probe.positions)
+            state = digest(tensors, positions, model.device)
         keys.append(("param_fingerprint", None, None, False))
         values.append(model)
+        keys.append(("param_locator", None, None, False))
+        values.append(locator)
         for index, value in enumerate(blocks.unbind()):
             keys.append(("layer_fingerprint", index, None, False))
             values.append(value)
         if state is not None:
             keys.append(("optim_fingerprint", None, None, False))
-            values.append(state)
+            values.append(state[0])
+            keys.append(("optim_locator", None, None, False))
+            values.append(state[1])
         self.elapsed += time.perf_counter() - started

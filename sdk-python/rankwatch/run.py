@@ -514,7 +514,11 @@ class Run:
         """The replica digests, when the ranks are replicas; why not, or what DDP leaves out,
         in the run's tags."""
         ready = fingerprint.ready(self._find_ddp)
-        for name, value in (("replica_fingerprint", fingerprint.off), ("replica_fingerprint_ignored", fingerprint.ignored)):
+        for name, value in (
+            ("replica_fingerprint", fingerprint.off),
+            ("replica_fingerprint_ignored", fingerprint.ignored),
+            ("replica_fingerprint_tensors", fingerprint.tensors if ready else ""),
+        ):
             if value and self.tags.get(name) != value:
                 self._set_tag(name, value)
         if ready:

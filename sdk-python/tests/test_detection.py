@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -396,18 +397,20 @@ def test_alertmanager_receives_the_firing_alert_and_its_resolution(tmp_path: Pat
 def test_a_bit_flip_in_one_replicas_weights_is_named_at_the_next_fingerprint(collector: Collector, tmp_path: Path) -> None:
     """Silent data corruption: one low mantissa bit of one weight of rank 2 flips at step 12 —
     the loss cannot show it — and stays. The replicas' fingerprints (every 10th step) differ
-    from step 20: a critical `replica_divergence` at step 20 names rank 2 against the majority,
-    and the blocks it names are those whose `layer_fingerprint` differs in the stored samples.
+    from step 20: a critical `replica_divergence` at step 20 names rank 2 against the majority
+    and the very tensor whose bit flipped (located from the ranks' `param_locator`s), and the
+    blocks whose `layer_fingerprint` differs in the stored samples hold that tensor.
     With two replicas the same flip names both ranks, saying which changed cannot be told. The
     healthy run of the same job (the other tests' healthy runs too) raises none."""
-    train(collector, "flip-r2", tmp_path, steps=30, faults=("weight_bit_flip@12:rank=2:bit=20",))
-    train(collector, "flip-2-ranks", tmp_path, steps=30, nproc=2, faults=("weight_bit_flip@12:rank=1:bit=20",))
+    flipped = train(collector, "flip-r2", tmp_path, steps=30, faults=("weight_bit_flip@12:rank=2:bit=20",))[2]["flipped"]
+    flipped_pair = train(collector, "flip-2-ranks", tmp_path, steps=30, nproc=2, faults=("weight_bit_flip@12:rank=1:bit=20",))[1]["flipped"]
+    assert len(flipped) == 1 and len(flipped_pair) == 1, (flipped, flipped_pair)
     train(collector, "flip-healthy", tmp_path, steps=30)
     alerts = fired(settle(collector, "flip-r2", 29), "replica_divergence")
     assert len(alerts) == 1, alerts
     alert = alerts[0]
     assert alert["severity"] == "critical" and alert["first_step"] == 20 and alert["outlier_ranks"] == [2], alert
-    assert "rank 2's parameters differ from ranks 0, 1, 3 at step 20" in alert["explanation"], alert
+    assert f"rank 2's parameters differ from ranks 0, 1, 3 at step 20 in tensor {flipped[0]}: " in alert["explanation"], alert
     rows = collector.sql("SELECT rank, layer, value FROM samples WHERE run = 'flip-r2' AND metric = 'layer_fingerprint' AND step = 20")
     by_layer: dict[int, dict[int, float]] = {}
     for r in rows:
@@ -415,15 +418,15 @@ def test_a_bit_flip_in_one_replicas_weights_is_named_at_the_next_fingerprint(col
     assert sorted(by_layer) == [0, 1] and all(len(v) == 4 for v in by_layer.values()), rows
     differing = [layer for layer, values in sorted(by_layer.items()) if values[2] != values[0]]
     assert all(values[0] == values[1] == values[3] for values in by_layer.values()), "only rank 2 changed"
-    if differing:
-        assert f"in block {differing[0]}" in alert["explanation"], (differing, alert)
-    else:
-        assert "outside the blocks" in alert["explanation"], alert
+    # The blocks' digests agree with the locator: the flipped tensor's block alone differs.
+    block = re.search(r"\.h\.(\d+)\.", f".{flipped[0]}")
+    assert differing == ([int(block.group(1))] if block else []), (differing, flipped)
     before = collector.sql("SELECT count(DISTINCT value) AS n FROM samples WHERE run = 'flip-r2' AND metric = 'param_fingerprint' AND step = 10")
     assert before == [{"n": 1}], "at step 10, before the flip, every replica agreed"
     pair = fired(settle(collector, "flip-2-ranks", 29), "replica_divergence")
     assert len(pair) == 1 and pair[0]["outlier_ranks"] == [0, 1] and pair[0]["first_step"] == 20, pair
     assert "with two replicas, which one changed cannot be told" in pair[0]["explanation"], pair
+    assert f"at step 20 in tensor {flipped_pair[0]};" in pair[0]["explanation"], (flipped_pair, pair)
     assert fired(settle(collector, "flip-healthy", 29), "replica_divergence") == []
     assert collector.sql("SELECT count(*) AS n FROM samples WHERE run = 'flip-healthy' AND metric = 'param_fingerprint'") == [{"n": 4 * 3}]
     # Adam's state is replicated too: its digest (every 100th step here: step 0) agrees.

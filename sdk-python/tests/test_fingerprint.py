@@ -30,8 +30,9 @@ def reference_sum(t: torch.Tensor) -> int:
     return (int(sum(int(w) for w in words)) + half) % (2 * half) - half
 
 
-def reference_digest(tensors: list[torch.Tensor], positions: list[int]) -> int:
-    return sum(reference_sum(t) * (2 * i + 1) for t, i in zip(tensors, positions, strict=True)) % (1 << 64) & MASK
+def reference_digest(tensors: list[torch.Tensor], positions: list[int], power: int = 1) -> int:
+    """D (power 1) or the locator L (power 2): Σ S_i·(2i+1)^power mod 2^52."""
+    return sum(reference_sum(t) * (2 * i + 1) ** power for t, i in zip(tensors, positions, strict=True)) % (1 << 64) & MASK
 
 
 def flip(t: torch.Tensor, element: int, bit: int) -> None:
@@ -51,9 +52,11 @@ def model_tensors(seed: int) -> tuple[list[torch.Tensor], list[int | None]]:
 
 def test_the_digest_is_the_reference_for_the_model_and_each_block() -> None:
     tensors, blocks = model_tensors(0)
-    model, per_block = FingerprintProbe(tensors, blocks, 3).compute()
-    assert model.dtype == torch.float64 and per_block.shape == (3,)
+    model, locator, per_block = FingerprintProbe(tensors, blocks, 3).compute()
+    assert model.dtype == torch.float64 and locator.dtype == torch.float64 and per_block.shape == (3,)
     assert int(model.item()) == reference_digest(tensors, list(range(len(tensors))))
+    assert int(locator.item()) == reference_digest(tensors, list(range(len(tensors))), power=2)
+    assert 0 <= locator.item() < 2**52 and float(int(locator.item())) == locator.item()
     for b in range(3):
         members = [i for i, owner in enumerate(blocks) if owner == b]
         assert int(per_block[b].item()) == reference_digest([tensors[i] for i in members], members), b
@@ -65,20 +68,22 @@ def test_every_bit_of_every_dtype_flipped_changes_the_digest(dtype: torch.dtype)
     tensors, blocks = model_tensors(1)
     tensors = [t.contiguous().to(dtype) for t in tensors]
     probe = FingerprintProbe(tensors, blocks, 3)
-    model, per_block = (v.clone() for v in probe.compute())
+    model, locator, per_block = (v.clone() for v in probe.compute())
     g = torch.Generator().manual_seed(2)
     for bit in range(8 * tensors[0].element_size()):
         which = int(torch.randint(len(tensors), (1,), generator=g))
         element = int(torch.randint(tensors[which].numel(), (1,), generator=g))
         flip(tensors[which], element, bit)
-        flipped_model, flipped_blocks = probe.compute()
+        flipped_model, flipped_locator, flipped_blocks = probe.compute()
         assert flipped_model != model, (bit, which, element)
+        positions = list(range(len(tensors)))
+        assert int(flipped_locator.item()) == reference_digest(tensors, positions, power=2) and flipped_locator != locator
         owner = blocks[which]
         for b in range(3):
             assert (flipped_blocks[b] != per_block[b]) == (b == owner), (bit, which, b)
         flip(tensors[which], element, bit)
-        again, _ = probe.compute()
-        assert again == model, "flipped back, the digest is back"
+        again, again_locator, _ = probe.compute()
+        assert again == model and again_locator == locator, "flipped back, the digest is back"
 
 
 @settings(max_examples=200, deadline=None)
@@ -92,13 +97,14 @@ def test_random_single_bit_flips_are_always_seen(dtype: torch.dtype, shape: tupl
     torch.manual_seed(position)
     tensors = [torch.randn(shape).to(dtype) for _ in range(6)]
     probe = FingerprintProbe(tensors, [None] * 6, 0)
-    before, _ = probe.compute()
+    before, _, _ = probe.compute()
     element = data.draw(st.integers(0, tensors[position].numel() - 1))
     bit = data.draw(st.integers(0, 8 * tensors[position].element_size() - 1))
     flip(tensors[position], element, bit)
-    after, _ = probe.compute()
+    after, locator, _ = probe.compute()
     assert after != before
     assert int(after.item()) == reference_digest(tensors, list(range(6)))
+    assert int(locator.item()) == reference_digest(tensors, list(range(6)), power=2)
 
 
 def test_equal_weights_in_another_memory_layout_give_the_same_digest() -> None:
@@ -114,14 +120,15 @@ def test_no_host_sync_on_meta_tensors() -> None:
     """Meta tensors have no data: any .item(), int() or branch on a value would raise."""
     with torch.device("meta"):
         tensors = [torch.zeros(4, 4), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.float64)]
-    model, blocks = FingerprintProbe(tensors, [0, None, 0], 1).compute()
-    assert model.device.type == "meta" and blocks.device.type == "meta" and blocks.shape == (1,)
+    model, locator, blocks = FingerprintProbe(tensors, [0, None, 0], 1).compute()
+    assert model.device.type == "meta" and locator.device.type == "meta" and blocks.device.type == "meta" and blocks.shape == (1,)
 
 
 def test_the_optimizer_state_digest_sees_a_flip_in_a_moment_and_equal_states_agree() -> None:
     """Two replicas stepped with the same gradients hold equal Adam states, so equal digests; a
-    bit flipped in one exp_avg_sq changes the digest; the digest is the host reference over the
-    state tensors in parameter order, keys sorted; only the tensors on the device asked for."""
+    bit flipped in one exp_avg_sq changes the digest and the locator; both are the host
+    reference over the state tensors, the k-th state tensor (keys sorted) of the i-th parameter
+    at position 8i + k; only the tensors on the device asked for."""
     from rankwatch.fingerprint import digest, optimizer_state
 
     def replica() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -138,14 +145,17 @@ def test_the_optimizer_state_digest_sees_a_flip_in_a_moment_and_equal_states_agr
             optimizer.zero_grad()
         states.append(optimizer)
     cpu = torch.device("cpu")
-    a, b = (optimizer_state(o, cpu) for o in states)
+    (a, at), (b, bt) = (optimizer_state(o, cpu) for o in states)
     assert len(a) == 3 * 4, "exp_avg, exp_avg_sq and step for each of 4 parameters"
-    assert digest(a, cpu) == digest(b, cpu)
-    assert int(digest(a, cpu).item()) == reference_digest(a, list(range(len(a))))
+    assert at == bt == [8 * i + k for i in range(4) for k in range(3)], at
+    assert digest(a, at, cpu) == digest(b, bt, cpu)
+    d, locator = digest(a, at, cpu)
+    assert int(d.item()) == reference_digest(a, at) and int(locator.item()) == reference_digest(a, at, power=2)
     second = states[1].state[next(iter(states[1].state))]["exp_avg_sq"]
     flip(second, 0, 3)
-    assert digest(optimizer_state(states[1], cpu), cpu) != digest(a, cpu)
-    assert optimizer_state(states[0], torch.device("meta")) == [], "only the state on the given device"
+    flipped = digest(*optimizer_state(states[1], cpu), cpu)
+    assert flipped[0] != d and flipped[1] != locator
+    assert optimizer_state(states[0], torch.device("meta")) == ([], []), "only the state on the given device"
 
 
 @pytest.mark.parametrize("local_sgd", [False, True], ids=["plain-ddp", "post-local-sgd"])

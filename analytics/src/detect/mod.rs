@@ -34,7 +34,7 @@ pub use loss_spike::{LossObservation, LossSpike, LossSpikeConfig};
 pub use nonfinite::{Nonfinite, NonfiniteConfig, NonfiniteObservation};
 pub use rank_collapse::{CollapseObservation, RankCollapse, RankCollapseConfig};
 pub use replica_divergence::{
-    RankFingerprint, ReplicaDivergence, ReplicaDivergenceConfig, ReplicaObservation,
+    RankFingerprint, ReplicaDivergence, ReplicaDivergenceConfig, ReplicaObservation, TENSORS_TAG,
 };
 pub use silent_inconsistency::{SilentInconsistency, SilentInconsistencyConfig, StepObservation};
 pub use stale_rank::{RankActivity, StaleRank, StaleRankConfig};

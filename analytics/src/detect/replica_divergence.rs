@@ -13,10 +13,12 @@
 //! Who differs is decided by majority vote over the whole-model digests: the ranks outside a
 //! group holding more than half of them are named. Without such a group (two replicas, or an
 //! even split) every rank outside the largest group is named, and with two replicas both are,
-//! since which one changed cannot be told from two. Where the ranks differ is read off the
-//! block digests the same way: the blocks where a named rank's digest is not the majority's (the
-//! first few, by index), or "outside the blocks" (embeddings, head, norms) when no block
-//! differs. Every `fingerprint × 10` steps the ranks also send their optimizer state's digest
+//! since which one changed cannot be told from two. Where the ranks differ is read first off
+//! each rank's locator (`param_locator`, see [`crate::math::locator`]): where a named rank
+//! differs from the largest group in one tensor, that tensor is named, by the name the run's
+//! `replica_fingerprint_tensors` tag gives it. Where it differs in several, the block digests
+//! say where: the blocks whose digest is not the majority's for a named rank (the first few,
+//! by index), or "outside the blocks" (embeddings, head, norms) when no block differs. Every `fingerprint × 10` steps the ranks also send their optimizer state's digest
 //! (`optim_fingerprint`: Adam's moments are replicated as the weights are), compared with the
 //! parameters': a flip there is named before it reaches the weights. The alert resolves when
 //! the digests agree again (the run restarted from a good checkpoint).
@@ -29,10 +31,18 @@ use super::Detector;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::Result;
+use crate::math::locator::{digest_delta, locate};
 use crate::validate::RunId;
 
 /// Blocks named in an explanation before "and N more".
 const NAMED_BLOCKS: usize = 3;
+
+/// The run tag listing the fingerprinted tensors' names (a JSON list, in the digest's order).
+pub const TENSORS_TAG: &str = "replica_fingerprint_tensors";
+
+/// Positions of one parameter's state tensors in the optimizer state's digest: the k-th state
+/// tensor of parameter i sits at `STATE_SLOTS`·i + k (the SDK's `fingerprint.py`).
+const STATE_SLOTS: usize = 8;
 
 /// Persistence of `replica_divergence`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -60,11 +70,17 @@ pub struct RankFingerprint {
     pub rank: u32,
     /// The digest of every replicated parameter.
     pub model: f64,
+    /// Its locator (`param_locator`), where sent.
+    #[serde(default)]
+    pub locator: Option<f64>,
     /// (block index, digest of its parameters).
     pub layers: Vec<(u32, f64)>,
     /// The digest of its optimizer state, on the steps that carry one.
     #[serde(default)]
     pub optimizer: Option<f64>,
+    /// The optimizer state's locator, with its digest.
+    #[serde(default)]
+    pub optimizer_locator: Option<f64>,
 }
 
 /// The digests the ranks of one replica group sent for one step.
@@ -77,6 +93,24 @@ pub struct ReplicaObservation {
     /// call three replicas two).
     pub world_size: u32,
     pub ranks: Vec<RankFingerprint>,
+    /// The fingerprinted tensors' names in the digest's order (the run's [`TENSORS_TAG`]);
+    /// needed only when the ranks disagree, and may be empty (the tensor is then named by its
+    /// position).
+    #[serde(default)]
+    pub tensors: Vec<String>,
+}
+
+impl ReplicaObservation {
+    /// Whether any two ranks sent different digests (of the parameters or the optimizer state).
+    pub fn disagree(&self) -> bool {
+        let differs = |get: fn(&RankFingerprint) -> Option<f64>| {
+            let mut values = self.ranks.iter().filter_map(get).map(f64::to_bits);
+            values
+                .next()
+                .is_some_and(|first| values.any(|v| v != first))
+        };
+        differs(|r| Some(r.model)) || differs(|r| r.optimizer)
+    }
 }
 
 /// The `replica_divergence` detector for one run.
@@ -130,9 +164,85 @@ fn ranks_word(ranks: &[u32]) -> String {
     }
 }
 
-/// Where `named` differ from the rest: the blocks whose digest is not the majority's for one of
-/// them (first few by index), or outside the blocks.
-fn where_they_differ(obs: &ReplicaObservation, named: &[u32], params_agree: bool) -> String {
+/// The tensor(s) in which `named` differ from `reference` (a rank of the largest group), when
+/// each differs in one tensor its locator can name; `None` when any cannot be located.
+fn located(
+    obs: &ReplicaObservation,
+    named: &[u32],
+    reference: u32,
+    params_agree: bool,
+) -> Option<String> {
+    let of = |rank: u32| obs.ranks.iter().find(|r| r.rank == rank);
+    let base = of(reference)?;
+    let pick = |r: &RankFingerprint| {
+        if params_agree {
+            r.optimizer.zip(r.optimizer_locator)
+        } else {
+            r.locator.map(|l| (r.model, l))
+        }
+    };
+    let (base_digest, base_locator) = pick(base)?;
+    // Positions run over the parameters, or over their state tensors' slots.
+    let (positions, per_tensor) = if params_agree {
+        (obs.tensors.len().max(1) * STATE_SLOTS, STATE_SLOTS)
+    } else {
+        (obs.tensors.len(), 1)
+    };
+    // Without the names the positions are unbounded: any below 2^20 is accepted.
+    let positions = if obs.tensors.is_empty() {
+        1 << 20
+    } else {
+        positions
+    };
+    let mut found: Vec<usize> = Vec::new();
+    for &rank in named.iter().filter(|&&r| r != reference) {
+        let (digest, locator) = pick(of(rank)?)?;
+        let delta = digest_delta(digest, base_digest);
+        if delta == 0 {
+            continue; // in the reference's own group (a tie names every rank)
+        }
+        let at = locate(delta, digest_delta(locator, base_locator), positions)? / per_tensor;
+        if !found.contains(&at) {
+            found.push(at);
+        }
+    }
+    if found.is_empty() {
+        return None;
+    }
+    let names: Vec<String> = found
+        .iter()
+        .map(|&i| {
+            obs.tensors
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| format!("#{i} (the run sent no tensor names)"))
+        })
+        .collect();
+    let noun = if names.len() == 1 {
+        "tensor"
+    } else {
+        "tensors"
+    };
+    let state = if params_agree {
+        "the optimizer state of "
+    } else {
+        ""
+    };
+    Some(format!("in {state}{noun} {}", names.join(", ")))
+}
+
+/// Where `named` differ from the rest: the tensor, where one locates it (see [`located`]);
+/// else the blocks whose digest is not the majority's for one of them (first few by index), or
+/// outside the blocks.
+fn where_they_differ(
+    obs: &ReplicaObservation,
+    named: &[u32],
+    reference: u32,
+    params_agree: bool,
+) -> String {
+    if let Some(place) = located(obs, named, reference, params_agree) {
+        return place;
+    }
     let mut per_layer: BTreeMap<u32, Vec<(u32, f64)>> = BTreeMap::new();
     for r in &obs.ranks {
         for &(layer, value) in &r.layers {
@@ -204,7 +314,7 @@ fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool
     };
     named.sort_unstable();
     let params_agree = groups(obs.ranks.iter().map(|r| (r.rank, r.model.to_bits()))).len() == 1;
-    let place = where_they_differ(obs, &named, params_agree);
+    let place = where_they_differ(obs, &named, g[0][0], params_agree);
     let (what, differ) = if params_agree {
         ("optimizer state", "differs")
     } else {

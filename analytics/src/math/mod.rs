@@ -4,10 +4,11 @@
 //! [`power`]), so products such as W_down·W_up are never formed; [`mod@reference`] holds the dense
 //! SVD the tests compare against. The cross-rank statistics ([`dispersion`], [`cosine`],
 //! [`noise`], [`mod@perplexity`]) are what the collector computes per step, and [`step`] bundles
-//! them. [`sketch`] defines the gradient sketches precisely enough for any client to reproduce.
+//! them; [`locator`] names the tensor two replicas' fingerprints differ in. [`sketch`] defines the gradient sketches precisely enough for any client to reproduce.
 
 pub mod cosine;
 pub mod dispersion;
+pub mod locator;
 pub mod noise;
 pub mod operator;
 pub mod perplexity;

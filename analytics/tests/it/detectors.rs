@@ -1463,12 +1463,139 @@ fn replicas(step: u64, ranks: u32, differ: &[(u32, &[u32], bool)]) -> ReplicaObs
                 RankFingerprint {
                     rank,
                     model,
+                    locator: None,
                     layers,
                     optimizer: None,
+                    optimizer_locator: None,
                 }
             })
             .collect(),
+        tensors: Vec::new(),
     }
+}
+
+/// Digest and locator of per-tensor sums as the SDK forms them (mod 2^52, as f64s).
+fn digests_of(sums: &[i64]) -> (f64, f64) {
+    let (mut d, mut l) = (0u64, 0u64);
+    for (i, &s) in sums.iter().enumerate() {
+        let w = 2 * i as u64 + 1;
+        d = d.wrapping_add((s as u64).wrapping_mul(w));
+        l = l.wrapping_add((s as u64).wrapping_mul(w).wrapping_mul(w));
+    }
+    let mask = (1u64 << 52) - 1;
+    ((d & mask) as f64, (l & mask) as f64)
+}
+
+/// Four replicas of a 5-tensor model with names; rank `rank`'s tensor `tensor` changed by `delta`
+/// in its parameters or, with `optimizer`, in the state tensor at that position.
+fn located_replicas(rank: u32, tensor: usize, delta: i64, optimizer: bool) -> ReplicaObservation {
+    let sums: Vec<i64> = vec![-12, 1 << 30, 77, -(1 << 20), 5];
+    let state: Vec<i64> = (0..5 * 8).map(|i| i * 31 - 400).collect();
+    let names = [
+        "wte.weight",
+        "h.0.attn.weight",
+        "h.0.mlp.weight",
+        "h.1.mlp.weight",
+        "ln_f.weight",
+    ];
+    ReplicaObservation {
+        step: 30,
+        time_ms: 30_000,
+        world_size: 4,
+        ranks: (0..4)
+            .map(|r| {
+                let (mut params, mut moments) = (sums.clone(), state.clone());
+                if r == rank && optimizer {
+                    moments[8 * tensor + 1] += delta; // its second state tensor (exp_avg_sq)
+                } else if r == rank {
+                    params[tensor] += delta;
+                }
+                let (model, locator) = digests_of(&params);
+                let (state_digest, state_locator) = digests_of(&moments);
+                RankFingerprint {
+                    rank: r,
+                    model,
+                    locator: Some(locator),
+                    layers: Vec::new(),
+                    optimizer: Some(state_digest),
+                    optimizer_locator: Some(state_locator),
+                }
+            })
+            .collect(),
+        tensors: names.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+#[test]
+fn replica_divergence_names_the_tensor_that_differs() {
+    // A flip of bit 17 in one word of h.0.mlp.weight on rank 3.
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let obs = located_replicas(3, 2, 1 << 17, false);
+    assert!(obs.disagree());
+    let a = d.observe(&obs).into_iter().next().unwrap();
+    assert_eq!(a.outlier_ranks, vec![3]);
+    starts_with(
+        &a,
+        "rank 3's parameters differ from ranks 0, 1, 2 at step 30 in tensor h.0.mlp.weight: ",
+    );
+    // A flip that wraps the sum (bit 31 of a 32-bit word): still that tensor.
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let a = d
+        .observe(&located_replicas(0, 4, -(1i64 << 31), false))
+        .into_iter()
+        .next()
+        .unwrap();
+    starts_with(
+        &a,
+        "rank 0's parameters differ from ranks 1, 2, 3 at step 30 in tensor ln_f.weight: ",
+    );
+    // Without the names the position is given.
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let mut obs = located_replicas(1, 3, -8, false);
+    obs.tensors.clear();
+    let a = d.observe(&obs).into_iter().next().unwrap();
+    assert!(
+        a.explanation
+            .contains("in tensor #3 (the run sent no tensor names)"),
+        "{}",
+        a.explanation
+    );
+}
+
+#[test]
+fn replica_divergence_names_the_parameter_whose_optimizer_state_differs() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let a = d
+        .observe(&located_replicas(2, 1, 1 << 9, true))
+        .into_iter()
+        .next()
+        .unwrap();
+    assert_eq!(a.outlier_ranks, vec![2]);
+    starts_with(
+        &a,
+        "rank 2's optimizer state differs from ranks 0, 1, 3 at step 30 in the optimizer state of tensor h.0.attn.weight: ",
+    );
+}
+
+#[test]
+fn replica_divergence_in_several_tensors_falls_back_to_blocks() {
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let mut obs = located_replicas(2, 1, 1 << 9, false);
+    // A second tensor of rank 2 changed too (a skipped step changes them all).
+    let mut sums: Vec<i64> = vec![-12, (1 << 30) + (1 << 9), 77, -(1 << 20) - 3, 5];
+    sums[0] += 1;
+    let (model, locator) = digests_of(&sums);
+    obs.ranks[2].model = model;
+    obs.ranks[2].locator = Some(locator);
+    obs.ranks[2].layers = vec![(0, 1.0), (1, 2.0)];
+    for r in [0, 1, 3] {
+        obs.ranks[r].layers = vec![(0, 1.0), (1, 3.0)];
+    }
+    let a = d.observe(&obs).into_iter().next().unwrap();
+    starts_with(
+        &a,
+        "rank 2's parameters differ from ranks 0, 1, 3 at step 30 in block 1: ",
+    );
 }
 
 #[test]
@@ -1487,7 +1614,7 @@ fn replica_divergence_names_the_minority_rank_and_its_blocks_at_the_first_step()
         (Rule::ReplicaDivergence, Severity::Critical, 20, vec![2])
     );
     starts_with(
-        a,
+        &a,
         "rank 2's parameters differ from ranks 0, 1, 3 at step 20 in blocks 1, 3, 4 and 1 more: ",
     );
     assert!(a.explanation.contains("likely silent data corruption"));
@@ -1505,7 +1632,7 @@ fn replica_divergence_with_two_replicas_names_both_and_says_why() {
     let a = fired(&events)[0];
     assert_eq!(a.outlier_ranks, vec![0, 1]);
     starts_with(
-        a,
+        &a,
         "the parameters of ranks 0, 1 differ at step 0 outside the blocks (embeddings, head or norms); with two replicas, which one changed cannot be told",
     );
 }
@@ -1518,7 +1645,7 @@ fn replica_divergence_without_a_majority_names_every_rank_outside_the_largest_gr
     let a = fired(&events)[0];
     assert_eq!(a.outlier_ranks, vec![2, 3]);
     starts_with(
-        a,
+        &a,
         "the replicas disagree with no majority at step 5 in block 0 ([0, 1] vs [2] vs [3])",
     );
     // Two against two: which pair changed cannot be told, every rank is named.

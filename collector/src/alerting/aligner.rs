@@ -8,8 +8,8 @@
 //! in order, so the detectors downstream see a monotone stream. Rows for a step that is already
 //! closed are late: they stay stored, but are counted instead of reopening the step.
 //!
-//! Replica fingerprints (`param_fingerprint` per rank, `layer_fingerprint` per rank and block)
-//! join their step too, and close with it: the replicas' digests are compared once every rank
+//! Replica fingerprints (`param_fingerprint` and `param_locator` per rank, `layer_fingerprint`
+//! per rank and block, the optimizer's digest and locator) join their step too, and close with it: the replicas' digests are compared once every rank
 //! has sent them.
 //!
 //! Sketches travel the same way and give the step's cos_pair_mean when two ranks or more sent
@@ -48,17 +48,21 @@ pub struct ClosedStep {
 #[derive(Debug, Default)]
 struct Digests {
     model: Option<f64>,
+    locator: Option<f64>,
     /// By block: a batch delivered twice must not count a rank's digest twice.
     layers: BTreeMap<u32, f64>,
     optimizer: Option<f64>,
+    optimizer_locator: Option<f64>,
 }
 
 /// Which replica digest a row carries.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Digest {
     Model,
+    ModelLocator,
     Layer(u32),
     Optimizer,
+    OptimizerLocator,
 }
 
 #[derive(Debug, Default)]
@@ -230,10 +234,12 @@ impl StepAligner {
         let entry = open.fingerprints.entry(rank).or_default();
         match what {
             Digest::Model => entry.model = Some(value),
+            Digest::ModelLocator => entry.locator = Some(value),
             Digest::Layer(layer) => {
                 entry.layers.insert(layer, value);
             }
             Digest::Optimizer => entry.optimizer = Some(value),
+            Digest::OptimizerLocator => entry.optimizer_locator = Some(value),
         }
     }
 
@@ -324,8 +330,10 @@ fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep
                 Some(RankFingerprint {
                     rank,
                     model: d.model?,
+                    locator: d.locator,
                     layers: d.layers.into_iter().collect(),
                     optimizer: d.optimizer,
+                    optimizer_locator: d.optimizer_locator,
                 })
             })
             .collect(),

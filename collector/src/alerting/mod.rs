@@ -343,7 +343,10 @@ impl Engine {
                                 self.restored.insert(alert.key(), alert);
                             }
                             let world = self.writer.store.world_size(&run);
-                            let out = old.tick(world, self.writer.store.now_ms(), true);
+                            let store = &self.writer.store;
+                            let out = old.tick(world, store.now_ms(), true, &|| {
+                                store.replica_tensors(&run)
+                            });
                             self.publish(&run, out).await;
                         }
                     }
@@ -609,7 +612,8 @@ impl Engine {
         let Some(watch) = self.runs.get_mut(run) else {
             return;
         };
-        let out = watch.tick(world, self.writer.store.now_ms(), all);
+        let store = &self.writer.store;
+        let out = watch.tick(world, store.now_ms(), all, &|| store.replica_tensors(run));
         let late = watch.take_late_rows();
         self.metrics.aligner_late_rows.inc_by(late);
         self.publish(run, out).await;

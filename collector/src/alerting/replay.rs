@@ -35,6 +35,9 @@ pub struct StoredRun {
     pub run: RunId,
     /// Ranks of the world: the largest rank seen plus one, unless given.
     pub world_size: u32,
+    /// The names of the fingerprinted tensors, where known (`replica_fingerprint_tensors`):
+    /// a replica alert then names the tensor that differs.
+    pub tensors: Vec<String>,
     events: Vec<Event>,
 }
 
@@ -115,6 +118,7 @@ impl StoredRun {
         Ok(StoredRun {
             run,
             world_size: world_size.unwrap_or(top_rank + 1),
+            tensors: Vec::new(),
             events,
         })
     }
@@ -125,6 +129,7 @@ impl StoredRun {
         let start = self.events.first().map_or(0, |e| e.order().0);
         let mut watch = RunWatch::new(self.run.clone(), config, align_timeout_ms, start)?;
         let world = Some(self.world_size);
+        let tensors = || self.tensors.clone();
         let mut states: BTreeMap<String, Alert> = BTreeMap::new();
         let mut keep = |alerts: Vec<Alert>| {
             for alert in alerts {
@@ -138,7 +143,7 @@ impl StoredRun {
             now = now.max(time_ms);
             if batch.is_some_and(|b| b != (rank, step)) {
                 keep(watch.end_batch());
-                keep(watch.tick(world, now, false).alerts);
+                keep(watch.tick(world, now, false, &tensors).alerts);
             }
             batch = Some((rank, step));
             match event {
@@ -147,7 +152,7 @@ impl StoredRun {
             }
         }
         keep(watch.end_batch());
-        keep(watch.tick(world, now, true).alerts);
+        keep(watch.tick(world, now, true, &tensors).alerts);
         let mut alerts: Vec<Alert> = states.into_values().collect();
         alerts.sort_by(|a, b| (a.first_step, &a.id).cmp(&(b.first_step, &b.id)));
         Ok(alerts)

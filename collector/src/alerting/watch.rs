@@ -122,8 +122,10 @@ impl RunWatch {
             // scalars also join the step.
             let digest = match (metric, row.layer) {
                 (Some(Metric::ParamFingerprint), _) => Some(Digest::Model),
+                (Some(Metric::ParamLocator), _) => Some(Digest::ModelLocator),
                 (Some(Metric::LayerFingerprint), Some(layer)) => Some(Digest::Layer(layer)),
                 (Some(Metric::OptimFingerprint), _) => Some(Digest::Optimizer),
+                (Some(Metric::OptimLocator), _) => Some(Digest::OptimizerLocator),
                 _ => None,
             };
             if let Some(what) = digest {
@@ -218,11 +220,19 @@ impl RunWatch {
     }
 
     /// Closes the steps that are ready and checks for stale ranks. `world_size` comes from the
-    /// run's metadata when it announced it. With `all`, every open step closes.
-    pub fn tick(&mut self, world_size: Option<u32>, now_ms: i64, all: bool) -> Output {
+    /// run's metadata when it announced it. With `all`, every open step closes. `tensors` gives
+    /// the names of the fingerprinted tensors (the run's `replica_fingerprint_tensors` tag); it
+    /// is asked only at a step whose replicas disagree.
+    pub fn tick(
+        &mut self,
+        world_size: Option<u32>,
+        now_ms: i64,
+        all: bool,
+        tensors: &dyn Fn() -> Vec<String>,
+    ) -> Output {
         let mut out = Output::default();
         for closed in self.aligner.close_ready(world_size, now_ms, all) {
-            self.closed_step(closed, world_size, &mut out);
+            self.closed_step(closed, world_size, tensors, &mut out);
         }
         if let Some(world) = world_size.filter(|&w| w >= 2) {
             let mut last_seen: Vec<_> = (0..world).map(|r| self.aligner.last_seen(r)).collect();
@@ -242,7 +252,13 @@ impl RunWatch {
         out
     }
 
-    fn closed_step(&mut self, closed: ClosedStep, world_size: Option<u32>, out: &mut Output) {
+    fn closed_step(
+        &mut self,
+        closed: ClosedStep,
+        world_size: Option<u32>,
+        tensors: &dyn Fn() -> Vec<String>,
+        out: &mut Output,
+    ) {
         let world = world_size.unwrap_or(closed.ranks.len() as u32);
         let stats = StepStats::compute(&closed.ranks, world);
         let derived = &mut out.derived;
@@ -299,12 +315,17 @@ impl RunWatch {
             ranks: closed.ranks,
         }));
         if !closed.fingerprints.is_empty() {
-            alerts.extend(self.replicas.observe(&ReplicaObservation {
+            let mut obs = ReplicaObservation {
                 step: closed.step,
                 time_ms: closed.time_ms,
                 world_size: world,
                 ranks: closed.fingerprints,
-            }));
+                tensors: Vec::new(),
+            };
+            if obs.disagree() {
+                obs.tensors = tensors();
+            }
+            alerts.extend(self.replicas.observe(&obs));
         }
         out.steps_complete += u64::from(closed.complete);
         out.steps_timed_out += u64::from(!closed.complete);

@@ -40,6 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
+use rankwatch_analytics::detect::TENSORS_TAG;
 use rankwatch_analytics::schema::{alerts as alert_schema, runs};
 use rankwatch_analytics::{Alert, RunId, RunInfo};
 use tokio::sync::{Notify, broadcast};
@@ -352,6 +353,19 @@ impl Store {
     /// The metadata a run announced, if any.
     pub fn run_info(&self, run: &RunId) -> Option<RunInfo> {
         self.lock().runs.get(run).and_then(|r| r.info.clone())
+    }
+
+    /// The names of the tensors a run's replica fingerprints cover, in their digest's order
+    /// (its `replica_fingerprint_tensors` tag); empty when it sent none or sent no list.
+    pub fn replica_tensors(&self, run: &RunId) -> Vec<String> {
+        let state = self.lock();
+        let tag = state
+            .runs
+            .get(run)
+            .and_then(|r| r.info.as_ref())
+            .and_then(|i| i.tags.get(TENSORS_TAG));
+        tag.and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or_default()
     }
 
     /// The world size a run announced, if any (without copying its metadata).

@@ -170,6 +170,8 @@ class Injector:
         # which the healthy twin must consume identically).
         self._random = torch.Generator().manual_seed(8191 + rank)
         self._flip_at: tuple[int, int] | None = None  # (parameter, element) of this step's gradient flip
+        self._names: list[str] = []
+        self.flipped: list[str] = []  # names of the parameters whose weights had a bit flipped
         self._history: list[list[torch.Tensor]] = []  # stale_weights: weights of the last steps, oldest first
         self._fresh: list[torch.Tensor] | None = None  # the current weights while stale ones are in place
 
@@ -181,7 +183,9 @@ class Injector:
         return seed if fault is None else seed + 7919 * (self.rank + 1)
 
     def attach(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._names = [n for n, _ in named]
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_hook(lambda grad, i=i: self._gradient(grad, i)))
         for fault in self.faults:
@@ -207,6 +211,7 @@ class Injector:
             which, index = self._pick_element()
             with torch.no_grad():
                 flip_bit(self._params[which], index, int(fault.params["bit"]))
+            self.flipped.append(self._names[which])
         fault = next((f for f in self.faults if f.kind == "stale_weights"), None)
         # Snapshots from `lag` steps before the fault on only: none is read earlier.
         if fault is not None and self._params and step >= fault.step - int(fault.params["steps"]):
