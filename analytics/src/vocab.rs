@@ -106,6 +106,9 @@ metrics! {
     ParamLocator = "param_locator", Rank, NONE;
     /// The locator beside `optim_fingerprint`: names the parameter whose optimizer state differs.
     OptimLocator = "optim_locator", Rank, NONE;
+    /// The replica set of the rank, where not every rank holds the same parameters (HSDP: the
+    /// index of the shards it holds): its fingerprints are compared with its set's only.
+    ReplicaSet = "replica_set", Rank, NONE;
     /// σ₁ of one weight matrix of a block.
     SpectralSigma = "spectral.sigma", Layer, &Site::MATRICES;
     /// σ_mlp = ‖W_down·W_up‖₂.

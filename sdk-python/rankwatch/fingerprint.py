@@ -43,9 +43,12 @@ names the parameter whose state differs (CPU step counters, identical everywhere
 moving them to the device would wait for it).
 
 What is compared (`ReplicaFingerprint`): under DDP every parameter of the wrapped module but
-those DDP ignores (listed in the run's tags), once the ranks are known to be replicas. Sharded
-parameters (FSDP2, tensor parallelism) have no replica in the run; the run leaves the probe off
-there and says so.
+those DDP ignores (listed in the run's tags), once the ranks are known to be replicas. Under
+HSDP (FSDP2 over a mesh with a replicate dimension) each rank digests its local shards, and the
+ranks holding the same shards form a replica set: each sends `replica_set` (its shard's index)
+and the collector compares the digests within each set. Sharded parameters with no replicate
+dimension (plain FSDP2, tensor parallelism) have no replica in the run; the probe is off there
+and the run says so.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .layout import is_dtensor
 
 if TYPE_CHECKING:
     from .layout import Layout
@@ -73,6 +78,8 @@ def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     """S: the sum of `tensor`'s raw words (8-byte elements as two 32-bit words), wrapping in
     the word's width, as a 0-dim int64 on its device."""
     t = tensor.detach()
+    if is_dtensor(t):
+        t = t.to_local()  # this rank's shard: what its replicas hold too
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     if t.element_size() == 8 or t.is_complex():
@@ -178,10 +185,19 @@ class ReplicaFingerprint:
     not, `ignored` which parameters DDP leaves out, both for the run's tags."""
 
     def __init__(
-        self, model: torch.nn.Module, layout: Layout | None, ddp: object | None, optimizer: torch.optim.Optimizer | None, world_size: int
+        self,
+        model: torch.nn.Module,
+        layout: Layout | None,
+        ddp: object | None,
+        optimizer: torch.optim.Optimizer | None,
+        world_size: int,
+        replica_set: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
         self.ddp = ddp  # None until known
+        # HSDP: (this rank's replica set, ranks per set); the mesh says the ranks are replicas.
+        self.replica_set = replica_set
+        self._set_value: torch.Tensor | None = None
         # ZeRO shards the optimizer state over the ranks: no replica of it to compare.
         self.optimizer = None if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
         self._averaged_every_k = type(optimizer).__name__ == "PostLocalSGDOptimizer"
@@ -212,6 +228,8 @@ class ReplicaFingerprint:
         False (none)."""
         if self.off is not None:
             return False
+        if self.replica_set is not None:
+            return True
         if self.ddp is None:
             self.ddp = find_ddp(self.model)
             if self.ddp is False:
@@ -270,6 +288,11 @@ class ReplicaFingerprint:
         values.append(model)
         keys.append(("param_locator", None, None, False))
         values.append(locator)
+        if self.replica_set is not None:
+            keys.append(("replica_set", None, None, False))
+            if self._set_value is None:  # made once: a copy to the device each report would wait for it
+                self._set_value = torch.tensor(float(self.replica_set[0]), dtype=torch.float64, device=model.device)
+            values.append(self._set_value)
         for index, value in enumerate(blocks.unbind()):
             keys.append(("layer_fingerprint", index, None, False))
             values.append(value)

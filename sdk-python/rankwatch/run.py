@@ -505,10 +505,16 @@ class Run:
 
         if self.cadence.fingerprint <= 0 or self.world_size < 2:
             return  # off, or a single replica: nothing to compare
+        replicas = None
         if sharded:
-            self._set_tag("replica_fingerprint", "off: sharded parameters (FSDP2, tensor parallel) have no replica in this run")
-            return
-        self._fingerprint = ReplicaFingerprint(model, layout, ddp, optimizer, self.world_size)
+            from .sharding import replica_set
+
+            found = replica_set([p for p in model.parameters() if p.requires_grad])
+            if isinstance(found, str):
+                self._set_tag("replica_fingerprint", found)
+                return
+            replicas = found
+        self._fingerprint = ReplicaFingerprint(model, layout, ddp, optimizer, self.world_size, replicas)
 
     def _report_fingerprint(self, fingerprint: ReplicaFingerprint, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
         """The replica digests, when the ranks are replicas; why not, or what DDP leaves out,

@@ -137,7 +137,7 @@ def main() -> None:
         run = None
         if watched:
             grad = 0 if layout == "tp" else 1
-            every = {"grad": grad, "sketch": 1, "activations": 1, "spectral": 1}
+            every = {"grad": grad, "sketch": 1, "activations": 1, "spectral": 1, "fingerprint": 1}
             run = rankwatch.init(run=name, mode="offline", spool_dir=out_dir / "spool", sketch_dim=SKETCH_DIM, every=every)
             if layout == "tp":
                 probe = rankwatch.init(run=name + "-refused", mode="offline", spool_dir=out_dir / "spool")
@@ -173,6 +173,7 @@ def main() -> None:
             if before is not None and layout not in ("tp", "fsdp2_failure"):
                 expected.append({"step": step, **shadow(before, batches, world, zlib.crc32(name.encode()), frozen=layout == "fsdp2_accumulation")})
         if run is not None:
+            result["tags"] = dict(run.tags)
             run.finish(timeout=5)
         return full_state(model), reported, expected, model
 

@@ -15,6 +15,10 @@ Each layout runs as 4 gloo processes (`sharded_worker.py`). What must hold:
   torch.linalg.matrix_norm(ord=2) of the gathered matrices, relative 1e-4 (measured ≤ 2e-7);
   every layer reported by exactly one rank; the run's own last values (2 warm iterations per
   step while lr 0.5 moves the weights) within 25 %.
+* Replica fingerprints (every step): under HSDP each rank digests its shards and declares its
+  replica set (the ranks holding the same shards: rank % 2 on the 2×2 mesh); the digests agree
+  within each set at every step and differ between sets; with no replicate dimension (1-D
+  FSDP2) the probe is off and the run's tags say why.
 * Refusals name what is supported.
 
 A hang is a failure: every process has a deadline.
@@ -88,7 +92,26 @@ def test_fsdp2_twins_statistics_and_sharded_spectral(layout: str, tmp_path: Path
             assert math.isclose(cosine, want["sketch_cosine"], rel_tol=1e-5, abs_tol=1e-6), f"{where}: sketch cosine {cosine} != {want['sketch_cosine']}"
             assert abs(cosine - want["cos_to_mean"]) < 0.1, f"{where}: estimate {cosine} vs exact {want['cos_to_mean']}"
             assert got["probe_ms.grad/None/None"] > 0
+    check_replica_fingerprints(layout, ranks)
     check_spectral(ranks)
+
+
+def check_replica_fingerprints(layout: str, ranks: list[dict]) -> None:
+    if layout != "hsdp":
+        assert all("param_fingerprint/None/None" not in r["values"] for rank in ranks for r in rank["reported"])
+        assert ranks[0]["tags"]["replica_fingerprint"].startswith("off: sharded parameters (FSDP2 without a replicate dimension"), ranks[0]["tags"]
+        return
+    for step in range(5):
+        values = [rank["reported"][step]["values"] for rank in ranks]
+        assert [v["replica_set/None/None"] for v in values] == [0, 1, 0, 1], values
+        digests = [(v["param_fingerprint/None/None"], v["param_locator/None/None"]) for v in values]
+        assert digests[0] == digests[2] and digests[1] == digests[3], f"step {step}: replicas of one shard agree: {digests}"
+        assert digests[0] != digests[1], f"step {step}: different shards differ: {digests}"
+    # The optimizer state (SGD's momentum, sharded as the weights are) at step 0: the same.
+    state = [rank["reported"][0]["values"]["optim_fingerprint/None/None"] for rank in ranks]
+    assert state[0] == state[2] and state[1] == state[3] and state[0] != state[1], state
+    names = json.loads(ranks[0]["tags"]["replica_fingerprint_tensors"])
+    assert "transformer.h.0.mlp.c_fc.weight" in names and all(r["tags"]["replica_fingerprint_tensors"] == ranks[0]["tags"]["replica_fingerprint_tensors"] for r in ranks)
 
 
 def test_a_failing_fsdp2_probe_on_one_rank_neither_hangs_nor_lies(tmp_path: Path) -> None:

@@ -10,7 +10,10 @@
 //! the rule needs no threshold and no baseline: it judges from the first fingerprinted step, and
 //! any disagreement is critical.
 //!
-//! Who differs is decided by majority vote over the whole-model digests: the ranks outside a
+//! Ranks are compared within their replica set: all of them under DDP; under HSDP the ranks
+//! holding the same shards (each rank sends its set, `replica_set`), since ranks holding other
+//! shards hold other parameters by design. Who differs is decided by majority vote over the
+//! whole-model digests of a set: the ranks outside a
 //! group holding more than half of them are named. Without such a group (two replicas, or an
 //! even split) every rank outside the largest group is named, and with two replicas both are,
 //! since which one changed cannot be told from two. Where the ranks differ is read first off
@@ -81,6 +84,10 @@ pub struct RankFingerprint {
     /// The optimizer state's locator, with its digest.
     #[serde(default)]
     pub optimizer_locator: Option<f64>,
+    /// The replica set the rank declared (HSDP: the index of the shards it holds); ranks are
+    /// compared within their set. `None`: every rank holds the whole model.
+    #[serde(default)]
+    pub replica_set: Option<u32>,
 }
 
 /// The digests the ranks of one replica group sent for one step.
@@ -290,9 +297,17 @@ fn where_they_differ(
     }
 }
 
-/// The breach for an observation whose ranks disagree, and whether the parameters agree (the
-/// optimizer state alone differs); `None` when they all agree.
-fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool)> {
+/// What one replica set's digests say: who differs, where, and whether only the optimizer
+/// state does.
+struct Verdict {
+    named: Vec<u32>,
+    /// "rank 2's parameters differ from ranks 0, 1, 3 at step 20 in tensor …".
+    finding: String,
+    params_agree: bool,
+}
+
+/// The verdict on `obs`'s ranks, all of one replica set; `None` when they all agree.
+fn judge_set(obs: &ReplicaObservation, with_optimizer: bool) -> Option<Verdict> {
     // Digests are integers below 2^52, exact in an f64: compared by their bits. The optimizer
     // state's takes part where every rank sent one.
     let g = groups(obs.ranks.iter().map(|r| {
@@ -320,12 +335,9 @@ fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool
     } else {
         ("parameters", "differ")
     };
-    // The likely causes; what to do is the incident's suggested action (`advice.rs`).
-    let action = "likely silent data corruption (a bit flip in its memory or arithmetic), a skipped or \
-                  repeated optimizer step, or a resume from another checkpoint";
-    let explanation = if majority {
+    let finding = if majority {
         format!(
-            "{}'s {what} {differ} from {} at step {} {place}: {action}",
+            "{}'s {what} {differ} from {} at step {} {place}",
             ranks_word(&named),
             ranks_word(&g[0]),
             obs.step,
@@ -333,13 +345,13 @@ fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool
     } else if total == 2 {
         format!(
             "the {what} of ranks {} {differ} at step {} {place}; with two replicas, which one \
-             changed cannot be told: {action}",
+             changed cannot be told",
             list(&named),
             obs.step,
         )
     } else {
         format!(
-            "the replicas disagree with no majority at step {} {place} ({}): {action}",
+            "the replicas disagree with no majority at step {} {place} ({})",
             obs.step,
             g.iter()
                 .map(|group| format!("[{}]", list(group)))
@@ -347,11 +359,54 @@ fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool
                 .join(" vs "),
         )
     };
+    Some(Verdict {
+        named,
+        finding,
+        params_agree,
+    })
+}
+
+/// The breach for an observation whose ranks disagree within a replica set, and whether only
+/// the optimizer state differs; `None` when every set agrees. Ranks are compared within the
+/// set they declared (`replica_set`: HSDP's ranks holding the same shards); without one, all
+/// ranks are one set.
+fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool)> {
+    let mut sets: BTreeMap<Option<u32>, Vec<RankFingerprint>> = BTreeMap::new();
+    for r in &obs.ranks {
+        sets.entry(r.replica_set).or_default().push(r.clone());
+    }
+    let declared = sets.keys().any(Option::is_some);
+    let mut named = Vec::new();
+    let mut findings = Vec::new();
+    let mut params_agree = true;
+    for (set, ranks) in sets {
+        let one = ReplicaObservation {
+            ranks,
+            tensors: obs.tensors.clone(),
+            ..*obs
+        };
+        let Some(verdict) = judge_set(&one, with_optimizer) else {
+            continue;
+        };
+        named.extend(verdict.named);
+        params_agree &= verdict.params_agree;
+        findings.push(match set.filter(|_| declared) {
+            Some(set) => format!("in replica set {set}, {}", verdict.finding),
+            None => verdict.finding,
+        });
+    }
+    if findings.is_empty() {
+        return None;
+    }
+    named.sort_unstable();
+    // The likely causes; what to do is the incident's suggested action (`advice.rs`).
+    let action = "likely silent data corruption (a bit flip in its memory or arithmetic), a skipped or \
+                  repeated optimizer step, or a resume from another checkpoint";
     let breach = Breach {
         severity: Severity::Critical,
         value: named.len() as f64,
         threshold: 0.0,
-        explanation,
+        explanation: format!("{}: {action}", findings.join("; ")),
         outlier_ranks: named,
     };
     Some((breach, params_agree))

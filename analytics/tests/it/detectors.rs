@@ -1467,6 +1467,7 @@ fn replicas(step: u64, ranks: u32, differ: &[(u32, &[u32], bool)]) -> ReplicaObs
                     layers,
                     optimizer: None,
                     optimizer_locator: None,
+                    replica_set: None,
                 }
             })
             .collect(),
@@ -1519,6 +1520,7 @@ fn located_replicas(rank: u32, tensor: usize, delta: i64, optimizer: bool) -> Re
                     layers: Vec::new(),
                     optimizer: Some(state_digest),
                     optimizer_locator: Some(state_locator),
+                    replica_set: None,
                 }
             })
             .collect(),
@@ -1560,6 +1562,49 @@ fn replica_divergence_names_the_tensor_that_differs() {
         "{}",
         a.explanation
     );
+}
+
+#[test]
+fn replica_divergence_under_hsdp_compares_each_replica_set_alone() {
+    // A 2 × 2 mesh: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1. Different shards give
+    // different digests, by design: no alert.
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    let hsdp = |changed: Option<(u32, i64)>| {
+        let mut obs = located_replicas(0, 0, 0, false);
+        for r in &mut obs.ranks {
+            let set = r.rank % 2;
+            r.replica_set = Some(set);
+            let mut sums: Vec<i64> = vec![-12, 1 << 30, 77, -(1 << 20), 5 + i64::from(set) * 1000];
+            if let Some((_, delta)) = changed.filter(|(rank, _)| *rank == r.rank) {
+                sums[1] += delta;
+            }
+            let (model, locator) = digests_of(&sums);
+            (r.model, r.locator) = (model, Some(locator));
+        }
+        obs
+    };
+    assert!(d.observe(&hsdp(None)).is_empty(), "each set agrees within");
+    let a = d
+        .observe(&hsdp(Some((3, 1 << 4))))
+        .into_iter()
+        .next()
+        .unwrap();
+    assert_eq!(
+        a.outlier_ranks,
+        vec![1, 3],
+        "both ranks of set 1: two replicas cannot tell"
+    );
+    starts_with(
+        &a,
+        "in replica set 1, the parameters of ranks 1, 3 differ at step 30 in tensor h.0.attn.weight; with two replicas",
+    );
+    // Without the declared sets, the same digests would read as a 2-2 split of the world.
+    let mut undeclared = hsdp(None);
+    for r in &mut undeclared.ranks {
+        r.replica_set = None;
+    }
+    let mut d = ReplicaDivergence::new(run(), ReplicaDivergenceConfig::default()).unwrap();
+    assert_eq!(d.observe(&undeclared).len(), 1);
 }
 
 #[test]

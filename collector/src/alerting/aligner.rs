@@ -53,6 +53,7 @@ struct Digests {
     layers: BTreeMap<u32, f64>,
     optimizer: Option<f64>,
     optimizer_locator: Option<f64>,
+    replica_set: Option<f64>,
 }
 
 /// Which replica digest a row carries.
@@ -63,6 +64,7 @@ pub enum Digest {
     Layer(u32),
     Optimizer,
     OptimizerLocator,
+    ReplicaSet,
 }
 
 #[derive(Debug, Default)]
@@ -240,6 +242,7 @@ impl StepAligner {
             }
             Digest::Optimizer => entry.optimizer = Some(value),
             Digest::OptimizerLocator => entry.optimizer_locator = Some(value),
+            Digest::ReplicaSet => entry.replica_set = Some(value),
         }
     }
 
@@ -334,6 +337,8 @@ fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep
                     layers: d.layers.into_iter().collect(),
                     optimizer: d.optimizer,
                     optimizer_locator: d.optimizer_locator,
+                    // An index below the world size, exact in the f64 it travels as.
+                    replica_set: d.replica_set.map(|s| s as u32),
                 })
             })
             .collect(),

@@ -126,6 +126,7 @@ impl RunWatch {
                 (Some(Metric::LayerFingerprint), Some(layer)) => Some(Digest::Layer(layer)),
                 (Some(Metric::OptimFingerprint), _) => Some(Digest::Optimizer),
                 (Some(Metric::OptimLocator), _) => Some(Digest::OptimizerLocator),
+                (Some(Metric::ReplicaSet), _) => Some(Digest::ReplicaSet),
                 _ => None,
             };
             if let Some(what) = digest {
