@@ -214,3 +214,35 @@ def test_a_ddp_group_that_is_not_the_runs_replicas_turns_the_fingerprint_off(one
     run.finish(timeout=5)
     assert "param_fingerprint" not in names
     assert tags["replica_fingerprint"].startswith("off: the DDP group has 1 ranks but the run 2"), tags
+
+
+def test_random_bit_flips_are_named_with_rank_and_tensor_under_ddp_bf16_and_hsdp(tmp_path: Path) -> None:
+    """The fast subset of `cargo xtask bench detection --suite flips`: 4 gloo ranks through the
+    real agent to a real collector, a random bit of a random tensor flipped on one rank in each
+    window (bf16 DDP with an ignored parameter, float32 HSDP over a 2 × 2 mesh), fingerprint
+    every 2nd step: each flip still present at the next fingerprint is named there with its
+    rank(s) and tensor, flips of the DDP-ignored parameter raise nothing, nothing else fires."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.environ.get("RANKWATCH_BIN"):
+        pytest.skip("RANKWATCH_BIN (the collector binary) is not set")
+    bench = Path(__file__).resolve().parents[2] / "bench" / "replica_flips.py"
+    out = tmp_path / "flips"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--layouts", "ddp-bf16,hsdp-fp32", "--flips", "6", "--every", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    results = json.loads((out / "flips.json").read_text())["results"]
+    for r in results:
+        assert r["flips"] == 6 and r["to_name"] >= 4, r["layout"]
+        assert r["named"] == r["to_name"] and r["missed"] == r["misnamed"] == 0, (r["layout"], [row["explanations"] for row in r["rows"]])
+        assert r["false_alerts"] == 0 and r["ignored_alerts"] == 0 and r["rounded_away_alerts"] == 0, r["layout"]
+        assert r["delay_max"] <= 1, "flipped within the interval before the fingerprint"
+    ddp = next(r for r in results if r["layout"] == "ddp-bf16")
+    assert ddp["ignored_flips"] == 8 and ddp["ignored_tag"] == "transformer.wpe.weight", ddp["ignored_tag"]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

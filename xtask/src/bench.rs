@@ -113,20 +113,21 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         let python = ensure_venv()?;
         ensure_native_module(&python, true, false)?;
         build_release_collector()?;
-        // `--suite faults` (the fault-size sweep with its curves) and `--suite collapse` (lead
-        // time on natural collapses) are scripts of their own.
+        // `--suite faults` (the fault-size sweep with its curves), `--suite collapse` (lead
+        // time on natural collapses) and `--suite flips` (replica fingerprints against random
+        // bit flips) are scripts of their own.
         let mut args: Vec<&String> = extra.iter().skip(1).collect();
-        let own_script = args
-            .windows(2)
-            .position(|w| w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse"));
+        let own_script = args.windows(2).position(|w| {
+            w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse" | "flips")
+        });
         let script = match own_script {
             Some(at) => {
                 let suite = args[at + 1].clone();
                 args.drain(at..at + 2);
-                if suite == "faults" {
-                    "bench/detection_sweep.py"
-                } else {
-                    "bench/detection_collapse.py"
+                match suite.as_str() {
+                    "faults" => "bench/detection_sweep.py",
+                    "flips" => "bench/replica_flips.py",
+                    _ => "bench/detection_collapse.py",
                 }
             }
             None => "bench/detection_bench.py",

@@ -76,7 +76,10 @@ tasks:
            `detection --suite collapse`: alert lead time on natural collapses (LR ramp,
            MLP-only LR, deep post-LN without warm-up) with healthy twins; with
            --thresholds, rank_collapse's and activation_outlier's threshold grids replayed
-           on the same runs (bench/detection_collapse.py)
+           on the same runs (bench/detection_collapse.py); `detection --suite flips`:
+           random single-bit flips in one replica's weights (DDP float32 and bf16, HSDP),
+           each to be named with its rank and tensor at the next fingerprint
+           (bench/replica_flips.py)
   gpu [--dry-run]
            the GPU suite, on a machine with CUDA (never part of `test`): a full step with
            every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
