@@ -118,10 +118,13 @@ def train(args: argparse.Namespace) -> dict:
     special = {"cls": tokenizer.cls_token_id, "sep": tokenizer.sep_token_id, "mask": tokenizer.mask_token_id}
     ids = tokenised(args.source, args.corpus_dir)
     faults = Injector([Fault.parse(f) for f in args.fault], rank)
-    faults.attach(model)  # before DDP: its gradient hooks fire before the all-reduce reads them
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    faults.attach(model, optimizer=optimizer)  # before DDP: its gradient hooks fire before the all-reduce reads them
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    # duplicate_data: the next rank's batches, drawn in step with its own generator.
+    other = (rank + 1) % world
+    shadow = torch.Generator().manual_seed(args.seed * 1000 + other) if any(f.kind == "duplicate_data" for f in faults.faults) else None
     run = None
     if args.monitor == "on":
         tags = {"example": "finetune_minilm", "lr": str(args.lr), "source": args.source}
@@ -136,6 +139,10 @@ def train(args: argparse.Namespace) -> dict:
             group["lr"] = lr
         x, labels = masked_batch(ids, args.batch, args.seq, generator, special, tokenizer.vocab_size)
         faults.begin_step(step)
+        if shadow is not None:
+            theirs = masked_batch(ids, args.batch, args.seq, shadow, special, tokenizer.vocab_size)
+            if faults.reads_shard_of(world) is not None:
+                x, labels = theirs
         chosen = labels != -100
         labels[chosen] = faults.targets(labels[chosen])  # corrupted data: the masked tokens' answers permuted
         loss = faults.loss(ddp(x, labels))

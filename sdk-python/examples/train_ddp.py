@@ -71,7 +71,7 @@ def train(args: argparse.Namespace) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     faults = Injector([Fault.parse(f) for f in args.fault], rank)
-    faults.attach(model, list(model.transformer.h))
+    faults.attach(model, list(model.transformer.h), optimizer)
     run = None
     alerts: list[dict] = []
     if args.monitor == "on":

@@ -88,10 +88,13 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
     data_seed = faults.data_seed(seed)
     sources = {s: corpus(s, args.corpus_dir) for s in {args.source, *(s for _, s in args.switch)}}
 
-    def windows(source: str) -> Windows:
-        return Windows(sources[source], rank=rank, world=world, batch=args.batch, seq=args.seq, sampling=args.sampling, seed=data_seed)
+    def windows(source: str, of: int = rank, seed: int = data_seed) -> Windows:
+        return Windows(sources[source], rank=of, world=world, batch=args.batch, seq=args.seq, sampling=args.sampling, seed=seed)
 
     data = windows(args.source)
+    # duplicate_data: the next rank's batches, drawn in step with its own generator.
+    other = (rank + 1) % world
+    shadow = windows(args.source, other, seed_for(args.seed, other, args.seed_mode)) if any(f.kind == "duplicate_data" for f in faults.faults) else None
     source = args.source
     checkpoint = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if first > 0:
@@ -102,7 +105,11 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
         source = saved["source"]
         data = windows(source)
         data.restore(torch.load(checkpoint / f"data-{rank}.pt", weights_only=False))
-    faults.attach(model, list(model.transformer.h))
+        if shadow is not None:  # the next rank's draws so far (one batch a step)
+            shadow = windows(source, other, seed_for(args.seed, other, args.seed_mode))
+            for _ in range(first):
+                shadow.next()
+    faults.attach(model, list(model.transformer.h), optimizer)
     run = None
     if args.monitor == "on":
         tags = {"example": "train_text", "lr": str(args.lr), "source": args.source, "sampling": args.sampling, "seed_mode": args.seed_mode}
@@ -119,11 +126,19 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
                 source, state = new, data.state()
                 data = windows(source)
                 data.restore(state)
+                if shadow is not None:
+                    theirs = shadow.state()
+                    shadow = windows(source, other, seed_for(args.seed, other, args.seed_mode))
+                    shadow.restore(theirs)
         faults.begin_step(step)
         lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps) * ramp_factor(step, args.lr_ramp)
         for group in optimizer.param_groups:
             group["lr"] = lr * (ramp_factor(step, args.mlp_lr) if group.get("mlp") else 1.0)
         x, y = data.next()
+        if shadow is not None:
+            theirs = shadow.next()
+            if faults.reads_shard_of(world) is not None:
+                x, y = theirs
         y = faults.targets(y)
         _, loss = ddp(x, y)
         loss = faults.loss(loss)

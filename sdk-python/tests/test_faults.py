@@ -144,3 +144,101 @@ def test_stale_weights_compute_the_gradient_on_the_weights_of_k_updates_ago() ->
         assert all(torch.allclose(g, p.grad, rtol=0, atol=0) for g, p in zip(grads, reference.parameters(), strict=True)), step  # type: ignore[arg-type]
         optimizer.step()
     assert not torch.equal(weights[3][0], weights[1][0]), "the weights moved, so the test can tell stale from fresh"
+
+
+def _twins(texts: list[str], steps: int, x: torch.Tensor, lr: float = 0.05) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], Injector, torch.optim.Optimizer]:
+    """Trains a healthy replica (rank 0) and a faulty one (rank 1) on the same batch; returns
+    each one's weights after every step (index s: after step s), the faulty injector and its
+    optimizer."""
+    trajectories: list[list[list[torch.Tensor]]] = []
+    for rank in (0, 1):
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        injector = Injector([Fault.parse(t) for t in texts], rank=rank)
+        injector.attach(model, optimizer=optimizer)
+        weights = []
+        for step in range(steps):
+            _grads(model, injector, step, x)
+            optimizer.step()
+            weights.append([p.detach().clone() for p in model.parameters()])
+        trajectories.append(weights)
+    return trajectories[0], trajectories[1], injector, optimizer
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def test_an_optimizer_state_bit_flip_changes_one_bit_of_one_moment_once_on_its_rank() -> None:
+    x = torch.randn(4, 6)
+    fault = Fault.parse("optim_bit_flip@2:rank=1:bit=29")
+    states = []
+    for rank in (0, 1):
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        injector = Injector([fault], rank=rank)
+        injector.attach(model, optimizer=optimizer)
+        for step in range(2):
+            _grads(model, injector, step, x)
+            optimizer.step()
+        injector.begin_step(2)  # the flip: before step 2's forward
+        states.append({(i, k): v.clone() for i, p in enumerate(model.parameters()) for k, v in optimizer.state[p].items() if v.numel() > 1})
+    healthy, flipped = states
+    diffs = [(key, _bits(flipped[key]) ^ _bits(healthy[key])) for key in healthy]
+    changed = [(key, d[d != 0].tolist()) for key, d in diffs if bool((d != 0).any())]
+    assert len(changed) == 1 and changed[0][1] == [1 << 29], changed
+    assert changed[0][0][1] in ("exp_avg", "exp_avg_sq")
+    assert len(injector.flipped) == 1 and injector.flipped[0].endswith(changed[0][0][1])
+
+
+def test_a_skipped_step_leaves_its_rank_one_update_behind() -> None:
+    x = torch.randn(4, 6)
+    healthy, faulty, _, _ = _twins(["skip_step@2:rank=1"], 5, x)
+    assert _equal(healthy[1], faulty[1]), "equal before the fault"
+    assert _equal(faulty[2], healthy[1]), "step 2 left the faulty rank's weights where step 1 put them"
+    assert not _equal(faulty[2], healthy[2]) and not _equal(faulty[4], healthy[4]), "and it stays behind"
+
+
+def test_an_old_checkpoint_puts_its_rank_back_k_updates_for_good() -> None:
+    x = torch.randn(4, 6)
+    healthy, faulty, _, _ = _twins(["old_checkpoint@5:rank=1:steps=3"], 8, x)
+    assert _equal(healthy[4], faulty[4])
+    # At step 5 the rank resumes from the weights (and Adam state) it had 3 updates ago, i.e.
+    # after step 1, and updates them once: the healthy rank's step 2 on the same batch.
+    assert _equal(faulty[5], healthy[2]), "resumed from the checkpoint after step 1, then stepped"
+    assert _equal(faulty[7], healthy[4]) and not _equal(faulty[7], healthy[7]), "3 updates behind for good"
+
+
+def test_a_corrupted_gemm_changes_one_forward_on_its_rank_only() -> None:
+    x = torch.randn(4, 6)
+    fault = Fault.parse("gemm_corrupt@3:rank=1:bit=30")
+    outputs: dict[int, list[torch.Tensor]] = {}
+    for rank in (0, 1):
+        model = _model()
+        injector = Injector([fault], rank=rank)
+        injector.attach(model)
+        outputs[rank] = []
+        for step in range(5):
+            injector.begin_step(step)
+            with torch.no_grad():
+                outputs[rank].append(model(x))
+    for step in range(5):
+        same = torch.equal(outputs[0][step], outputs[1][step])
+        assert same == (step != 3), step
+    assert not torch.isclose(outputs[0][3], outputs[1][3]).all(), "one output element of one layer corrupted changes the result"
+
+
+def test_duplicated_data_reads_the_next_ranks_shard_from_its_step() -> None:
+    injector = Injector([Fault.parse("duplicate_data@4:rank=3")], rank=3)
+    injector.begin_step(3)
+    assert injector.reads_shard_of(4) is None
+    injector.begin_step(4)
+    assert injector.reads_shard_of(4) == 0, "rank 3 of 4 reads rank 0's batches"
+    other = Injector([Fault.parse("duplicate_data@4:rank=3")], rank=2)
+    other.begin_step(4)
+    assert other.reads_shard_of(4) is None
+
+
+def test_faults_on_optimizer_state_need_the_optimizer() -> None:
+    with pytest.raises(ValueError, match="need attach"):
+        Injector([Fault.parse("skip_step@2:rank=0")], rank=0).attach(_model())

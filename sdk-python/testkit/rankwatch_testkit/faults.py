@@ -21,6 +21,20 @@ A fault is written ``KIND@STEP[:key=value...]`` (``--fault`` in the example), e.
 * ``stale_weights`` — from that step rank ``rank`` computes its gradient on the weights of
   ``steps`` updates ago (a replica that lags the others: a lost or delayed update), and its
   stale gradient is averaged with the fresh ones.
+* ``optim_bit_flip`` — at that step, bit ``bit`` of one element of one of rank ``rank``'s
+  optimizer state tensors (Adam's moments; a parameter drawn by size, then one of its state
+  tensors) flips, once: the replicas' optimizers differ, and their weights from the next update.
+* ``skip_step``   — rank ``rank`` skips its optimizer step at that step (a lost update): its
+  weights and optimizer state stay one update behind the others' from then on.
+* ``old_checkpoint`` — at that step rank ``rank``'s weights and optimizer state go back to those
+  of ``steps`` updates ago, for good: a rank resumed from an older checkpoint than the others.
+* ``gemm_corrupt`` — at that step only, bit ``bit`` of one element of the output of one linear
+  layer (drawn from the blocks' linear layers, then an element) flips on rank ``rank``: a
+  corrupted matrix multiply in one forward pass. Its effect on the loss and the gradient is
+  averaged into every replica; the replicas stay equal.
+* ``duplicate_data`` — from that step rank ``rank`` reads the batches of rank ``(rank + 1) %
+  world``: two ranks train on one shard, one shard is never read. (The harness asks
+  ``reads_shard_of()`` which rank's batches to take.)
 * ``collapse``    — layer ``layer`` is pushed toward attention-dominated collapse: its value and
   output projections grow by ``rate`` per step while its query and key projections shrink by
   it, so its attention flattens into an average over tokens that outweighs the residual
@@ -38,6 +52,7 @@ corrupted local gradient would.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -52,6 +67,11 @@ KINDS = (
     "grad_flip",
     "grad_bit_flip",
     "weight_bit_flip",
+    "optim_bit_flip",
+    "skip_step",
+    "old_checkpoint",
+    "gemm_corrupt",
+    "duplicate_data",
     "stale_weights",
     "collapse",
     "act_grow",
@@ -65,6 +85,9 @@ _DEFAULTS: dict[str, dict[str, float]] = {
     "grad_flip": {"count": 16},
     "grad_bit_flip": {"bit": 30, "every": 1},
     "weight_bit_flip": {"bit": 30},
+    "optim_bit_flip": {"bit": 30},
+    "old_checkpoint": {"steps": 10},
+    "gemm_corrupt": {"bit": 30},
     "stale_weights": {"steps": 1},
     "collapse": {"rate": 0.05},
     "act_grow": {"factor": 100.0},
@@ -110,15 +133,15 @@ class Fault:
                 raise ValueError(f"fault {text!r}: {key}={value!r} is not a number") from None
         if kind == "shuffle_labels" and not 0.0 < params["rate"] <= 1.0:
             raise ValueError(f"fault {text!r}: rate must be in (0, 1]")
-        if kind in ("grad_bit_flip", "weight_bit_flip") and params["bit"] not in range(32):
+        if kind in ("grad_bit_flip", "weight_bit_flip", "optim_bit_flip", "gemm_corrupt") and params["bit"] not in range(32):
             raise ValueError(f"fault {text!r}: bit must be an integer from 0 to 31")
         if kind == "grad_bit_flip" and (params["every"] < 1 or params["every"] != int(params["every"])):
             raise ValueError(f"fault {text!r}: every must be a positive integer")
-        if kind == "stale_weights" and (params["steps"] < 1 or params["steps"] != int(params["steps"])):
+        if kind in ("stale_weights", "old_checkpoint") and (params["steps"] < 1 or params["steps"] != int(params["steps"])):
             raise ValueError(f"fault {text!r}: steps must be a positive integer")
         if kind in ("collapse", "act_grow") and layer is None:
             raise ValueError(f"fault {text!r}: {kind} needs layer=N")
-        if kind in ("shuffle_labels", "grad_scale", "grad_noise", "grad_flip", "grad_bit_flip", "weight_bit_flip", "stale_weights", "nan", "stop_reporting") and rank is None:
+        if kind not in ("data_seed", "collapse", "act_grow") and rank is None:
             raise ValueError(f"fault {text!r}: {kind} needs rank=N")
         return Fault(kind, int(step), rank, layer, params)
 
@@ -173,6 +196,12 @@ class Injector:
         self._names: list[str] = []
         self.flipped: list[str] = []  # names of the parameters whose weights had a bit flipped
         self._history: list[list[torch.Tensor]] = []  # stale_weights: weights of the last steps, oldest first
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._linears: list[torch.nn.Module] = []
+        self._corrupt_hook: Any = None  # gemm_corrupt's one-step forward hook
+        self._skip_now = False  # skip_step: this step's optimizer step is to be undone
+        self._skipping: tuple[list[torch.Tensor], dict[str, Any]] | None = None  # skip_step: the state to put back
+        self._checkpoints: list[tuple[list[torch.Tensor], dict[str, Any]]] = []  # old_checkpoint: oldest first
         self._fresh: list[torch.Tensor] | None = None  # the current weights while stale ones are in place
 
     def active(self, kind: str) -> Fault | None:
@@ -182,7 +211,18 @@ class Injector:
         fault = next((f for f in self.faults if f.kind == "data_seed"), None)
         return seed if fault is None else seed + 7919 * (self.rank + 1)
 
-    def attach(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+    def attach(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Hooks the faults into `model` (its `blocks`, where a fault needs them) and, for the
+        faults that act on optimizer state (``optim_bit_flip``, ``skip_step``,
+        ``old_checkpoint``), into `optimizer`."""
+        self._optimizer = optimizer
+        if any(f.kind in ("optim_bit_flip", "skip_step", "old_checkpoint") for f in self.faults) and optimizer is None:
+            raise ValueError("rankwatch_testkit: optim_bit_flip, skip_step and old_checkpoint need attach(..., optimizer=)")
+        linears = [m for b in (blocks if blocks is not None else [model]) for m in b.modules() if isinstance(m, torch.nn.Linear)]
+        self._linears = linears
+        if optimizer is not None and any(f.kind == "skip_step" for f in self.faults):
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
@@ -212,6 +252,14 @@ class Injector:
             with torch.no_grad():
                 flip_bit(self._params[which], index, int(fault.params["bit"]))
             self.flipped.append(self._names[which])
+        self._optimizer_faults(step)
+        if self._corrupt_hook is not None:
+            self._corrupt_hook.remove()
+            self._corrupt_hook = None
+        fault = self.active("gemm_corrupt")
+        if fault is not None and step == fault.step and self._linears:
+            which = int(torch.randint(len(self._linears), (1,), generator=self._random))
+            self._corrupt_hook = self._linears[which].register_forward_hook(self._corrupt(int(fault.params["bit"])))
         fault = next((f for f in self.faults if f.kind == "stale_weights"), None)
         # Snapshots from `lag` steps before the fault on only: none is read earlier.
         if fault is not None and self._params and step >= fault.step - int(fault.params["steps"]):
@@ -233,6 +281,62 @@ class Injector:
                 attn.c_attn.weight[: 2 * width].mul_(1.0 - rate)
                 attn.c_attn.weight[2 * width :].mul_(1.0 + rate)
                 attn.c_proj.weight.mul_(1.0 + rate)
+
+    def _optimizer_faults(self, step: int) -> None:
+        """optim_bit_flip, skip_step and old_checkpoint, at the start of `step`."""
+        fault = self.active("optim_bit_flip")
+        if fault is not None and step == fault.step and self._optimizer is not None:
+            held = [(n, p) for n, p in zip(self._names, self._params, strict=True) if self._optimizer.state.get(p)]
+            if not held:
+                raise RuntimeError("rankwatch_testkit: optim_bit_flip before the optimizer holds any state")
+            sizes = torch.tensor([p.numel() for _, p in held], dtype=torch.float64)
+            name, param = held[int(torch.multinomial(sizes, 1, generator=self._random))]
+            state = self._optimizer.state[param]
+            keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == param.numel())
+            key = keys[int(torch.randint(len(keys), (1,), generator=self._random))]
+            flip_bit(state[key], int(torch.randint(param.numel(), (1,), generator=self._random)), int(fault.params["bit"]))
+            self.flipped.append(f"{name}:{key}")
+        fault = self.active("skip_step")
+        self._skip_now = fault is not None and step == fault.step
+        fault = next((f for f in self.faults if f.kind == "old_checkpoint"), None)
+        if fault is not None and step >= fault.step - int(fault.params["steps"]) and step <= fault.step:
+            self._checkpoints.append(self._snapshot())
+            del self._checkpoints[: -(int(fault.params["steps"]) + 1)]
+            if step == fault.step:
+                self._restore(self._checkpoints[0])
+                self._checkpoints.clear()
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        assert self._optimizer is not None
+        return [p.detach().clone() for p in self._params], copy.deepcopy(self._optimizer.state_dict())
+
+    def _restore(self, saved: tuple[list[torch.Tensor], dict[str, Any]]) -> None:
+        assert self._optimizer is not None
+        with torch.no_grad():
+            for p, old in zip(self._params, saved[0], strict=True):
+                p.copy_(old)
+        self._optimizer.load_state_dict(saved[1])
+
+    def _before_optimizer_step(self) -> None:
+        if self._skip_now:
+            self._skipping = self._snapshot()
+
+    def _after_optimizer_step(self) -> None:
+        if self._skipping is not None:
+            self._restore(self._skipping)  # as if the step never ran on this rank
+            self._skipping = None
+
+    def _corrupt(self, bit: int):
+        def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            out = output.clone()
+            flip_bit(out, int(torch.randint(out.numel(), (1,), generator=self._random)), bit)
+            return out
+
+        return hook
+
+    def reads_shard_of(self, world: int) -> int | None:
+        """Under ``duplicate_data``, from its step: the rank whose batches this rank takes."""
+        return (self.rank + 1) % world if self.active("duplicate_data") is not None else None
 
     def _grow(self, fault: Fault):
         def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
@@ -295,6 +399,9 @@ class Injector:
 
     def remove(self) -> None:
         self.end_backward()
+        if self._corrupt_hook is not None:
+            self._corrupt_hook.remove()
+            self._corrupt_hook = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
