@@ -114,11 +114,13 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         ensure_native_module(&python, true, false)?;
         build_release_collector()?;
         // `--suite faults` (the fault-size sweep with its curves), `--suite collapse` (lead
-        // time on natural collapses) and `--suite flips` (replica fingerprints against random
-        // bit flips) are scripts of their own.
+        // time on natural collapses), `--suite flips` (replica fingerprints against random
+        // bit flips) and `--suite sizes` (which fault sizes a user must be told of) are
+        // scripts of their own.
         let mut args: Vec<&String> = extra.iter().skip(1).collect();
         let own_script = args.windows(2).position(|w| {
-            w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse" | "flips")
+            w[0] == "--suite"
+                && matches!(w[1].as_str(), "faults" | "collapse" | "flips" | "sizes")
         });
         let script = match own_script {
             Some(at) => {
@@ -127,6 +129,7 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
                 match suite.as_str() {
                     "faults" => "bench/detection_sweep.py",
                     "flips" => "bench/replica_flips.py",
+                    "sizes" => "bench/fault_sizes.py",
                     _ => "bench/detection_collapse.py",
                 }
             }

@@ -79,7 +79,10 @@ tasks:
            on the same runs (bench/detection_collapse.py); `detection --suite flips`:
            random single-bit flips in one replica's weights (DDP float32 and bf16, HSDP),
            each to be named with its rank and tensor at the next fingerprint
-           (bench/replica_flips.py)
+           (bench/replica_flips.py); `detection --suite sizes`: every fault kind of the
+           held-out sweep at several sizes on the tuning harness, and the smallest size
+           to tell a user of under the policy fixed in docs/detection.md
+           (bench/fault_sizes.py)
   gpu [--dry-run]
            the GPU suite, on a machine with CUDA (never part of `test`): a full step with
            every probe under sync-debug mode and under the CUDA sanitizer, bf16 spectral
