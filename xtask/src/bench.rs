@@ -119,8 +119,7 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         // scripts of their own.
         let mut args: Vec<&String> = extra.iter().skip(1).collect();
         let own_script = args.windows(2).position(|w| {
-            w[0] == "--suite"
-                && matches!(w[1].as_str(), "faults" | "collapse" | "flips" | "sizes")
+            w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse" | "flips" | "sizes")
         });
         let script = match own_script {
             Some(at) => {

@@ -70,6 +70,18 @@ pub fn locate(digest_delta: u64, locator_delta: u64, tensors: usize) -> Option<u
     (fits && back == dl).then_some(j)
 }
 
+/// The fingerprint D and locator L of a replica whose tensors' word sums are `sums`, as the
+/// SDK forms them (integers below 2^52): the definition any client reproduces.
+pub fn digests(sums: &[i64]) -> (u64, u64) {
+    let (mut d, mut l) = (0u64, 0u64);
+    for (i, &s) in sums.iter().enumerate() {
+        let w = 2 * i as u64 + 1;
+        d = d.wrapping_add((s as u64).wrapping_mul(w));
+        l = l.wrapping_add((s as u64).wrapping_mul(w).wrapping_mul(w));
+    }
+    (d & MASK, l & MASK)
+}
+
 /// `a − b` of two digests as they travel (integers below 2^52 in an f64), mod 2^52.
 pub fn digest_delta(a: f64, b: f64) -> u64 {
     (a as u64).wrapping_sub(b as u64) & MASK
@@ -79,17 +91,6 @@ pub fn digest_delta(a: f64, b: f64) -> u64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    /// The SDK's digest and locator of per-tensor sums, in plain integers.
-    fn fingerprint(sums: &[i64]) -> (u64, u64) {
-        let (mut d, mut l) = (0u64, 0u64);
-        for (i, &s) in sums.iter().enumerate() {
-            let w = 2 * i as u64 + 1;
-            d = d.wrapping_add((s as u64).wrapping_mul(w));
-            l = l.wrapping_add((s as u64).wrapping_mul(w).wrapping_mul(w));
-        }
-        (d & MASK, l & MASK)
-    }
 
     /// The change a flip of `bit` makes to a signed `width`-bit wrapping sum `sum`.
     fn flipped(sum: i64, bit: u32, width: u32, up: bool) -> i64 {
@@ -127,9 +128,9 @@ mod tests {
             sums.resize(seed_sums.len() + extra, 7);
             let j = pick.index(sums.len());
             let bit = bit_pick.index(width as usize) as u32;
-            let before = fingerprint(&sums);
+            let before = digests(&sums);
             sums[j] = flipped(sums[j], bit, width, up);
-            let after = fingerprint(&sums);
+            let after = digests(&sums);
             prop_assert_ne!(before.0, after.0);
             let (dd, dl) = (after.0.wrapping_sub(before.0), after.1.wrapping_sub(before.1));
             prop_assert_eq!(locate(dd, dl, sums.len()), Some(j));
@@ -151,7 +152,7 @@ mod tests {
             }
             let distinct = sums.iter().zip(&other).filter(|(a, b)| a != b).count();
             prop_assume!(distinct >= 2);
-            let (a, b) = (fingerprint(&sums), fingerprint(&other));
+            let (a, b) = (digests(&sums), digests(&other));
             prop_assert_eq!(locate(a.0.wrapping_sub(b.0), a.1.wrapping_sub(b.1), sums.len()), None);
         }
     }

@@ -1475,16 +1475,10 @@ fn replicas(step: u64, ranks: u32, differ: &[(u32, &[u32], bool)]) -> ReplicaObs
     }
 }
 
-/// Digest and locator of per-tensor sums as the SDK forms them (mod 2^52, as f64s).
+/// Digest and locator of per-tensor sums as they travel (f64s).
 fn digests_of(sums: &[i64]) -> (f64, f64) {
-    let (mut d, mut l) = (0u64, 0u64);
-    for (i, &s) in sums.iter().enumerate() {
-        let w = 2 * i as u64 + 1;
-        d = d.wrapping_add((s as u64).wrapping_mul(w));
-        l = l.wrapping_add((s as u64).wrapping_mul(w).wrapping_mul(w));
-    }
-    let mask = (1u64 << 52) - 1;
-    ((d & mask) as f64, (l & mask) as f64)
+    let (d, l) = rankwatch_analytics::math::locator::digests(sums);
+    (d as f64, l as f64)
 }
 
 /// Four replicas of a 5-tensor model with names; rank `rank`'s tensor `tensor` changed by `delta`
