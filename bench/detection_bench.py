@@ -225,6 +225,12 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     for f in sorted(where.glob("rank-0-from-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
         losses += json.loads(f.read_text())["losses"]
     keep = ("rule", "severity", "state", "layer", "rank", "site", "first_step", "last_step", "fired_at_ms", "outlier_ranks", "explanation")
+    incidents: list[dict] = []
+    if error is None:
+        answer = requests.get(f"{url}/api/v1/incidents", params={"run": s.name}, timeout=60)
+        if answer.status_code == 200:
+            fields = ("id", "severity", "rules", "ranks", "every_rank", "layers", "first_step", "last_step", "fired_at_ms")
+            incidents = [{k: i.get(k) for k in fields} for i in answer.json()["incidents"]]
     return {
         "name": s.name,
         "nproc": s.nproc,
@@ -235,6 +241,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-50:]) / len(losses[-50:]) if losses else None,
         "alerts": [{k: a.get(k) for k in keep} for a in alerts],
+        "incidents": incidents,
         "means_from_step_200": means,
         "consistency_from_step_200": consistency,
     }

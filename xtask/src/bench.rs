@@ -115,8 +115,8 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         build_release_collector()?;
         // `--suite faults` (the fault-size sweep with its curves), `--suite collapse` (lead
         // time on natural collapses), `--suite flips` (replica fingerprints against random
-        // bit flips) and `--suite sizes` (which fault sizes a user must be told of) are
-        // scripts of their own.
+        // bit flips), `--suite sizes` (which fault sizes a user must be told of) and `--suite
+        // heldout` (the frozen rules on runs no rule was tuned on) are scripts of their own.
         let mut args: Vec<&String> = extra.iter().skip(1).collect();
         let own_script = args.windows(2).position(|w| {
             w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse" | "flips" | "sizes")
@@ -129,6 +129,7 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
                     "faults" => "bench/detection_sweep.py",
                     "flips" => "bench/replica_flips.py",
                     "sizes" => "bench/fault_sizes.py",
+                    "heldout" => "bench/detection_heldout.py",
                     _ => "bench/detection_collapse.py",
                 }
             }
