@@ -1653,7 +1653,7 @@ fn replica_divergence_names_the_minority_rank_and_its_blocks_at_the_first_step()
         (Rule::ReplicaDivergence, Severity::Critical, 20, vec![2])
     );
     starts_with(
-        &a,
+        a,
         "rank 2's parameters differ from ranks 0, 1, 3 at step 20 in blocks 1, 3, 4 and 1 more: ",
     );
     assert!(a.explanation.contains("likely silent data corruption"));
@@ -1671,7 +1671,7 @@ fn replica_divergence_with_two_replicas_names_both_and_says_why() {
     let a = fired(&events)[0];
     assert_eq!(a.outlier_ranks, vec![0, 1]);
     starts_with(
-        &a,
+        a,
         "the parameters of ranks 0, 1 differ at step 0 outside the blocks (embeddings, head or norms); with two replicas, which one changed cannot be told",
     );
 }
@@ -1684,7 +1684,7 @@ fn replica_divergence_without_a_majority_names_every_rank_outside_the_largest_gr
     let a = fired(&events)[0];
     assert_eq!(a.outlier_ranks, vec![2, 3]);
     starts_with(
-        &a,
+        a,
         "the replicas disagree with no majority at step 5 in block 0 ([0, 1] vs [2] vs [3])",
     );
     // Two against two: which pair changed cannot be told, every rank is named.
