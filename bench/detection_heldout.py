@@ -57,10 +57,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from detection_bench import EXAMPLE, FINETUNE, ROOT, TINY, Scenario, poisson_interval, proportion_interval, train_and_export  # noqa: E402
+from detection_sweep import Rows, fire_steps, read_rows  # noqa: E402
+from detection_sweep import grad_norm_threshold as sweep_grad_norm_threshold  # noqa: E402
 
 FROZEN = ROOT / "bench" / "heldout"
 RULES = FROZEN / "rules.toml"
@@ -70,7 +71,6 @@ DEEP = ["--layers", "6", "--width", "64", "--heads", "4"]
 HEALTHY_STEPS = 1000
 FAULT_STEPS = 600
 WINDOW = 100  # steps after the onset in which an alert counts as the fault's detection
-PERSIST = 3  # windows in a row a baseline must breach (the rules' pending_for)
 # The smallest size to tell a user of, per kind (docs/detection.md § Held-out protocol, from
 # bench/fault_sizes.py on the tuning harness): (option, size); option None: one size.
 SIZES: dict[str, tuple[str | None, float]] = {
@@ -147,73 +147,27 @@ def faults(which: str, seeds: int) -> list[Planned]:
     return out
 
 
-# --- reading a run back -------------------------------------------------------------------------
+# --- baselines (on the exported rows; the sweep's definitions) ----------------------------------
 
 
-@dataclass
-class Rows:
-    steps: np.ndarray
-    loss: np.ndarray  # [step, rank]
-    grad: np.ndarray  # [step, rank]
-    times: np.ndarray  # the latest measurement time of each step, ms
-
-    def step_at(self, time_ms: int) -> int:
-        i = int(np.searchsorted(self.times, time_ms))
-        return int(self.steps[min(i, len(self.steps) - 1)])
-
-
-def read_rows(samples: Path, ranks: int) -> Rows:
-    table = pq.read_table(samples, columns=["rank", "step", "time", "metric", "value"])
-    cols = {c: table.column(c).to_pylist() for c in ("rank", "step", "metric", "value")}
-    times = table.column("time").cast("int64").to_pylist()  # ms since the epoch, as stored
-    by: dict[str, dict[tuple[int, int], float]] = {"loss": {}, "grad_norm": {}}
-    latest: dict[int, int] = {}
-    for rank, step, metric, value, ms in zip(cols["rank"], cols["step"], cols["metric"], cols["value"], times, strict=True):
-        if metric in by and rank is not None:
-            by[metric][(int(step), int(rank))] = float(value)
-            latest[int(step)] = max(latest.get(int(step), 0), int(ms))
-    steps = sorted(s for s in {s for (s, _) in by["loss"]} if all((s, k) in by["loss"] and (s, k) in by["grad_norm"] for k in range(ranks)))
-    loss = np.array([[by["loss"][(s, k)] for k in range(ranks)] for s in steps]).reshape(len(steps), ranks)
-    grad = np.array([[by["grad_norm"][(s, k)] for k in range(ranks)] for s in steps]).reshape(len(steps), ranks)
-    return Rows(np.array(steps, dtype=np.int64), loss, grad, np.array([latest[s] for s in steps], dtype=np.int64))
-
-
-# --- baselines ---------------------------------------------------------------------------------
-
-
-def _fires(breach: np.ndarray, rank: np.ndarray, steps: np.ndarray) -> list[tuple[int, int]]:
-    """(step, rank) at which a baseline fires: PERSIST breaches in a row, re-armed after 10 clear."""
-    fired, run, clear, armed = [], 0, 0, True
-    for b, k, s in zip(breach, rank, steps, strict=True):
-        run = run + 1 if b else 0
-        clear = 0 if b else clear + 1
-        if armed and run >= PERSIST:
-            fired.append((int(s), int(k)))
-            armed = False
-        if not armed and clear >= 10:
-            armed = True
-    return fired
+def _with_rank(rows: Rows, fired: list[int], rank_at: np.ndarray) -> list[tuple[int, int]]:
+    """The firing steps of a baseline with the rank it pointed at on each."""
+    index = {int(s): i for i, s in enumerate(rows.steps)}
+    return [(s, int(rank_at[index[s]])) for s in fired]
 
 
 def grad_norm_threshold(rows: Rows, t: float) -> list[tuple[int, int]]:
-    """A rank's gradient norm over t × the median of every rank's over the last 50 steps."""
-    n = len(rows.steps)
-    breach, rank = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
-    for i in range(50, n):
-        ref = np.median(rows.grad[i - 50 : i])
-        rank[i] = int(np.argmax(rows.grad[i]))
-        breach[i] = rows.grad[i, rank[i]] > t * ref
-    return _fires(breach, rank, rows.steps)
+    """The sweep's per-rank gradient-norm threshold, with the rank of the largest norm."""
+    return _with_rank(rows, sweep_grad_norm_threshold(rows, t), np.argmax(rows.grad, axis=1))
 
 
 def minder(rows: Rows, t: float) -> list[tuple[int, int]]:
     """Minder-style per-rank similarity: each step's loss and gradient norm z-scored across the
     ranks' last 50 steps, averaged per rank over a 10-step window; a rank's distance to the
-    other ranks' median vector, over the ranks' median distance; breach when above t."""
+    other ranks' median vector, over the ranks' median distance; breach when above t (fired by
+    the sweep's lifecycle: 3 breaches in a row)."""
     n, k = rows.loss.shape
     breach, rank = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
-    if k < 2:
-        return []
     feats = np.stack([np.log(np.maximum(rows.loss, 1e-12)), np.log(np.maximum(rows.grad, 1e-12))], axis=-1)  # [step, rank, 2]
     for i in range(60, n):
         history = feats[i - 60 : i - 10].reshape(-1, 2)
@@ -222,8 +176,8 @@ def minder(rows: Rows, t: float) -> list[tuple[int, int]]:
         distance = np.array([np.linalg.norm(window[r] - np.median(np.delete(window, r, axis=0), axis=0)) for r in range(k)])
         rank[i] = int(np.argmax(distance))
         typical = max(float(np.median(distance)), 0.1)
-        breach[i] = distance[rank[i]] / typical > t and k >= 2
-    return _fires(breach, rank, rows.steps)
+        breach[i] = distance[rank[i]] / typical > t
+    return _with_rank(rows, fire_steps(breach, rows.steps), rank)
 
 
 BASELINE_GRIDS = {
@@ -272,7 +226,8 @@ def judge_baseline(p: Planned, fires: list[tuple[int, int]]) -> dict:
     false = sum(1 for s, _ in fires if s < onset)
     hits = [s for s, k in fires if onset <= s <= onset + WINDOW and (p.kind in SHARED or k == p.rank)]
     after = [s for s, _ in fires if s >= onset]
-    return {"false": false, "detected_at": min(hits) if hits else None, "tp": 1 if hits else 0, "fp": false + len(after) - (1 if hits else 0)}
+    # A baseline has no severity: its alerts count as warnings.
+    return {"false": {"critical": 0, "warning": false}, "detected_at": min(hits) if hits else None, "tp": 1 if hits else 0, "fp": false + len(after) - (1 if hits else 0)}
 
 
 def summarise(judged: list[tuple[Planned, dict]], steps_healthy: int) -> dict:
@@ -282,9 +237,8 @@ def summarise(judged: list[tuple[Planned, dict]], steps_healthy: int) -> dict:
     false = {"critical": 0, "warning": 0}
     tp = fp = fn = 0
     for p, j in judged:
-        f = j["false"]
         for sev in false:
-            false[sev] += f[sev] if isinstance(f, dict) else (f if sev == "warning" else 0)
+            false[sev] += j["false"][sev]
         fp += j["fp"]
         if p.kind is None:
             continue

@@ -123,7 +123,8 @@ class Rows:
         return int(self.steps[min(i, len(self.steps) - 1)])
 
 
-def read_rows(samples: Path) -> Rows:
+def read_rows(samples: Path, ranks: int = WORLD) -> Rows:
+    """Each rank's loss and gradient norm at the steps every one of `ranks` reported."""
     table = pq.read_table(samples, columns=["rank", "step", "time", "metric", "value"])
     cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in ("rank", "step", "metric", "value")}
     times = table.column("time").cast("int64").to_numpy()
@@ -134,9 +135,9 @@ def read_rows(samples: Path) -> Rows:
             by[metric][(int(step), int(rank))] = float(value)
             latest[int(step)] = max(latest.get(int(step), 0), int(t))
     steps = sorted({s for (s, _) in by["loss"]} & {s for (s, _) in by["grad_norm"]})
-    steps = [s for s in steps if all((s, r) in by["loss"] and (s, r) in by["grad_norm"] for r in range(WORLD))]
-    loss = np.array([[by["loss"][(s, r)] for r in range(WORLD)] for s in steps])
-    grad = np.array([[by["grad_norm"][(s, r)] for r in range(WORLD)] for s in steps])
+    steps = [s for s in steps if all((s, r) in by["loss"] and (s, r) in by["grad_norm"] for r in range(ranks))]
+    loss = np.array([[by["loss"][(s, r)] for r in range(ranks)] for s in steps]).reshape(len(steps), ranks)
+    grad = np.array([[by["grad_norm"][(s, r)] for r in range(ranks)] for s in steps]).reshape(len(steps), ranks)
     return Rows(np.array(steps), loss, grad, np.array([latest[s] for s in steps]))
 
 

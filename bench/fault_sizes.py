@@ -155,7 +155,7 @@ def effects(out: Path, runs: list[Run]) -> dict:
             tell = [r["replicas_differ"] or r["persistent"] >= PERSISTENT_SPREADS or r["transient"] >= TRANSIENT_NOISES for r in seeds]
             verdicts.append({"size": size, "seeds": len(seeds), "tell": all(tell), "replicas_differ": [r["replicas_differ"] for r in seeds], "persistent": [round(r["persistent"], 2) for r in seeds], "transient": [round(r["transient"], 1) for r in seeds]})
         told = [v["size"] for v in verdicts if v["tell"]]
-        sizes[kind] = {"option": option, "smallest_to_tell": min(told) if told and option is not None else (told[0] if told else None), "sizes": verdicts}
+        sizes[kind] = {"option": option, "smallest_to_tell": min(told) if told else None, "sizes": verdicts}
     return {"healthy_final_spread": spread, "healthy_seeds": sorted(healthy), "runs": rows, "kinds": sizes}
 
 
@@ -173,8 +173,15 @@ def report(result: dict, machine: str) -> str:
             lines.append(f"| {kind} | {size} | {', '.join('yes' if d else 'no' for d in v['replicas_differ'])} | {', '.join(map(str, v['persistent']))} | {', '.join(map(str, v['transient']))} | {'yes' if v['tell'] else 'no'} |")
     lines += ["", "Smallest size to tell a user of, per kind:"]
     for kind, k in result["kinds"].items():
-        smallest = k["smallest_to_tell"]
-        text = "none of the sizes tried (below the healthy spread)" if smallest is None else ("every occurrence" if k["option"] is None else f"{k['option']} ≥ {smallest:g}" if kind not in ("weight_bit_flip", "optim_bit_flip") else f"every bit from {smallest:g}")
+        smallest, option = k["smallest_to_tell"], k["option"]
+        if smallest is None:
+            text = "none of the sizes tried (below the healthy spread)"
+        elif option is None:
+            text = "every occurrence"
+        elif option == "bit":
+            text = f"every bit from {smallest:g}"
+        else:
+            text = f"{option} ≥ {smallest:g}"
         lines.append(f"- {kind}: {text}")
     return "\n".join(lines)
 

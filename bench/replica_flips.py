@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT / "sdk-python" / "testkit"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from detection_bench import settle, start_collector  # noqa: E402
+from rankwatch_testkit.faults import flip_bit  # noqa: E402
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
 from rankwatch_testkit.spawn import spawn_ranks  # noqa: E402
 
@@ -100,13 +101,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def flip_bit(t: torch.Tensor, fraction: float, bit: int) -> None:
-    """Flips `bit` of one element (at `fraction` of the flat tensor) in place, in memory."""
-    raw = local(t).detach().view(-1)
-    element = min(int(fraction * raw.numel()), raw.numel() - 1)
-    words = raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[raw.element_size()])
-    with torch.no_grad():
-        words[element] ^= (1 << bit) if bit < 8 * raw.element_size() - 1 else -(1 << bit)
+def flip_at(t: torch.Tensor, fraction: float, bit: int) -> None:
+    """Flips `bit` of one element (at `fraction` of this rank's flat tensor) in place, in memory."""
+    shard = local(t)
+    flip_bit(shard, min(int(fraction * shard.numel()), shard.numel() - 1), bit)
 
 
 def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dict], every: int, out: str) -> None:
@@ -155,7 +153,7 @@ def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dic
         if flip is not None:
             snapshot = ([local(p).detach().clone() for p in params.values()], _clone_state(optimizer))
             if rank == flip["rank"]:
-                flip_bit(params[flip["param"]], flip["element"], flip["bit"])
+                flip_at(params[flip["param"]], flip["element"], flip["bit"])
         run.log(step, loss=loss.detach())
         done = by_detect.get(step)
         if done is not None:

@@ -122,9 +122,9 @@ def train(args: argparse.Namespace) -> dict:
     faults.attach(model, optimizer=optimizer)  # before DDP: its gradient hooks fire before the all-reduce reads them
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    # duplicate_data: the next rank's batches, drawn in step with its own generator.
-    other = (rank + 1) % world
-    shadow = torch.Generator().manual_seed(args.seed * 1000 + other) if any(f.kind == "duplicate_data" for f in faults.faults) else None
+    # duplicate_data: the other rank's batches, drawn in step with its own generator.
+    other = faults.duplicated_shard(world)
+    shadow = None if other is None else torch.Generator().manual_seed(args.seed * 1000 + other)
     run = None
     if args.monitor == "on":
         tags = {"example": "finetune_minilm", "lr": str(args.lr), "source": args.source}

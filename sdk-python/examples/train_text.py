@@ -92,9 +92,9 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
         return Windows(sources[source], rank=of, world=world, batch=args.batch, seq=args.seq, sampling=args.sampling, seed=seed)
 
     data = windows(args.source)
-    # duplicate_data: the next rank's batches, drawn in step with its own generator.
-    other = (rank + 1) % world
-    shadow = windows(args.source, other, seed_for(args.seed, other, args.seed_mode)) if any(f.kind == "duplicate_data" for f in faults.faults) else None
+    # duplicate_data: the other rank's batches, drawn in step with its own generator.
+    other = faults.duplicated_shard(world)
+    shadow = None if other is None else windows(args.source, other, seed_for(args.seed, other, args.seed_mode))
     source = args.source
     checkpoint = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if first > 0:
@@ -105,7 +105,7 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
         source = saved["source"]
         data = windows(source)
         data.restore(torch.load(checkpoint / f"data-{rank}.pt", weights_only=False))
-        if shadow is not None:  # the next rank's draws so far (one batch a step)
+        if other is not None:  # the other rank's draws so far (one batch a step)
             shadow = windows(source, other, seed_for(args.seed, other, args.seed_mode))
             for _ in range(first):
                 shadow.next()
@@ -126,7 +126,7 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
                 source, state = new, data.state()
                 data = windows(source)
                 data.restore(state)
-                if shadow is not None:
+                if other is not None:
                     theirs = shadow.state()
                     shadow = windows(source, other, seed_for(args.seed, other, args.seed_mode))
                     shadow.restore(theirs)

@@ -142,8 +142,7 @@ class FingerprintProbe:
         self._block_of = list(block_of)
         self.names = list(names) if names is not None else [str(i) for i in range(len(self._parameters))]
         self.names_json = json.dumps(self.names)
-        self.ids = {id(p) for p in self._parameters}
-        self.positions = {id(p): i for i, p in enumerate(self._parameters)}
+        self.positions = {id(p): i for i, p in enumerate(self._parameters)}  # by id: the parameters compared
         device = self._parameters[0].device if self._parameters else torch.device("cpu")
         n = len(self._parameters)
         self._odd = torch.arange(n, dtype=torch.int64, device=device) * 2 + 1
@@ -191,11 +190,11 @@ class ReplicaFingerprint:
         ddp: object | None,
         optimizer: torch.optim.Optimizer | None,
         world_size: int,
-        replica_set: tuple[int, int] | None = None,
+        replica_set: int | None = None,
     ) -> None:
         self.model = model
         self.ddp = ddp  # None until known
-        # HSDP: (this rank's replica set, ranks per set); the mesh says the ranks are replicas.
+        # HSDP: this rank's replica set (the mesh says the ranks are replicas).
         self.replica_set = replica_set
         self._set_value: torch.Tensor | None = None
         # ZeRO shards the optimizer state over the ranks: no replica of it to compare.
@@ -261,7 +260,7 @@ class ReplicaFingerprint:
             return False
         ignored = set(getattr(wrapper, "parameters_to_ignore", ()) or ())
         excluded = {id(p) for name, p in wrapper.module.named_parameters() if name in ignored}
-        if excluded & self.probe.ids:
+        if excluded & self.probe.positions.keys():
             self._excluded = excluded
             self.probe = self.probe.without(excluded)
             self.ignored = ",".join(sorted(ignored))
@@ -291,7 +290,7 @@ class ReplicaFingerprint:
         if self.replica_set is not None:
             keys.append(("replica_set", None, None, False))
             if self._set_value is None:  # made once: a copy to the device each report would wait for it
-                self._set_value = torch.tensor(float(self.replica_set[0]), dtype=torch.float64, device=model.device)
+                self._set_value = torch.tensor(float(self.replica_set), dtype=torch.float64, device=model.device)
             values.append(self._set_value)
         for index, value in enumerate(blocks.unbind()):
             keys.append(("layer_fingerprint", index, None, False))

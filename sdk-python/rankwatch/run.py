@@ -505,7 +505,7 @@ class Run:
 
         if self.cadence.fingerprint <= 0 or self.world_size < 2:
             return  # off, or a single replica: nothing to compare
-        replicas = None
+        replica = None  # HSDP: this rank's replica set
         if sharded:
             from .sharding import replica_set
 
@@ -513,8 +513,8 @@ class Run:
             if isinstance(found, str):
                 self._set_tag("replica_fingerprint", found)
                 return
-            replicas = found
-        self._fingerprint = ReplicaFingerprint(model, layout, ddp, optimizer, self.world_size, replicas)
+            replica = found
+        self._fingerprint = ReplicaFingerprint(model, layout, ddp, optimizer, self.world_size, replica)
 
     def _report_fingerprint(self, fingerprint: ReplicaFingerprint, keys: list[SeriesKey], values: list[torch.Tensor], *, optimizer: bool) -> None:
         """The replica digests, when the ranks are replicas; why not, or what DDP leaves out,

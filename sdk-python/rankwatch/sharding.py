@@ -1,7 +1,8 @@
 """Every question the probes ask about how a model is spread over ranks: which wrapper holds
 it (DDP, found even when a framework hands over the inner module), whether FSDP2 manages it
 and how its parameters are grouped, where this rank's block of a DTensor lies, which ranks
-hold the same shards (HSDP's replicate dimension), and which layouts are refused (FSDP1, DeepSpeed ZeRO, tensor-parallel gradients) with what message.
+hold the same shards (HSDP's replicate dimension), and which layouts are refused (FSDP1,
+DeepSpeed ZeRO, tensor-parallel gradients) with what message.
 
 It sits below the probes (`gradients`, `run`) and imports neither.
 """
@@ -138,17 +139,17 @@ def shard_base(tensor: torch.Tensor) -> int | None:
     return int(offset[0]) * math.prod(shape[1:])
 
 
-def replica_set(params: list[torch.nn.Parameter]) -> tuple[int, int] | str:
-    """For sharded (DTensor) parameters: which ranks hold the same shards, as (this rank's
-    replica set, ranks in each set) — the ranks that agree on every mesh coordinate but the
-    replicated ones (HSDP: the same shard index, any replica index) — or why there is none.
+def replica_set(params: list[torch.nn.Parameter]) -> int | str:
+    """For sharded (DTensor) parameters: this rank's replica set — the ranks that agree with it
+    on every mesh coordinate but the replicated ones hold the same shards (HSDP: the same shard
+    index, any replica index) — or why there is none.
     Every parameter must be a DTensor on one mesh, replicated along the same mesh dimensions."""
     sharded = [p for p in params if is_dtensor(p)]
     if not sharded or len(sharded) != len(params):
         return "off: the model mixes sharded and plain parameters (only a mesh's replicas are compared)"
     mesh = sharded[0].device_mesh
     kinds = {tuple(type(placement).__name__ == "Replicate" for placement in p.placements) for p in sharded}
-    if any(p.device_mesh is not mesh and p.device_mesh != mesh for p in sharded) or len(kinds) != 1:
+    if any(p.device_mesh != mesh for p in sharded) or len(kinds) != 1:
         return "off: the parameters are spread over the mesh in more than one way (no single replica set to compare)"
     replicated = kinds.pop()
     if not any(replicated):
@@ -165,7 +166,7 @@ def replica_set(params: list[torch.nn.Parameter]) -> tuple[int, int] | str:
             index = index * size + coordinate[dim]
     if replicas < 2:
         return "off: the replicate dimension of the mesh has one rank (no replica to compare)"
-    return index, replicas
+    return index
 
 
 _SUPPORTED = (

@@ -13,15 +13,16 @@
 //! Ranks are compared within their replica set: all of them under DDP; under HSDP the ranks
 //! holding the same shards (each rank sends its set, `replica_set`), since ranks holding other
 //! shards hold other parameters by design. Who differs is decided by majority vote over the
-//! whole-model digests of a set: the ranks outside a
-//! group holding more than half of them are named. Without such a group (two replicas, or an
-//! even split) every rank outside the largest group is named, and with two replicas both are,
-//! since which one changed cannot be told from two. Where the ranks differ is read first off
+//! whole-model digests of a set: the ranks outside a group holding more than half of them are
+//! named. Without such a group (two replicas, or an even split) every rank outside the largest
+//! group is named, and with two replicas both are, since which one changed cannot be told from
+//! two. Where the ranks differ is read first off
 //! each rank's locator (`param_locator`, see [`crate::math::locator`]): where a named rank
 //! differs from the largest group in one tensor, that tensor is named, by the name the run's
 //! `replica_fingerprint_tensors` tag gives it. Where it differs in several, the block digests
 //! say where: the blocks whose digest is not the majority's for a named rank (the first few,
-//! by index), or "outside the blocks" (embeddings, head, norms) when no block differs. Every `fingerprint × 10` steps the ranks also send their optimizer state's digest
+//! by index), or "outside the blocks" (embeddings, head, norms) when no block differs. Every
+//! `fingerprint × 10` steps the ranks also send their optimizer state's digest
 //! (`optim_fingerprint`: Adam's moments are replicated as the weights are), compared with the
 //! parameters': a flip there is named before it reaches the weights. The alert resolves when
 //! the digests agree again (the run restarted from a good checkpoint).
@@ -189,17 +190,13 @@ fn located(
         }
     };
     let (base_digest, base_locator) = pick(base)?;
-    // Positions run over the parameters, or over their state tensors' slots.
-    let (positions, per_tensor) = if params_agree {
-        (obs.tensors.len().max(1) * STATE_SLOTS, STATE_SLOTS)
-    } else {
-        (obs.tensors.len(), 1)
-    };
-    // Without the names the positions are unbounded: any below 2^20 is accepted.
+    // Positions run over the parameters, or over their state tensors' slots; without the
+    // names they are unbounded: any below 2^20 is accepted.
+    let per_tensor = if params_agree { STATE_SLOTS } else { 1 };
     let positions = if obs.tensors.is_empty() {
         1 << 20
     } else {
-        positions
+        obs.tensors.len() * per_tensor
     };
     let mut found: Vec<usize> = Vec::new();
     for &rank in named.iter().filter(|&&r| r != reference) {
@@ -371,26 +368,40 @@ fn judge_set(obs: &ReplicaObservation, with_optimizer: bool) -> Option<Verdict> 
 /// set they declared (`replica_set`: HSDP's ranks holding the same shards); without one, all
 /// ranks are one set.
 fn judge(obs: &ReplicaObservation, with_optimizer: bool) -> Option<(Breach, bool)> {
-    let mut sets: BTreeMap<Option<u32>, Vec<RankFingerprint>> = BTreeMap::new();
-    for r in &obs.ranks {
-        sets.entry(r.replica_set).or_default().push(r.clone());
+    // One set (DDP: every rank holds the whole model) is judged as it came; only declared sets
+    // are split into observations of their own.
+    let one_set = obs
+        .ranks
+        .windows(2)
+        .all(|w| w[0].replica_set == w[1].replica_set);
+    let mut sets: BTreeMap<Option<u32>, ReplicaObservation> = BTreeMap::new();
+    if !one_set {
+        for r in &obs.ranks {
+            sets.entry(r.replica_set)
+                .or_insert_with(|| ReplicaObservation {
+                    ranks: Vec::new(),
+                    tensors: obs.tensors.clone(),
+                    ..*obs
+                })
+                .ranks
+                .push(r.clone());
+        }
     }
-    let declared = sets.keys().any(Option::is_some);
+    let observations: Vec<(Option<u32>, &ReplicaObservation)> = if one_set {
+        vec![(obs.ranks.first().and_then(|r| r.replica_set), obs)]
+    } else {
+        sets.iter().map(|(set, o)| (*set, o)).collect()
+    };
     let mut named = Vec::new();
     let mut findings = Vec::new();
     let mut params_agree = true;
-    for (set, ranks) in sets {
-        let one = ReplicaObservation {
-            ranks,
-            tensors: obs.tensors.clone(),
-            ..*obs
-        };
-        let Some(verdict) = judge_set(&one, with_optimizer) else {
+    for (set, one) in observations {
+        let Some(verdict) = judge_set(one, with_optimizer) else {
             continue;
         };
         named.extend(verdict.named);
         params_agree &= verdict.params_agree;
-        findings.push(match set.filter(|_| declared) {
+        findings.push(match set {
             Some(set) => format!("in replica set {set}, {}", verdict.finding),
             None => verdict.finding,
         });

@@ -9,8 +9,8 @@
 //! closed are late: they stay stored, but are counted instead of reopening the step.
 //!
 //! Replica fingerprints (`param_fingerprint` and `param_locator` per rank, `layer_fingerprint`
-//! per rank and block, the optimizer's digest and locator) join their step too, and close with it: the replicas' digests are compared once every rank
-//! has sent them.
+//! per rank and block, the optimizer's digest and locator) join their step too, and close with
+//! it: the replicas' digests are compared once every rank has sent them.
 //!
 //! Sketches travel the same way and give the step's cos_pair_mean when two ranks or more sent
 //! one with the same seed and kind. They travel in their own requests, though, so only samples

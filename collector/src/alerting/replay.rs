@@ -35,9 +35,6 @@ pub struct StoredRun {
     pub run: RunId,
     /// Ranks of the world: the largest rank seen plus one, unless given.
     pub world_size: u32,
-    /// The names of the fingerprinted tensors, where known (`replica_fingerprint_tensors`):
-    /// a replica alert then names the tensor that differs.
-    pub tensors: Vec<String>,
     events: Vec<Event>,
 }
 
@@ -118,7 +115,6 @@ impl StoredRun {
         Ok(StoredRun {
             run,
             world_size: world_size.unwrap_or(top_rank + 1),
-            tensors: Vec::new(),
             events,
         })
     }
@@ -129,7 +125,8 @@ impl StoredRun {
         let start = self.events.first().map_or(0, |e| e.order().0);
         let mut watch = RunWatch::new(self.run.clone(), config, align_timeout_ms, start)?;
         let world = Some(self.world_size);
-        let tensors = || self.tensors.clone();
+        // Exported rows carry no run tags: a replica alert names blocks, not tensors.
+        let tensors = Vec::new;
         let mut states: BTreeMap<String, Alert> = BTreeMap::new();
         let mut keep = |alerts: Vec<Alert>| {
             for alert in alerts {

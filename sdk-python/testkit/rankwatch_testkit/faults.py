@@ -33,8 +33,9 @@ A fault is written ``KIND@STEP[:key=value...]`` (``--fault`` in the example), e.
   corrupted matrix multiply in one forward pass. Its effect on the loss and the gradient is
   averaged into every replica; the replicas stay equal.
 * ``duplicate_data`` — from that step rank ``rank`` reads the batches of rank ``(rank + 1) %
-  world``: two ranks train on one shard, one shard is never read. (The harness asks
-  ``reads_shard_of()`` which rank's batches to take.)
+  world``: two ranks train on one shard, one shard is never read. (The harness draws the
+  batches of ``duplicated_shard(world)`` in step with its own, and takes them when
+  ``reads_shard_of(world)`` says so.)
 * ``collapse``    — layer ``layer`` is pushed toward attention-dominated collapse: its value and
   output projections grow by ``rate`` per step while its query and key projections shrink by
   it, so its attention flattens into an average over tokens that outweighs the residual
@@ -199,7 +200,6 @@ class Injector:
         self._optimizer: torch.optim.Optimizer | None = None
         self._linears: list[torch.nn.Module] = []
         self._corrupt_hook: Any = None  # gemm_corrupt's one-step forward hook
-        self._skip_now = False  # skip_step: this step's optimizer step is to be undone
         self._skipping: tuple[list[torch.Tensor], dict[str, Any]] | None = None  # skip_step: the state to put back
         self._checkpoints: list[tuple[list[torch.Tensor], dict[str, Any]]] = []  # old_checkpoint: oldest first
         self._fresh: list[torch.Tensor] | None = None  # the current weights while stale ones are in place
@@ -296,10 +296,8 @@ class Injector:
             key = keys[int(torch.randint(len(keys), (1,), generator=self._random))]
             flip_bit(state[key], int(torch.randint(param.numel(), (1,), generator=self._random)), int(fault.params["bit"]))
             self.flipped.append(f"{name}:{key}")
-        fault = self.active("skip_step")
-        self._skip_now = fault is not None and step == fault.step
         fault = next((f for f in self.faults if f.kind == "old_checkpoint"), None)
-        if fault is not None and step >= fault.step - int(fault.params["steps"]) and step <= fault.step:
+        if fault is not None and fault.step - int(fault.params["steps"]) <= step <= fault.step:
             self._checkpoints.append(self._snapshot())
             del self._checkpoints[: -(int(fault.params["steps"]) + 1)]
             if step == fault.step:
@@ -318,7 +316,8 @@ class Injector:
         self._optimizer.load_state_dict(saved[1])
 
     def _before_optimizer_step(self) -> None:
-        if self._skip_now:
+        fault = self.active("skip_step")
+        if fault is not None and self.step == fault.step:
             self._skipping = self._snapshot()
 
     def _after_optimizer_step(self) -> None:
@@ -334,9 +333,14 @@ class Injector:
 
         return hook
 
+    def duplicated_shard(self, world: int) -> int | None:
+        """Under a ``duplicate_data`` fault of this rank: the rank whose batches it takes from
+        the fault's step (the harness draws them in step from the start); else None."""
+        return (self.rank + 1) % world if any(f.kind == "duplicate_data" for f in self.faults) else None
+
     def reads_shard_of(self, world: int) -> int | None:
         """Under ``duplicate_data``, from its step: the rank whose batches this rank takes."""
-        return (self.rank + 1) % world if self.active("duplicate_data") is not None else None
+        return self.duplicated_shard(world) if self.active("duplicate_data") is not None else None
 
     def _grow(self, fault: Fault):
         def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
