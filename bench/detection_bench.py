@@ -287,6 +287,17 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
     return results
 
 
+def replayed(binary: str, samples: Path, world_size: int | None = None, rules: Path | None = None) -> dict:
+    """The run judged again from its exported rows by `rankwatch replay`, under `rules` (a
+    `serve --rules` file), else the binary's defaults: its `alerts` and `incidents`."""
+    cmd = [binary, "replay", str(samples)]
+    cmd += ["--world-size", str(world_size)] if world_size else []
+    cmd += ["--rules", str(rules)] if rules else []
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    judged = json.loads(done.stdout.splitlines()[0])
+    return {"alerts": judged["alerts"], "incidents": judged["incidents"]}
+
+
 def train_and_export(
     scenarios: list[Scenario],
     steps: int,

@@ -53,7 +53,13 @@ import numpy as np
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from detection_bench import ROOT, Scenario, proportion_interval, train_and_export
+from detection_bench import (
+    ROOT,
+    Scenario,
+    proportion_interval,
+    replayed,
+    train_and_export,
+)
 
 STEPS = 600
 CHANGE = 300
@@ -222,12 +228,6 @@ TUNING = ("lr_ramp", "twin")
 DEFAULTS = {"rank_collapse": 4.0, "activation_outlier": 10.0}
 
 
-def replayed_alerts(binary: str, samples: Path) -> list[dict]:
-    """The run's alerts under the binary's default rules, by `rankwatch replay`."""
-    done = subprocess.run([binary, "replay", str(samples)], check=True, capture_output=True, text=True)
-    return list(json.loads(done.stdout.splitlines()[0])["alerts"])
-
-
 def saved_runs(out: Path) -> list[tuple[Run, dict, Path]]:
     """Every finished, exported run under `out`: the run, its result line, its samples."""
     results = {}
@@ -249,7 +249,7 @@ def analyse(out: Path, replay: str | None = None) -> dict:
     judged = []
     for run, result, samples in saved_runs(out):
         if replay is not None:
-            result = {**result, "alerts": replayed_alerts(replay, samples)}
+            result = {**result, "alerts": replayed(replay, samples)["alerts"]}
         judged.append(judge(run, result, read_series(samples)))
     summary = {}
     for kind, (_, change) in KINDS.items():

@@ -59,7 +59,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from detection_bench import EXAMPLE, FINETUNE, ROOT, TINY, Scenario, poisson_interval, proportion_interval, train_and_export  # noqa: E402
+from detection_bench import (  # noqa: E402
+    EXAMPLE,
+    FINETUNE,
+    ROOT,
+    TINY,
+    Scenario,
+    poisson_interval,
+    proportion_interval,
+    replayed,
+    train_and_export,
+)
 from detection_sweep import Rows, fire_steps, read_rows  # noqa: E402
 from detection_sweep import grad_norm_threshold as sweep_grad_norm_threshold  # noqa: E402
 
@@ -114,7 +124,14 @@ def healthy(which: str) -> list[Planned]:
         out.extend(Planned(f"{which}-{name}-s{s}", model, nproc, HEALTHY_STEPS, (*args, "--seed", str(s))) for s in seeds)
 
     if which == "tuning":
-        add("tiny-k4", 4, range(0, 5), *TINY)
+        add("tiny-k4", 4, range(5), *TINY)
+        # What the shift test (a rank's place among its peers) must let pass, from the tuning
+        # matrix's configurations: contiguous shards (ranks persistently apart), a data-mix
+        # switch every rank reads (every place's spread changes), a resume, two ranks.
+        n = HEALTHY_STEPS
+        add("tiny-k4-shard-switch", 4, range(3), *TINY, "--sampling", "shard", "--switch", f"{n // 2}:reference")
+        add("tiny-k2-shard", 2, range(2), *TINY, "--sampling", "shard")
+        add("tiny-k4-resume", 4, range(2), *TINY, "--resume-at", str(n * 3 // 5))
         return out
     n = HEALTHY_STEPS
     add("mid-k4", 4, range(1000, 1004), *MID, "--lr", "2e-3")
@@ -268,7 +285,9 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str, float] | None) -> dict:
+def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str, float] | None, replay: tuple[str, Path | None] | None = None) -> dict:
+    """Judges every saved run: by the alerts the live collector raised, or, with `replay`
+    (binary, rules file or None for its defaults), by `rankwatch replay` on its rows."""
     results = {}
     log = out / "runs.jsonl"
     if log.exists():
@@ -286,12 +305,15 @@ def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str,
         rows = read_rows(samples, p.nproc)
         if p.kind is None:
             steps_healthy += p.steps
-        judged["rules (defaults)"].append((p, judge_rules(p, results[p.name], rows)))
+        result = results[p.name]
+        if replay is not None:
+            result = {**result, **replayed(replay[0], samples, p.nproc, replay[1])}
+        judged["rules (defaults)"].append((p, judge_rules(p, result, rows)))
         for family, (fn, values) in BASELINE_GRIDS.items():
             chosen = [thresholds[family]] if thresholds else list(values)
             for t in chosen:
                 grids.setdefault(family, {}).setdefault(t, []).append((p, judge_baseline(p, fn(rows, t))))
-    summary = {"set": which, "runs": len(judged["rules (defaults)"]), "detectors": {"rules (defaults)": summarise(judged["rules (defaults)"], steps_healthy)}}
+    summary = {"set": which, "judged_by": "replay" if replay else "live", "runs": len(judged["rules (defaults)"]), "detectors": {"rules (defaults)": summarise(judged["rules (defaults)"], steps_healthy)}}
     for family, by_t in grids.items():
         points = {t: summarise(j, steps_healthy) for t, j in by_t.items()}
         # On the tuning set: the most sensitive threshold with no false alert (what is frozen).
@@ -330,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--out", default=str(ROOT / "target" / "bench" / "detection-heldout"))
     p.add_argument("--analyse", action="store_true", help="only judge the runs already under --out")
+    p.add_argument("--replay", action="store_true", help="with --analyse: judge the saved rows again with `rankwatch replay` ($RANKWATCH_BIN; the frozen rules on the held-out set, its defaults on the tuning set) instead of the live alerts")
     p.add_argument("--choose-baselines", action="store_true", help="(tuning set) write the baselines' chosen thresholds to bench/heldout/baselines.json")
     p.add_argument("--steps", type=int, default=0, help="(tuning set only) shorter runs, to check the script")
     args = p.parse_args(argv)
@@ -364,7 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         for steps in sorted({q.steps for q in todo}):
             batch = [q for q in todo if q.steps == steps]
             train_and_export([q.scenario() for q in batch], steps, out, args.cores, ("samples",), rules=str(RULES) if rules_hash else None)
-    summary = analyse(args.set, out, planned, thresholds)
+    replay = None
+    if args.replay:
+        binary = os.environ.get("RANKWATCH_BIN")
+        if not binary:
+            p.error("--replay needs $RANKWATCH_BIN, the collector binary that judges the rows")
+        replay = (binary, RULES if rules_hash else None)
+    summary = analyse(args.set, out, planned, thresholds, replay)
     if args.choose_baselines:
         if args.set != "tuning":
             p.error("--choose-baselines chooses on the tuning set only")

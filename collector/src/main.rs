@@ -186,7 +186,7 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// `rankwatch replay`: one JSON line `{"rules", "alerts"}` per rules file.
+/// `rankwatch replay`: one JSON line `{"rules", "alerts", "incidents"}` per rules file.
 fn replay(args: &rankwatch_collector::config::ReplayArgs) -> anyhow::Result<()> {
     use rankwatch_collector::alerting::{replay::StoredRun, replay::read_parquet, rules};
     use std::io::Write;
@@ -207,10 +207,16 @@ fn replay(args: &rankwatch_collector::config::ReplayArgs) -> anyhow::Result<()> 
     let mut out = std::io::stdout().lock();
     for (name, config) in configs {
         let alerts = run.replay(config, args.align_timeout.as_millis() as i64)?;
+        // Grouped as the live collector groups them, so a replay can be judged by incident.
+        let incidents = rankwatch_analytics::incident::group(
+            alerts.iter().cloned(),
+            |_| Some(run.world_size),
+            rankwatch_analytics::incident::DEFAULT_WINDOW_STEPS,
+        );
         let alerts: Vec<rankwatch_api::Alert> = alerts.iter().map(Into::into).collect();
         serde_json::to_writer(
             &mut out,
-            &serde_json::json!({ "rules": name, "run": run.run.as_str(), "world_size": run.world_size, "alerts": alerts }),
+            &serde_json::json!({ "rules": name, "run": run.run.as_str(), "world_size": run.world_size, "alerts": alerts, "incidents": incidents }),
         )?;
         writeln!(out)?;
     }

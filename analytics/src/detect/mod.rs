@@ -24,6 +24,7 @@ mod pair;
 mod peers;
 pub mod rank_collapse;
 pub mod replica_divergence;
+mod shift;
 pub mod silent_inconsistency;
 pub mod stale_rank;
 

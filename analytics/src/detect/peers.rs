@@ -95,13 +95,14 @@ pub(super) struct Peers {
 type Getter = fn(&RankValues) -> Option<f64>;
 
 /// For each rank (by index), its own value of `get` and the median of the other ranks' values,
-/// where it has a value and at least two others do. Nothing when some rank's value is not
+/// where it has a value and at least one other does (the stand-out test asks for three ranks
+/// before it calls this; the shift test takes two). Nothing when some rank's value is not
 /// finite: that rank is `nonfinite`'s to report, and the others measured without it are a
 /// different set of ranks, moved by what the fault does to training (one rank's overflowing
 /// gradient stalls every update; with 4 ranks, the 3 left make each a stand-out against the
 /// other two). One sort: removing one value from a sorted column shifts the median by at most
 /// one place.
-fn against_others(ranks: &[RankValues], get: Getter) -> Vec<Option<(f64, f64)>> {
+pub(super) fn against_others(ranks: &[RankValues], get: Getter) -> Vec<Option<(f64, f64)>> {
     if ranks.iter().filter_map(get).any(|v| !v.is_finite()) {
         return vec![None; ranks.len()];
     }
@@ -112,7 +113,7 @@ fn against_others(ranks: &[RankValues], get: Getter) -> Vec<Option<(f64, f64)>> 
         .collect();
     let mut out = vec![None; ranks.len()];
     let m = sorted.len().saturating_sub(1);
-    if m < 2 {
+    if m < 1 {
         return out;
     }
     sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -356,8 +357,13 @@ impl Peers {
             explanation: format!(
                 "{who} computed the same loss and gradient norm, to the bit, for {steps} steps: they are fed identical batches (a data seed or sampler shared where it must differ){rest}"
             ),
-            // The odd ranks when there are some (the ones configured differently), else none.
-            outlier_ranks: odd,
+            // The ranks that share batches: which of a group is the copy cannot be told, and
+            // every one of them computes a gradient another rank also paid for.
+            outlier_ranks: {
+                let mut sharing = groups.concat();
+                sharing.sort_unstable();
+                sharing
+            },
         })
     }
 }

@@ -4,8 +4,9 @@
 //! The *peer* tests (`peers`: a rank standing out from the other ranks step after step, ranks
 //! fed identical batches) need no history and judge from step 0; with two ranks, where no rank
 //! can stand out from "the others", each rank is held against its own history instead (`pair`:
-//! the one whose own loss or gradient norm left its past is named, from its first 20 steps). The *run-level* test, below,
-//! judges the run against its own recent past. At the run level, each step the rule computes the
+//! the one whose own loss or gradient norm left its past is named, from its first 20 steps); and
+//! a rank whose loss rose a little against its peers' and stayed there is found by where it
+//! sits among them (`shift`, any number of ranks). The *run-level* test, below, judges the run against its own recent past. At the run level, each step the rule computes the
 //! cross-rank loss CV, gradient-norm CV and C_w ([`StepStats`]) and scores each against a robust
 //! baseline: median, and 1.4826·MAD floored at `rel_floor`·|median| and `abs_floor` (so a
 //! perfectly consistent warm-up, all ranks identical, still has a finite scale). A step breaches
@@ -46,6 +47,7 @@ use serde::{Deserialize, Serialize};
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::pair::{Pair, PairConfig, PairVerdict};
 use super::peers::{PeerConfig, PeerVerdict, Peers};
+use super::shift::{ShiftConfig, Shifts};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
@@ -93,6 +95,17 @@ pub struct SilentInconsistencyConfig {
     /// Steps in a row of ranks with bit-identical loss and gradient norm that breach (0
     /// disables it). Default 20.
     pub identical_steps: u32,
+    /// A rank whose loss rose against its peers' (see `shift`): the sign CUSUM's limit (0
+    /// disables the test). Default 16.
+    pub shift_limit: f64,
+    /// Subtracted from each step's ±1 in that CUSUM; below 1. Default 0.4.
+    pub shift_allowance: f64,
+    /// Steps an observation waits before it enters a rank's baseline. Default 100.
+    pub shift_delay: u64,
+    /// Observations a rank's baseline keeps. Default 200.
+    pub shift_baseline: usize,
+    /// Observations a rank's baseline needs before the rank is judged. Default 30.
+    pub shift_min_observations: usize,
     /// Two-rank jobs: steps of each rank's own history the recent steps are compared with (0
     /// disables the test; see `pair`). Default 100.
     pub pair_window: u64,
@@ -124,6 +137,11 @@ impl Default for SilentInconsistencyConfig {
             peer_share: 0.8,
             peer_min_effect: 0.25,
             identical_steps: 20,
+            shift_limit: 16.0,
+            shift_allowance: 0.4,
+            shift_delay: 100,
+            shift_baseline: 200,
+            shift_min_observations: 30,
             pair_window: 100,
             pair_recent: 5,
             pair_min_observations: 20,
@@ -153,6 +171,11 @@ impl SilentInconsistencyConfig {
             && self.peer_min_effect > 0.0
             && (self.peer_window == 0
                 || (1..=self.peer_window).contains(&self.peer_min_observations))
+            && (self.shift_limit == 0.0
+                || (self.shift_limit > 0.0
+                    && self.shift_allowance > 0.0
+                    && self.shift_allowance < 1.0
+                    && (1..=self.shift_baseline).contains(&self.shift_min_observations)))
             && (self.pair_window == 0
                 || (self.pair_recent >= 1
                     && self.pair_min_observations >= 5
@@ -160,7 +183,7 @@ impl SilentInconsistencyConfig {
                     && self.pair_z > 0.0));
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")
@@ -280,6 +303,7 @@ pub struct SilentInconsistency {
     config: SilentInconsistencyConfig,
     history: History,
     peers: Peers,
+    shifts: Shifts,
     pair: Pair,
     trackers: Trackers<()>,
 }
@@ -292,6 +316,7 @@ impl SilentInconsistency {
             config,
             history: History::default(),
             peers: Peers::default(),
+            shifts: Shifts::default(),
             pair: Pair::default(),
             trackers: Trackers::new(run, Rule::SilentInconsistency, |_| (None, None, None)),
         })
@@ -420,6 +445,18 @@ impl SilentInconsistencyConfig {
 }
 
 impl SilentInconsistencyConfig {
+    fn shift_config(&self) -> ShiftConfig {
+        ShiftConfig {
+            limit: self.shift_limit,
+            allowance: self.shift_allowance,
+            delay: self.shift_delay,
+            baseline: self.shift_baseline,
+            min_observations: self.shift_min_observations,
+        }
+    }
+}
+
+impl SilentInconsistencyConfig {
     fn pair_config(&self) -> PairConfig {
         PairConfig {
             window: self.pair_window,
@@ -463,6 +500,17 @@ impl Detector for SilentInconsistency {
         // The peers judge from step 0: they need no baseline; with two ranks, each rank's own
         // history does what the peers cannot (name the one that changed).
         let mut peers = self.peers.observe(obs.step, &obs.ranks, c.peer_config());
+        peers = match (
+            peers,
+            self.shifts.observe(obs.step, &obs.ranks, c.shift_config()),
+        ) {
+            (PeerVerdict::Breach(b), PeerVerdict::Breach(shift)) => {
+                PeerVerdict::Breach(b.join(shift))
+            }
+            (PeerVerdict::Breach(b), _) | (_, PeerVerdict::Breach(b)) => PeerVerdict::Breach(b),
+            (PeerVerdict::Hold, _) | (_, PeerVerdict::Hold) => PeerVerdict::Hold,
+            (PeerVerdict::Clear, PeerVerdict::Clear) => PeerVerdict::Clear,
+        };
         if c.pair_window > 0
             && let PairVerdict::Breach(found) =
                 self.pair.observe(obs.step, &obs.ranks, c.pair_config())

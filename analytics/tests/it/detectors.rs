@@ -714,7 +714,8 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
     let (step, a) = first_firing(&events);
     // 20 identical steps to breach (step 19), 3 breaching steps to fire.
     assert_eq!(*step, 21, "{}", a.explanation);
-    assert_eq!(a.outlier_ranks, vec![0]);
+    // The ranks sharing batches are named: which of them is the copy cannot be told.
+    assert_eq!(a.outlier_ranks, vec![1, 2, 3]);
     assert!(
         a.explanation.contains(
             "ranks 1, 2, 3 computed the same loss and gradient norm, to the bit, for 22 steps"
@@ -722,7 +723,7 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
         "{}",
         a.explanation
     );
-    // Every rank on one seed: no odd rank to name.
+    // Every rank on one seed: every rank shares its batches.
     let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
     let firing: Vec<Alert> = (0..40u64)
         .flat_map(|step| {
@@ -731,7 +732,7 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
         })
         .filter(|a| a.state == AlertState::Firing)
         .collect();
-    assert!(firing[0].outlier_ranks.is_empty());
+    assert_eq!(firing[0].outlier_ranks, vec![0, 1, 2, 3]);
     // Seeded by local rank on two nodes: ranks 0 and 2 share batches, and 1 and 3. Two groups,
     // no odd rank; the partition must hold, whichever group sorts first.
     let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
@@ -751,7 +752,7 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
         .filter(|a| a.state == AlertState::Firing)
         .collect();
     assert!(!paired.is_empty());
-    assert!(paired[0].outlier_ranks.is_empty());
+    assert_eq!(paired[0].outlier_ranks, vec![0, 1, 2, 3]);
     assert!(
         paired[0]
             .explanation
@@ -766,6 +767,36 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
         "{}",
         firing[0].explanation
     );
+}
+
+#[test]
+fn silent_inconsistency_names_a_rank_whose_loss_rose_a_few_per_cent() {
+    // What 10 % noisy labels do to one rank: its loss ×1.06 against its peers', under the
+    // stand-out floor (1.25×) and inside one step's spread; the shift test finds it by where
+    // the rank sits among its peers, step after step.
+    for world in [2u32, 4] {
+        let events = run_dp_edited(
+            world,
+            700,
+            7,
+            |_| Fault::None,
+            |step, obs| {
+                if step >= 300 {
+                    for r in obs.ranks.iter_mut().filter(|r| r.rank == 1) {
+                        r.loss = r.loss.map(|l| l * 1.06);
+                    }
+                }
+            },
+        );
+        let a = fired_within(&events, 300..=420);
+        assert_eq!(a.outlier_ranks, vec![1], "{world} ranks: {}", a.explanation);
+        assert!(
+            a.explanation
+                .starts_with("workers disagree: rank 1's loss rose against the other ranks'"),
+            "{}",
+            a.explanation
+        );
+    }
 }
 
 #[test]
