@@ -416,6 +416,16 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_MAX_CONNECTIONS", default_value_t = 4096)]
     pub max_connections: usize,
 
+    /// Connections one client address may hold open at once (0: no per-address cap); past it
+    /// a connection is answered 429 and closed, so one host cannot take every connection. A
+    /// reverse proxy on the collector's host is one address for all its clients: raise it there.
+    #[arg(
+        long,
+        env = "RANKWATCH_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 512
+    )]
+    pub max_connections_per_peer: usize,
+
     /// Time a client has to send a request's head, and how long an idle keep-alive
     /// connection stays open.
     #[arg(long, env = "RANKWATCH_HEADER_TIMEOUT", default_value = "30s", value_parser = parse_duration)]

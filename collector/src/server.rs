@@ -514,6 +514,7 @@ pub async fn serve_on(
     let state = collector.state().clone();
     let limits = crate::http::HttpLimits {
         max_connections: config.max_connections,
+        max_connections_per_peer: config.max_connections_per_peer,
         header_timeout: config.header_timeout,
         write_timeout: config.write_timeout,
     };

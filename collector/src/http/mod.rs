@@ -13,6 +13,8 @@
 //! - at most `max_connections` are open; at the cap the loop stops accepting (the kernel's
 //!   backlog holds newcomers) until one closes, and the cap is kept below the process's
 //!   open-file limit with room for the collector's own files;
+//! - at most `max_connections_per_peer` of them from one address (`peers.rs`): past it a
+//!   connection is answered 429 and closed, so one host cannot hold them all;
 //! - every write must make progress within `write_timeout` (`write_deadline.rs`): a client
 //!   that pipelines requests and never reads the answers is cut off, instead of holding its
 //!   connection's permit for ever;
@@ -25,6 +27,7 @@
 //! any still open then is ended, since each holds the router and with it parts of the
 //! collector its shutdown waits to see released.
 
+mod peers;
 mod write_deadline;
 
 use std::pin::pin;
@@ -49,6 +52,8 @@ const RESERVED_FDS: usize = 256;
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {
     pub max_connections: usize,
+    /// Connections one client address may hold (0: no cap).
+    pub max_connections_per_peer: usize,
     pub header_timeout: Duration,
     /// Longest a write may wait for the client to read (see `http/write_deadline.rs`).
     pub write_timeout: Duration,
@@ -63,6 +68,7 @@ pub async fn serve(
 ) {
     let max_connections = fit_to_open_files(limits.max_connections, open_file_limit());
     let connections = Arc::new(Semaphore::new(max_connections));
+    let peers = Arc::new(peers::PeerCounts::default());
     let (closing, closed) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
     // The connections' tasks, so that any still open after the drain can be ended: each holds
@@ -77,9 +83,9 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors, or a connection reset before it was accepted: both
                     // pass; a short pause keeps a tight loop off the CPU meanwhile.
@@ -92,6 +98,18 @@ pub async fn serve(
         };
         // Small JSON answers go out at once rather than wait for Nagle.
         let _ = stream.set_nodelay(true);
+        let cap = limits.max_connections_per_peer;
+        let place = match peers.admit(peer.ip(), cap) {
+            Ok(place) => place,
+            Err(held) => {
+                tracing::debug!(%peer, held, cap, "refused: too many connections from one address");
+                tasks.spawn(async move {
+                    peers::refuse(stream, peer.ip(), held, cap).await;
+                    drop(permit);
+                });
+                continue;
+            }
+        };
         let service = TowerToHyperService::new(router.clone());
         let mut closed = closed.clone();
         let header_timeout = limits.header_timeout;
@@ -109,7 +127,7 @@ pub async fn serve(
                     let _ = connection.await;
                 }
             }
-            drop(permit);
+            drop((place, permit));
         });
     }
     drop(listener);
