@@ -745,7 +745,7 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
           f"chunked bodies and 4 SQL amplifiers at a time; default limits", flush=True)
     posts = AgentPosts("hostile", metrics)
     post, latencies, refused, lock = posts.post, posts.latencies, posts.refused, posts.lock
-    attacks = {"bombs": 0, "bombs_413": 0, "sql": 0, "sql_400": 0, "stalls": 0, "never_readers": 0}
+    attacks = {"bombs": 0, "bombs_413": 0, "sql": 0, "sql_400": 0, "stalls": 0, "never_readers": 0, "per_address_429": 0}
     stop_attacks = threading.Event()
 
     # A zstd bomb: one 64 MiB metric name that compresses ~100-fold.
@@ -763,9 +763,24 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
         host, port = url.removeprefix("http://").split(":")
         return host, int(port)
 
+    # The attackers come from another address than the agents, as from another host (every
+    # 127/8 address is this one): the collector caps connections per address.
+    attacker = ("127.0.0.2", 0)
+
+    class FromAttacker(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            kwargs["source_address"] = attacker
+            super().init_poolmanager(*args, **kwargs)
+
+    def attacker_session() -> requests.Session:
+        s = requests.Session()
+        s.mount("http://", FromAttacker())
+        return s
+
     def never_reader(url: str) -> socket.socket:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.bind(attacker)
         s.connect(host_port(url))
         s.setblocking(False)
         try:
@@ -775,25 +790,29 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
         return s
 
     def bombs(url: str) -> None:
+        http = attacker_session()
         while not stop_attacks.is_set():
-            r = requests.post(f"{url}/api/v1/ingest", data=bomb, headers={"content-type": ARROW}, timeout=60)
+            r = http.post(f"{url}/api/v1/ingest", data=bomb, headers={"content-type": ARROW}, timeout=60)
             with lock:
                 attacks["bombs"] += 1
                 attacks["bombs_413"] += r.status_code == 413
+                attacks["per_address_429"] += r.status_code == 429
 
     def sql(url: str) -> None:
+        http = attacker_session()
         while not stop_attacks.is_set():
-            r = requests.post(f"{url}/api/v1/sql", data="SELECT repeat('x', 2000000000) AS x",
+            r = http.post(f"{url}/api/v1/sql", data="SELECT repeat('x', 2000000000) AS x",
                               headers={"content-type": "text/plain"}, timeout=60)
             with lock:
                 attacks["sql"] += 1
                 attacks["sql_400"] += r.status_code == 400
+                attacks["per_address_429"] += r.status_code == 429
 
     def stalls(url: str) -> None:
         while not stop_attacks.is_set():
             held = []
             for _ in range(8):
-                s = socket.create_connection(host_port(url))
+                s = socket.create_connection(host_port(url), source_address=attacker)
                 s.sendall(b"POST /api/v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + ARROW.encode()
                           + b"\r\nTransfer-Encoding: chunked\r\n\r\n10000\r\n" + b"x" * 65536)
                 held.append(s)
@@ -848,7 +867,8 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
           f"{lat[-1]:>8.1f} {max(r for _, r in timeline):>13.1f}")
     print(f"attacks: {attacks['never_readers']} never-reading connections; {attacks['bombs']} zstd bombs "
           f"({attacks['bombs_413']} refused 413); {attacks['stalls']} stalled chunked bodies; {attacks['sql']} "
-          f"SQL amplifiers ({attacks['sql_400']} refused 400). Targets: every batch stored, p99 <= 250 ms, "
+          f"SQL amplifiers ({attacks['sql_400']} refused 400); {attacks['per_address_429']} attacker requests "
+          f"refused 429 by the per-address connection cap. Targets: every batch stored, p99 <= 250 ms, "
           f"RSS <= 1 GiB")
 
 
