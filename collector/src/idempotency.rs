@@ -13,6 +13,11 @@
 //!
 //! Only changed runs are written, so a flush costs what changed, not every key ever seen (the
 //! first design rewrote one snapshot of all keys, cloned under the store's lock, every flush).
+//! A live run's file is written whole each flush it gained a key, so its size is what bounds
+//! that cost: each session's ranges are one pair for an agent that loses nothing, and a
+//! session that has sent nothing for the idempotency window (an agent restarted gets a new
+//! session) is dropped, so the file holds about one entry per rank still sending, the size
+//! of what the same flush writes for that run's rows anyway.
 //! A deleted run's keys go with it, in memory and on disk, so the set is bounded by the runs
 //! kept. A data directory of that first design (`keys-<seq>.json`) is read once and rewritten
 //! per run at start.
@@ -128,10 +133,19 @@ pub enum Check {
 }
 
 /// The applied keys of one run, and when it last gained one (ms since the epoch): keys unused
-/// for longer than the idempotency window are dropped.
+/// for longer than the idempotency window are dropped, a whole run's or one session's.
 #[derive(Debug, Clone, Default)]
 struct RunKeys {
-    sessions: HashMap<SessionId, Ranges>,
+    sessions: HashMap<SessionId, SessionKeys>,
+    last_ms: i64,
+}
+
+/// One agent session's applied keys, and when it last gained one. A live run's ended sessions
+/// (an agent restarted gets a new one) expire on their own, so a long run's key file holds the
+/// sessions still sending, not every session it ever had.
+#[derive(Debug, Clone, Default)]
+struct SessionKeys {
+    ranges: Ranges,
     last_ms: i64,
 }
 
@@ -158,6 +172,10 @@ struct RunFile {
     /// When the run last gained a key; absent in files written before it was kept.
     #[serde(default)]
     last_ms: i64,
+    /// When each session (in `sessions`' order) last gained a key; absent in files written
+    /// before sessions expired on their own (each then counts from the run's time).
+    #[serde(default)]
+    session_last_ms: Vec<i64>,
 }
 
 /// The first design's single snapshot of every run's keys.
@@ -186,7 +204,7 @@ impl KeySet {
         self.applied
             .get(&key.run)
             .and_then(|run| run.sessions.get(&key.session_id()))
-            .is_some_and(|r| r.contains(key.seq))
+            .is_some_and(|s| s.ranges.contains(key.seq))
     }
 
     /// Records `key` as applied (its batch is durable) at `now_ms`.
@@ -194,10 +212,9 @@ impl KeySet {
         self.pending.remove(key);
         let run = self.applied.entry(key.run.clone()).or_default();
         run.last_ms = run.last_ms.max(now_ms);
-        run.sessions
-            .entry(key.session_id())
-            .or_default()
-            .insert(key.seq);
+        let session = run.sessions.entry(key.session_id()).or_default();
+        session.last_ms = session.last_ms.max(now_ms);
+        session.ranges.insert(key.seq);
         if !self.dirty.contains(&key.run) {
             self.dirty.insert(key.run.clone());
         }
@@ -216,7 +233,9 @@ impl KeySet {
 
     /// Forgets the keys of runs that gained none since `cutoff_ms` and returns those runs
     /// (their files are removed by [`remove_run_file`]): a batch retried after that long is
-    /// stored again, the price of a key set that does not grow for ever.
+    /// stored again, the price of a key set that does not grow for ever. In the runs kept, the
+    /// sessions that gained none since then go too, and their runs' files are written again
+    /// by the next flush, smaller.
     pub fn expire(&mut self, cutoff_ms: i64) -> Vec<RunId> {
         let old: Vec<RunId> = self
             .applied
@@ -226,6 +245,13 @@ impl KeySet {
             .collect();
         for run in &old {
             self.forget_run(run);
+        }
+        for (run, keys) in &mut self.applied {
+            let before = keys.sessions.len();
+            keys.sessions.retain(|_, s| s.last_ms >= cutoff_ms);
+            if keys.sessions.len() < before && !self.dirty.contains(run) {
+                self.dirty.insert(run.clone());
+            }
         }
         old
     }
@@ -277,6 +303,11 @@ impl KeySet {
                     // Unknown (an older file): counted from now.
                     keys.last_ms = now_ms;
                 }
+                for session in keys.sessions.values_mut() {
+                    if session.last_ms == 0 {
+                        session.last_ms = keys.last_ms;
+                    }
+                }
                 set.applied.insert(run, keys);
             }
         } else if legacy.exists() {
@@ -286,7 +317,13 @@ impl KeySet {
             for (run, rank, session, ranges) in snapshot.sessions {
                 let run = RunId::new(run).map_err(|e| corrupt(&legacy, e.to_string()))?;
                 let keys = set.applied.entry(run.clone()).or_default();
-                keys.sessions.insert((rank, session), ranges);
+                keys.sessions.insert(
+                    (rank, session),
+                    SessionKeys {
+                        ranges,
+                        last_ms: now_ms,
+                    },
+                );
                 keys.last_ms = now_ms;
                 set.dirty.insert(run);
             }
@@ -315,9 +352,10 @@ impl KeyChanges {
                 sessions: keys
                     .sessions
                     .iter()
-                    .map(|((rank, session), r)| (*rank, session.clone(), r.clone()))
+                    .map(|((rank, session), s)| (*rank, session.clone(), s.ranges.clone()))
                     .collect(),
                 last_ms: keys.last_ms,
+                session_last_ms: keys.sessions.values().map(|s| s.last_ms).collect(),
             };
             write_atomic(&run_path(dir, run), &serde_json::to_vec(&file)?)?;
         }
@@ -374,11 +412,25 @@ fn read_run_file(path: &Path) -> Result<(RunId, RunKeys)> {
             ),
         ));
     }
+    if !file.session_last_ms.is_empty() && file.session_last_ms.len() != file.sessions.len() {
+        return Err(corrupt(
+            path,
+            format!(
+                "names {} sessions but the times of {}",
+                file.sessions.len(),
+                file.session_last_ms.len()
+            ),
+        ));
+    }
+    let times = file.session_last_ms.into_iter().chain(std::iter::repeat(0));
     let keys = RunKeys {
         sessions: file
             .sessions
             .into_iter()
-            .map(|(rank, session, ranges)| ((rank, session), ranges))
+            .zip(times)
+            .map(|((rank, session, ranges), last_ms)| {
+                ((rank, session), SessionKeys { ranges, last_ms })
+            })
             .collect(),
         last_ms: file.last_ms,
     };
@@ -472,6 +524,36 @@ mod tests {
         std::fs::write(dir.path().join(DIR).join("run-3.json"), legacy).unwrap();
         let mut set = KeySet::load(dir.path(), 3, 9_000).unwrap();
         assert!(set.expire(8_000).iter().all(|r| r.as_str() != "run-3"));
+    }
+
+    #[test]
+    fn a_live_runs_ended_sessions_expire_and_its_file_shrinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut set = KeySet::load(dir.path(), 0, 100).unwrap();
+        let session = |name: &str, seq: u64| Key::parse(&format!("run-1/0/{name}/{seq}")).unwrap();
+        // An agent restarted at 3,000 ms: its first session sends no more.
+        set.commit(&session("first", 1), 1_000);
+        set.commit(&session("second", 1), 3_000);
+        set.commit(&session("second", 2), 9_000);
+        set.take_changes().save(dir.path()).unwrap();
+        // The times survive a restart, per session.
+        let mut set = KeySet::load(dir.path(), 3, 9_500).unwrap();
+        assert!(set.expire(2_000).is_empty(), "the run is live");
+        assert!(!set.is_applied(&session("first", 1)));
+        assert!(set.is_applied(&session("second", 2)));
+        assert_eq!(set.sessions(), 1);
+        // Its file is written again, without the ended session.
+        let changes = set.take_changes();
+        assert_eq!(changes.runs.len(), 1);
+        changes.save(dir.path()).unwrap();
+        let text = std::fs::read_to_string(dir.path().join(DIR).join("run-1.json")).unwrap();
+        assert!(!text.contains("first") && text.contains("second"), "{text}");
+        // A file whose session times do not match its sessions is named as damaged.
+        let bad =
+            r#"{"run":"run-1","sessions":[[0,"s",[[1,1]]]],"last_ms":5,"session_last_ms":[1,2]}"#;
+        std::fs::write(dir.path().join(DIR).join("run-1.json"), bad).unwrap();
+        let err = KeySet::load(dir.path(), 3, 100).unwrap_err().to_string();
+        assert!(err.contains("names 1 sessions but the times of 2"), "{err}");
     }
 
     #[test]
