@@ -180,11 +180,13 @@ impl Store {
             if let Some(key) = key {
                 state.keys.commit(key, self.clock.now_ms());
             }
-            // A record of a run deleted after it was logged (only seen in replay).
+            // A record of a run deleted after it was logged (only seen in replay), or being
+            // deleted now.
             if state
                 .manifest
                 .deleted_runs
                 .get(&entry.run)
+                .or_else(|| state.deleting.get(&entry.run))
                 .is_some_and(|&through| seq <= through)
             {
                 return Ok(());

@@ -1,6 +1,12 @@
 //! Run deletion: the manifest drops the run's files (deleted after the grace period), a
 //! tombstone keeps its records still in the write-ahead log from coming back at replay, and
 //! its hot rows, summary, keys and alerts go.
+//!
+//! The store's lock is not held across the manifest's write (on object storage a PUT, which
+//! every acknowledgement would wait behind): what goes is chosen under the lock — the records
+//! applied so far, the rows they made (the first batches of each hot part), the alerts raised
+//! so far — the manifest is written without it, then those go under the lock again. Records of
+//! the run applied meanwhile come after the tombstone: they start the run anew and stay.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,6 +15,9 @@ use rankwatch_analytics::RunId;
 
 use super::manifest::FileMeta;
 use super::{Deleted, Event, Store};
+
+/// The tables whose hot rows a deletion drops.
+const TABLES: [Table; 2] = [Table::Samples, Table::Sketches];
 use crate::entry::Table;
 use crate::error::{Error, Result};
 
@@ -27,22 +36,52 @@ impl Store {
     }
 
     fn delete_run_blocking(&self, run: &RunId) -> Result<Deleted> {
+        // Phase 1, under the lock: what goes. The records applied so far (through `through`)
+        // are the run's old ones; their rows are the first `old_batches` of each hot part
+        // (parts only grow by appending, and flushes wait on `maintenance`, held here).
+        let (manifest, gone, old_batches, old_alerts) = {
+            let mut guard = self.lock();
+            let state = &mut *guard;
+            if !state.runs.contains_key(run) && !state.manifest.files.iter().any(|f| f.run == *run)
+            {
+                return Err(Error::UnknownRun(run.to_string()));
+            }
+            let mut manifest = state.manifest.clone();
+            let (gone, kept): (Vec<FileMeta>, Vec<FileMeta>) =
+                manifest.files.into_iter().partition(|f| f.run == *run);
+            manifest.files = kept;
+            let through = state.applied_seq;
+            if through > manifest.flushed_seq {
+                manifest.deleted_runs.insert(run.clone(), through);
+            }
+            // A record of the run through `through` applied late (out of order) is already
+            // the deletion's: apply skips it as it skips tombstoned ones.
+            state.deleting.insert(run.clone(), through);
+            let old_batches = TABLES.map(|t| {
+                state
+                    .hot
+                    .get(&(t, run.clone()))
+                    .map_or(0, |p| p.batches.len())
+            });
+            let old_alerts: Vec<String> = state
+                .alerts
+                .values()
+                .filter(|a| a.run == *run)
+                .map(|a| a.id.clone())
+                .collect();
+            (manifest, gone, old_batches, old_alerts)
+        };
+        // Phase 2, without it: the manifest's write (a PUT to object storage can take a
+        // while, and every acknowledgement needs the lock). Until it commits, readers still
+        // see the run; a failure leaves everything as it was.
+        let saved = self.backend.save_manifest(&manifest);
         let mut guard = self.lock();
         let state = &mut *guard;
-        if !state.runs.contains_key(run) && !state.manifest.files.iter().any(|f| f.run == *run) {
-            return Err(Error::UnknownRun(run.to_string()));
-        }
-        let mut manifest = state.manifest.clone();
-        let (gone, kept): (Vec<FileMeta>, Vec<FileMeta>) =
-            manifest.files.into_iter().partition(|f| f.run == *run);
-        manifest.files = kept;
-        if state.applied_seq > manifest.flushed_seq {
-            manifest.deleted_runs.insert(run.clone(), state.applied_seq);
-        }
-        // The lock is held across this one small write (unlike flushes): a record of the run
-        // applied between choosing the tombstone and dropping the hot rows would be lost from
-        // memory yet replayed after a restart.
-        self.backend.save_manifest(&manifest)?;
+        state.deleting.remove(run);
+        saved?;
+        // Phase 3, under the lock again: the old rows, summary, keys and alerts go; rows that
+        // arrived meanwhile (records after `through`) start the run anew and stay.
+        debug_assert_eq!(state.manifest.flushed_seq, manifest.flushed_seq);
         state.manifest = manifest;
         let mut deleted = Deleted {
             run: run.to_string(),
@@ -55,35 +94,56 @@ impl Store {
                 .sum(),
             ..Deleted::default()
         };
-        for table in [Table::Samples, Table::Sketches] {
-            if let Some(part) = state.hot.remove(&(table, run.clone())) {
-                state.hot_bytes = state.hot_bytes.saturating_sub(part.bytes);
-                if table == Table::Samples {
-                    deleted.rows += part
-                        .batches
-                        .iter()
-                        .map(|b| b.num_rows() as u64)
-                        .sum::<u64>();
-                }
+        let mut anew = false;
+        for (table, old) in TABLES.into_iter().zip(old_batches) {
+            let key = (table, run.clone());
+            let Some(part) = state.hot.get_mut(&key) else {
+                continue;
+            };
+            let dropped: Vec<_> = part.batches.drain(..old.min(part.batches.len())).collect();
+            let bytes: usize = dropped.iter().map(|b| b.get_array_memory_size()).sum();
+            part.bytes = part.bytes.saturating_sub(bytes);
+            state.hot_bytes = state.hot_bytes.saturating_sub(bytes);
+            if table == Table::Samples {
+                deleted.rows += dropped.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+            }
+            if part.batches.is_empty() {
+                state.hot.remove(&key);
+            } else {
+                anew = true;
             }
         }
-        if let Some(summary) = state.runs.remove(run) {
-            state.total_series = state.total_series.saturating_sub(summary.series.len());
+        if let Some(old) = state.runs.remove(run) {
+            state.total_series = state.total_series.saturating_sub(old.series.len());
+            if anew {
+                // The run as its new rows make it (its latest info and time carried over).
+                let mut summary = super::index::RunSummary::default();
+                summary.info = old.info;
+                summary.last_seen_ms = old.last_seen_ms;
+                for batch in state.unflushed(Table::Samples, run) {
+                    summary.add_samples(&batch, old.last_seen_ms);
+                }
+                summary.sketches = state
+                    .unflushed(Table::Sketches, run)
+                    .iter()
+                    .map(|b| b.num_rows() as u64)
+                    .sum();
+                state.total_series += summary.series.len();
+                state.runs.insert(run.clone(), summary);
+            }
         }
-        state.keys.forget_run(run);
-        state.runs_dirty.retain(|r| r != run);
-        state.alerts_dirty.retain(|r| r != run);
-        let ids: Vec<String> = state
-            .alerts
-            .values()
-            .filter(|a| a.run == *run)
-            .map(|a| a.id.clone())
-            .collect();
-        for id in &ids {
+        if !anew {
+            // A run started anew keeps the keys of its new batches (a retry of an old one is
+            // then acknowledged without being stored: it would have started the run anew).
+            state.keys.forget_run(run);
+            state.runs_dirty.retain(|r| r != run);
+            state.alerts_dirty.retain(|r| r != run);
+        }
+        for id in &old_alerts {
             state.alerts.remove(id);
             state.alert_revisions.remove(id);
         }
-        deleted.alerts = ids.len() as u64;
+        deleted.alerts = old_alerts.len() as u64;
         let now = Instant::now();
         state
             .graveyard

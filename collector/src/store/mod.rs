@@ -149,6 +149,9 @@ struct State {
     total_series: usize,
     /// Files a failed flush or compaction wrote that no manifest lists yet (see `unlisted`).
     unlisted: Vec<PathBuf>,
+    /// Runs whose deletion is writing its manifest, with the last record it deletes: a record
+    /// of the run up to it, applied late, is skipped as a tombstoned one is (see `delete`).
+    deleting: HashMap<RunId, u64>,
 }
 
 impl State {

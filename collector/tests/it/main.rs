@@ -9,6 +9,7 @@ mod common;
 mod consistency;
 mod crash;
 mod dashboard;
+mod deletion;
 mod disk_full;
 mod hostile;
 mod incidents;
