@@ -180,19 +180,19 @@ impl Store {
             if let Some(key) = key {
                 state.keys.commit(key, self.clock.now_ms());
             }
-            // A record of a run deleted after it was logged (only seen in replay), or being
-            // deleted now.
+            // A record of a run deleted after it was logged (only seen in replay: the log
+            // applies records in order, so a live one is always after any tombstone).
             if state
                 .manifest
                 .deleted_runs
                 .get(&entry.run)
-                .or_else(|| state.deleting.get(&entry.run))
                 .is_some_and(|&through| seq <= through)
             {
                 return Ok(());
             }
             let summary = state.runs.entry(entry.run.clone()).or_default();
             summary.last_seen_ms = summary.last_seen_ms.max(seen_ms);
+            summary.last_seq = summary.last_seq.max(seq);
             if let Some(info) = &entry.info {
                 if summary.info.as_ref() != Some(info) {
                     summary.info = Some(info.clone());

@@ -18,11 +18,14 @@ impl Store {
     /// Merges the small sample and sketch files of each run (see the module docs). Returns
     /// how many files were merged away.
     pub async fn compact(self: &Arc<Self>) -> Result<usize> {
-        let _guard = self.maintenance.lock().await;
+        let guard = self.maintenance.clone().lock_owned().await;
         let store = self.clone();
-        tokio::task::spawn_blocking(move || store.compact_blocking())
-            .await
-            .map_err(|e| Error::Unavailable(format!("compaction task failed: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            store.compact_blocking()
+        })
+        .await
+        .map_err(|e| Error::Unavailable(format!("compaction task failed: {e}")))?
     }
 
     fn compact_blocking(&self) -> Result<usize> {

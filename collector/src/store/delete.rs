@@ -6,7 +6,10 @@
 //! every acknowledgement would wait behind): what goes is chosen under the lock — the records
 //! applied so far, the rows they made (the first batches of each hot part), the alerts raised
 //! so far — the manifest is written without it, then those go under the lock again. Records of
-//! the run applied meanwhile come after the tombstone: they start the run anew and stay.
+//! the run applied meanwhile come after the tombstone (the log applies records in order): they
+//! start the run anew and stay, with their alerts; its run-table entry is written again by the
+//! next flush. The maintenance guard travels into the blocking task, so a caller that stops
+//! waiting cannot let a flush start beside the deletion.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,19 +30,22 @@ impl Store {
     /// Records of the run still in the write-ahead log are tombstoned in the manifest, so a
     /// restart does not bring them back. Rows that arrive afterwards start the run anew.
     pub async fn delete_run(self: &Arc<Self>, run: &RunId) -> Result<Deleted> {
-        let _guard = self.maintenance.lock().await;
+        let guard = self.maintenance.clone().lock_owned().await;
         let store = self.clone();
         let run = run.clone();
-        tokio::task::spawn_blocking(move || store.delete_run_blocking(&run))
-            .await
-            .map_err(|e| Error::Unavailable(format!("deletion task failed: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            store.delete_run_blocking(&run)
+        })
+        .await
+        .map_err(|e| Error::Unavailable(format!("deletion task failed: {e}")))?
     }
 
     fn delete_run_blocking(&self, run: &RunId) -> Result<Deleted> {
         // Phase 1, under the lock: what goes. The records applied so far (through `through`)
         // are the run's old ones; their rows are the first `old_batches` of each hot part
         // (parts only grow by appending, and flushes wait on `maintenance`, held here).
-        let (manifest, gone, old_batches, old_alerts) = {
+        let (manifest, gone, through, old_batches, old_alerts) = {
             let mut guard = self.lock();
             let state = &mut *guard;
             if !state.runs.contains_key(run) && !state.manifest.files.iter().any(|f| f.run == *run)
@@ -54,31 +60,27 @@ impl Store {
             if through > manifest.flushed_seq {
                 manifest.deleted_runs.insert(run.clone(), through);
             }
-            // A record of the run through `through` applied late (out of order) is already
-            // the deletion's: apply skips it as it skips tombstoned ones.
-            state.deleting.insert(run.clone(), through);
             let old_batches = TABLES.map(|t| {
                 state
                     .hot
                     .get(&(t, run.clone()))
                     .map_or(0, |p| p.batches.len())
             });
-            let old_alerts: Vec<String> = state
+            // With their revisions: an alert changed meanwhile is about the new rows.
+            let old_alerts: Vec<(String, Option<u64>)> = state
                 .alerts
                 .values()
                 .filter(|a| a.run == *run)
-                .map(|a| a.id.clone())
+                .map(|a| (a.id.clone(), state.alert_revisions.get(&a.id).copied()))
                 .collect();
-            (manifest, gone, old_batches, old_alerts)
+            (manifest, gone, through, old_batches, old_alerts)
         };
         // Phase 2, without it: the manifest's write (a PUT to object storage can take a
         // while, and every acknowledgement needs the lock). Until it commits, readers still
         // see the run; a failure leaves everything as it was.
-        let saved = self.backend.save_manifest(&manifest);
+        self.backend.save_manifest(&manifest)?;
         let mut guard = self.lock();
         let state = &mut *guard;
-        state.deleting.remove(run);
-        saved?;
         // Phase 3, under the lock again: the old rows, summary, keys and alerts go; rows that
         // arrived meanwhile (records after `through`) start the run anew and stay.
         debug_assert_eq!(state.manifest.flushed_seq, manifest.flushed_seq);
@@ -94,7 +96,8 @@ impl Store {
                 .sum(),
             ..Deleted::default()
         };
-        let mut anew = false;
+        // Anything of the run applied after `through` (rows, or its info alone) starts it anew.
+        let anew = state.runs.get(run).is_some_and(|s| s.last_seq > through);
         for (table, old) in TABLES.into_iter().zip(old_batches) {
             let key = (table, run.clone());
             let Some(part) = state.hot.get_mut(&key) else {
@@ -109,8 +112,6 @@ impl Store {
             }
             if part.batches.is_empty() {
                 state.hot.remove(&key);
-            } else {
-                anew = true;
             }
         }
         if let Some(old) = state.runs.remove(run) {
@@ -120,6 +121,7 @@ impl Store {
                 let mut summary = super::index::RunSummary::default();
                 summary.info = old.info;
                 summary.last_seen_ms = old.last_seen_ms;
+                summary.last_seq = old.last_seq;
                 for batch in state.unflushed(Table::Samples, run) {
                     summary.add_samples(&batch, old.last_seen_ms);
                 }
@@ -130,6 +132,9 @@ impl Store {
                     .sum();
                 state.total_series += summary.series.len();
                 state.runs.insert(run.clone(), summary);
+                // Its run-table file goes with the old run's files: written again by the
+                // next flush.
+                state.runs_dirty.push(run.clone());
             }
         }
         if !anew {
@@ -139,11 +144,26 @@ impl Store {
             state.runs_dirty.retain(|r| r != run);
             state.alerts_dirty.retain(|r| r != run);
         }
-        for id in &old_alerts {
-            state.alerts.remove(id);
-            state.alert_revisions.remove(id);
+        let mut removed_alerts = 0;
+        for (id, revision) in &old_alerts {
+            if state.alert_revisions.get(id).copied() == *revision {
+                state.alerts.remove(id);
+                state.alert_revisions.remove(id);
+                removed_alerts += 1;
+            }
         }
-        deleted.alerts = old_alerts.len() as u64;
+        deleted.alerts = removed_alerts;
+        // Alerts raised or changed meanwhile (about the new rows) are kept, and journalled
+        // again after the deletion's line, which would otherwise drop them at the next start.
+        let kept_alerts: Vec<_> = state
+            .alerts
+            .values()
+            .filter(|a| a.run == *run)
+            .cloned()
+            .collect();
+        if !kept_alerts.is_empty() && !state.alerts_dirty.contains(run) {
+            state.alerts_dirty.push(run.clone());
+        }
         let now = Instant::now();
         state
             .graveyard
@@ -158,6 +178,11 @@ impl Store {
         // Older journal lines of the run must not bring its alerts back at the next start.
         if let Err(e) = self.alert_log.run_deleted(run) {
             tracing::warn!(%run, error = %e, "could not journal the run's deletion");
+        }
+        if !kept_alerts.is_empty()
+            && let Err(e) = self.alert_log.append(&kept_alerts)
+        {
+            tracing::warn!(%run, error = %e, "could not journal the run's new alerts again");
         }
         // A retry of the deleted run's batches would start it anew in any case (see
         // docs/operations.md); its keys only took room.

@@ -23,11 +23,14 @@ impl Store {
     /// Moves every hot batch into Parquet and commits a manifest. Returns the flushed sequence
     /// number when something was committed.
     pub async fn flush(self: &Arc<Self>) -> Result<Option<u64>> {
-        let _guard = self.maintenance.lock().await;
+        let guard = self.maintenance.clone().lock_owned().await;
         let store = self.clone();
-        tokio::task::spawn_blocking(move || store.flush_blocking())
-            .await
-            .map_err(|e| Error::Unavailable(format!("flush task failed: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            store.flush_blocking()
+        })
+        .await
+        .map_err(|e| Error::Unavailable(format!("flush task failed: {e}")))?
     }
 
     fn flush_blocking(&self) -> Result<Option<u64>> {

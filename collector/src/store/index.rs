@@ -62,6 +62,9 @@ pub struct RunSummary {
     pub grad_norm_cv: Option<Latest>,
     /// Latest step with a per-rank sample, per rank.
     pub rank_steps: HashMap<u32, u64>,
+    /// The last log record applied to the run since this process started (0: none yet): a
+    /// deletion keeps the run if a record came after the records it deletes.
+    pub last_seq: u64,
 }
 
 impl RunSummary {

@@ -149,9 +149,6 @@ struct State {
     total_series: usize,
     /// Files a failed flush or compaction wrote that no manifest lists yet (see `unlisted`).
     unlisted: Vec<PathBuf>,
-    /// Runs whose deletion is writing its manifest, with the last record it deletes: a record
-    /// of the run up to it, applied late, is skipped as a tombstoned one is (see `delete`).
-    deleting: HashMap<RunId, u64>,
 }
 
 impl State {
@@ -183,8 +180,10 @@ pub struct Store {
     flush_wanted: Notify,
     metrics: StoreMetrics,
     clock: SharedClock,
-    /// Serialises flushes and compactions (each commits a manifest).
-    maintenance: tokio::sync::Mutex<()>,
+    /// Serialises flushes, compactions and deletions (each commits a manifest). Its guard is
+    /// moved into the blocking task that does the work, so a caller that stops waiting (a
+    /// request cancelled at shutdown) does not let the next step start beside it.
+    maintenance: Arc<tokio::sync::Mutex<()>>,
     epoch: i64,
     /// Alert changes since the last flush, durable (see `alert_log`).
     alert_log: alert_log::AlertLog,
@@ -292,7 +291,7 @@ impl Store {
             events,
             flush_wanted: Notify::new(),
             metrics: StoreMetrics::default(),
-            maintenance: tokio::sync::Mutex::new(()),
+            maintenance: Arc::new(tokio::sync::Mutex::new(())),
             epoch: clock.now_ms(),
             clock,
         };

@@ -186,6 +186,18 @@ async fn acknowledgements_go_on_while_a_deletion_writes_its_manifest_and_new_row
         Some(anew.len() as u64),
         "the run's summary is of its new rows"
     );
+    let first_step = c.store().with_runs(|runs| {
+        runs.get(&RunId::new("gone").unwrap())
+            .and_then(|s| s.first_step)
+    });
+    assert_eq!(first_step, Some(1_000), "and so are its steps");
+    // The hot buffer's count is of the batches it still holds.
+    let held: usize = ["keep", "gone"]
+        .iter()
+        .flat_map(|r| c.store().samples_view(&RunId::new(*r).unwrap()).hot)
+        .map(|b| b.get_array_memory_size())
+        .sum();
+    assert_eq!(c.store().hot_bytes(), held);
     drop(c);
 
     // After a restart (the log replayed against the tombstone): the same.
