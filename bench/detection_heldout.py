@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--out", default=str(ROOT / "target" / "bench" / "detection-heldout"))
     p.add_argument("--analyse", action="store_true", help="only judge the runs already under --out")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds a run may take before it is stopped and left for the next call (MiniLM on 4 ranks needs ~5400 on 2 cores)")
     p.add_argument("--replay", action="store_true", help="with --analyse: judge the saved rows again with `rankwatch replay` ($RANKWATCH_BIN; the frozen rules on the held-out set, its defaults on the tuning set) instead of the live alerts")
     p.add_argument("--choose-baselines", action="store_true", help="(tuning set) write the baselines' chosen thresholds to bench/heldout/baselines.json")
     p.add_argument("--steps", type=int, default=0, help="(tuning set only) shorter runs, to check the script")
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "planned.json").write_text(json.dumps([asdict(q) for q in planned], indent=1))
         for steps in sorted({q.steps for q in todo}):
             batch = [q for q in todo if q.steps == steps]
-            train_and_export([q.scenario() for q in batch], steps, out, args.cores, ("samples",), rules=str(RULES) if rules_hash else None)
+            train_and_export([q.scenario() for q in batch], steps, out, args.cores, ("samples",), timeout=args.run_timeout, rules=str(RULES) if rules_hash else None)
     replay = None
     if args.replay:
         binary = os.environ.get("RANKWATCH_BIN")
