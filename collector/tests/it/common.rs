@@ -84,6 +84,20 @@ pub async fn get(c: &Collector, uri: &str) -> Reply {
     call(c, Request::get(uri).body(Body::empty()).unwrap()).await
 }
 
+/// A collector on `dir` (its alert engine off) whose store writes through `disk`: the file
+/// system seam the fault tests implement.
+pub async fn open_on_disk(dir: &Path, disk: rankwatch_collector::disk::SharedDisk) -> Collector {
+    let mut config = config(dir);
+    config.no_alert_engine = true;
+    Collector::open_on(
+        &config,
+        rankwatch_collector::clock::SystemClock::shared(),
+        disk,
+    )
+    .await
+    .expect("collector opens")
+}
+
 pub async fn post(
     c: &Collector,
     uri: &str,

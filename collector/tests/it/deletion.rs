@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use rankwatch_analytics::{RunId, Sample};
 use rankwatch_collector::Collector;
-use rankwatch_collector::clock::SystemClock;
 use rankwatch_collector::disk::{Disk, DiskFile, RealDisk};
 
 use crate::common::*;
@@ -67,14 +66,6 @@ impl Disk for GateDisk {
     }
 }
 
-async fn open(dir: &Path, disk: Arc<GateDisk>) -> Collector {
-    let mut config = config(dir);
-    config.no_alert_engine = true;
-    Collector::open_on(&config, SystemClock::shared(), disk)
-        .await
-        .expect("collector opens")
-}
-
 async fn ingest(c: &Collector, rows: &[Sample]) {
     let reply = post(c, "/api/v1/ingest", ARROW, None, samples_ipc(rows, false)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
@@ -103,7 +94,7 @@ fn rows_of(c: &Collector, run: &str) -> usize {
 async fn acknowledgements_go_on_while_a_deletion_writes_its_manifest_and_new_rows_stay() {
     let dir = tempfile::tempdir().unwrap();
     let disk = Arc::new(GateDisk::default());
-    let c = open(dir.path(), disk.clone()).await;
+    let c = open_on_disk(dir.path(), disk.clone()).await;
     let keep = workload("keep", 2, 20, 1);
     let old = workload("gone", 2, 20, 1);
     ingest(&c, &keep).await;
@@ -202,7 +193,7 @@ async fn acknowledgements_go_on_while_a_deletion_writes_its_manifest_and_new_row
 
     // After a restart (the log replayed against the tombstone): the same.
     disk.hold.store(false, Ordering::SeqCst);
-    let c = open(dir.path(), disk).await;
+    let c = open_on_disk(dir.path(), disk).await;
     assert_eq!(rows_of(&c, "gone"), anew.len());
     assert_eq!(rows_of(&c, "keep"), keep.len() + more_keep.len());
 }

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 
 use rankwatch_collector::Collector;
-use rankwatch_collector::clock::SystemClock;
 use rankwatch_collector::disk::{Disk, DiskFile, RealDisk};
 
 use crate::common::*;
@@ -171,19 +170,11 @@ async fn ingest(c: &Collector, runs: std::ops::Range<u32>) -> u64 {
     rows
 }
 
-async fn open(dir: &Path, disk: Arc<SmallDisk>) -> Collector {
-    let mut config = config(dir);
-    config.no_alert_engine = true;
-    Collector::open_on(&config, SystemClock::shared(), disk)
-        .await
-        .expect("collector opens")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_that_fills_the_disk_leaves_nothing_behind_and_heals_when_space_returns() {
     let dir = tempfile::tempdir().unwrap();
     let disk = Arc::new(SmallDisk::new());
-    let c = open(dir.path(), disk.clone()).await;
+    let c = open_on_disk(dir.path(), disk.clone()).await;
     let mut sent = ingest(&c, 0..2).await;
     c.flush().await.unwrap();
     let one_part = c
@@ -241,7 +232,7 @@ async fn a_flush_that_fills_the_disk_leaves_nothing_behind_and_heals_when_space_
     drop(c);
 
     // And after a restart, the same.
-    let c = open(dir.path(), Arc::new(SmallDisk::new())).await;
+    let c = open_on_disk(dir.path(), Arc::new(SmallDisk::new())).await;
     assert_eq!(stored_sample_rows(&c), sent);
 }
 
@@ -249,7 +240,7 @@ async fn a_flush_that_fills_the_disk_leaves_nothing_behind_and_heals_when_space_
 async fn parts_of_a_flush_whose_manifest_write_failed_go_after_the_next_commit() {
     let dir = tempfile::tempdir().unwrap();
     let disk = Arc::new(SmallDisk::new());
-    let c = open(dir.path(), disk.clone()).await;
+    let c = open_on_disk(dir.path(), disk.clone()).await;
     let mut sent = ingest(&c, 0..3).await;
     disk.refuse_manifest.store(true, Ordering::SeqCst);
     let err = c.flush().await.unwrap_err().to_string();
@@ -272,6 +263,6 @@ async fn parts_of_a_flush_whose_manifest_write_failed_go_after_the_next_commit()
     assert_eq!(c.store().metrics().unlisted_files.get(), 0);
     assert_eq!(stored_sample_rows(&c), sent, "every row stored, none twice");
     drop(c);
-    let c = open(dir.path(), Arc::new(SmallDisk::new())).await;
+    let c = open_on_disk(dir.path(), Arc::new(SmallDisk::new())).await;
     assert_eq!(stored_sample_rows(&c), sent);
 }
