@@ -90,6 +90,39 @@ fn rows_of(c: &Collector, run: &str) -> usize {
     hot + files as usize
 }
 
+/// Starts deleting `run` with its manifest write held open by `disk`; returns once the
+/// write is reached and the store's lock is seen free meanwhile (before, the deletion held it
+/// across this write, and every acknowledgement waited for it). The lock is asked for from a
+/// thread of its own, so that a lock still held fails the test instead of hanging it: the
+/// write is let go first.
+async fn delete_held_open(
+    c: &Collector,
+    disk: &Arc<GateDisk>,
+    run: &str,
+) -> tokio::task::JoinHandle<rankwatch_collector::Result<rankwatch_collector::store::Deleted>> {
+    disk.hold.store(true, Ordering::SeqCst);
+    let store = c.store().clone();
+    let run = RunId::new(run).unwrap();
+    let deletion = tokio::spawn(async move { store.delete_run(&run).await });
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !disk.waiting.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the deletion reaches its manifest write");
+    let (told, answer) = std::sync::mpsc::channel();
+    let asker = c.store().clone();
+    std::thread::spawn(move || {
+        let _ = told.send(asker.with_runs(|runs| runs.len()));
+    });
+    if answer.recv_timeout(Duration::from_secs(10)).is_err() {
+        disk.release();
+        panic!("the store's lock was held while the deletion wrote its manifest");
+    }
+    deletion
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledgements_go_on_while_a_deletion_writes_its_manifest_and_new_rows_stay() {
     let dir = tempfile::tempdir().unwrap();
@@ -107,30 +140,7 @@ async fn acknowledgements_go_on_while_a_deletion_writes_its_manifest_and_new_row
         .collect();
     ingest(&c, &old_hot).await;
 
-    disk.hold.store(true, Ordering::SeqCst);
-    let store = c.store().clone();
-    let deletion =
-        tokio::spawn(async move { store.delete_run(&RunId::new("gone").unwrap()).await });
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while !disk.waiting.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the deletion reaches its manifest write");
-
-    // Meanwhile the store's lock is free (before, the deletion held it across this write, and
-    // every acknowledgement waited for it). Asked from a thread of its own, so that a lock
-    // still held fails the test instead of hanging it: the write is then let go first.
-    let (told, answer) = std::sync::mpsc::channel();
-    let asker = c.store().clone();
-    std::thread::spawn(move || {
-        let _ = told.send(asker.with_runs(|runs| runs.len()));
-    });
-    if answer.recv_timeout(Duration::from_secs(10)).is_err() {
-        disk.release();
-        panic!("the store's lock was held while the deletion wrote its manifest");
-    }
+    let deletion = delete_held_open(&c, &disk, "gone").await;
     // So another run's batch and a new batch of the run being deleted are both acknowledged.
     let more_keep: Vec<Sample> = workload("keep", 2, 40, 1)
         .into_iter()
@@ -196,4 +206,42 @@ async fn acknowledgements_go_on_while_a_deletion_writes_its_manifest_and_new_row
     let c = open_on_disk(dir.path(), disk).await;
     assert_eq!(rows_of(&c, "gone"), anew.len());
     assert_eq!(rows_of(&c, "keep"), keep.len() + more_keep.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_announced_again_while_it_is_deleted_is_kept_with_its_announcement() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = Arc::new(GateDisk::default());
+    let c = open_on_disk(dir.path(), disk.clone()).await;
+    let old = workload("gone", 2, 20, 1);
+    ingest(&c, &old).await;
+    let deletion = delete_held_open(&c, &disk, "gone").await;
+    // The job starts again: its announcement alone, no rows yet.
+    let reply = post(
+        &c,
+        "/api/v1/ingest?table=runs",
+        ARROW,
+        None,
+        runs_ipc(&info("gone", 3, 1)),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    disk.release();
+    let deleted = deletion.await.unwrap().unwrap();
+    assert_eq!(deleted.rows as usize, old.len());
+    let world = |c: &Collector| {
+        c.store().with_runs(|runs| {
+            runs.get(&RunId::new("gone").unwrap())
+                .and_then(|s| s.info.as_ref().map(|i| i.world_size))
+        })
+    };
+    assert_eq!(world(&c), Some(3), "the new announcement is kept");
+    assert_eq!(rows_of(&c, "gone"), 0);
+    // Written by the next flush, and so after a restart too.
+    c.flush().await.unwrap();
+    drop(c);
+    disk.hold.store(false, Ordering::SeqCst);
+    let c = open_on_disk(dir.path(), disk).await;
+    assert_eq!(world(&c), Some(3));
+    assert_eq!(rows_of(&c, "gone"), 0);
 }
