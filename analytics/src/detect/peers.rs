@@ -92,6 +92,19 @@ pub(super) struct Peers {
     identical: Option<(Vec<Vec<u32>>, u32)>,
 }
 
+impl PeerVerdict {
+    /// Both tests' verdicts as one: a breach of either (both joined), else a hold of either,
+    /// else clear.
+    pub(super) fn either(self, other: PeerVerdict) -> PeerVerdict {
+        match (self, other) {
+            (PeerVerdict::Breach(a), PeerVerdict::Breach(b)) => PeerVerdict::Breach(a.join(b)),
+            (PeerVerdict::Breach(b), _) | (_, PeerVerdict::Breach(b)) => PeerVerdict::Breach(b),
+            (PeerVerdict::Hold, _) | (_, PeerVerdict::Hold) => PeerVerdict::Hold,
+            (PeerVerdict::Clear, PeerVerdict::Clear) => PeerVerdict::Clear,
+        }
+    }
+}
+
 type Getter = fn(&RankValues) -> Option<f64>;
 
 /// For each rank (by index), its own value of `get` and the median of the other ranks' values,
@@ -157,14 +170,15 @@ impl Peers {
         } else {
             PeerVerdict::Clear
         };
-        match (identical, standout) {
-            (Some(a), PeerVerdict::Breach(b)) => {
-                let mut both = a.join(b);
-                both.outlier_ranks.sort_unstable();
-                PeerVerdict::Breach(both)
-            }
-            (Some(a), _) => PeerVerdict::Breach(a),
-            (None, verdict) => verdict,
+        match identical {
+            Some(a) => match PeerVerdict::Breach(a).either(standout) {
+                PeerVerdict::Breach(mut both) => {
+                    both.outlier_ranks.sort_unstable();
+                    PeerVerdict::Breach(both)
+                }
+                verdict => verdict,
+            },
+            None => standout,
         }
     }
 

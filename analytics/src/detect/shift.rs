@@ -54,22 +54,12 @@ pub(super) struct ShiftConfig {
     pub(super) min_observations: usize,
 }
 
-/// Which way a rank's place among its peers moved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    Rose,
-    Fell,
-}
+/// The two sign CUSUMs of a rank, by index: its loss rising (the one named) and falling (only
+/// followed, to tell a rise of its own from a reflection of another rank's fall).
+const ROSE: usize = 0;
+const FELL: usize = 1;
 
-impl Direction {
-    const BOTH: [Direction; 2] = [Direction::Rose, Direction::Fell];
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// One rank's two sign CUSUMs (its loss rising, falling).
+/// One rank's two sign CUSUMs.
 #[derive(Debug, Clone, Default)]
 struct RankShift {
     /// Observations younger than `delay`, oldest first.
@@ -80,15 +70,14 @@ struct RankShift {
     cusum: [f64; 2],
     /// From S ≥ limit until S is back to 0.
     open: [bool; 2],
-    /// Since S last left 0: when, how many steps on that side, x at each (for the
-    /// explanation).
-    excursion: [Option<Excursion>; 2],
+    /// Since the rise's S last left 0, for the explanation.
+    rise: Option<Excursion>,
 }
 
 #[derive(Debug, Clone)]
 struct Excursion {
     from: u64,
-    beyond: u32,
+    above: u32,
     judged: u32,
     /// The usual place when it began.
     usual: f64,
@@ -99,38 +88,34 @@ struct Excursion {
 const EXCURSION_VALUES: usize = 512;
 
 impl RankShift {
-    /// Folds in one observation; the directions in which the rank breaches.
-    fn observe(&mut self, step: u64, x: f64, c: ShiftConfig) -> [bool; 2] {
+    /// Folds in one observation; whether the rank's rise breaches.
+    fn observe(&mut self, step: u64, x: f64, c: ShiftConfig) -> bool {
         if self.baseline.len() >= c.min_observations {
             let usual = median_of_sorted(&self.sorted);
-            for d in Direction::BOTH {
-                let i = d.index();
-                let beyond = match d {
-                    Direction::Rose => x > usual,
-                    Direction::Fell => x < usual,
-                };
+            for (i, beyond) in [(ROSE, x > usual), (FELL, x < usual)] {
                 let sign = if beyond { 1.0 } else { -1.0 };
                 self.cusum[i] = (self.cusum[i] + sign - c.allowance).clamp(0.0, 2.0 * c.limit);
-                if self.cusum[i] > 0.0 {
-                    let e = self.excursion[i].get_or_insert_with(|| Excursion {
-                        from: step,
-                        beyond: 0,
-                        judged: 0,
-                        usual,
-                        values: Vec::new(),
-                    });
-                    e.beyond += u32::from(beyond);
-                    e.judged += 1;
-                    if e.values.len() < EXCURSION_VALUES {
-                        e.values.push(x);
-                    }
-                } else {
-                    self.excursion[i] = None;
+                if self.cusum[i] == 0.0 {
                     self.open[i] = false;
-                }
-                if self.cusum[i] >= c.limit {
+                } else if self.cusum[i] >= c.limit {
                     self.open[i] = true;
                 }
+            }
+            if self.cusum[ROSE] > 0.0 {
+                let e = self.rise.get_or_insert_with(|| Excursion {
+                    from: step,
+                    above: 0,
+                    judged: 0,
+                    usual,
+                    values: Vec::new(),
+                });
+                e.above += u32::from(x > usual);
+                e.judged += 1;
+                if e.values.len() < EXCURSION_VALUES {
+                    e.values.push(x);
+                }
+            } else {
+                self.rise = None;
             }
         }
         self.pending.push_back((step, x));
@@ -152,11 +137,11 @@ impl RankShift {
                 }
             }
         }
-        [0, 1].map(|i| self.open[i] && self.cusum[i] >= c.limit / 2.0)
+        self.open[ROSE] && self.cusum[ROSE] >= c.limit / 2.0
     }
 
     fn describe(&self, rank: u32) -> String {
-        let Some(e) = &self.excursion[Direction::Rose.index()] else {
+        let Some(e) = &self.rise else {
             return format!("rank {rank}'s loss rose against the other ranks'");
         };
         let factor = |ln: f64| short((ln.exp() * 100.0).round() / 100.0);
@@ -164,7 +149,7 @@ impl RankShift {
         format!(
             "rank {rank}'s loss rose against the other ranks': above its usual place at {} of \
              the {} steps since step {} (its loss {}× theirs, {}× before)",
-            e.beyond,
+            e.above,
             e.judged,
             e.from,
             factor(now),
@@ -181,8 +166,8 @@ pub(super) struct Shifts {
 }
 
 impl Shifts {
-    /// Folds in one step: a breach naming the ranks whose place moved, a hold while an alarm
-    /// is open but its CUSUM has fallen under half the limit, else clear.
+    /// Folds in one step: a breach naming the ranks whose loss rose, a hold while an alarm is
+    /// open but its CUSUM has fallen under half the limit, else clear.
     pub(super) fn observe(
         &mut self,
         step: u64,
@@ -196,70 +181,58 @@ impl Shifts {
             self.ranks.clear();
         }
         self.last_step = Some(step);
-        let mut breaching: Vec<(u32, Direction)> = Vec::new();
+        let mut rising = Vec::new();
         for (r, pair) in ranks.iter().zip(against_others(ranks, |r| r.loss)) {
             let Some((own, others)) = pair.filter(|&(own, others)| own > 0.0 && others > 0.0)
             else {
                 continue;
             };
             let state = self.ranks.entry(r.rank).or_default();
-            for (d, breach) in
-                Direction::BOTH
-                    .into_iter()
-                    .zip(state.observe(step, (own / others).ln(), c))
-            {
-                if breach {
-                    breaching.push((r.rank, d));
-                }
+            if state.observe(step, (own / others).ln(), c) {
+                rising.push(r.rank);
             }
         }
-        let Some(named) = self.attribute(breaching, ranks.len()) else {
+        let named = self.attribute(rising, ranks.len());
+        if named.is_empty() {
             return if self.ranks.values().any(|s| s.open.contains(&true)) {
                 PeerVerdict::Hold
             } else {
                 PeerVerdict::Clear
             };
-        };
-        let cusum = |&(r, d): &(u32, Direction)| self.ranks[&r].cusum[d.index()];
-        let value = named.iter().map(cusum).fold(0.0, f64::max);
-        let explanation = named
-            .iter()
-            .map(|&(r, _)| self.ranks[&r].describe(r))
-            .collect::<Vec<_>>()
-            .join("; ");
+        }
         PeerVerdict::Breach(Breach {
             severity: Severity::Warning,
-            value,
+            value: named
+                .iter()
+                .map(|r| self.ranks[r].cusum[ROSE])
+                .fold(0.0, f64::max),
             threshold: c.limit,
-            explanation,
-            outlier_ranks: named.iter().map(|&(r, _)| r).collect(),
+            explanation: named
+                .iter()
+                .map(|&r| self.ranks[&r].describe(r))
+                .collect::<Vec<_>>()
+                .join("; "),
+            outlier_ranks: named,
         })
     }
 
     /// Which of the ranks whose loss rose is named. Places are relative: one rank whose loss
     /// drops pulls every other rank's others-median down, so they all climb, more slowly than
     /// it falls; and ranks reading contiguous shards move both ways at a data-mix switch. So a
-    /// rise is named only when no other rank's fall is half as strong (its CUSUM). A fall itself is never named (easier data is not what corrupts training). With
-    /// two ranks one rising is the other falling, to the bit: the rising one is named.
-    fn attribute(
-        &self,
-        mut breaching: Vec<(u32, Direction)>,
-        world: usize,
-    ) -> Option<Vec<(u32, Direction)>> {
-        let rose = Direction::Rose.index();
-        let fell = Direction::Fell.index();
-        breaching.retain(|&(rank, d)| {
-            let mine = self.ranks[&rank].cusum[rose];
-            // Another rank falling half as surely is a reshuffle (a switch of shards), not one
-            // rank's fault; so is a tie at the cap.
-            d == Direction::Rose
-                && (world < 3
-                    || self
-                        .ranks
-                        .iter()
-                        .all(|(&other, s)| other == rank || 2.0 * s.cusum[fell] < mine))
-        });
-        (!breaching.is_empty()).then_some(breaching)
+    /// rise is named only when no other rank's fall is half as strong (its CUSUM); a tie at the
+    /// cap is a reshuffle too. A fall itself is never named (easier data is not what corrupts
+    /// training). With two ranks one rising is the other falling, to the bit: the rising one
+    /// is named.
+    fn attribute(&self, mut rising: Vec<u32>, world: usize) -> Vec<u32> {
+        if world >= 3 {
+            rising.retain(|&rank| {
+                let mine = self.ranks[&rank].cusum[ROSE];
+                self.ranks
+                    .iter()
+                    .all(|(&other, s)| other == rank || 2.0 * s.cusum[FELL] < mine)
+            });
+        }
+        rising
     }
 }
 

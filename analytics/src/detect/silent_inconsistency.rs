@@ -499,26 +499,15 @@ impl Detector for SilentInconsistency {
         let c = self.config;
         // The peers judge from step 0: they need no baseline; with two ranks, each rank's own
         // history does what the peers cannot (name the one that changed).
-        let mut peers = self.peers.observe(obs.step, &obs.ranks, c.peer_config());
-        peers = match (
-            peers,
-            self.shifts.observe(obs.step, &obs.ranks, c.shift_config()),
-        ) {
-            (PeerVerdict::Breach(b), PeerVerdict::Breach(shift)) => {
-                PeerVerdict::Breach(b.join(shift))
-            }
-            (PeerVerdict::Breach(b), _) | (_, PeerVerdict::Breach(b)) => PeerVerdict::Breach(b),
-            (PeerVerdict::Hold, _) | (_, PeerVerdict::Hold) => PeerVerdict::Hold,
-            (PeerVerdict::Clear, PeerVerdict::Clear) => PeerVerdict::Clear,
-        };
+        let mut peers = self
+            .peers
+            .observe(obs.step, &obs.ranks, c.peer_config())
+            .either(self.shifts.observe(obs.step, &obs.ranks, c.shift_config()));
         if c.pair_window > 0
             && let PairVerdict::Breach(found) =
                 self.pair.observe(obs.step, &obs.ranks, c.pair_config())
         {
-            peers = match peers {
-                PeerVerdict::Breach(b) => PeerVerdict::Breach(b.join(found)),
-                _ => PeerVerdict::Breach(found),
-            };
+            peers = peers.either(PeerVerdict::Breach(found));
         }
         let run_level = self.run_level(obs);
         let signal = match (peers, run_level) {

@@ -18,14 +18,8 @@ impl Store {
     /// Merges the small sample and sketch files of each run (see the module docs). Returns
     /// how many files were merged away.
     pub async fn compact(self: &Arc<Self>) -> Result<usize> {
-        let guard = self.maintenance.clone().lock_owned().await;
-        let store = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let _guard = guard;
-            store.compact_blocking()
-        })
-        .await
-        .map_err(|e| Error::Unavailable(format!("compaction task failed: {e}")))?
+        self.under_maintenance("compaction", |store| store.compact_blocking())
+            .await
     }
 
     fn compact_blocking(&self) -> Result<usize> {

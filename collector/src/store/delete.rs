@@ -8,8 +8,8 @@
 //! so far — the manifest is written without it, then those go under the lock again. Records of
 //! the run applied meanwhile come after the tombstone (the log applies records in order): they
 //! start the run anew and stay, with their alerts; its run-table entry is written again by the
-//! next flush. The maintenance guard travels into the blocking task, so a caller that stops
-//! waiting cannot let a flush start beside the deletion.
+//! next flush. Like flushes it runs under the maintenance lock (`Store::under_maintenance`), so
+//! no flush moves the hot rows between the phases.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,11 +18,11 @@ use rankwatch_analytics::RunId;
 
 use super::manifest::FileMeta;
 use super::{Deleted, Event, Store};
+use crate::entry::Table;
+use crate::error::{Error, Result};
 
 /// The tables whose hot rows a deletion drops.
 const TABLES: [Table; 2] = [Table::Samples, Table::Sketches];
-use crate::entry::Table;
-use crate::error::{Error, Result};
 
 impl Store {
     /// Deletes a run: its Parquet files (after the grace period queries get), its rows in
@@ -30,15 +30,9 @@ impl Store {
     /// Records of the run still in the write-ahead log are tombstoned in the manifest, so a
     /// restart does not bring them back. Rows that arrive afterwards start the run anew.
     pub async fn delete_run(self: &Arc<Self>, run: &RunId) -> Result<Deleted> {
-        let guard = self.maintenance.clone().lock_owned().await;
-        let store = self.clone();
         let run = run.clone();
-        tokio::task::spawn_blocking(move || {
-            let _guard = guard;
-            store.delete_run_blocking(&run)
-        })
-        .await
-        .map_err(|e| Error::Unavailable(format!("deletion task failed: {e}")))?
+        self.under_maintenance("deletion", move |store| store.delete_run_blocking(&run))
+            .await
     }
 
     fn delete_run_blocking(&self, run: &RunId) -> Result<Deleted> {

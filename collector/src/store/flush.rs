@@ -17,20 +17,14 @@ use rankwatch_analytics::{Alert, RunId, RunInfo};
 use super::manifest::{self, FileMeta};
 use super::{Store, files, rollup};
 use crate::entry::Table;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 impl Store {
     /// Moves every hot batch into Parquet and commits a manifest. Returns the flushed sequence
     /// number when something was committed.
     pub async fn flush(self: &Arc<Self>) -> Result<Option<u64>> {
-        let guard = self.maintenance.clone().lock_owned().await;
-        let store = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let _guard = guard;
-            store.flush_blocking()
-        })
-        .await
-        .map_err(|e| Error::Unavailable(format!("flush task failed: {e}")))?
+        self.under_maintenance("flush", |store| store.flush_blocking())
+            .await
     }
 
     fn flush_blocking(&self) -> Result<Option<u64>> {

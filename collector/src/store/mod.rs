@@ -180,9 +180,7 @@ pub struct Store {
     flush_wanted: Notify,
     metrics: StoreMetrics,
     clock: SharedClock,
-    /// Serialises flushes, compactions and deletions (each commits a manifest). Its guard is
-    /// moved into the blocking task that does the work, so a caller that stops waiting (a
-    /// request cancelled at shutdown) does not let the next step start beside it.
+    /// Serialises flushes, compactions and deletions (see `under_maintenance`).
     maintenance: Arc<tokio::sync::Mutex<()>>,
     epoch: i64,
     /// Alert changes since the last flush, durable (see `alert_log`).
@@ -427,6 +425,24 @@ impl Store {
     /// When this store was opened (ms since the epoch): alert revisions count from there.
     pub fn epoch(&self) -> i64 {
         self.epoch
+    }
+
+    /// Runs `work` on a blocking thread under the maintenance lock (flushes, compactions and
+    /// deletions each commit a manifest). The guard travels into the task, so a caller that
+    /// stops waiting (a request cancelled at shutdown) cannot let the next step start beside it.
+    async fn under_maintenance<T: Send + 'static>(
+        self: &Arc<Self>,
+        what: &str,
+        work: impl FnOnce(&Store) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let guard = self.maintenance.clone().lock_owned().await;
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            work(&store)
+        })
+        .await
+        .map_err(|e| Error::Unavailable(format!("{what} task failed: {e}")))?
     }
 
     /// Bytes in the hot buffer.
