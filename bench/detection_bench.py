@@ -59,6 +59,7 @@ class Scenario:
     nproc: int
     args: list[str] = field(default_factory=list)
     script: Path = EXAMPLE  # the training script; it takes train_text.py's run options
+    stop_at: int | None = None  # end the run here, its schedule still spanning `steps`
 
 
 def healthy_matrix(steps: int) -> list[Scenario]:
@@ -202,6 +203,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
     cmd = [sys.executable, str(s.script), "--nproc", str(s.nproc), "--steps", str(steps), "--run", s.name, "--collector", url, "--result-dir", str(where), "--spool-dir", str(where / "spool"), "--corpus-dir", str(out / "corpus"), *s.args]
+    cmd += ["--stop-at", str(s.stop_at)] if s.stop_at else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     started = time.monotonic()
     try:
@@ -210,7 +212,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     except subprocess.TimeoutExpired:
         error = f"timed out after {timeout:.0f} s"
     seconds = time.monotonic() - started
-    alerts = settle(url, s.name, steps - 1) if error is None else []
+    alerts = settle(url, s.name, (s.stop_at or steps) - 1) if error is None else []
     means: dict[str, float | None] = {}
     if error is None:
         names = ", ".join(f"'{m}'" for m in (*PAPER_METRICS, *OUR_METRICS))
@@ -236,6 +238,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
         "nproc": s.nproc,
         "args": s.args,
         "steps": steps,
+        "stop_at": s.stop_at,
         "seconds": round(seconds, 1),
         "error": error,
         "first_loss": losses[0] if losses else None,

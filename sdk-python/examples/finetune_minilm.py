@@ -133,7 +133,7 @@ def train(args: argparse.Namespace) -> dict:
     losses: list[float] = []
     started = time.perf_counter()
     model.train()
-    for step in range(args.steps):
+    for step in range(args.stop_at or args.steps):
         lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -173,6 +173,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks) to spawn")
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--stop-at", type=int, default=None, help="end after this many steps, the learning-rate schedule still spanning --steps (a run cut where nothing after matters)")
     p.add_argument("--run", default=None)
     p.add_argument("--collector", default=None, help="collector URL (default: $RANKWATCH_COLLECTOR or http://127.0.0.1:7070)")
     p.add_argument("--monitor", default="on", choices=["on", "off"])
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     check_faults(args.fault, p.error)
+    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
+        p.error(f"--stop-at {args.stop_at} must be inside (0, --steps]")
     if args.result_dir:
         Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     tokenised(args.source, args.corpus_dir)  # once, here

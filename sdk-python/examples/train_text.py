@@ -154,7 +154,7 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
     if run is not None:
         run.finish()
     faults.remove()
-    if last < args.steps and checkpoint is not None:
+    if last < min(args.steps, args.stop_at or args.steps) and checkpoint is not None:
         checkpoint.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "source": source}, checkpoint / "model.pt")
@@ -174,6 +174,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="processes (ranks) to spawn")
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--stop-at", type=int, default=None, help="end after this many steps, the learning-rate schedule still spanning --steps (a run cut where nothing after matters)")
     p.add_argument("--run", default=None, help="run name (needed with --resume-at, so both halves are one run)")
     p.add_argument("--collector", default=None, help="collector URL (default: $RANKWATCH_COLLECTOR or http://127.0.0.1:7070)")
     p.add_argument("--monitor", default="on", choices=["on", "off"])
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     check_faults(args.fault, p.error)
+    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
+        p.error(f"--stop-at {args.stop_at} must be inside (0, --steps]")
     if args.resume_at is not None:
         if not 0 < args.resume_at < args.steps:
             p.error(f"--resume-at {args.resume_at} must be inside (0, --steps)")
@@ -223,7 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     for s in {args.source, *(s for _, s in args.switch)}:
         corpus(s, args.corpus_dir)  # built once here, not by every rank at once
     halves = [(0, args.steps)] if args.resume_at is None else [(0, args.resume_at), (args.resume_at, args.steps)]
+    stop = args.stop_at or args.steps
     for first, last in halves:
+        if first >= stop:
+            break
+        last = min(last, stop)
         spawn_ranks(_worker, args.nproc, args, first, last)
 
 
