@@ -1,7 +1,7 @@
 """On a CUDA machine: the fused sketch kernel's launch shape (block size × private copies) on
 bf16 and float32 gradients, and what the gradient probe's norms cost per tensor against one
 `torch._foreach_norm`, on gradients shaped like the GPU suite's ~1B Llama. Prints Markdown
-tables (docs/architecture.md § GPU suite holds the H200's). Run from the repository root:
+tables (docs/performance.md § GPU suite holds the H200's). Run from the repository root:
 `PYTHONPATH=sdk-python python3 bench/gpu_sketch_sweep.py`."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@
    float32 and on a ~1B-parameter Llama in bf16, random init. Targets: ≤ 1 % and ≤ 2 % in total
    at the default cadence.
 
-Prints Markdown tables; record them in docs/architecture.md with the machine they ran on. A
+Prints Markdown tables; record them in docs/performance.md with the machine they ran on. A
 part that fails is reported and the others still run; the exit status says how many failed.
 On a GPU machine without a Rust toolchain: build the native module in release elsewhere
 (`maturin build --release` in sdk-python/), put its `_native.abi3.so` in sdk-python/rankwatch/,

@@ -50,7 +50,7 @@ fn exec_python(args: &[String]) -> anyhow::Result<()> {
 /// pages of the hot buffer's many small batches and of each flush's sort stayed with the
 /// process: under 1,024 ranks × 200 metrics the collector's RSS grew past 1.6 GB in four
 /// minutes and kept growing. With the two settings it stayed at 140-300 MiB at the same ingest
-/// latency (docs/architecture.md § Collector memory). Setting them with `mallopt` from `main`
+/// latency (docs/performance.md § Collector memory). Setting them with `mallopt` from `main`
 /// measured worse (700 MiB peaks) and would need `unsafe`; mimalloc peaked at 760 MiB.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn bound_malloc() {

@@ -243,7 +243,7 @@ pub fn app(state: AppState) -> Router {
 /// server-sent events, the dashboard's stored copies (they carry their `Content-Encoding`
 /// already), answers under 256 bytes. Level 1 of Brotli and gzip: on the dashboard's series
 /// JSON it keeps 4.1x of level 4's 4.3x, and unlike level 4 (+90 ms) it costs a loopback page
-/// load nothing measurable (`cargo xtask bench ui`, docs/architecture.md).
+/// load nothing measurable (`cargo xtask bench ui`, docs/performance.md § Dashboard).
 fn compression()
 -> tower_http::compression::CompressionLayer<impl tower_http::compression::Predicate> {
     use tower_http::compression::predicate::{NotForContentType, Predicate, SizeAbove};

@@ -226,7 +226,7 @@ pub fn step_range(batch: &RecordBatch) -> (Option<u64>, Option<u64>) {
 /// filled a 1 MB dictionary page per column chunk before falling back to plain pages, and a
 /// reader must decompress a chunk's dictionary before any page of it. A dashboard read of a
 /// few hundred rollup rows paid ~3 MB of zstd per row group (value, min, max, last), ~3 ms
-/// per file: most of an overview query's time (docs/architecture.md § Measured).
+/// per file: most of an overview query's time (docs/performance.md § Dashboard).
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     pub sorted_by: &'static [&'static str],
