@@ -28,11 +28,14 @@ from .offline import sync
 __all__ = ["Cadence", "DiscoveryError", "Mode", "NoopRun", "RankwatchWarning", "Run", "init", "sync"]
 
 if TYPE_CHECKING:
+    from .cadence import Cadence
     from .discovery import DiscoveryError
-    from .run import Cadence, Mode, NoopRun, RankwatchWarning, Run, init
+    from .offline import Mode
+    from .run import NoopRun, RankwatchWarning, Run
+    from .settings import init
 
 # Names imported on first use, and the module that has each.
-_LAZY = {name: "run" for name in ("Cadence", "Mode", "NoopRun", "RankwatchWarning", "Run", "init")} | {"DiscoveryError": "discovery"}
+_LAZY = {"Cadence": "cadence", "Mode": "offline", "init": "settings", "NoopRun": "run", "RankwatchWarning": "run", "Run": "run", "DiscoveryError": "discovery"}
 
 
 class MissingDependency(ModuleNotFoundError):

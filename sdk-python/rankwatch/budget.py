@@ -119,3 +119,19 @@ class SharedSums:
         call_us = self.store.add(self._key(agreed, "call_us"), 0)
         step_us = self.store.add(self._key(agreed, "step_us"), 0)
         return call_us / 1000.0, step_us / 1000.0
+
+
+class StepClock:
+    """The training step's time, for the budget: an exponential average (weight 0.2) of the
+    host time between logged steps, divided by the steps between them."""
+
+    def __init__(self) -> None:
+        self.ms: float | None = None
+        self._last: tuple[int, float] | None = None  # (step, perf_counter) of the last log
+
+    def tick(self, step: int) -> None:
+        now = time.perf_counter()
+        if self._last is not None and step > self._last[0]:
+            per_step = (now - self._last[1]) * 1000.0 / (step - self._last[0])
+            self.ms = per_step if self.ms is None else 0.8 * self.ms + 0.2 * per_step
+        self._last = (step, now)

@@ -2,7 +2,7 @@
 `rankwatch attach --mapping` take it on the command line: JSON text or the path of a JSON file.
 
 Torch-free, so that the launcher and the attach command can check a mapping before any training
-process sees it; `discovery.py` resolves it against the model.
+process sees it; `discovery/user_mapping.py` resolves it against the model.
 """
 
 from __future__ import annotations

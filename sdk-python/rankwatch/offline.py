@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 from . import _native
 
@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from ._native import SyncReport
 
 DEFAULT_COLLECTOR = "http://127.0.0.1:7070"
+
+# "online" streams (spooling while the collector is away), "offline" only spools, "disabled"
+# reports nothing: `init` returns a `NoopRun`. Only the first two reach the native agent.
+Mode = Literal["online", "offline", "disabled"]
+AgentMode = Literal["online", "offline"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+
+
+def parse_mode(text: str) -> Mode:
+    """`text` as a mode; raises ValueError naming the modes when it is none of them."""
+    for mode in MODES:
+        if text == mode:
+            return mode
+    raise ValueError(f"rankwatch.init: mode must be 'online', 'offline' or 'disabled', got {text!r}")
 
 
 def collector_url(given: str | None = None) -> str:

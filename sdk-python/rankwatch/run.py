@@ -9,10 +9,9 @@ monitoring's problem — a missing collector, a bad value, a failing probe, a ca
 `finish` — it warns once, counts, and carries on; mistakes in how rankwatch itself is
 configured (`init`, `watch`) raise.
 
-Cadence is keyed to the steps the user logs, whatever their spacing: a probe due at any step in
-(s, s + Δ], Δ the last gap between logged steps, is armed after `log(s)` and reported with the
-next logged step, and what it reports describes that step (the last optimizer step's gradient;
-the activations of that step's forward passes).
+Its parts live beside it: when each probe is due (`cadence.py`), what `log` accepts
+(`values.py`), the spectral probe's schedule and budget (`spectral_schedule.py`), alert
+callbacks (`alert_feed.py`), and `init` with the settings it reads (`settings.py`).
 
 The agent is made on first use, not in `init`: `watch` may find that the data-parallel group
 is a subgroup of the world, and then the run is that group's (see `topology.py`).
@@ -27,85 +26,61 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, SupportsFloat, get_args
+from typing import TYPE_CHECKING, SupportsFloat, TypedDict
 
 import torch
 
 from . import _native
-from .offline import collector_url, spool_root
+from .alert_feed import AlertCallback, AlertFeed
+from .budget import StepClock
+from .cadence import Cadence, ProbeSchedule
 from .report import Reporter, SeriesKey
 from .sharding import check_sharding
-from .topology import ReplicaGroup, agree_run_name, clean_run_id, launcher_run_name, local_rank, rank_and_world
+from .topology import ReplicaGroup, clean_run_id
+from .values import LoggedValues
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import NoReturn, TypeAlias
 
-    from torch.distributed import ProcessGroup
+    from torch.utils.hooks import RemovableHandle
+    from typing_extensions import Unpack
 
     from ._native import AgentStats
+    from .activations import ActivationProbe
     from .fingerprint import ReplicaFingerprint
+    from .gradients import GradientProbe
     from .layout import Layout
+    from .offline import AgentMode, Mode
+    from .spectral_schedule import ScheduledSpectral
+    from .structure import BlockCall, NeedsCall
 
     # What `stats()` and `finish()` return: the agent's counters, or `{}` from a `NoopRun`.
     RunStats: TypeAlias = AgentStats | dict[str, NoReturn]
-
-# "online" streams (spooling while the collector is away), "offline" only spools, "disabled"
-# reports nothing: `init` returns a `NoopRun`. Only the first two reach the native agent.
-Mode = Literal["online", "offline", "disabled"]
-AgentMode = Literal["online", "offline"]
-MODES: tuple[Mode, ...] = get_args(Mode)
-_VOCABULARY = {name: scope for name, scope, _ in _native.vocabulary()}
 
 
 class RankwatchWarning(UserWarning):
     """Monitoring trouble that must not stop training (collector away, bad value, misuse)."""
 
 
-@dataclass
-class Cadence:
-    """Steps between measurements, per probe (1 = every step). `0` turns a probe off."""
+class WatchOptions(TypedDict, total=False):
+    """`watch`'s keyword options, as `watch_or_warn` passes them on."""
 
-    grad: int = 1
-    sketch: int = 10
-    dot: int = 10
-    activations: int = 25
-    spectral: int = 50
-    fingerprint: int = 10
-
-    @classmethod
-    def parse(cls, every: int | Mapping[str, int] | Cadence | None) -> Cadence:
-        if every is None:
-            return cls()
-        if isinstance(every, Cadence):
-            return every
-        if isinstance(every, bool) or not isinstance(every, (int, Mapping)):
-            raise TypeError(f"rankwatch.init: every= takes an int, a dict of probe→steps or a Cadence, got {type(every).__name__}")
-        if isinstance(every, int):
-            if every < 1:
-                raise ValueError(f"rankwatch.init: every= must be at least 1, got {every}")
-            # One number sets the cadence of the expensive probes; the cheap ones stay per step.
-            return cls(activations=every, spectral=every, sketch=every, dot=every, fingerprint=every)
-        names = {f.name for f in fields(cls)}
-        unknown = set(every) - names
-        if unknown:
-            raise ValueError(f"rankwatch.init: unknown probe(s) in every=: {sorted(unknown)}; known: {sorted(names)}")
-        for k, v in every.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"rankwatch.init: every[{k!r}] must be an int >= 0, got {v!r}")
-        return cls(**dict(every))
-
-    @staticmethod
-    def due_within(every: int, after: int, upto: int) -> bool:
-        """Whether a step s with s % every == 0 lies in (after, upto]."""
-        return every > 0 and upto // every > after // every
+    mapping: Mapping[str, object] | None
+    activations: bool
+    compiled_activations: bool
+    spectral: bool
+    gate: bool
+    ddp: torch.nn.parallel.DistributedDataParallel | None
+    scaler: torch.amp.GradScaler | None
+    spectral_budget: float
+    effective_rank_probes: int
 
 
 # The process's unfinished runs: the zero-code agent stands aside where the script has its own.
@@ -163,30 +138,22 @@ class Run:
         self._warned: set[str] = set()
         self._reporter: Reporter | None = None
         self._device = torch.device("cpu")
-        self._layout: Any = None
-        self._spectral: Any = None
-        self._activations: Any = None
-        self._gradients: Any = None
+        self._layout: Layout | None = None
+        self._spectral: ScheduledSpectral | None = None
+        self._activations: ActivationProbe | None = None
+        self._gradients: GradientProbe | None = None
         self._fingerprint: ReplicaFingerprint | None = None
-        self._optimizer_hook: Any = None
+        self._optimizer_hook: RemovableHandle | None = None
         self._stop_scaler_listener: Callable[[], None] | None = None
-        # Blocks traced on a real call: what to install, and the capturing hook; then the call.
-        self._awaiting: tuple[_LayerProbes, Any] | None = None
-        self._block_call: Any = None
-        self._spectral_hook: Any = None
-        self._spectral_budget: Any = None
-        self._spectral_timer: Any = None
-        self._spectral_pending: list[tuple[str, int | None, str | None, torch.Tensor]] = []
-        self._spectral_ms: float | None = None
-        self._optimizer_steps = 0
-        self._step_ms: float | None = None
-        self._last_log_time: float | None = None
-        self._alert_callbacks: list[Callable[[dict[str, Any]], None]] = []
+        # Blocks traced on a real call: what to install, and the capturing hook; then the call
+        # (or why it could not be captured).
+        self._awaiting: tuple[_LayerProbes, RemovableHandle] | None = None
+        self._block_call: BlockCall | BaseException | None = None
+        self._schedule = ProbeSchedule()
+        self._clock = StepClock()
+        self._values = LoggedValues(self._warn)
+        self._alerts = AlertFeed(self._warn)
         self._last_health_check = 0.0
-        self._last_step: int | None = None
-        self._interval = 1
-        self._rejected = 0
-        self._rejected_reported = 0
         self.last_values: dict[SeriesKey, float] = {}
         if replica_group is not None:
             self._join(replica_group)
@@ -255,7 +222,7 @@ class Run:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        mapping: Mapping[str, Any] | None = None,
+        mapping: Mapping[str, object] | None = None,
         activations: bool = True,
         compiled_activations: bool = False,
         spectral: bool = True,
@@ -377,7 +344,21 @@ class Run:
         """The spectral and activation probes over `layout` (at `watch`, or at the first `log`
         after the blocks' first forward when they had to be traced on a real call)."""
         if plan.spectral and layout.blocks:
-            self._watch_spectral(layout, plan.optimizer, plan.budget, plan.erank_probes)
+            from .spectral_schedule import ScheduledSpectral
+
+            self._spectral = ScheduledSpectral(
+                layout,
+                run_id=self.id,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self._device,
+                optimizer=plan.optimizer,
+                every=self.cadence.spectral,
+                fraction=plan.budget,
+                erank_probes=plan.erank_probes,
+                step_ms=lambda: self._clock.ms,
+                failed=lambda e: self._probe_failed("spectral", e),
+            )
         if not plan.activations:
             return
         if plan.compiled:
@@ -409,7 +390,7 @@ class Run:
             "no graph break). Every other probe runs.",
         )
 
-    def _discover(self, plan: _LayerProbes, mapping: Mapping[str, Any] | None) -> Layout | None:
+    def _discover(self, plan: _LayerProbes, mapping: Mapping[str, object] | None) -> Layout | None:
         """The model's layout. None when it cannot be found without a mapping: the layer probes
         are then off, said so once; or, for blocks whose forward wants arguments of its own,
         waiting for their first forward (`_await_call`)."""
@@ -446,13 +427,13 @@ class Run:
             "`rankwatch run --mapping JSON -- ...` / `rankwatch attach --pid PID --mapping JSON` for a job you do not edit",
         )
 
-    def _await_call(self, plan: _LayerProbes, error: Any) -> None:
+    def _await_call(self, plan: _LayerProbes, error: NeedsCall) -> None:
         """A one-off forward pre-hook on the first block keeps meta copies of its arguments; the
         next `log()` traces the blocks on them and installs the layer probes. The hook only reads
         shapes and never raises into the forward."""
         from .structure import capture_call
 
-        def capture(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def capture(module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             try:
                 if self._block_call is None:
                     self._block_call = capture_call(args, kwargs)
@@ -497,7 +478,7 @@ class Run:
             self._announce(self._agent)
 
     def _watch_fingerprint(
-        self, model: torch.nn.Module, layout: Layout | None, *, sharded: bool, ddp: Any, optimizer: torch.optim.Optimizer | None = None
+        self, model: torch.nn.Module, layout: Layout | None, *, sharded: bool, ddp: torch.nn.parallel.DistributedDataParallel | None, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
         """The replica fingerprint of `model` (see fingerprint.py: it reports only once the
         ranks are known to be DDP replicas)."""
@@ -530,7 +511,7 @@ class Run:
         if ready:
             fingerprint.report(keys, values, optimizer=optimizer)
 
-    def _find_ddp(self, model: torch.nn.Module) -> Any:
+    def _find_ddp(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | bool | None:
         """`model`'s DDP wrapper: the gradient probe's, found at its first backward (None until
         then), or, with that probe off, looked for once here (False: none)."""
         if self._gradients is not None:
@@ -544,54 +525,6 @@ class Run:
         self.tags[name] = value
         if self._agent is not None:
             self._announce(self._agent)
-
-    def _watch_spectral(self, layout: Any, optimizer: torch.optim.Optimizer | None, fraction: float, erank_probes: int) -> None:
-        """The spectral probe: layers shared out over the ranks, under a time budget."""
-        from .budget import SharedSums, SpectralBudget, SpectralTimer
-        from .spectral import ShardingError, SpectralProbe
-
-        try:
-            probe = SpectralProbe(layout, reporter=self.rank, reporters=self.world_size, erank_probes=erank_probes)
-        except ShardingError as e:
-            raise ValueError(f"rankwatch.watch: the spectral probe cannot measure this model's weights exactly: {e}. Pass every={{'spectral': 0}} to rankwatch.init to watch the rest.") from e
-        shared = None
-        layers = len(layout.blocks)
-        if probe.collective:
-            if optimizer is None:
-                raise ValueError(
-                    "rankwatch.watch: this model's weights are sharded, so every rank measures them together and must do so at the "
-                    "same steps; pass the optimizer to watch() (the probe runs after every k-th optimizer step), or every={'spectral': 0}"
-                )
-            import torch.distributed as dist
-
-            store = dist.distributed_c10d._get_default_store()
-            shared = SharedSums(store, f"rankwatch/{self.id}/spectral", probe.mesh_size)
-            self._spectral_hook = optimizer.register_step_post_hook(lambda *_: self._spectral_after_optimizer_step())
-        else:
-            layers = len([p for p in range(layers) if p % self.world_size == self.rank])
-        self._spectral = probe
-        self._spectral_timer = SpectralTimer(self._device)
-        self._spectral_budget = SpectralBudget(layers, fraction, self.cadence.spectral, shared=shared)
-
-    def _spectral_after_optimizer_step(self) -> None:
-        """Sharded weights: every rank measures after the same optimizer steps."""
-        self._optimizer_steps += 1
-        if self._spectral is not None and self._optimizer_steps % self.cadence.spectral == 0:
-            self._run_spectral()
-
-    def _run_spectral(self) -> None:
-        probe, timer = self._spectral, self._spectral_timer
-        probe.layers_per_call = self._spectral_budget.before_call(timer.last_ms(), self._step_ms)
-        timer.start()
-        try:
-            self._spectral_pending.extend(probe.compute())
-        except Exception as e:  # noqa: BLE001 - a failing probe turns itself off
-            self._probe_failed("spectral", e)
-            self._spectral = None
-            return
-        finally:
-            timer.stop()
-        self._spectral_ms = timer.last_ms()
 
     # -- the hot path ----------------------------------------------------------------------
 
@@ -613,8 +546,7 @@ class Run:
             self._warn("after-finish", "rankwatch: log() after finish() is ignored")
             return
         agent = self._connect()
-        if self._alert_callbacks:
-            self._deliver_alerts(agent)
+        self._alerts.deliver(agent)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             self._warn(f"step-{type(step).__name__}", f"rankwatch: log() needs a step that is an int >= 0, got {step!r}; the call is ignored")
             return
@@ -634,91 +566,35 @@ class Run:
         else:
             values_in = metrics if isinstance(metrics, dict) else dict(metrics)  # a dict is read as it is
         try:
-            others = agent.log(step, values_in) if values_in else None
-        except ValueError:
-            others = self._log_one_by_one(agent, step, values_in)
+            others = self._values.send(agent, step, values_in)
         except RuntimeError as e:
             self._warn("closed", f"rankwatch: {e}")
             return
         keys: list[SeriesKey] = []
         values: list[torch.Tensor] = []
-        if others:
-            for name in others:
-                self._take_other(name, values_in[name], keys, values)
+        for name in others or ():
+            self._values.take(name, values_in[name], keys, values)
         try:
             self._probe(agent, step, keys, values)
         except Exception as e:  # noqa: BLE001 - the step goes on without this report
             self._warn(f"report-{type(e).__name__}", f"rankwatch: the report of step {step} failed ({e!r}); training continues")
-        now = time.perf_counter()
-        if self._last_log_time is not None and self._last_step is not None and step > self._last_step:
-            per_step = (now - self._last_log_time) * 1000.0 / (step - self._last_step)
-            self._step_ms = per_step if self._step_ms is None else 0.8 * self._step_ms + 0.2 * per_step
-        self._last_log_time = now
-        self._last_step = step
+        self._clock.tick(step)
+        self._schedule.logged(step)
         self._health(agent)
-
-    def _log_one_by_one(self, agent: _native.Agent, step: int, values: dict[str, Any]) -> list[str]:
-        """The slow path after a bad name: each plain number alone, the bad ones counted."""
-        others: list[str] = []
-        for name, value in values.items():
-            try:
-                rest = agent.log(step, {name: value})
-            except ValueError as e:
-                self._reject(f"name-{name}", f"rankwatch: log(step={step}) skipped {name!r}: {e}")
-                continue
-            others.extend(rest or ())
-        return others
-
-    def _reject(self, key: str, message: str) -> None:
-        self._rejected += 1
-        self._warn(key, message + " (counted in the metric 'rejected')")
-
-    def _take_other(self, name: str, value: Any, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
-        metric = name if _VOCABULARY.get(name) == "rank" else (name if name.startswith("user/") else f"user/{name}")
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                self._reject(f"shape-{name}", f"rankwatch: log() value {name!r} is a tensor of shape {tuple(value.shape)}; only single-element tensors are logged")
-                return
-            if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.bool)):
-                self._reject(f"dtype-{name}", f"rankwatch: log() value {name!r} has dtype {value.dtype}; skipped")
-                return
-            keys.append((metric, None, None, False))
-            values.append(value)
-            if name == "loss":
-                # nonfinite counts NaN/Inf in the loss; the gradient's count joins it in _probe.
-                keys.append(("nonfinite", None, None, False))
-                values.append((~torch.isfinite(value.detach())).sum().double())
-            return
-        if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars: host values
-            try:
-                number = float(value.item())
-            except (TypeError, ValueError):
-                pass
-            else:
-                keys.append((metric, None, None, False))
-                values.append(torch.tensor(number, dtype=torch.float64))
-                return
-        self._reject(f"type-{name}", f"rankwatch: log() value {name!r} is a {type(value).__name__}; expected a number or a tensor, skipped")
 
     def _probe(self, agent: _native.Agent, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
         if self._awaiting is not None and self._block_call is not None:
             self._resolve_call()
         reporter = self._reporter
         if reporter is None:
-            if values or self._rejected != self._rejected_reported:
+            if values or self._values.unreported():
                 # No watch(): tensors logged by hand still go through a CPU/device reporter.
                 device = values[0].device if values else torch.device("cpu")
                 self._reporter = reporter = Reporter(agent, device, self._remember)
             else:
                 return
-        if self._rejected != self._rejected_reported:
-            self._rejected_reported = self._rejected
-            keys.append(("rejected", None, None, False))
-            values.append(torch.tensor(float(self._rejected), dtype=torch.float64))
-        if self._last_step is not None and step > self._last_step:
-            self._interval = step - self._last_step
-        previous = self._last_step if self._last_step is not None else step - 1
-        upto = step + self._interval  # the next logged step, expected
+        self._values.report_rejected(keys, values)
+        window = self._schedule.window(step)
         self._drop_failed_hooks()
         sketch = self._report_gradients(keys, values)
         if self._activations is not None:
@@ -729,26 +605,26 @@ class Run:
                 for metric, layer, site, tensor in self._activations.collect():
                     keys.append((metric, layer, site, False))
                     values.append(tensor)
-            if Cadence.due_within(self.cadence.activations, step, upto):
+            if window.next(self.cadence.activations):
                 self._activations.arm()
-        if self._spectral is not None and not self._spectral.collective and Cadence.due_within(self.cadence.spectral, previous, step):
-            self._run_spectral()
-        if self._fingerprint is not None and Cadence.due_within(self.cadence.fingerprint, previous, step):
+        if self._spectral is not None and not self._spectral.collective and window.now(self.cadence.spectral):
+            self._spectral.measure()
+        if self._fingerprint is not None and window.now(self.cadence.fingerprint):
             # The optimizer state every tenth fingerprint: it is as large as the weights again, twice.
             try:
-                self._report_fingerprint(self._fingerprint, keys, values, optimizer=Cadence.due_within(10 * self.cadence.fingerprint, previous, step))
+                self._report_fingerprint(self._fingerprint, keys, values, optimizer=window.now(10 * self.cadence.fingerprint))
             except Exception as e:  # noqa: BLE001 - inside log(): never into the training loop
                 self._fingerprint = None
                 self._probe_failed("replica fingerprint", e)
-        for metric, layer, site, tensor in self._spectral_pending:
-            keys.append((metric, layer, site, True))
-            values.append(tensor)
-        self._spectral_pending = []
+        if self._spectral is not None:
+            for metric, layer, site, tensor in self._spectral.take():
+                keys.append((metric, layer, site, True))
+                values.append(tensor)
         costs = self._costs()
         if self._gradients is not None:
-            self._gradients.armed = Cadence.due_within(self.cadence.grad, step, upto)
-            self._gradients.sketch_armed = Cadence.due_within(self.cadence.sketch, step, upto)
-            self._gradients.dot_armed = Cadence.due_within(self.cadence.dot, step, upto)
+            self._gradients.armed = window.next(self.cadence.grad)
+            self._gradients.sketch_armed = window.next(self.cadence.sketch)
+            self._gradients.dot_armed = window.next(self.cadence.dot)
         reporter.drain()
         if values or sketch is not None or costs:
             reporter.submit(step, keys, values, sketch, host=costs)
@@ -793,12 +669,12 @@ class Run:
             if probe is not None and probe.elapsed > 0:
                 costs.append(((f"probe_ms.{name}", None, None, False), probe.elapsed * 1000.0))
                 probe.elapsed = 0.0
-        if self._spectral_ms is not None:
-            costs.append((("probe_ms.spectral", None, None, False), self._spectral_ms))
-            self._spectral_ms = None
+        spectral_ms = self._spectral.take_cost_ms() if self._spectral is not None else None
+        if spectral_ms is not None:
+            costs.append((("probe_ms.spectral", None, None, False), spectral_ms))
         return costs
 
-    def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
+    def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Unpack[WatchOptions]) -> Run:
         """`watch` for integrations and the zero-code agent, which run inside the training job:
         a mapping that does not fit is a warning (the model is then watched without it), a
         layout the probes cannot measure (FSDP1, DeepSpeed) too, and the run goes on logging."""
@@ -810,7 +686,9 @@ class Run:
             if kwargs.get("mapping") is None:
                 raise  # watch() turns discovery's own failures into a warning: not reached
             self._warn("mapping", f"rankwatch: the mapping does not fit the model ({e}); watching it without the mapping")
-            return self.watch_or_warn(model, optimizer, **{**kwargs, "mapping": None})
+            without = kwargs.copy()
+            without["mapping"] = None
+            return self.watch_or_warn(model, optimizer, **without)
         except ValueError as e:
             self._warn("watch", f"{e} — the run goes on without model probes")
             return self
@@ -829,7 +707,7 @@ class Run:
     def _probe_failed(self, name: str, error: BaseException) -> None:
         self._warn(f"probe-{name}", f"rankwatch: the {name} probe failed ({error!r}) and turned itself off; training and the other probes go on")
 
-    def _remember(self, step: int, keys: Any, values: list[float]) -> None:
+    def _remember(self, step: int, keys: Sequence[SeriesKey], values: list[float]) -> None:
         for key, value in zip(keys, values, strict=True):
             self.last_values[key] = value
             if key[0] == "loss" and not math.isfinite(value):
@@ -857,7 +735,7 @@ class Run:
         self._warned.add(key)
         warnings.warn(message, RankwatchWarning, stacklevel=3)
 
-    def on_alert(self, callback: Callable[[dict[str, Any]], None], *, poll_interval: float = 2.0) -> None:
+    def on_alert(self, callback: AlertCallback, *, poll_interval: float = 2.0) -> None:
         """Registers a function called with each alert the collector raises for this run: when
         it fires, escalates, and resolves. The agent polls the collector every `poll_interval`
         seconds on a thread of its own; callbacks run on the training thread, inside the next
@@ -868,33 +746,10 @@ class Run:
         `fired_at_ms` set: test `fired_at_ms`, not `state`, to ask "did it fire". An exception in a callback is
         reported as a warning unless it is meant to stop the job (SystemExit,
         KeyboardInterrupt, or an exception the callback raises with `stop=True` set)."""
-        if not callable(callback):
-            raise TypeError("rankwatch: on_alert needs a callable")
-        self._alert_callbacks.append(callback)
+        self._alerts.add(callback)
         if not self._finished:
             if not self._connect().watch_alerts(poll_interval):
                 self._warn("alerts-offline", "rankwatch: on_alert has no effect in offline mode (no collector to hear alerts from)")
-
-    def _deliver_alerts(self, agent: _native.Agent) -> None:
-        """Calls the on_alert callbacks with what the feed brought since the last call."""
-        if not self._alert_callbacks:
-            return
-        texts = agent.take_alerts()
-        if not texts:
-            return
-        import json
-
-        for text in texts:
-            alert = json.loads(text)
-            for callback in self._alert_callbacks:
-                try:
-                    callback(alert)
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except Exception as e:  # a broken callback must not end the job
-                    if getattr(e, "stop", False):
-                        raise
-                    self._warn(f"callback-{id(callback)}", f"rankwatch: on_alert callback {callback!r} raised {e!r}; further alerts are still delivered")
 
     @property
     def finished(self) -> bool:
@@ -921,7 +776,7 @@ class Run:
         if self._finished:
             self._warn("finish-twice", "rankwatch: finish() called twice; the second call does nothing")
             return agent.stats()
-        self._deliver_alerts(agent)
+        self._alerts.deliver(agent)
         self._finished = True
         if self._reporter is not None:
             try:
@@ -933,7 +788,8 @@ class Run:
         # last steps close and its open alerts resolve now rather than an idle hour later.
         try:
             if not self._crashed:
-                agent.log(self._last_step if self._last_step is not None else 0, {"finished": 1.0})
+                last = self._schedule.last_step
+                agent.log(last if last is not None else 0, {"finished": 1.0})
         except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
             self._warn("finished", f"rankwatch: could not report the end of the run: {e}")
         stats = agent.shutdown(timeout)
@@ -963,14 +819,12 @@ class Run:
             self._awaiting[1].remove()
             self._awaiting = None
             self._block_call = None
-        for attr in ("_optimizer_hook", "_spectral_hook"):
-            handle = getattr(self, attr)
-            if handle is not None:
-                handle.remove()
-                setattr(self, attr, None)
-        self._spectral = None
-        self._spectral_budget = None  # it holds the process group's store: gone with the probes
-        self._spectral_pending = []
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+        if self._spectral is not None:
+            self._spectral.remove()
+            self._spectral = None
 
     def __enter__(self) -> Run:
         return self
@@ -1019,7 +873,7 @@ class NoopRun(Run):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        mapping: Mapping[str, Any] | None = None,
+        mapping: Mapping[str, object] | None = None,
         activations: bool = True,
         compiled_activations: bool = False,
         spectral: bool = True,
@@ -1031,7 +885,7 @@ class NoopRun(Run):
     ) -> Run:
         return self
 
-    def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Run:
+    def watch_or_warn(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **kwargs: Unpack[WatchOptions]) -> Run:
         return self
 
     def log(
@@ -1045,7 +899,7 @@ class NoopRun(Run):
     ) -> None:
         return None
 
-    def on_alert(self, callback: Callable[[dict[str, Any]], None], *, poll_interval: float = 2.0) -> None:
+    def on_alert(self, callback: AlertCallback, *, poll_interval: float = 2.0) -> None:
         if not callable(callback):  # a mistake in the script, whether or not it reports
             raise TypeError("rankwatch: on_alert needs a callable")
 
@@ -1103,88 +957,3 @@ def _sketch_seed(run: str) -> int:
     import zlib
 
     return zlib.crc32(run.encode())
-
-
-def init(
-    run: str | None = None,
-    collector: str | None = None,
-    *,
-    mode: Mode | None = None,
-    every: int | Mapping[str, int] | Cadence | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    spool_dir: str | os.PathLike[str] | None = None,
-    token: str | None = None,
-    tags: Mapping[str, object] | None = None,
-    dot_mode: bool = True,
-    sketch_dim: int = 1024,
-    data_parallel_group: ProcessGroup | Sequence[int] | None = None,
-) -> Run:
-    """Starts monitoring this process's rank of a training run.
-
-    Rank and world size come from `torch.distributed` when it is initialised, else from the
-    launcher's environment (torchrun's `RANK`/`WORLD_SIZE`, Slurm's `SLURM_PROCID`/
-    `SLURM_NTASKS`, Open MPI's). Without `run`, the name is `RANKWATCH_RUN`,
-    `TORCHELASTIC_RUN_ID` (unless `none`) or `SLURM_JOB_ID`, else one made on rank 0 and shared
-    with every rank through the process group's store. `data_parallel_group` (a ProcessGroup or
-    a list of global ranks) says which ranks are replicas of each other when that is not the
-    whole world; `watch` also learns it from a DistributedDataParallel wrapper. `mode` is
-    "online" (stream to `collector`, spooling to disk while it is away), "offline" (spool only;
-    send later with `rankwatch.sync`) or "disabled" (every call is a no-op). Settings also come
-    from `RANKWATCH_COLLECTOR`, `RANKWATCH_MODE`, `RANKWATCH_RUN`, `RANKWATCH_INGEST_TOKEN` and
-    `RANKWATCH_SPOOL_DIR`. `dot_mode` measures each rank's exact cosine to the averaged
-    gradient at the cost of one copy of the gradient during the backward pass.
-    """
-    mode = parse_mode(mode or os.environ.get("RANKWATCH_MODE", "online"))
-    found_rank, found_world = rank_and_world()
-    rank = found_rank if rank is None else rank
-    world_size = found_world if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rankwatch.init: rank {rank} is not within world size {world_size}")
-    named = run or launcher_run_name()
-    collector = collector_url(collector)
-    if sketch_dim < 1:
-        raise ValueError("rankwatch.init: sketch_dim must be at least 1")
-    cadence = Cadence.parse(every)
-    replica_group = ReplicaGroup.of(data_parallel_group) if data_parallel_group is not None else None
-    if mode == "disabled":
-        # Nothing is reported, so nothing is agreed with the other ranks or checked for sending.
-        return NoopRun(
-            clean_run_id(named) if named else "disabled",
-            rank=rank,
-            world_size=world_size,
-            local_rank=local_rank(),
-            collector=collector,
-            cadence=cadence,
-            tags=tags or {},
-            dot_mode=dot_mode,
-            sketch_dim=sketch_dim,
-            replica_group=replica_group,
-        )
-    run_id = clean_run_id(named) if named else agree_run_name(rank, world_size)
-    if not collector.startswith("http://"):
-        raise ValueError(f"rankwatch.init: collector must be an http:// URL, got {collector!r}")
-    spool = spool_root(spool_dir)
-    return Run(
-        run_id,
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank(),
-        collector=collector,
-        mode=mode,
-        cadence=cadence,
-        spool_dir=spool,
-        token=token or os.environ.get("RANKWATCH_INGEST_TOKEN"),
-        tags=tags or {},
-        dot_mode=dot_mode,
-        sketch_dim=sketch_dim,
-        replica_group=replica_group,
-    )
-
-
-def parse_mode(text: str) -> Mode:
-    """`text` as a mode; raises ValueError naming the modes when it is none of them."""
-    for mode in MODES:
-        if text == mode:
-            return mode
-    raise ValueError(f"rankwatch.init: mode must be 'online', 'offline' or 'disabled', got {text!r}")

@@ -1,6 +1,6 @@
 """Structural discovery: a block's attention and MLP matrices read off its own data flow.
 
-Family handlers and the name table (`discovery.py`) know models by their names. Research code,
+Family handlers and the name table (`discovery/`) know models by their names. Research code,
 Megatron-core, OLMo, MPT and renamed forks call the same matrices something else, so when
 neither applies, discovery traces one forward of one block and reads the matrices off what the
 block computes:
@@ -42,7 +42,7 @@ block. Anything else raises `DiscoveryError` naming what was ambiguous — never
 
 Blocks whose parameters have the same names and shapes share one trace; the sites found are
 relative parameter names, resolved in each block to accessors that read the live parameter
-(`discovery.py`'s contract). Row selections of a fused weight are views when the rows form one
+(`discovery`'s contract). Row selections of a fused weight are views when the rows form one
 ascending range, otherwise one gather (a copy) per read.
 """
 

@@ -41,8 +41,10 @@ from typing import Any
 import torch
 
 from ..losses import BackwardLoss, TokenLoss
-from ..run import RankwatchWarning, Run, init, live_runs, parse_mode
+from ..offline import parse_mode
+from ..run import RankwatchWarning, Run, live_runs
 from ..scaling import listen
+from ..settings import init
 from .agreement import Agreement, Switch
 from .find import Found, model_of, steps_done
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cadence import PROBES
+
 BOOT = Path(__file__).resolve().parent / "boot"
 SDK = Path(__file__).resolve().parent.parent.parent  # the directory holding `rankwatch/`
-
-PROBES = ("grad", "sketch", "dot", "activations", "spectral", "fingerprint")
 
 
 def parse_every(text: str) -> int | dict[str, int]:

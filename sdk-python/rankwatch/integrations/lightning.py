@@ -22,7 +22,8 @@ try:
 except ImportError:  # the older package name
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
-from ..run import Run, init
+from ..run import Run
+from ..settings import init
 
 
 class RankwatchCallback(pl.Callback):

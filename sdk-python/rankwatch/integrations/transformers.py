@@ -26,7 +26,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..losses import TokenLoss
-from ..run import Run, init
+from ..run import Run
+from ..settings import init
 
 
 class RankwatchCallback(TrainerCallback):
