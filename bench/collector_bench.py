@@ -41,12 +41,21 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import requests
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    # A request's body and its headers.
+    Body = tuple[bytes, dict[str, str]]
+    # Samples by (rank, layer): their values and their times in ms.
+    Series = dict[tuple[int, int], tuple[list[float], list[int]]]
 
 BIN = os.environ["RANKWATCH_BIN"]
 ARROW = "application/vnd.apache.arrow.stream"
@@ -59,18 +68,19 @@ def free_port() -> int:
 
 
 def start_collector(data: Path, *extra: str, cpus: str | None = "0", binary: str | None = None,
-                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     cmd = [binary or BIN, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data), *extra]
     if cpus and shutil.which("taskset"):
         cmd = ["taskset", "-c", cpus, *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "RANKWATCH_LOG": "warn", **(env or {})})
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     assert line.startswith("rankwatch listening on"), line
     return proc, line.strip().rsplit(" ", 1)[1]
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen[str]) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=600)
 
@@ -110,7 +120,8 @@ def session() -> requests.Session:
     return s
 
 
-def post_retrying(url: str, body: bytes, headers: dict, timeout: float = 120, attempt=None) -> requests.Response:
+def post_retrying(url: str, body: bytes, headers: dict[str, str], timeout: float = 120,
+                  attempt: Callable[[requests.Response, float], None] | None = None) -> requests.Response:
     """POSTs until the answer is not 429, waiting its Retry-After between tries as the agent
     does; `attempt(response, seconds)` sees every try."""
     while True:
@@ -123,10 +134,10 @@ def post_retrying(url: str, body: bytes, headers: dict, timeout: float = 120, at
         time.sleep(float(r.headers.get("retry-after", "1")))
 
 
-def post_all(url: str, bodies, clients: int, count: int | None = None) -> float:
+def post_all(url: str, bodies: list[Body] | Callable[[int], Body], clients: int, count: int | None = None) -> float:
     """POSTs every body (a list, or a function of the index making one) from `clients` threads."""
     make = bodies if callable(bodies) else bodies.__getitem__
-    count = len(bodies) if count is None else count
+    count = len(cast("list[Body]", bodies)) if count is None else count  # a function comes with its count
 
     def send(i: int) -> None:
         body, headers = make(i)
@@ -161,7 +172,7 @@ def field(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
-def remote_write_body(series: dict[tuple, tuple[list, list]]) -> bytes:
+def remote_write_body(series: Series) -> bytes:
     """A Prometheus remote-write WriteRequest (protobuf, snappy block), encoded by hand:
     TimeSeries{labels: Label{name, value}..., samples: Sample{double value, int64 ms}...}."""
     import cramjam
@@ -175,9 +186,9 @@ def remote_write_body(series: dict[tuple, tuple[list, list]]) -> bytes:
     return bytes(cramjam.snappy.compress_raw(bytes(out)))
 
 
-def by_series(table: pa.Table) -> dict[tuple, tuple[list, list]]:
+def by_series(table: pa.Table) -> Series:
     cols = table.to_pydict()
-    series: dict[tuple, tuple[list, list]] = {}
+    series: Series = {}
     for rank, layer, ts, v in zip(cols["rank"], cols["layer"], cols["time"], cols["value"]):
         values, stamps = series.setdefault((rank, layer), ([], []))
         values.append(v)
@@ -185,7 +196,7 @@ def by_series(table: pa.Table) -> dict[tuple, tuple[list, list]]:
     return series
 
 
-def json_lines_body(series: dict[tuple, tuple[list, list]]) -> bytes:
+def json_lines_body(series: Series) -> bytes:
     return "\n".join(
         json.dumps({"metric": {"__name__": "spectral_ratio", "run": "ingest", "rank": str(r), "layer": str(l)},
                     "values": vs, "timestamps": ts})
@@ -193,7 +204,7 @@ def json_lines_body(series: dict[tuple, tuple[list, list]]) -> bytes:
     ).encode()
 
 
-def victoria_metrics_rate(path: str, bodies: list, clients: int, samples: int) -> float:
+def victoria_metrics_rate(path: str, bodies: list[Body], clients: int, samples: int) -> float:
     vm = shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics"
     with tempfile.TemporaryDirectory() as d:
         port = free_port()
@@ -240,7 +251,7 @@ def cpu_until_idle(pid: int, quiet: float = 0.01, every: float = 0.25, limit: fl
     return last
 
 
-def rankwatch_rate(bodies: list, clients: int, samples: int, binary: str | None = None,
+def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str | None = None,
                    env: dict[str, str] | None = None, busy: list[float] | None = None,
                    extra: tuple[str, ...] = (), cpu: list[float] | None = None) -> float:
     """Samples/s; `busy`, if given, gets the server's CPU time over the wall time of the sends;
@@ -282,7 +293,7 @@ def ingest_tables(count: int, rows: int) -> list[pa.Table]:
     return [samples_batch("ingest", i * (rows // 512 + 1), rows) for i in range(count)]
 
 
-def arrow_bodies(tables: list[pa.Table]) -> list[tuple[bytes, dict]]:
+def arrow_bodies(tables: list[pa.Table]) -> list[Body]:
     """rankwatch's ingest requests for `tables`, each with its idempotency key."""
     return [(ipc_bytes(t), {"content-type": ARROW, "idempotency-key": f"ingest/0/bench/{i}"}) for i, t in enumerate(tables)]
 
@@ -291,7 +302,7 @@ def victoria_metrics_installed() -> bool:
     return Path(shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics").exists()
 
 
-def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000) -> dict:
+def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000) -> dict[str, dict[int, float]]:
     """Samples/s per system and number of concurrent clients, median of INGEST_REPEATS fresh
     servers each, the server pinned to CPU 0 and this client to the other CPUs; then one
     sustained run of `sustained` batches at 8 clients, long enough that each system's
@@ -303,7 +314,8 @@ def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000)
           f"samples/s, median of {INGEST_REPEATS}", flush=True)
     tables = ingest_tables(max(batches, sustained), rows)
     arrow = arrow_bodies(tables)
-    systems: dict[str, tuple] = {
+    # Each system: how it is fed, the rate of some bodies sent by so many clients, its bodies.
+    systems: dict[str, tuple[str, Callable[[list[Body], int], float], list[Body]]] = {
         "rankwatch": ("Arrow IPC + zstd; acknowledged after the WAL's fsync",
                       lambda bodies, c: rankwatch_rate(bodies, c, len(bodies) * rows), arrow),
     }
@@ -342,7 +354,7 @@ def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000)
     return rates
 
 
-def side_by_side_inputs(count: int, rows: int, eatmydata: bool = False) -> tuple[int, list, list | None]:
+def side_by_side_inputs(count: int, rows: int, eatmydata: bool = False) -> tuple[int, list[Body], list[Body] | None]:
     """What the interleaved ingest benches share: the clients moved off CPU 0, the number of
     rounds (RANKWATCH_BENCH_AB_ROUNDS, 3 by default), `count` batches of `rows` samples as
     rankwatch's Arrow requests and as VictoriaMetrics' remote write (None where it is not
@@ -457,7 +469,7 @@ def bench_ingest_floor(rows: int = 10_000, sustained: int = 1_000) -> None:
     print("target: the collector as shipped >= 1.2x VictoriaMetrics remote write, fsync before the ack")
 
 
-def p50(fn, n: int = 25) -> float:
+def p50(fn: Callable[[], object], n: int = 25) -> float:
     fn()  # warm caches, as a dashboard refresh would find them
     times = []
     for _ in range(n):
@@ -470,7 +482,7 @@ def p50(fn, n: int = 25) -> float:
 QUERY_SIZES = [int(n) for n in os.environ.get("RANKWATCH_BENCH_QUERY_ROWS", "1000000,10000000,100000000").split(",")]
 
 
-def query_point(total: int) -> dict:
+def query_point(total: int) -> dict[str, Any]:
     """One run of `total` samples (64 layers x 8 ranks), flushed to Parquet; p50 of the two
     dashboard queries against the same aggregation in DuckDB over the same files."""
     layers, ranks, rows = 64, 8, 100_000
@@ -480,7 +492,7 @@ def query_point(total: int) -> dict:
         proc, url = start_collector(data, "--hot-budget-bytes", str(256 << 20), cpus=None)
         try:
             steps_per = rows // (layers * ranks)
-            body = lambda i: (ipc_bytes(samples_batch("q", i * (steps_per + 1), rows)), {"content-type": ARROW})  # noqa: E731
+            body: Callable[[int], Body] = lambda i: (ipc_bytes(samples_batch("q", i * (steps_per + 1), rows)), {"content-type": ARROW})  # noqa: E731
             t = time.perf_counter()
             post_all(f"{url}/api/v1/ingest", body, 4, count=total // rows)
         finally:
@@ -491,12 +503,12 @@ def query_point(total: int) -> dict:
             s = requests.Session()
             # The whole answer received, not parsed (as DuckDB's is fetched as Arrow, not turned
             # into Python objects): each system's own work. Uncompressed, on loopback.
-            get = lambda path, **params: s.get(f"{url}/api/v1/runs/q/{path}", params=params, timeout=600,  # noqa: E731
+            get: Callable[..., bytes] = lambda path, **params: s.get(f"{url}/api/v1/runs/q/{path}", params=params, timeout=600,  # noqa: E731
                                                headers={"accept-encoding": "identity"}).content
-            series = lambda: get("series", metric="spectral.ratio", layer=17, rank=3, points=1000)  # noqa: E731
-            heat = lambda: get("heatmap", metric="spectral.ratio", points=1000)  # noqa: E731
+            series: Callable[[], bytes] = lambda: get("series", metric="spectral.ratio", layer=17, rank=3, points=1000)  # noqa: E731
+            heat: Callable[[], bytes] = lambda: get("heatmap", metric="spectral.ratio", points=1000)  # noqa: E731
             width = json.loads(heat())["buckets"]["width"]
-            metrics = lambda: {  # noqa: E731
+            metrics: Callable[[], dict[str, float]] = lambda: {  # noqa: E731
                 line.split()[0]: float(line.split()[1]) for line in s.get(f"{url}/metrics", timeout=60).text.splitlines()
                 if line.startswith("rankwatch_downsampled_")}
             before = metrics()
@@ -526,7 +538,7 @@ def query_point(total: int) -> dict:
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
 
 
-def svg_panels(path: Path, x_label: str, panels: list[tuple[str, dict[str, list[tuple[float, float]]]]], x_text) -> None:
+def svg_panels(path: Path, x_label: str, panels: list[tuple[str, dict[str, list[tuple[float, float]]]]], x_text: Callable[[float], str]) -> None:
     """Log-log panels side by side, one line per system; `x_text` labels an x value."""
     w, h, pad = 360, 260, 50
     xs = sorted({x for _, lines in panels for pts in lines.values() for x, _ in pts})
@@ -534,8 +546,8 @@ def svg_panels(path: Path, x_label: str, panels: list[tuple[str, dict[str, list[
     lo_x, hi_x = np.log10(min(xs)), np.log10(max(xs)) + 1e-9
     lo_y, hi_y = np.floor(np.log10(min(ys))), np.ceil(np.log10(max(ys)))
     hi_y += hi_y == lo_y
-    px = lambda x: pad + (np.log10(x) - lo_x) / (hi_x - lo_x) * (w - 2 * pad)  # noqa: E731
-    py = lambda y: h - pad - (np.log10(y) - lo_y) / (hi_y - lo_y) * (h - 2 * pad)  # noqa: E731
+    px: Callable[[float], float] = lambda x: pad + (np.log10(x) - lo_x) / (hi_x - lo_x) * (w - 2 * pad)  # noqa: E731
+    py: Callable[[float], float] = lambda y: h - pad - (np.log10(y) - lo_y) / (hi_y - lo_y) * (h - 2 * pad)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{len(panels) * w}" height="{h}" font-family="sans-serif" font-size="11">']
     for n, (title, lines) in enumerate(panels):
         out.append(f'<g transform="translate({n * w},0)"><text x="{w / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>')
@@ -581,7 +593,7 @@ def bench_queries() -> None:
         print(f"plot: {plot}")
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
     """moto's S3 server (a Python process: a floor for object storage, not S3's speed)."""
     import boto3
 
@@ -627,7 +639,7 @@ def bench_storage(total: int = 2_000_000) -> None:
                 start = time.perf_counter() - t
                 try:
                     s = requests.Session()
-                    series = lambda: s.get(f"{url}/api/v1/runs/st/series", params={"metric": "spectral.ratio", "layer": 17, "rank": 3, "points": 1000}, timeout=60).json()  # noqa: E731
+                    series: Callable[[], Any] = lambda: s.get(f"{url}/api/v1/runs/st/series", params=cast("dict[str, str | int]", {"metric": "spectral.ratio", "layer": 17, "rank": 3, "points": 1000}), timeout=60).json()  # noqa: E731
                     q = p50(series, 10)
                 finally:
                     stop(proc)
@@ -718,7 +730,7 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
         finally:
             stop(proc)
     lat = sorted(latencies)
-    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    q: Callable[[float], float] = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
     print(f"{'minute':>6} {'RSS MiB min':>12} {'RSS MiB max':>12}")
     for m in range(int(timeline[-1][0] // 60) + 1):
         window = [r for t, r in timeline if m * 60 <= t < (m + 1) * 60]
@@ -843,7 +855,8 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
                 for step in range(seconds):
                     t0 = time.perf_counter()
                     # Each agent posts its ranks' batches one after another, as 8 processes would.
-                    futures = [pool.submit(lambda a, s=step: [post(url, r, s) for r in range(a * ranks // agents, (a + 1) * ranks // agents)], a)
+                    futures = [pool.submit(cast("Callable[[int], list[None]]",
+                                                lambda a, s=step: [post(url, r, s) for r in range(a * ranks // agents, (a + 1) * ranks // agents)]), a)
                                for a in range(agents)]
                     for f in futures:
                         f.result()
@@ -859,7 +872,7 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
                 s.close()
             stop(proc)
     lat = sorted(latencies)
-    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    q: Callable[[float], float] = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
     sent = seconds * ranks * metrics
     print(f"{'samples sent':>13} {'stored':>10} {'429 (retried)':>14} {'refused':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'max ms':>8} {'peak RSS MiB':>13}")

@@ -46,8 +46,10 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -189,9 +191,9 @@ def first_divergence(s: Series, start: int) -> int | None:
     return None
 
 
-def judge(run: Run, result: dict, series: Series) -> dict:
+def judge(run: Run, result: dict[str, Any], series: Series) -> dict[str, Any]:
     fired = [a for a in result["alerts"] if a["rule"] == "rank_collapse" and a["fired_at_ms"] is not None]
-    out: dict = {"name": run.name, "kind": run.kind, "seed": run.seed, "final_loss": result["final_loss"]}
+    out: dict[str, Any] = {"name": run.name, "kind": run.kind, "seed": run.seed, "final_loss": result["final_loss"]}
     if run.change is None:
         start = FALSE_FROM[run.kind]
         late = [a for a in fired if a["first_step"] >= start]
@@ -209,7 +211,7 @@ def judge(run: Run, result: dict, series: Series) -> dict:
     out.update(alert_step=alert, onset=onset, **{f"onset_{k}": v for k, v in outcomes.items()})
     out["lead"] = None if alert is None or onset is None else onset - alert
     for k in ("cosine", "rank", "loss"):
-        out[f"lead_to_{k}"] = None if alert is None or outcomes[k] is None else outcomes[k] - alert
+        out[f"lead_to_{k}"] = None if alert is None or outcomes[k] is None else cast(int, outcomes[k]) - alert
     for level in COSINE_ALONE:
         step = cosine_alone(series, start, level)
         out[f"cosine_alone_{level}"] = step
@@ -228,7 +230,7 @@ TUNING = ("lr_ramp", "twin")
 DEFAULTS = {"rank_collapse": 4.0, "activation_outlier": 10.0}
 
 
-def saved_runs(out: Path) -> list[tuple[Run, dict, Path]]:
+def saved_runs(out: Path) -> list[tuple[Run, dict[str, Any], Path]]:
     """Every finished, exported run under `out`: the run, its result line, its samples."""
     results = {}
     for line in (out / "runs.jsonl").read_text().splitlines():
@@ -243,7 +245,7 @@ def saved_runs(out: Path) -> list[tuple[Run, dict, Path]]:
     return saved
 
 
-def analyse(out: Path, replay: str | None = None) -> dict:
+def analyse(out: Path, replay: str | None = None) -> dict[str, Any]:
     """Judges every exported run: by the alerts the live collector raised, or with `replay`
     (a rankwatch binary) by the alerts its rules raise on the same rows."""
     judged = []
@@ -292,7 +294,7 @@ def analyse(out: Path, replay: str | None = None) -> dict:
     return {"runs": judged, "summary": summary, "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs", "judged_by": "replay" if replay else "live", "date": time.strftime("%Y-%m-%d")}
 
 
-def threshold_sweep(out: Path, binary: str) -> dict:
+def threshold_sweep(out: Path, binary: str) -> dict[str, Any]:
     """Replays every saved run once per grid value (`GRIDS`) and scores each value: for
     `rank_collapse`, collapses alerted after their change and the lead (as `judge` does), and
     healthy runs with a false alert; for `activation_outlier`, LR-ramp and MLP-LR runs alerted
@@ -317,7 +319,7 @@ def threshold_sweep(out: Path, binary: str) -> dict:
             if rule == "rank_collapse":
                 j = judge(run, {**result, "alerts": alerts}, series)
                 if run.change is None:
-                    row = (run.kind, None, None, j["false_alerts"] > 0)
+                    row: tuple[str, bool | None, int | None, bool | None] = (run.kind, None, None, j["false_alerts"] > 0)
                 else:
                     row = (run.kind, j["alert_step"] is not None, j["lead"], None)
             else:
@@ -329,11 +331,12 @@ def threshold_sweep(out: Path, binary: str) -> dict:
                 else:
                     continue
             outcome.setdefault(rule, {}).setdefault(v, []).append(row)
-    result: dict = {}
+    result = {}
     for rule, by_value in outcome.items():
         points = {}
         for v, rows in by_value.items():
             point = {}
+            kinds: Callable[[str], bool]  # which kinds a split holds
             for split, kinds in (("tuning", lambda k: k in TUNING), ("held_out", lambda k: k not in TUNING)):
                 part = [r for r in rows if kinds(r[0])]
                 faults = [r for r in part if r[1] is not None]
@@ -354,7 +357,7 @@ def threshold_sweep(out: Path, binary: str) -> dict:
     return result
 
 
-def threshold_report(sweep: dict) -> str:
+def threshold_report(sweep: dict[str, Any]) -> str:
     lines = [
         "Threshold grids (each value replayed on every saved run; tuned on the LR-ramp runs and the 4-layer twins, the most sensitive value with no false alert there, ties to the most sensitive; held out: MLP-only LR (and no warm-up, for rank_collapse), 8-layer twins, pre-LN). The last column counts, per kind, the runs alerted: detections for collapse kinds, false alerts for healthy ones:",
         "",
@@ -373,14 +376,14 @@ def threshold_report(sweep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _quantiles(values: list[int]) -> dict | None:
+def _quantiles(values: list[int]) -> dict[str, float] | None:
     if not values:
         return None
     v = np.array(values, dtype=float)
     return {"n": len(values), "min": float(v.min()), "q25": float(np.percentile(v, 25)), "median": float(np.median(v)), "q75": float(np.percentile(v, 75)), "max": float(v.max())}
 
 
-def report(result: dict) -> str:
+def report(result: dict[str, Any]) -> str:
     lines = [f"Natural collapses ({result['machine']}, {result['date']}): lead time = collapse onset − step the first `rank_collapse` alert fired (steps; > 0: warned first)", ""]
     lines += ["| kind | runs | collapsed | alerted | before onset | lead to onset: min / q25 / median / q75 / max | lead to cosine ≥ 0.9 / eff. rank halved / loss divergence: median (runs) | onset first seen by cosine / eff. rank / loss |", "|---|---|---|---|---|---|---|---|"]
     for kind, s in result["summary"].items():

@@ -41,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -118,7 +119,7 @@ def series(samples: Path) -> tuple[dict[int, float], dict[int, set[float]]]:
     return loss, digests
 
 
-def effects(out: Path, runs: list[Run]) -> dict:
+def effects(out: Path, runs: list[Run]) -> dict[str, Any]:
     exports = out / "exports"
     loaded = {r.name: series(exports / f"{r.name}.samples.parquet") for r in runs if (exports / f"{r.name}.samples.parquet").exists()}
     healthy = {r.seed: loaded[r.name][0] for r in runs if r.kind is None and r.name in loaded}
@@ -128,7 +129,7 @@ def effects(out: Path, runs: list[Run]) -> dict:
         return statistics.fmean(loss[s] for s in last if s in loss)
 
     spread = statistics.stdev(final(l) for l in healthy.values()) if len(healthy) >= 2 else math.nan
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for r in runs:
         if r.kind is None or r.name not in loaded or r.seed not in healthy:
             continue
@@ -144,10 +145,10 @@ def effects(out: Path, runs: list[Run]) -> dict:
         fingerprinted = sorted(digests)
         differ = bool(fingerprinted) and len(digests[fingerprinted[-1]]) > 1
         rows.append({"name": r.name, "kind": r.kind, "size": r.size, "seed": r.seed, "persistent": persistent, "transient": transient, "replicas_differ": differ, "final_shift": shift})
-    sizes: dict[str, dict] = {}
+    sizes: dict[str, dict[str, Any]] = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         option, candidates = KINDS[kind]
-        verdicts = []
+        verdicts: list[dict[str, Any]] = []
         for size in candidates:
             seeds = [r for r in rows if r["kind"] == kind and r["size"] == size]
             if not seeds:
@@ -159,7 +160,7 @@ def effects(out: Path, runs: list[Run]) -> dict:
     return {"healthy_final_spread": spread, "healthy_seeds": sorted(healthy), "runs": rows, "kinds": sizes}
 
 
-def report(result: dict, machine: str) -> str:
+def report(result: dict[str, Any], machine: str) -> str:
     lines = [
         f"Fault sizes on the tuning harness (TINY, 4 ranks, {STEPS} steps, fault at {FAULT_STEP} on rank {RANK}; {machine})",
         f"healthy spread of the final loss: {result['healthy_final_spread']:.4f} over seeds {result['healthy_seeds']}",

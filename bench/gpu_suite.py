@@ -38,6 +38,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sdk-python"))
@@ -157,7 +161,7 @@ def effective_rank_accuracy(device: str, dry_run: bool) -> str:
 
     w = {"q": weight(heads * head_dim, d, 1.0), "k": weight(kv * head_dim, d, 1.0), "v": weight(kv * head_dim, d, 2.0),
          "o": weight(d, heads * head_dim, 2.0), "up": weight(f, d, 2.0), "down": weight(d, f, 4.0)}
-    block = Block(index=0, module=torch.nn.Identity(), matrices={s: (lambda t=t: t) for s, t in w.items()},
+    block = Block(index=0, module=torch.nn.Identity(), matrices={s: cast("Callable[[], torch.Tensor]", lambda t=t: t) for s, t in w.items()},
                   attention=AttentionShape(n_heads=heads, n_kv_heads=kv, head_dim=head_dim))
     # Reference: L = (I + W_down W_up)(I + W_o R W_v) formed in float64 from the same bf16 values.
     w64 = {s: t.double() for s, t in w.items()}
@@ -237,7 +241,7 @@ def fused_sketch() -> str:
     for name, use_fused in [("reference (hashes every call)", False), ("fused", True)]:
         probe = GradientProbe([param], fused=use_fused, cache_bytes=0)
         target = torch.zeros(2 * 1024, dtype=torch.float32, device=device)
-        timings[name] = timed(lambda probe=probe, target=target: probe._sketch_into(target, 0, big), reps=5)
+        timings[name] = timed(cast("Callable[[], object]", lambda probe=probe, target=target: probe._sketch_into(target, 0, big)), reps=5)
         probe.remove()
     rows.append("\n| sketch of 100M bf16 coordinates | ms (GPU time, mean of 5) |\n|---|---|")
     rows += [f"| {name} | {ms:.2f} |" for name, ms in timings.items()]

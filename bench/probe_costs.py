@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sdk-python"))
@@ -58,7 +59,7 @@ CONFIGS: dict[str, dict[str, int]] = {
     "replica fingerprint": {**OFF, "fingerprint": 1},
 }
 # watch() arguments beyond the cadence, per configuration.
-WATCH_OPTIONS: dict[str, dict[str, int]] = {"spectral, no effective rank": {"effective_rank_probes": 0}}
+WATCH_OPTIONS: dict[str, dict[str, Any]] = {"spectral, no effective rank": {"effective_rank_probes": 0}}
 # The default cadence (rankwatch.run.Cadence): steps between measurements.
 DEFAULT_EVERY = {
     "grad": 1,
@@ -78,6 +79,7 @@ def build(name: str, device: str, dtype: str, shape: tuple[int, int] | None = No
     sequence) overrides the model's default batch."""
     import torch
 
+    model: torch.nn.Module
     torch.manual_seed(0)
     if name == "llama-1b":
         import transformers
@@ -99,7 +101,7 @@ def build(name: str, device: str, dtype: str, shape: tuple[int, int] | None = No
             "gpt2-100m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=8192, block_size=256),
             "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
         }[name]
-        model = NanoGPT(NanoGPTConfig(dropout=0.0, bias=True, **sizes))
+        model = NanoGPT(NanoGPTConfig(dropout=0.0, bias=True, **sizes))  # type: ignore[arg-type]  # sizes are int fields only, which mypy cannot tell from post_ln: bool
         # gpt2-100m on CPU: 4 × 256 tokens a step. A probe's cost grows with the parameters and a
         # step's with parameters × tokens, so its share falls as 1/tokens: `--batch 2 --seq 128`
         # shows the share at a quarter of the tokens.
@@ -109,7 +111,8 @@ def build(name: str, device: str, dtype: str, shape: tuple[int, int] | None = No
             return m(x, torch.roll(x, -1, 1))[1]
     if shape is not None:
         batch, seq = shape
-    model = model.to(device=device, dtype=getattr(torch, dtype))
+    # As a Module: transformers wraps its .to with functools.wraps, which mypy types without self.
+    model = cast("torch.nn.Module", model).to(device=device, dtype=getattr(torch, dtype))
     generator = torch.Generator(device="cpu").manual_seed(1)
 
     def make_batch():  # type: ignore[no-untyped-def]
@@ -130,7 +133,7 @@ def _held_bytes(run) -> int:  # type: ignore[no-untyped-def]
     return held + (rows.numel() * rows.element_size() if rows is not None else 0)
 
 
-def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, rounds: int, shape: tuple[int, int] | None = None) -> list[dict]:
+def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, rounds: int, shape: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """Runs the interleaved phases in this process; one row per configuration."""
     import torch
     import torch.distributed as dist
@@ -166,6 +169,7 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
                 # replica to compare, so it is installed as a two-replica run installs it.
                 run.world_size = 2
                 run._watch_fingerprint(model, run._layout, sharded=False, ddp=ddp)
+                assert run._fingerprint is not None
                 run._fingerprint.checked = ddp  # its group of one stands for the replicas: not checked against the run
         if cuda:
             torch.cuda.synchronize()
@@ -220,7 +224,7 @@ def measure(model_name: str, device: str, dtype: str, steps: int, warmup: int, r
     ]
 
 
-def table(rows: list[dict], title: str) -> str:
+def table(rows: list[dict[str, Any]], title: str) -> str:
     base = next(r for r in rows if r["config"] == "none")
     cuda = base["cuda"]
     step, fastest, peak = base["median_ms"], base["min_ms"], base["peak_mb"]

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import duckdb
 import requests
@@ -54,9 +55,10 @@ def main() -> None:
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(args.data, copy)
 
-    def serve(binary: str, data: Path) -> tuple[subprocess.Popen, str]:
+    def serve(binary: str, data: Path) -> tuple[subprocess.Popen[str], str]:
         proc = subprocess.Popen([binary, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data)], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True, env={**os.environ, "RANKWATCH_LOG": "warn"})
+        assert proc.stdout is not None  # stdout=PIPE
         return proc, proc.stdout.readline().strip().rsplit(" ", 1)[1]
 
     servers = [serve(args.baseline, args.data), serve(args.candidate, copy)]
@@ -64,7 +66,7 @@ def main() -> None:
         session = requests.Session()
 
         def ask(url: str, what: str) -> bytes:
-            params = {"metric": "spectral.ratio", "points": 1000} | ({"layer": 17, "rank": 3} if what == "series" else {})
+            params = cast("dict[str, str | int]", {"metric": "spectral.ratio", "points": 1000} | ({"layer": 17, "rank": 3} if what == "series" else {}))
             return session.get(f"{url}/api/v1/runs/q/{what}", params=params, timeout=600, headers={"accept-encoding": "identity"}).content
 
         (_, old), (_, new) = servers

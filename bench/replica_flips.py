@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import requests
 import torch
@@ -75,7 +76,7 @@ LAYOUTS = {
 IGNORED_FLIPS = 8  # per DDP layout
 
 
-def plan(layout: str, flips: int, every: int, seed: int) -> list[dict]:
+def plan(layout: str, flips: int, every: int, seed: int) -> list[dict[str, Any]]:
     """The flips of one run: one per window, bits cycled so each is hit equally often, tensor,
     element, rank and step at random; a few windows flip the DDP-ignored parameter."""
     sharding, dtype, _ = LAYOUTS[layout]
@@ -85,7 +86,7 @@ def plan(layout: str, flips: int, every: int, seed: int) -> list[dict]:
     compared = [n for n in names if sharding != "ddp" or n != IGNORED]
     order = list(range(flips))
     rng.shuffle(order)
-    windows: list[dict] = []
+    windows: list[dict[str, Any]] = []
     for i in order:
         windows.append({"bit": i % bits, "param": rng.choice(compared), "ignored": False})
     if sharding == "ddp":
@@ -107,7 +108,7 @@ def flip_at(t: torch.Tensor, fraction: float, bit: int) -> None:
     flip_bit(shard, min(int(fraction * shard.numel()), shard.numel() - 1), bit)
 
 
-def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dict], every: int, out: str) -> None:
+def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dict[str, Any]], every: int, out: str) -> None:
     import rankwatch
 
     sharding, dtype, _ = LAYOUTS[layout]
@@ -125,7 +126,7 @@ def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dic
         mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+        wrapped = cast(torch.nn.Module, fully_shard(model, mesh=mesh))  # the model itself, now also an FSDPModule
     params = dict(model.named_parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run = rankwatch.init(run=run_name, collector=url, every={"fingerprint": every, "spectral": 0, "activations": 0, "sketch": 0})
@@ -134,8 +135,8 @@ def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dic
     by_step = {w["step"]: w for w in windows}
     by_detect = {w["detect"]: w for w in windows}
     steps = 2 * every * len(windows) + every + 1
-    snapshot: tuple[list[torch.Tensor], dict] | None = None
-    seen: list[dict] = []
+    snapshot: tuple[list[torch.Tensor], dict[str, Any]] | None = None
+    seen: list[dict[str, Any]] = []
     skipped = 0
     for step in range(steps):
         x = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size), generator=data)
@@ -170,7 +171,7 @@ def rank_main(rank: int, layout: str, url: str, run_name: str, windows: list[dic
     dist.destroy_process_group()
 
 
-def _clone_state(optimizer: torch.optim.Optimizer) -> dict:
+def _clone_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     state = optimizer.state_dict()
     return {
         "state": {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()} for k, s in state["state"].items()},
@@ -185,13 +186,13 @@ def replica_set_of(layout: str, rank: int) -> list[int]:
     return list(range(WORLD))
 
 
-def judge(layout: str, windows: list[dict], ranks: list[dict], alerts: list[dict]) -> dict:
+def judge(layout: str, windows: list[dict[str, Any]], ranks: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> dict[str, Any]:
     divergence = [a for a in alerts if a["rule"] == "replica_divergence" and a.get("fired_at_ms") is not None]
-    by_step: dict[int, list[dict]] = {}
+    by_step: dict[int, list[dict[str, Any]]] = {}
     for a in divergence:
         by_step.setdefault(a["first_step"], []).append(a)
     sha = {r["rank"]: {s["window"]: s["sha1"] for s in r["seen"]} for r in ranks}
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     matched: set[str] = set()
     for w in windows:
         group = replica_set_of(layout, w["rank"])
@@ -228,7 +229,7 @@ def judge(layout: str, windows: list[dict], ranks: list[dict], alerts: list[dict
     }
 
 
-def table(results: list[dict], machine: str, every: int) -> str:
+def table(results: list[dict[str, Any]], machine: str, every: int) -> str:
     lines = [
         f"Replica fingerprint, single-bit flips (fingerprint every {every} steps; {machine})",
         "",

@@ -20,13 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sdk-python"))
 
 
-def _time_calls(fn, calls: int) -> tuple[float, float]:
+def _time_calls(fn: Callable[[int], object], calls: int) -> tuple[float, float]:
     for i in range(200):  # warm-up: caches, first allocations
         fn(i)
     samples = []

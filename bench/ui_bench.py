@@ -26,11 +26,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from collector_bench import ARROW, ipc_bytes, post_all, start_collector, stop
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from playwright.sync_api import Browser, Page, Request
+
 RUN = "big"
 STEPS = int(os.environ.get("RANKWATCH_BENCH_UI_STEPS", "100000"))
 LAYERS = 64
@@ -53,7 +60,7 @@ def table(metric: str, steps: np.ndarray, ranks: np.ndarray | None, layers: np.n
     })
 
 
-def batches():
+def batches() -> Iterator[pa.Table]:
     """The run's rows in Arrow batches of at most ~256 k rows, step-ordered."""
     rng = np.random.default_rng(0)
     chunk = 500  # steps per layer batch: 500 x 64 x 8 = 256,000 rows
@@ -80,7 +87,7 @@ def ingest(url: str) -> tuple[int, float]:
     """Sends the batches in groups of 12 (the run does not fit in memory at once as bodies)."""
     rows = 0
     elapsed = 0.0
-    group: list[tuple[bytes, dict]] = []
+    group: list[tuple[bytes, dict[str, str]]] = []
 
     def flush() -> float:
         secs = post_all(f"{url}/api/v1/ingest", group, clients=3)
@@ -100,7 +107,7 @@ def ingest(url: str) -> tuple[int, float]:
 CHARTS = "[data-chart]"
 
 
-def load_overview(page, url: str) -> float:
+def load_overview(page: Page, url: str) -> float:
     page.goto(f"{url}/runs/{RUN}", wait_until="commit")
     page.wait_for_function(
         """() => { const c = [...document.querySelectorAll('[data-chart]')];
@@ -110,11 +117,12 @@ def load_overview(page, url: str) -> float:
     return page.evaluate("() => Math.max(...[...document.querySelectorAll('[data-chart]')].map(e => Number(e.dataset.drawn)))")
 
 
-def zoom(page) -> tuple[float, float, int]:
+def zoom(page: Page) -> tuple[float, float, int]:
     page.evaluate("""() => { window.__long = 0; new PerformanceObserver(l => { for (const e of l.getEntries())
                      window.__long = Math.max(window.__long, e.duration); }).observe({ type: 'longtask' }); }""")
     loss = page.locator("[data-chart=Loss] .u-over")
     box = loss.bounding_box()
+    assert box is not None  # the chart is on the page
     before = page.evaluate("() => [...document.querySelectorAll('[data-chart]')].map(e => e.dataset.drawn)")
     page.mouse.move(box["x"] + box["width"] * 0.40, box["y"] + 30)
     page.mouse.down()
@@ -129,14 +137,14 @@ def zoom(page) -> tuple[float, float, int]:
     return t1 - t0, page.evaluate("() => window.__long"), span
 
 
-def load_layers(page, url: str) -> float:
+def load_layers(page: Page, url: str) -> float:
     page.goto(f"{url}/runs/{RUN}/layers", wait_until="commit")
     page.wait_for_function("() => { const c = document.querySelector('canvas[data-heatmap]'); return c && c.dataset.drawn && c.dataset.rows === '64'; }",
                            timeout=120_000)
     return page.evaluate("() => Number(document.querySelector('canvas[data-heatmap]').dataset.drawn)")
 
 
-def transfer(browser, url: str) -> list[tuple[str, str, int, int]]:
+def transfer(browser: Browser, url: str) -> list[tuple[str, str, int, int]]:
     """What one load of the run page and its layers page moves over the wire: per response, its
     Content-Encoding, the encoded bytes Chromium received, and the bytes of the same URL asked
     for with `Accept-Encoding: identity`."""
@@ -144,7 +152,7 @@ def transfer(browser, url: str) -> list[tuple[str, str, int, int]]:
 
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
-    seen: list = []
+    seen: list[Request] = []
     page.on("requestfinished", lambda request: seen.append(request))
     load_overview(page, url)
     load_layers(page, url)
@@ -163,7 +171,7 @@ def transfer(browser, url: str) -> list[tuple[str, str, int, int]]:
     return rows
 
 
-def throttled_load(browser, url: str, mbit: float | None, rtt_ms: float, identity: bool = False) -> tuple[float, int]:
+def throttled_load(browser: Browser, url: str, mbit: float | None, rtt_ms: float, identity: bool = False) -> tuple[float, int]:
     """The overview's time to interactive over an emulated link (a collector on another
     machine), and how many responses came compressed. `identity` asks for every response
     uncompressed (`Accept-Encoding: identity`), the collector's behaviour before it compressed."""
@@ -244,4 +252,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main())  # type: ignore[func-returns-value]  # None: exit status 0

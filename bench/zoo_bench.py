@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ from rankwatch.spectral import SpectralProbe  # noqa: E402
 WARMUP = 5
 
 
-def _job(rank: int, layout: str, mode: str, watched: bool, steps: int, out: Path, size: dict) -> dict:
+def _job(rank: int, layout: str, mode: str, watched: bool, steps: int, out: Path, size: dict[str, Any]) -> dict[str, Any]:
     # Each twin compiles afresh: dynamo would otherwise reuse the first twin's graphs for the
     # second model (same code, parameters as inputs) and never trace its hooks.
     torch._dynamo.reset()
@@ -68,7 +69,8 @@ def _job(rank: int, layout: str, mode: str, watched: bool, steps: int, out: Path
         # and measure there only when opted in).
         run = rankwatch.init(run=f"zoo-{layout}-{mode}", mode="offline", spool_dir=out / "spool")
         run.watch(model, compiled_activations=mode == "watch_compiled_opt_in")
-    trained: torch.nn.Module = torch.compile(model) if mode != "eager" else model
+    # torch.compile of a module is a module (OptimizedModule); its stub says only Callable.
+    trained: torch.nn.Module = cast(torch.nn.Module, torch.compile(model)) if mode != "eager" else model
     ddp = torch.nn.parallel.DistributedDataParallel(trained)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     data = torch.Generator().manual_seed(1 + rank)
@@ -111,7 +113,7 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _rank(rank: int, layout: str, mode: str, steps: int, out: str, size: dict) -> None:
+def _rank(rank: int, layout: str, mode: str, steps: int, out: str, size: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     where = Path(out)

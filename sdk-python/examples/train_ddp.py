@@ -21,7 +21,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ def bigram_corpus(sequences: int, seq: int, vocab: int, seed: int) -> torch.Tens
     return tokens
 
 
-def sharded_batches(corpus: torch.Tensor, rank: int, world: int, batch: int, shuffle_seed: int):
+def sharded_batches(corpus: torch.Tensor, rank: int, world: int, batch: int, shuffle_seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, targets): each epoch a permutation from `shuffle_seed` (shared by all
     ranks, as DistributedSampler's), rank `rank` taking every `world`-th sequence of it."""
     epoch = 0
@@ -60,7 +62,7 @@ def sharded_batches(corpus: torch.Tensor, rank: int, world: int, batch: int, shu
         epoch += 1
 
 
-def train(args: argparse.Namespace) -> dict:
+def train(args: argparse.Namespace) -> dict[str, Any]:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(args.seed)
@@ -73,7 +75,7 @@ def train(args: argparse.Namespace) -> dict:
     faults = Injector([Fault.parse(f) for f in args.fault], rank)
     faults.attach(model, list(model.transformer.h), optimizer)
     run = None
-    alerts: list[dict] = []
+    alerts: list[dict[str, Any]] = []
     if args.monitor == "on":
         tags = {"example": "train_ddp", "lr": str(args.lr)}
         if args.fault:

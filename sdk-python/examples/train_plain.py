@@ -27,6 +27,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -60,13 +61,15 @@ def main() -> None:
     else:
         config = transformers.GPT2Config(vocab_size=96, bos_token_id=0, eos_token_id=0, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(config)
-    trained: torch.nn.Module = torch.compile(model) if args.compile else model
+    # torch.compile of a module is a module (OptimizedModule); its stub says only Callable.
+    trained: torch.nn.Module = cast(torch.nn.Module, torch.compile(model)) if args.compile else model
     if distributed and args.fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in (model.trunk if args.zoo else model.transformer.h):
+        # A ZooModel (--zoo) keeps its blocks in `trunk`, a GPT2LMHeadModel in `transformer.h`.
+        for block in cast(torch.nn.ModuleList, model.trunk if args.zoo else cast(transformers.GPT2LMHeadModel, model).transformer.h):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif distributed:

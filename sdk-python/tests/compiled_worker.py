@@ -13,7 +13,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ def train(tmp_path: Path, watch: dict[str, Any] | None, *, ddp: bool = False) ->
     if watch is not None:
         run = rankwatch.init(run="compiled", mode="offline", spool_dir=tmp_path, every={"activations": 2, "spectral": 4})
         run.watch(model, **watch)
-    compiled: torch.nn.Module = torch.compile(model)
+    compiled: torch.nn.Module = cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule; the stub says Callable
     if ddp:
         compiled = torch.nn.parallel.DistributedDataParallel(compiled)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

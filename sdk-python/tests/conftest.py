@@ -21,6 +21,7 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -133,14 +134,14 @@ class Collector:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
-    def sql(self, query: str) -> list[dict]:
+    def sql(self, query: str) -> list[dict[str, Any]]:
         import requests
 
         r = requests.post(f"{self.url}/api/v1/sql", json={"sql": query}, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["rows"]
 
-    def alerts(self, run: str) -> list[dict]:
+    def alerts(self, run: str) -> list[dict[str, Any]]:
         import requests
 
         r = requests.get(f"{self.url}/api/v1/alerts", params={"run": run}, timeout=30)

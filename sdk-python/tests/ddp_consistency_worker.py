@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def main() -> None:
         reference.zero_grad(set_to_none=True)
         _, ref_loss = reference(x, y)
         ref_loss.backward()
-        g = torch.cat([p.grad.reshape(-1) for p in reference.parameters()]).double()
+        g = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in reference.parameters()]).double()
         gathered = [torch.zeros_like(g) for _ in range(world)]
         dist.all_gather(gathered, g)
         g_bar = torch.stack(gathered).mean(0)

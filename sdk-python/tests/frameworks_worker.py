@@ -15,9 +15,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -38,7 +41,7 @@ def accelerate_job(out: Path, watched: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = NanoGPT(CONFIG)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-    data = torch.utils.data.DataLoader(torch.randint(0, 40, (64, 16), generator=torch.Generator().manual_seed(3)), batch_size=4)
+    data = torch.utils.data.DataLoader(cast("Dataset[torch.Tensor]", torch.randint(0, 40, (64, 16), generator=torch.Generator().manual_seed(3))), batch_size=4)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     seen: list[float] = []
     run = None
@@ -91,7 +94,7 @@ def lightning_job(out: Path, watched: bool = True) -> dict[str, Any]:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     torch.manual_seed(0)
-    data = torch.utils.data.DataLoader(torch.randint(0, 40, (32, 16), generator=torch.Generator().manual_seed(3)), batch_size=4)
+    data = torch.utils.data.DataLoader(cast("Dataset[torch.Tensor]", torch.randint(0, 40, (32, 16), generator=torch.Generator().manual_seed(3))), batch_size=4)
     module = Module()
     if not watched:
         plain = L.Trainer(

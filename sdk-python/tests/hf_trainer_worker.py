@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 import torch
 import transformers
@@ -61,7 +62,7 @@ def main() -> None:
         ddp_backend="gloo", dataloader_drop_last=True,
     )
 
-    def train(callbacks: list) -> transformers.Trainer:
+    def train(callbacks: list[transformers.TrainerCallback]) -> transformers.Trainer:
         torch.manual_seed(0)
         trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=callbacks)
         if variant == "mean":
@@ -69,10 +70,10 @@ def main() -> None:
         trainer.train()
         return trainer
 
-    plain = {k: v.detach().clone() for k, v in train([]).model.state_dict().items()}
+    plain = {k: v.detach().clone() for k, v in cast(torch.nn.Module, train([]).model).state_dict().items()}
     callback = Recording(run=f"hf-{variant}", mode="offline", spool_dir=out / "spool", every={"grad": 1, "sketch": 1, "dot": 1, "spectral": 1, "activations": 1})
     trainer = train([callback])
-    equal = all(torch.equal(plain[k], v) for k, v in trainer.model.state_dict().items())
+    equal = all(torch.equal(plain[k], v) for k, v in cast(torch.nn.Module, trainer.model).state_dict().items())
     assert callback.run is not None
     logged = {h["step"]: {"loss": h["loss"], "grad_norm": h["grad_norm"]} for h in trainer.state.log_history if "loss" in h}
     (out / f"rank-{rank}.json").write_text(json.dumps({"equal": equal, "steps": callback.steps, "trainer": logged, "world": callback.run.world_size, "run": callback.run.id}))

@@ -29,11 +29,16 @@ import json
 import os
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,7 +54,7 @@ SKETCH_DIM = 4096
 CONFIG = NanoGPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.1, bias=True)
 
 
-def shard(model: torch.nn.Module, layout: str, world: int) -> None:
+def shard(model: NanoGPT, layout: str, world: int) -> None:
     if layout == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -91,7 +96,7 @@ def refusals(out_dir: Path) -> None:
             self.module = module
 
     torch.manual_seed(0)
-    cases = {
+    cases: dict[str, Callable[[], torch.nn.Module]] = {
         "fsdp1": lambda: FullyShardedDataParallel(NanoGPT(CONFIG), device_id=torch.device("cpu")),
         "deepspeed_engine": lambda: DeepSpeedEngine(NanoGPT(CONFIG)),
         "deepspeed_inner": lambda: DeepSpeedEngine(NanoGPT(CONFIG)).module,
@@ -125,9 +130,9 @@ def main() -> None:
         return
     micro = 2 if layout == "fsdp2_accumulation" else 1
     name = f"sharded-{layout}"
-    result: dict = {"layout": layout}
+    result: dict[str, Any] = {"layout": layout}
 
-    def job(watched: bool) -> tuple[dict[str, torch.Tensor], list[dict], list[dict], torch.nn.Module]:
+    def job(watched: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], list[dict[str, Any]], torch.nn.Module]:
         torch.manual_seed(0)
         model = NanoGPT(CONFIG)
         if layout == "fsdp2_accumulation":
@@ -149,8 +154,8 @@ def main() -> None:
             run.watch(model, optimizer)
         torch.manual_seed(1000 + (0 if layout == "tp" else rank))
         data = torch.Generator().manual_seed(100 + (0 if layout == "tp" else rank))
-        reported: list[dict] = []
-        expected: list[dict] = []
+        reported: list[dict[str, Any]] = []
+        expected: list[dict[str, Any]] = []
         for step in range(STEPS):
             batches = [torch.randint(0, 50 if rank != 3 else 10, (4, 16), generator=data) for _ in range(micro)]
             before = None if watched else (full_state(model), torch.get_rng_state())
@@ -159,10 +164,11 @@ def main() -> None:
                 def broken(*_: object) -> None:
                     raise RuntimeError("a probe bug on rank 1")
 
-                run._gradients._observe = broken  # from now on its hooks fail
+                assert run._gradients is not None
+                run._gradients._observe = broken  # type: ignore[method-assign, assignment]  # broken on purpose: from now on its hooks fail
             for i, x in enumerate(batches):
                 if layout == "fsdp2_accumulation":
-                    model.set_requires_gradient_sync(i == micro - 1)
+                    cast("FSDPModule", model).set_requires_gradient_sync(i == micro - 1)  # fully_shard made it one
                 _, loss = model(x, torch.roll(x, -1, 1))
                 loss.backward()
             optimizer.step()
@@ -207,7 +213,7 @@ def shard_bases(model: torch.nn.Module) -> dict[str, object]:
     return out
 
 
-def shadow(before: tuple, batches: list[torch.Tensor], world: int, seed: int, frozen: bool = False) -> dict:
+def shadow(before: tuple[dict[str, torch.Tensor], torch.Tensor], batches: list[torch.Tensor], world: int, seed: int, frozen: bool = False) -> dict[str, float]:
     """Brute force on a plain copy with the gathered weights and random state of the step."""
     weights, rng = before
     saved = torch.get_rng_state()  # before the copy's initialisation draws from it
@@ -220,7 +226,7 @@ def shadow(before: tuple, batches: list[torch.Tensor], world: int, seed: int, fr
         _, loss = plain(x, torch.roll(x, -1, 1))
         loss.backward()
     torch.set_rng_state(saved)
-    grads = [p.grad.double() for p in plain.parameters() if p.requires_grad]  # the probe's order
+    grads = [cast(torch.Tensor, p.grad).double() for p in plain.parameters() if p.requires_grad]  # the probe's order
     g = torch.cat([t.reshape(-1) for t in grads])
     gathered = [torch.zeros_like(g) for _ in range(world)]
     dist.all_gather(gathered, g)
@@ -236,7 +242,7 @@ def shadow(before: tuple, batches: list[torch.Tensor], world: int, seed: int, fr
     }
 
 
-def spectral_reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict:
+def spectral_reference(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, Any]:
     """σ of every matrix and σ_mlp from the gathered weights, and from a fresh probe call on
     the sharded ones (every rank takes part; each returns the layers it reports)."""
     plain = NanoGPT(CONFIG)

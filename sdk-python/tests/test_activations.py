@@ -19,7 +19,8 @@ pairwise mean; its error is ~T·ε_f32 ≈ 1e-6 for these lengths: atol 1e-5.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -37,6 +38,10 @@ PAD = 0
 LENGTHS = (7, 4, 1, 5)  # one sequence with a single real token: no pairs, left out of the cosine
 
 Key = tuple[str, int | None, str | None]
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 
 def padded_batch(vocab: int, seq: int = 7, lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +98,7 @@ class Reference:
         return out
 
 
-def as_dict(results: list) -> dict[Key, float]:
+def as_dict(results: list[tuple[str, int | None, str | None, torch.Tensor]]) -> dict[Key, float]:
     for _, _, _, value in results:
         assert isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float32
     return {(m, l, s): v.item() for m, l, s, v in results}
@@ -112,7 +117,7 @@ def assert_matches(got: dict[Key, float], expected: dict[Key, float]) -> None:
 # Hugging Face Llama.
 
 
-def tiny_llama() -> nn.Module:
+def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -124,14 +129,14 @@ def tiny_llama() -> nn.Module:
 
 
 @torch.no_grad()
-def llama_reference(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, reference: Reference) -> None:
+def llama_reference(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, reference: Reference) -> None:
     base = model.model
     seq = ids.shape[1]
     hidden = base.embed_tokens(ids)
     reference.act("embed", None, hidden, mask)
     position_embeddings = base.rotary_emb(hidden, position_ids=torch.arange(seq)[None])
     causal = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
-    for index, layer in enumerate(base.layers):
+    for index, layer in enumerate(cast("Iterable[LlamaDecoderLayer]", base.layers)):
         attn_out = layer.self_attn(
             layer.input_layernorm(hidden), position_embeddings=position_embeddings, attention_mask=causal
         )[0]
@@ -279,7 +284,7 @@ def test_unarmed_hooks_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = 0
     real_norm = torch.linalg.vector_norm
 
-    def counting_norm(*args, **kwargs):
+    def counting_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
         nonlocal calls
         calls += 1
         return real_norm(*args, **kwargs)
@@ -395,7 +400,7 @@ def test_chunked_token_cosine_and_recompute_under_checkpointing(monkeypatch: pyt
     from torch.utils.checkpoint import checkpoint
 
     for block in model.transformer.h:
-        block.forward = (lambda forward: lambda x: checkpoint(forward, x, use_reentrant=False))(block.forward)
+        block.forward = (lambda forward: lambda x: checkpoint(forward, x, use_reentrant=False))(block.forward)  # type: ignore[method-assign]  # checkpointing the block, as a user does
     logits, _ = model(ids, attention_mask=mask)
     logits.float().sum().backward()
     assert folds["n"] == len(model.transformer.h), "the recompute in the backward is not measured again"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def _step(model: nn.Module, scaler: torch.amp.GradScaler | None, x: torch.Tensor
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()
     (scaler.scale(loss) if scaler is not None else loss).backward()
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    grads = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in model.parameters()]).double()
     scale = scaler.get_scale() if scaler is not None else 1.0
     return float(grads.norm()) / scale
 
@@ -234,7 +235,7 @@ def test_a_model_compiled_before_watch_has_its_activation_probe_off_and_said_so(
 
     torch.manual_seed(0)
     model = ZooModel(ZooConfig(layout="megatron"))
-    compiled = torch.compile(model)
+    compiled = cast(nn.Module, torch.compile(model))  # an OptimizedModule; the stub says Callable
     run = rankwatch.init(run="compiled", mode="offline", spool_dir=tmp_path, every={"grad": 1, "spectral": 1, "activations": 1})
     with pytest.warns(rankwatch.RankwatchWarning, match=r"activation probe off: the model is already compiled"):
         run.watch(compiled)

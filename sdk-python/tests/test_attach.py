@@ -442,7 +442,7 @@ def test_attach_by_pid_to_a_job_started_without_rankwatch(tmp_path: Path, collec
     assert set(_steps(collector, "attached", "grad_norm")) == {0, 1}
 
 
-def _run_summary(collector: Collector, run: str) -> dict:
+def _run_summary(collector: Collector, run: str) -> dict[str, Any]:
     import requests
 
     runs = requests.get(f"{collector.url}/api/v1/runs", timeout=30).json()["runs"]

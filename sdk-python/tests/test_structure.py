@@ -13,6 +13,9 @@ cannot be read exactly is refused with a message that names why.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -36,7 +39,7 @@ def zoo(layout: str, seed: int = 0) -> ZooModel:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_site_of_every_zoo_layout_is_found_exactly(layout: str, compiled: bool) -> None:
     model = zoo(layout)
-    found = model.layout(torch.compile(model) if compiled else model)
+    found = model.layout(cast(nn.Module, torch.compile(model)) if compiled else model)  # an OptimizedModule; the stub says Callable
     assert found.family == "structural"
     assert found.blocks_path == "trunk" and len(found.blocks) == model.config.layers
     assert found.embed is model.embedding and found.final_norm is model.final
@@ -70,7 +73,7 @@ def test_the_spectral_ratio_of_a_zoo_layout_matches_float64_matrix_norms(layout:
             assert math.isclose(value, want, rel_tol=REL_TOL), f"{layout} layer {index} {metric}: {value} != {want}"
 
 
-def _state(model: nn.Module) -> tuple[object, ...]:
+def _state(model: nn.Module) -> tuple[list[torch.Tensor], list[bool], torch.Tensor, int, list[bool], list[bool]]:
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     return (
         [p.detach().clone() for p in model.parameters()],
@@ -113,7 +116,7 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        heads = lambda z, n=self.heads: z.view(b, t, n, -1).transpose(1, 2)  # noqa: E731
+        heads: Callable[..., torch.Tensor] = lambda z, n=self.heads: z.view(b, t, n, -1).transpose(1, 2)  # noqa: E731
         q = self.a(x)
         if self.how == "mixed_q":
             q = q * self.b(x)  # bilinear: no one matrix is the query's
@@ -172,9 +175,9 @@ def test_the_plain_variant_of_the_refused_blocks_is_read() -> None:
     found = discover(model)
     assert found.family == "structural"
     block = found.blocks[0]
-    assert torch.equal(block.matrices["q"](), model.blocks[0].a.weight)
-    assert torch.equal(block.matrices["o"](), model.blocks[0].d.weight)
-    assert torch.equal(block.matrices["up"](), model.blocks[0].e.weight)
+    assert torch.equal(block.matrices["q"](), cast(_Attention, model.blocks[0]).a.weight)
+    assert torch.equal(block.matrices["o"](), cast(_Attention, model.blocks[0]).d.weight)
+    assert torch.equal(block.matrices["up"](), cast(_Attention, model.blocks[0]).e.weight)
     assert "gate" not in block.matrices
 
 
@@ -221,7 +224,7 @@ def test_a_call_with_an_object_structural_discovery_would_call_into_is_refused()
         capture_call((torch.zeros(2, 5, 8), Cache()), {})
 
 
-def test_under_fsdp2_blocks_are_read_and_scattered_rows_of_a_sharded_weight_are_refused(tmp_path) -> None:
+def test_under_fsdp2_blocks_are_read_and_scattered_rows_of_a_sharded_weight_are_refused(tmp_path: Path) -> None:
     """FSDP2 gives each block a class of its own whose __new__ runs __init__ again: the meta copy
     must not go through it. A fused weight whose used rows form one range is measured shard by
     shard (a RowSlice); rows scattered over the shards (Megatron's per-group qkv) would need the

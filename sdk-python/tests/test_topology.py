@@ -30,7 +30,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "RANKWATCH_RUN": "mpi-run"}, 2, 3, 2, "mpi-run"),
     ],
 )
-def test_each_launcher_gives_rank_world_and_a_shared_name(clean_env: pytest.MonkeyPatch, env: dict, rank: int, world: int, local: int, run: str, tmp_path: Path) -> None:
+def test_each_launcher_gives_rank_world_and_a_shared_name(clean_env: pytest.MonkeyPatch, env: dict[str, str], rank: int, world: int, local: int, run: str, tmp_path: Path) -> None:
     for k, v in env.items():
         clean_env.setenv(k, v)
     r = rankwatch.init(mode="offline", spool_dir=tmp_path)

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ DEADLINE_S = 240
 LAYOUTS = ["world", "subgroups", "comm_hook", "accumulation", "amp", "bf16", "unwatch", "checkpoint"]
 
 
-def run_layout(layout: str, out: Path) -> list[dict]:
+def run_layout(layout: str, out: Path) -> list[dict[str, Any]]:
     worker = Path(__file__).with_name("twins_worker.py")
     run_ranks([sys.executable, str(worker), layout, str(out)], WORLD, DEADLINE_S)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
@@ -66,7 +67,7 @@ def test_watched_and_unwatched_twins_end_identical_and_reports_are_true(layout: 
                 tolerance = 1e-2 if layout == "comm_hook" and name != "grad_norm" else rtol
                 assert math.isclose(value, want[name], rel_tol=tolerance), f"{layout} rank {rank} step {want['step']} {name}: {value} != {want[name]}"
     # The replica fingerprint ran too (every probe on), and the replicas of each group agree.
-    groups: dict[tuple[int, ...], list[dict]] = {}
+    groups: dict[tuple[int, ...], list[dict[int, Any]]] = {}
     for result in ranks:
         groups.setdefault(tuple(result["dp_ranks"]), []).append({r["step"]: r["values"] for r in result["reported"]})
     for members in groups.values():

@@ -25,6 +25,7 @@ import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ def main() -> None:
     micro = 2 if layout == "accumulation" else 1
     log_every = 2 if layout == "accumulation" else (3 if layout == "world" else 1)
 
-    def job(watched: bool) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
+    def job(watched: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], list[dict[str, Any]]]:
         torch.manual_seed(0)
         config = NanoGPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.1, bias=True)
         model = NanoGPT(config)
@@ -58,7 +59,7 @@ def main() -> None:
             from torch.utils.checkpoint import checkpoint
 
             for block in model.transformer.h:
-                block.forward = (lambda forward: lambda x: checkpoint(forward, x, use_reentrant=True))(block.forward)
+                block.forward = (lambda forward: lambda x: checkpoint(forward, x, use_reentrant=True))(block.forward)  # type: ignore[method-assign]  # checkpointing the block, as a user does
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
         if layout == "comm_hook":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -81,8 +82,8 @@ def main() -> None:
         # Seeded per rank after setup: dropout draws the same stream in both twins.
         torch.manual_seed(1000 + rank)
         data = torch.Generator().manual_seed(100 + rank)
-        reported: list[dict] = []
-        expected: list[dict] = []
+        reported: list[dict[str, Any]] = []
+        expected: list[dict[str, Any]] = []
         for step in range(STEPS):
             batches = [torch.randint(0, 50 if rank != 3 else 10, (4, 16), generator=data) for _ in range(micro)]
             shadow_state = None
@@ -97,7 +98,7 @@ def main() -> None:
                     (scaler.scale(loss) if scaler else loss).backward()
             scale_before = scaler.get_scale() if scaler else None
             # The averaged gradient DDP actually handed the optimizer (a compression hook rounds it).
-            reduced = float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm()) / (scale_before or 1.0)
+            reduced = float(torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in model.parameters()]).double().norm()) / (scale_before or 1.0)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -114,7 +115,7 @@ def main() -> None:
             if shadow_state is not None and logged:
                 expected.append({"step": step, "reduced_norm": reduced, **shadow(model, shadow_state, batches, autocast, dp_ranks, group)})
                 if scaler:
-                    expected[-1]["amp_skipped"] = float(scaler.get_scale() < scale_before)
+                    expected[-1]["amp_skipped"] = float(scaler.get_scale() < cast(float, scale_before))  # set with the scaler
         if run is not None:
             run.finish(timeout=5)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, reported, expected
@@ -127,7 +128,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def shadow(model: torch.nn.Module, state: tuple, batches: list[torch.Tensor], autocast: torch.dtype | None, dp_ranks: list[int], group: object) -> dict:
+def shadow(model: NanoGPT, state: tuple[dict[str, torch.Tensor], torch.Tensor], batches: list[torch.Tensor], autocast: torch.dtype | None, dp_ranks: list[int], group: object) -> dict[str, float]:
     """Brute force, on a hook-free copy with the weights and random state before the step."""
     weights, rng = state
     copy_ = copy.deepcopy(model)
@@ -141,9 +142,9 @@ def shadow(model: torch.nn.Module, state: tuple, batches: list[torch.Tensor], au
             _, loss = copy_(x, torch.roll(x, -1, 1))
         loss.backward()
     torch.set_rng_state(saved)
-    g = torch.cat([p.grad.reshape(-1) for p in copy_.parameters()]).double()
+    g = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in copy_.parameters()]).double()
     gathered = [torch.zeros_like(g) for _ in dp_ranks]
-    dist.all_gather(gathered, g, group=group)
+    dist.all_gather(gathered, g, group=cast("dist.ProcessGroup | None", group))  # this rank's group, or the world
     g_bar = torch.stack(gathered).mean(0)
     return {
         "grad_norm": float(g.norm()),

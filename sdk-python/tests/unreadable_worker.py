@@ -19,6 +19,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
 
-    def job(watched: bool) -> dict:
+    def job(watched: bool) -> dict[str, Any]:
         torch.manual_seed(0)
         model = Unreadable()
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -118,7 +119,7 @@ def brute_force(model: nn.Module, x: torch.Tensor, world: int) -> dict[str, floa
     """This rank's local gradient at the current weights on a hook-free copy, and the group's."""
     twin = copy.deepcopy(model)
     loss_of(twin, x).backward()
-    g = torch.cat([p.grad.reshape(-1) for p in twin.parameters()]).double()
+    g = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in twin.parameters()]).double()
     gathered = [torch.zeros_like(g) for _ in range(world)]
     dist.all_gather(gathered, g)
     mean = torch.stack(gathered).mean(0)

@@ -13,9 +13,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -31,7 +34,7 @@ def _scalars(run: Any) -> dict[str, float]:
     return values
 
 
-def twice(out: Path, callback_class: Any, train: Any, record: Any, steps: dict[str, dict]) -> tuple[dict, dict]:
+def twice(out: Path, callback_class: Any, train: Any, record: Any, steps: dict[str, dict[int, dict[str, float]]]) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
     """`train` with rankwatch's callback (the recorder after it: it logs in the same hook), then
     again under the zero-code agent; what each reported per step."""
     callback = callback_class(run="fw-callback", mode="offline", spool_dir=out / "spool", every=EVERY)
@@ -42,7 +45,7 @@ def twice(out: Path, callback_class: Any, train: Any, record: Any, steps: dict[s
     return steps["callback"], steps["auto"]
 
 
-def hf(out: Path) -> tuple[dict, dict]:
+def hf(out: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
     import transformers
 
     from rankwatch.integrations.transformers import RankwatchCallback
@@ -57,7 +60,7 @@ def hf(out: Path) -> tuple[dict, dict]:
     )  # fmt: skip
     steps: dict[str, dict[int, dict[str, float]]] = {"callback": {}, "auto": {}}
 
-    class Record(transformers.TrainerCallback):  # type: ignore[misc]
+    class Record(transformers.TrainerCallback):
         def __init__(self, key: str, run_of: Any) -> None:
             self.key, self.run_of = key, run_of
 
@@ -67,7 +70,7 @@ def hf(out: Path) -> tuple[dict, dict]:
             if values:
                 steps[self.key][state.global_step] = values
 
-    def train(callbacks: list) -> None:
+    def train(callbacks: list[transformers.TrainerCallback]) -> None:
         torch.manual_seed(0)
         trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=callbacks)
         trainer.train()
@@ -75,12 +78,12 @@ def hf(out: Path) -> tuple[dict, dict]:
     return twice(out, RankwatchCallback, train, Record, steps)
 
 
-def lightning(out: Path) -> tuple[dict, dict]:
+def lightning(out: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
     import lightning.pytorch as pl
 
     from rankwatch.integrations.lightning import RankwatchCallback
 
-    class Module(pl.LightningModule):  # type: ignore[misc]
+    class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             import transformers
@@ -98,7 +101,7 @@ def lightning(out: Path) -> tuple[dict, dict]:
     data = [torch.randint(0, 64, (12,), generator=gen) for _ in range(64)]
     steps: dict[str, dict[int, dict[str, float]]] = {"callback": {}, "auto": {}}
 
-    class Record(pl.Callback):  # type: ignore[misc]
+    class Record(pl.Callback):
         def __init__(self, key: str, run_of: Any) -> None:
             self.key, self.run_of = key, run_of
 
@@ -110,13 +113,13 @@ def lightning(out: Path) -> tuple[dict, dict]:
             if values:
                 steps[self.key][trainer.global_step] = values
 
-    def train(callbacks: list) -> None:
+    def train(callbacks: list[pl.Callback]) -> None:
         torch.manual_seed(0)
         trainer = pl.Trainer(
             max_steps=5, accumulate_grad_batches=2, accelerator="cpu", devices=2, strategy="ddp", callbacks=callbacks,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
-        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=2))
+        trainer.fit(Module(), torch.utils.data.DataLoader(cast("Dataset[torch.Tensor]", data), batch_size=2))
 
     return twice(out, RankwatchCallback, train, Record, steps)
 

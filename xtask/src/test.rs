@@ -164,7 +164,9 @@ pub(crate) fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
 /// The SDK tests that run on the side lane (relative to `sdk-python`), not in the main suite.
 pub(crate) const SIDE_SDK_TESTS: &str = "tests/test_attach.py";
 
-/// The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject).
+/// The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject); then
+/// mypy over what surrounds the package (its tests, the testkit, the examples and `bench/`),
+/// strict less torch's typing noise (sdk-python/mypy-tests.toml).
 pub(crate) fn sdk_static_checks(python: &Path) -> Result<()> {
     let sdk_dir = root().join("sdk-python");
     let mut ruff = Command::new(python);
@@ -175,6 +177,18 @@ pub(crate) fn sdk_static_checks(python: &Path) -> Result<()> {
     let mut mypy = Command::new(python);
     mypy.current_dir(&sdk_dir).args(["-m", "mypy", "rankwatch"]);
     failures.note(run("mypy --strict (sdk-python/rankwatch)", mypy));
+    let mut mypy_around = Command::new(python);
+    mypy_around.current_dir(&sdk_dir).args([
+        "-m",
+        "mypy",
+        "--config-file",
+        "mypy-tests.toml",
+        "tests",
+        "testkit",
+        "examples",
+        "../bench",
+    ]);
+    failures.note(run("mypy (tests, testkit, examples, bench)", mypy_around));
     failures.into_result()
 }
 

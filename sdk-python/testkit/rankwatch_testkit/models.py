@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -105,11 +106,33 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    # What `NanoGPT.transformer` holds, for mypy: a ModuleDict's attributes are `Tensor | Module`
+    # to it, and a ModuleList's items `Module`.
+
+    class _Blocks(nn.ModuleList):
+        def __iter__(self) -> Iterator[Block]: ...
+        @overload
+        def __getitem__(self, idx: slice) -> _Blocks: ...
+        @overload
+        def __getitem__(self, idx: int) -> Block: ...
+        def __getitem__(self, idx: int | slice) -> Block | _Blocks: ...
+
+    class _Transformer(nn.ModuleDict):
+        wte: nn.Embedding
+        wpe: nn.Embedding
+        drop: nn.Dropout
+        h: _Blocks
+        ln_f: LayerNorm
+
+
 class NanoGPT(nn.Module):
     def __init__(self, config: NanoGPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
+        self.transformer = cast("_Transformer", nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -117,7 +140,7 @@ class NanoGPT(nn.Module):
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),
             )
-        )
+        ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying, as in nanoGPT.
         self.transformer.wte.weight = self.lm_head.weight

@@ -35,8 +35,9 @@ Layouts:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Rotary(nn.Module):
+    cos: torch.Tensor  # buffers, registered below
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, block_size: int) -> None:
         super().__init__()
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -297,6 +301,8 @@ class GQARotaryBlock(nn.Module):
 
 
 class ComplexRotaryBlock(nn.Module):
+    freqs: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, c: ZooConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.dim = c.heads, c.kv_heads, c.width // c.heads
@@ -386,11 +392,11 @@ class ParallelBlock(nn.Module):
     @staticmethod
     def expected(block: ParallelBlock, c: ZooConfig) -> dict[str, torch.Tensor]:
         d = c.width // c.heads
-        per_head = block.mix["in_proj"].weight.view(c.heads, 3, d, c.width)
+        per_head = cast(nn.Linear, block.mix["in_proj"]).weight.view(c.heads, 3, d, c.width)
         return {
             "q": per_head[:, 0].reshape(-1, c.width), "k": per_head[:, 1].reshape(-1, c.width),
-            "v": per_head[:, 2].reshape(-1, c.width), "o": block.mix["out"].weight,
-            "up": block.ff["expand"].weight, "down": block.ff["contract"].weight,
+            "v": per_head[:, 2].reshape(-1, c.width), "o": cast(nn.Linear, block.mix["out"]).weight,
+            "up": cast(nn.Linear, block.ff["expand"]).weight, "down": cast(nn.Linear, block.ff["contract"]).weight,
         }
 
 
@@ -430,10 +436,10 @@ class MoEBlock(nn.Module):
     @staticmethod
     def expected(block: MoEBlock, c: ZooConfig) -> dict[str, torch.Tensor]:
         w = c.width
-        qkv = block.attention["qkv"].weight.view(3, w, w)
-        stack = lambda name: torch.stack([getattr(e, name).weight for e in block.experts])  # noqa: E731
+        qkv = cast(nn.Linear, block.attention["qkv"]).weight.view(3, w, w)
+        stack: Callable[[str], torch.Tensor] = lambda name: torch.stack([getattr(e, name).weight for e in block.experts])  # noqa: E731
         return {
-            "q": qkv[0], "k": qkv[1], "v": qkv[2], "o": block.attention["dense"].weight,
+            "q": qkv[0], "k": qkv[1], "v": qkv[2], "o": cast(nn.Linear, block.attention["dense"]).weight,
             "gate": stack("gate_w"), "up": stack("up_w"), "down": stack("down_w"),
         }
 
@@ -511,7 +517,8 @@ class ZooModel(nn.Module):
     def expected(self, index: int) -> dict[str, torch.Tensor]:
         """The (out, in) weight of each site of block `index`, from the layout's own definition."""
         block = self.trunk[index]
-        return type(block).expected(block, self.config)  # type: ignore[operator]
+        # Each layout's block class has a static expected(block, config); nn.Module has none.
+        return type(block).expected(block, self.config)  # type: ignore[attr-defined]
 
     def first_block_call(self) -> Any:
         """The first block's arguments at a real forward (2 × 12 tokens), as a watching run
