@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._native import VERSION as __version__  # noqa: F401 (the package's version, from Cargo.toml)
+from ._native import VERSION as __version__  # the package's version, from Cargo.toml
 from .offline import sync
 
-__all__ = ["Cadence", "DiscoveryError", "Mode", "NoopRun", "RankwatchWarning", "Run", "init", "sync"]
+__all__ = ["Cadence", "DiscoveryError", "Mode", "NoopRun", "RankwatchWarning", "Run", "__version__", "init", "sync"]
 
 if TYPE_CHECKING:
     from .cadence import Cadence

@@ -126,7 +126,7 @@ def test_a_sharded_model_needs_the_optimizer_for_its_spectral_steps(tmp_path: Pa
         model = NanoGPT(NanoGPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))
         fully_shard(model)
         run = offline(tmp_path)
-        with pytest.raises(ValueError, match="pass the optimizer to watch\(\)"):
+        with pytest.raises(ValueError, match=r"pass the optimizer to watch\(\)"):
             run.watch(model)
         run.finish()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
