@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -127,7 +128,7 @@ def _poisson_cdf(k: int, lam: float) -> float:
     return min(1.0, total)
 
 
-def _bisect(f, lo: float, hi: float) -> float:
+def _bisect(f: Callable[[float], bool], lo: float, hi: float) -> float:
     for _ in range(200):
         mid = (lo + hi) / 2
         if f(mid):
@@ -178,14 +179,14 @@ def start_collector(data: Path, rules: str | None) -> tuple[subprocess.Popen[str
     return proc, line.strip().rsplit(" ", 1)[1]
 
 
-def sql(url: str, query: str) -> list[dict]:
+def sql(url: str, query: str) -> list[dict[str, Any]]:
     r = requests.post(f"{url}/api/v1/sql", json={"sql": query}, timeout=60)
     r.raise_for_status()
     body = r.json()
     return body["rows"] if isinstance(body, dict) else body
 
 
-def settle(url: str, run: str, last_step: int) -> list[dict]:
+def settle(url: str, run: str, last_step: int) -> list[dict[str, Any]]:
     """The run's alerts once the collector has aligned its last step (or after 30 s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -198,7 +199,7 @@ def settle(url: str, run: str, last_step: int) -> list[dict]:
     return list(r.json()["alerts"])
 
 
-def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dict:
+def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dict[str, Any]:
     where = out / "runs" / s.name
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -227,7 +228,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     for f in sorted(where.glob("rank-0-from-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
         losses += json.loads(f.read_text())["losses"]
     keep = ("rule", "severity", "state", "layer", "rank", "site", "first_step", "last_step", "fired_at_ms", "outlier_ranks", "explanation")
-    incidents: list[dict] = []
+    incidents: list[dict[str, Any]] = []
     if error is None:
         answer = requests.get(f"{url}/api/v1/incidents", params={"run": s.name}, timeout=60)
         if answer.status_code == 200:
@@ -250,11 +251,11 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     }
 
 
-def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float, finished: Callable[[dict], None] = lambda r: None) -> list[dict]:
+def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float, finished: Callable[[dict[str, Any]], None] = lambda r: None) -> list[dict[str, Any]]:
     """Runs scenarios in order, as many at once as `cores` allow; none starts after `deadline`.
     `finished` is called with each run's result as soon as it ends (so a bench killed later
     keeps what it had)."""
-    results: list[dict] = []
+    results: list[dict[str, Any]] = []
     lock = threading.Condition()
     busy = 0
     log = (out / "runs.jsonl").open("a")
@@ -272,7 +273,7 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
             print(f"  {s.name:<32} {result['seconds']:>6.1f} s  loss {result['first_loss'] or 0:.2f} → {result['final_loss'] or 0:.2f}  alerts fired: {fired}" + (f"  ERROR {result['error'][-200:]}" if result["error"] else ""), flush=True)
             lock.notify_all()
 
-    threads = []
+    threads: list[threading.Thread] = []
     for s in scenarios:
         with lock:
             while busy + min(s.nproc, cores) > cores:
@@ -290,7 +291,7 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
     return results
 
 
-def replayed(binary: str, samples: Path, world_size: int | None = None, rules: Path | None = None) -> dict:
+def replayed(binary: str, samples: Path, world_size: int | None = None, rules: Path | None = None) -> dict[str, Any]:
     """The run judged again from its exported rows by `rankwatch replay`, under `rules` (a
     `serve --rules` file), else the binary's defaults: its `alerts` and `incidents`."""
     cmd = [binary, "replay", str(samples)]
@@ -311,7 +312,7 @@ def train_and_export(
     rules: str | None = None,
     deadline: float = math.inf,
     data: Path | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Runs the scenarios against a fresh collector (`rules`, or its defaults) and saves each
     finished run's `tables` as out/exports/RUN.TABLE.parquet as soon as it ends, for analyses
     and `rankwatch replay` (which judges the same rows again under other rules). The collector's data lives
@@ -326,7 +327,7 @@ def train_and_export(
         exports = out / "exports"
         exports.mkdir(exist_ok=True)
 
-        def export(r: dict) -> None:
+        def export(r: dict[str, Any]) -> None:
             if r["error"] is not None:
                 print(f"  {r['name']} failed, not exported: {r['error'][-300:]}", flush=True)
                 return
@@ -355,10 +356,10 @@ def train_and_export(
 # --- the summary --------------------------------------------------------------------------------
 
 
-def summarise(results: list[dict]) -> dict:
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if r["error"] is None]
     steps = sum(r["steps"] for r in ok)
-    rules = {}
+    rules: dict[str, dict[str, Any]] = {}
     for rule in RULES:
         per_run = [sum(1 for a in r["alerts"] if a["rule"] == rule and a["fired_at_ms"] is not None) for r in ok]
         k = sum(per_run)
@@ -390,7 +391,7 @@ def summarise(results: list[dict]) -> dict:
     }
 
 
-def table(summary: dict, machine: str) -> str:
+def table(summary: dict[str, Any], machine: str) -> str:
     lines = [
         f"{summary['runs']} healthy runs, {summary['steps']:,} steps in all ({machine})" + (f"; failed: {', '.join(summary['failed_runs'])}" if summary["failed_runs"] else ""),
         "",
@@ -408,7 +409,7 @@ def _t95(n: int) -> float:
     return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}.get(n, 1.96)
 
 
-def seed_table(results: list[dict], machine: str) -> str:
+def seed_table(results: list[dict[str, Any]], machine: str) -> str:
     """Per setting: each statistic's mean over seeds with a 95 % t-interval, and the alerts."""
     settings = ("same", "rank0", "per-rank")
     cols = (*PAPER_METRICS, *OUR_METRICS)
@@ -443,7 +444,7 @@ def seed_table(results: list[dict], machine: str) -> str:
     for mode in settings:
         reports = [r["consistency_from_step_200"] for r in results if r["name"].startswith(f"seeds-{mode}-") and r["error"] is None and (r.get("consistency_from_step_200") or {}).get("verdict")]
 
-        def ratios(key: str, reports: list[dict] = reports) -> str:
+        def ratios(key: str, reports: list[dict[str, Any]] = reports) -> str:
             xs = [rep[key]["ratio"] for rep in reports if rep.get(key)]
             return ", ".join(f"{x:.3g}" if isinstance(x, float | int) else str(x) for x in xs) or "—"
 

@@ -55,11 +55,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from detection_bench import (  # noqa: E402
+from detection_bench import (
     EXAMPLE,
     FINETUNE,
     ROOT,
@@ -70,8 +71,8 @@ from detection_bench import (  # noqa: E402
     replayed,
     train_and_export,
 )
-from detection_sweep import Rows, fire_steps, read_rows  # noqa: E402
-from detection_sweep import grad_norm_threshold as sweep_grad_norm_threshold  # noqa: E402
+from detection_sweep import Rows, fire_steps, read_rows
+from detection_sweep import grad_norm_threshold as sweep_grad_norm_threshold
 
 FROZEN = ROOT / "bench" / "heldout"
 RULES = FROZEN / "rules.toml"
@@ -227,7 +228,7 @@ def matches(p: Planned, ranks: list[int], every_rank: bool) -> bool:
     return p.rank in ranks and not every_rank
 
 
-def judge_rules(p: Planned, result: dict, rows: Rows) -> dict:
+def judge_rules(p: Planned, result: dict[str, Any], rows: Rows) -> dict[str, Any]:
     """The default rules on one run: (false alerts by severity, detection, delay, incident TP/FP)."""
     fired = [a for a in result["alerts"] if a.get("fired_at_ms") is not None]
     onset = p.onset if p.onset is not None else math.inf
@@ -252,7 +253,7 @@ def judge_rules(p: Planned, result: dict, rows: Rows) -> dict:
     return {"false": false, "detected_at": detected_at, "tp": min(tp, 1), "fp": fp + max(tp - 1, 0)}
 
 
-def judge_baseline(p: Planned, fires: list[tuple[int, int]]) -> dict:
+def judge_baseline(p: Planned, fires: list[tuple[int, int]]) -> dict[str, Any]:
     onset = p.onset if p.onset is not None else math.inf
     false = sum(1 for s, _ in fires if s < onset)
     hits = [s for s, k in fires if onset <= s <= onset + WINDOW and (p.kind in SHARED or k == p.rank)]
@@ -261,7 +262,7 @@ def judge_baseline(p: Planned, fires: list[tuple[int, int]]) -> dict:
     return {"false": {"critical": 0, "warning": false}, "detected_at": min(hits) if hits else None, "tp": 1 if hits else 0, "fp": false + len(after) - (1 if hits else 0)}
 
 
-def summarise(judged: list[tuple[Planned, dict]], steps_healthy: int) -> dict:
+def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) -> dict[str, Any]:
     """Detection per kind and model, false alerts per 1k steps, incident precision/recall/F1."""
     per: dict[str, list[tuple[bool, int | None]]] = {}
     false_steps = steps_healthy
@@ -299,7 +300,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str, float] | None, replay: tuple[str, Path | None] | None = None) -> dict:
+def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str, float] | None, replay: tuple[str, Path | None] | None = None) -> dict[str, Any]:
     """Judges every saved run: by the alerts the live collector raised, or, with `replay`
     (binary, rules file or None for its defaults), by `rankwatch replay` on its rows."""
     results = {}
@@ -309,8 +310,8 @@ def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str,
             r = json.loads(line)
             if r.get("error") is None:
                 results[r["name"]] = r  # the last result of a name counts
-    judged: dict[str, list[tuple[Planned, dict]]] = {"rules (defaults)": []}
-    grids: dict[str, dict[float, list[tuple[Planned, dict]]]] = {}
+    judged: dict[str, list[tuple[Planned, dict[str, Any]]]] = {"rules (defaults)": []}
+    grids: dict[str, dict[float, list[tuple[Planned, dict[str, Any]]]]] = {}
     steps_healthy = 0
     for p in planned:
         samples = out / "exports" / f"{p.name}.samples.parquet"
@@ -327,7 +328,7 @@ def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str,
             chosen = [thresholds[family]] if thresholds else list(values)
             for t in chosen:
                 grids.setdefault(family, {}).setdefault(t, []).append((p, judge_baseline(p, fn(rows, t))))
-    summary = {"set": which, "judged_by": "replay" if replay else "live", "runs": len(judged["rules (defaults)"]), "detectors": {"rules (defaults)": summarise(judged["rules (defaults)"], steps_healthy)}}
+    summary: dict[str, Any] = {"set": which, "judged_by": "replay" if replay else "live", "runs": len(judged["rules (defaults)"]), "detectors": {"rules (defaults)": summarise(judged["rules (defaults)"], steps_healthy)}}
     for family, by_t in grids.items():
         points = {t: summarise(j, steps_healthy) for t, j in by_t.items()}
         # On the tuning set: the most sensitive threshold with no false alert (what is frozen).
@@ -338,7 +339,7 @@ def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str,
     return summary
 
 
-def table(summary: dict, rules_hash: str | None, machine: str) -> str:
+def table(summary: dict[str, Any], rules_hash: str | None, machine: str) -> str:
     lines = [f"Detection on the {summary['set']} set ({summary['runs']} runs; {machine})", f"rules: {'SHA-256 ' + rules_hash if rules_hash else 'the collector defaults (not frozen)'}", ""]
     for name, s in summary["detectors"].items():
         lines += [f"### {name}", "", "| fault / model | detected | rate (95 % CI) | median delay (steps) |", "|---|---|---|---|"]

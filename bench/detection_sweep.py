@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -209,7 +210,7 @@ RULE_GRIDS = {
 def rules_files(out: Path) -> list[tuple[str, float, Path]]:
     folder = out / "rules"
     folder.mkdir(exist_ok=True)
-    files = []
+    files: list[tuple[str, float, Path]] = []
     for family, (key, values, rest) in RULE_GRIDS.items():
         for v in values:
             path = folder / f"{len(files):02d}.toml"
@@ -223,7 +224,7 @@ def rules_files(out: Path) -> list[tuple[str, float, Path]]:
     return files
 
 
-def replay(binary: str, samples: Path, files: list[tuple[str, float, Path]]) -> list[list[dict]]:
+def replay(binary: str, samples: Path, files: list[tuple[str, float, Path]]) -> list[list[dict[str, Any]]]:
     sketches = samples.with_name(samples.name.replace(".samples.", ".sketches."))
     cmd = [binary, "replay", str(samples), "--world-size", str(WORLD)]
     if sketches.exists():
@@ -237,7 +238,7 @@ def replay(binary: str, samples: Path, files: list[tuple[str, float, Path]]) -> 
 # --- scoring ----------------------------------------------------------------------------------
 
 
-def score(runs: list[Run], fired: dict[str, list[int]]) -> dict:
+def score(runs: list[Run], fired: dict[str, list[int]]) -> dict[str, Any]:
     """Detection per (kind, size), delays, and false alerts, from each run's firing steps. A fault
     is detected by an alert that fires within WINDOW steps of it (one already firing from a
     false alarm does not count); beside it, the detections chance alone would give."""
@@ -272,7 +273,7 @@ def score(runs: list[Run], fired: dict[str, list[int]]) -> dict:
     }
 
 
-def analyse(out: Path, binary: str) -> dict:
+def analyse(out: Path, binary: str) -> dict[str, Any]:
     manifest = json.loads((out / "sweep.json").read_text())
     runs = [Run(**r) for r in manifest["runs"]]
     runs = [r for r in runs if (out / "exports" / f"{r.name}.samples.parquet").exists()]
@@ -293,7 +294,7 @@ def analyse(out: Path, binary: str) -> dict:
                 fired.setdefault(family, {}).setdefault(value, {})[r.name] = fn(rows, value)
     tuning = [r for r in runs if r.kind in TUNING_KINDS or (r.kind is None and r.seed == 0)]
     held = [r for r in runs if r not in tuning]
-    result: dict = {"machine": manifest.get("machine"), "runs": len(runs), "detectors": {}}
+    result: dict[str, Any] = {"machine": manifest.get("machine"), "runs": len(runs), "detectors": {}}
     for family, by_value in fired.items():
         points = {v: {"all": score(runs, f), "tuning": score(tuning, f), "held_out": score(held, f)} for v, f in by_value.items()}
         # Tuned: the most sensitive threshold with no false alert on the tuning runs.
@@ -306,7 +307,7 @@ def analyse(out: Path, binary: str) -> dict:
 # --- report -----------------------------------------------------------------------------------
 
 
-def report(result: dict, runs: int) -> str:
+def report(result: dict[str, Any], runs: int) -> str:
     lines = [
         f"Fault sweep: {runs} runs of {STEPS} steps, {WORLD} ranks, faults on rank {RANK} from step {FAULT_STEP} ({result.get('machine')})",
         "",
@@ -334,11 +335,11 @@ def report(result: dict, runs: int) -> str:
         lines.append(f"| {family} | {tuned} | {detection} | {delay} | {false} | {a['detected']}/{a['fault_runs']} ({a['chance_detections']:.1f}), {a['false_per_1000']:.2f} |")
     lines += ["", "Detection by fault size at the tuned threshold (share of seeds detected):", ""]
     sizes = sorted({k for d in result["detectors"].values() for p in d["points"].values() for k in p["all"]["per_size"]}, key=lambda k: (k.split()[0], float(k.split()[1])))
-    tuned = {family: d["points"][str(d["tuned"])]["all"]["per_size"] for family, d in result["detectors"].items() if d["tuned"] is not None}
-    lines.append("| fault | " + " | ".join(tuned) + " |")
-    lines.append("|---|" + "---|" * len(tuned))
+    at_tuned = {family: d["points"][str(d["tuned"])]["all"]["per_size"] for family, d in result["detectors"].items() if d["tuned"] is not None}
+    lines.append("| fault | " + " | ".join(at_tuned) + " |")
+    lines.append("|---|" + "---|" * len(at_tuned))
     for k in sizes:
-        lines.append(f"| {k} | " + " | ".join(f"{per[k]:.0%}" if k in per else "—" for per in tuned.values()) + " |")
+        lines.append(f"| {k} | " + " | ".join(f"{per[k]:.0%}" if k in per else "—" for per in at_tuned.values()) + " |")
     return "\n".join(lines)
 
 
@@ -346,7 +347,7 @@ def tick(v: float) -> str:
     return f"{v:.0f}" if v >= 10 else f"{v:.2f}".rstrip("0").rstrip(".")
 
 
-def svg_plot(result: dict, path: Path, y_key: str, y_label: str, y_max: float | None) -> None:
+def svg_plot(result: dict[str, Any], path: Path, y_key: str, y_label: str, y_max: float | None) -> None:
     """One polyline per detector over its thresholds: false alerts per 1,000 steps (x) against
     `y_key` (detection share, or median delay), all runs. A fault counts as detected when an
     alert fires at or after its step: one already firing from a false alarm does not count."""

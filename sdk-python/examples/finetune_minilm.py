@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,8 @@ class MaskedLM(torch.nn.Module):
 
     def __init__(self, masked_lm: torch.nn.Module) -> None:
         super().__init__()
-        self.bert = masked_lm.bert
-        self.cls = masked_lm.cls
+        self.bert = cast(torch.nn.Module, masked_lm.bert)
+        self.cls = cast(torch.nn.Module, masked_lm.cls)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.bert(input_ids=input_ids).last_hidden_state
@@ -101,7 +102,7 @@ def masked_batch(ids: torch.Tensor, batch: int, seq: int, generator: torch.Gener
     return x, labels
 
 
-def train(args: argparse.Namespace) -> dict:
+def train(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
     rank = int(os.environ["RANK"])

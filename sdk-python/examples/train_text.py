@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def ramp_factor(step: int, ramp: tuple[int, float, int] | None) -> float:
     return 1.0 + (factor - 1.0) * min(1.0, (step - start + 1) / length)
 
 
-def train(args: argparse.Namespace, first: int, last: int) -> dict:
+def train(args: argparse.Namespace, first: int, last: int) -> dict[str, Any]:
     """Steps [first, last) of the job on this process's rank, resuming from the checkpoint when
     `first` > 0 and writing one when `last` < the job's length."""
     rank = int(os.environ["RANK"])
@@ -83,7 +84,8 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
     # state either way: AdamW's state is per parameter).
     mlp = [p for n, p in model.named_parameters() if ".mlp." in n]
     rest = [p for n, p in model.named_parameters() if ".mlp." not in n]
-    optimizer = torch.optim.AdamW([{"params": rest}, {"params": mlp, "mlp": True}], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    groups: list[dict[str, Any]] = [{"params": rest}, {"params": mlp, "mlp": True}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     faults = Injector([Fault.parse(f) for f in args.fault], rank)
     data_seed = faults.data_seed(seed)
     sources = {s: corpus(s, args.corpus_dir) for s in {args.source, *(s for _, s in args.switch)}}
@@ -127,9 +129,10 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict:
                 data = windows(source)
                 data.restore(state)
                 if other is not None:
-                    theirs = shadow.state()
+                    assert shadow is not None  # made whenever `other` is
+                    their_state = shadow.state()
                     shadow = windows(source, other, seed_for(args.seed, other, args.seed_mode))
-                    shadow.restore(theirs)
+                    shadow.restore(their_state)
         faults.begin_step(step)
         lr = learning_rate(step, peak=args.lr, warmup=args.warmup, total=args.steps) * ramp_factor(step, args.lr_ramp)
         for group in optimizer.param_groups:

@@ -218,7 +218,7 @@ class Injector:
         self._optimizer = optimizer
         if any(f.kind in ("optim_bit_flip", "skip_step", "old_checkpoint") for f in self.faults) and optimizer is None:
             raise ValueError("rankwatch_testkit: optim_bit_flip, skip_step and old_checkpoint need attach(..., optimizer=)")
-        linears = [m for b in (blocks if blocks is not None else [model]) for m in b.modules() if isinstance(m, torch.nn.Linear)]
+        linears: list[torch.nn.Module] = [m for b in (blocks if blocks is not None else [model]) for m in b.modules() if isinstance(m, torch.nn.Linear)]
         self._linears = linears
         if optimizer is not None and any(f.kind == "skip_step" for f in self.faults):
             self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
@@ -273,7 +273,7 @@ class Injector:
                         p.copy_(old)
         fault = self.active("collapse")
         if fault is not None and self._blocks is not None:
-            attn = self._blocks[fault.layer].attn  # type: ignore[index]
+            attn: Any = self._blocks[fault.layer].attn  # type: ignore[index]  # nanoGPT's attention: c_attn, c_proj
             rate = fault.params["rate"]
             width = attn.c_proj.weight.shape[0]
             with torch.no_grad():
@@ -325,7 +325,7 @@ class Injector:
             self._restore(self._skipping)  # as if the step never ran on this rank
             self._skipping = None
 
-    def _corrupt(self, bit: int):
+    def _corrupt(self, bit: int) -> Callable[[torch.nn.Module, Any, torch.Tensor], torch.Tensor]:
         def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
             out = output.clone()
             flip_bit(out, int(torch.randint(out.numel(), (1,), generator=self._random)), bit)
@@ -342,7 +342,7 @@ class Injector:
         """Under ``duplicate_data``, from its step: the rank whose batches this rank takes."""
         return self.duplicated_shard(world) if self.active("duplicate_data") is not None else None
 
-    def _grow(self, fault: Fault):
+    def _grow(self, fault: Fault) -> Callable[[torch.nn.Module, Any, torch.Tensor], torch.Tensor | None]:
         def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
             if self.step >= fault.step:
                 return output * fault.params["factor"]
