@@ -157,7 +157,7 @@ def train(args: argparse.Namespace, first: int, last: int) -> dict[str, Any]:
     if run is not None:
         run.finish()
     faults.remove()
-    if last < min(args.steps, args.stop_at or args.steps) and checkpoint is not None:
+    if last < (args.stop_at or args.steps) and checkpoint is not None:  # a later half follows
         checkpoint.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "source": source}, checkpoint / "model.pt")

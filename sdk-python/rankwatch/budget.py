@@ -127,11 +127,12 @@ class StepClock:
 
     def __init__(self) -> None:
         self.ms: float | None = None
-        self._last: tuple[int, float] | None = None  # (step, perf_counter) of the last log
+        self._last_time: float | None = None  # perf_counter at the last log
 
-    def tick(self, step: int) -> None:
+    def tick(self, step: int, last_step: int | None) -> None:
+        """At the log of `step`; `last_step` is the step logged before (the schedule keeps it)."""
         now = time.perf_counter()
-        if self._last is not None and step > self._last[0]:
-            per_step = (now - self._last[1]) * 1000.0 / (step - self._last[0])
+        if self._last_time is not None and last_step is not None and step > last_step:
+            per_step = (now - self._last_time) * 1000.0 / (step - last_step)
             self.ms = per_step if self.ms is None else 0.8 * self.ms + 0.2 * per_step
-        self._last = (step, now)
+        self._last_time = now

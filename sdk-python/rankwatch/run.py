@@ -578,7 +578,7 @@ class Run:
             self._probe(agent, step, keys, values)
         except Exception as e:  # noqa: BLE001 - the step goes on without this report
             self._warn(f"report-{type(e).__name__}", f"rankwatch: the report of step {step} failed ({e!r}); training continues")
-        self._clock.tick(step)
+        self._clock.tick(step, self._schedule.last_step)
         self._schedule.logged(step)
         self._health(agent)
 

@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 # Every family discovery knows, in the order they are tried.
 FAMILIES: tuple[Family, ...] = (*hf_decoders.FAMILIES, gpt2.FAMILY, gpt_neox.FAMILY, bert.FAMILY, nanogpt.FAMILY, torchtitan.FAMILY)
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES if f.model_type is not None}
-_RECOGNISED = [f for f in FAMILIES if f.recognise is not None]
+_RECOGNISED = [(f.recognise, f.layout) for f in FAMILIES if f.recognise is not None]
 
 
 def _find_known(model: nn.Module) -> Layout | None:
@@ -77,9 +77,9 @@ def _find_known(model: nn.Module) -> Layout | None:
     hf = _BY_MODEL_TYPE.get(hf_model_type(model) or "")
     if hf is not None:
         return hf.layout(hf_base(model))
-    for family in _RECOGNISED:
-        if family.recognise is not None and family.recognise(model):
-            return family.layout(model)
+    for recognise, layout in _RECOGNISED:
+        if recognise(model):
+            return layout(model)
     return None
 
 
