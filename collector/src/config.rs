@@ -364,7 +364,8 @@ pub struct ServeConfig {
     pub sql_max_rows: usize,
 
     /// Bytes (in Arrow memory) a /api/v1/sql answer may hold: the result stops there and is
-    /// marked truncated, so its JSON answer is bounded too.
+    /// marked truncated, so its JSON answer is bounded too. Also what one batch of a query may
+    /// hold: a function call's result, a join's or unnest's copies, and 1/8,192 of it a value.
     #[arg(long, env = "RANKWATCH_SQL_MAX_RESULT_BYTES", default_value_t = 64 << 20)]
     pub sql_max_result_bytes: usize,
 

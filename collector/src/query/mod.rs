@@ -9,8 +9,12 @@
 //! the planner (`plan`) picks rollup windows and raw step ranges, and the point reader
 //! (`parts`) reads those rows straight from each part through a cached series index.
 
+mod bounded;
+mod budget;
 pub mod consistency;
+mod depth;
 pub mod downsample;
+mod guard;
 pub mod json;
 mod parts;
 mod plan;
@@ -24,7 +28,7 @@ use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::{
     DataFrame, Expr, ParquetReadOptions, SQLOptions, SessionConfig, SessionContext, lit,
 };
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use rankwatch_analytics::RunId;
 use rankwatch_analytics::schema::{alerts, runs};
 
@@ -68,13 +72,14 @@ pub struct SqlLimits {
 /// Functions whose result's size is set by an argument (`repeat('x', 2000000000)`,
 /// `range(0, 1e10)`): DataFusion allocates it inside the function, outside the memory pool, so
 /// `--query-memory` cannot bound it and four such queries at once took more than 20 GB.
-const AMPLIFIERS: [&str; 6] = [
+const AMPLIFIERS: [&str; 7] = [
     "repeat",
     "lpad",
     "rpad",
     "range",
     "generate_series",
     "array_repeat",
+    "array_resize",
 ];
 
 /// Refuses a plan that calls one of the [`AMPLIFIERS`], naming it.
@@ -339,6 +344,23 @@ impl Queries {
     /// Runs read-only SQL over `samples`, `sketches`, `runs` and `alerts` (every run, with a
     /// `run` column). Returns the rows and whether the row limit cut the answer.
     pub async fn sql(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
+        // A panic inside the engine (arrow's offset overflow, say) answers this query with an
+        // error instead of dropping its connection unanswered.
+        let answer = std::panic::AssertUnwindSafe(self.sql_answer(sql)).catch_unwind();
+        answer.await.unwrap_or_else(|panic| {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(Error::Sql(format!(
+                "the query failed inside the query engine ({why}); filter on run and step, or \
+                 select fewer columns"
+            )))
+        })
+    }
+
+    async fn sql_answer(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
         self.with_timeout(async {
             let ctx = session(self.ctx.runtime_env());
             for table in [Table::Samples, Table::Sketches] {
@@ -380,17 +402,40 @@ impl Queries {
                 .with_allow_ddl(false)
                 .with_allow_dml(false)
                 .with_allow_statements(false);
-            let frame = ctx
-                .sql_with_options(sql, options)
-                .await
+            let state = ctx.state();
+            let statement = state
+                .sql_to_statement(sql, &state.config_options().sql_parser.dialect)
                 .map_err(|e| self.sql_error(e))?;
+            depth::refuse_deep(&statement)?;
+            let planned = async {
+                let plan = state.statement_to_plan(statement).await?;
+                options.verify_plan(&plan)?;
+                ctx.execute_logical_plan(plan).await
+            };
+            let frame = planned.await.map_err(|e| self.sql_error(e))?;
             refuse_amplifiers(frame.logical_plan())?;
-            let mut stream = frame
+            let (state, plan) = frame
                 .limit(0, Some(self.sql.max_rows + 1))
                 .map_err(|e| self.sql_error(e))?
-                .execute_stream()
-                .await
-                .map_err(|e| self.sql_error(e))?;
+                .into_parts();
+            // Guarded before the optimiser (its constant folding calls the functions) and
+            // after it (a rewrite may call a function of its own); planned without optimising
+            // again.
+            let budget = budget::Budget {
+                bytes: self.sql.max_result_bytes,
+                rows: state.config().batch_size(),
+            };
+            let planned = async {
+                let plan = state.optimize(&guard::guard_plan(plan, budget)?)?;
+                let plan = guard::guard_plan(plan, budget)?;
+                let physical = state
+                    .query_planner()
+                    .create_physical_plan(&plan, &state)
+                    .await?;
+                let physical = bounded::bound_plan(physical, budget)?;
+                datafusion::physical_plan::execute_stream(physical, state.task_ctx())
+            };
+            let mut stream = planned.await.map_err(|e| self.sql_error(e))?;
             // Taken batch by batch up to the row and byte limits: what is past them is never
             // held (a `collect` held the whole result, outside the memory pool).
             let (mut batches, mut rows, mut bytes) = (Vec::new(), 0, 0);

@@ -617,6 +617,137 @@ async fn sql_answers_are_bounded_in_bytes_and_amplifying_functions_are_refused()
     server.stop().await;
 }
 
+/// `WITH` levels each doubling the last level's `s` with `op`, from `seed`: 2^depth times
+/// the seed, from a query a few hundred bytes long.
+fn doubling(seed: &str, depth: usize, op: impl Fn(&str) -> String) -> String {
+    let mut sql = format!("WITH l0 AS ({seed})");
+    for i in 1..=depth {
+        sql += &format!(", l{i} AS (SELECT {} AS s FROM l{})", op("s"), i - 1);
+    }
+    sql + &format!(" SELECT length(s) AS n FROM l{depth}")
+}
+
+#[tokio::test]
+async fn sql_functions_cannot_grow_a_value_past_the_limit_from_the_querys_own_text() {
+    let server = Server::start(|c| {
+        c.sql_max_rows = 1_000_000;
+        c.sql_max_result_bytes = 1 << 20;
+    })
+    .await;
+    let body = samples_ipc(&workload("grow", 2, 50, 4), false);
+    assert_eq!(server.ingest(&body, None).await.status, 200);
+    // Each would make 2^27 bytes a row (128 MiB; 1 GiB at depth 30) where the answer may hold
+    // 1 MiB. Before the guard these were made whole and answered `200` (length only).
+    let attacks = [
+        doubling("SELECT 'x' AS s", 27, |s| format!("{s} || {s}")),
+        doubling("SELECT 'x' AS s", 27, |s| format!("concat({s}, {s})")),
+        doubling("SELECT metric AS s FROM samples", 27, |s| {
+            format!("{s} || {s}")
+        }),
+        doubling("SELECT metric AS s FROM samples", 27, |s| {
+            format!("concat_ws({s}, {s}, '')")
+        }),
+        doubling("SELECT metric AS s FROM samples", 27, |s| {
+            format!("regexp_replace({s}, '.*', '$0$0', 'g')")
+        }),
+        // One call whose result is past the limit at once: a replacement per character.
+        format!(
+            "SELECT length(replace(repeated, 'x', '{}')) AS n FROM (SELECT {} AS repeated)",
+            "y".repeat(120),
+            "'x' || ".repeat(60) + "'x'"
+        ),
+        // A literal is copied into every row of a batch: at most 1 MiB / 8,192 rows.
+        format!("SELECT '{}' AS s FROM samples", "z".repeat(200)),
+        // A join copies each row of a side up to a batch's rows: thirty 100-byte columns,
+        // 3,000 bytes a row, 24 MB a batch. Before, made and answered (`200`, one row).
+        format!(
+            "WITH w AS (SELECT {}) SELECT w.* FROM w CROSS JOIN samples LIMIT 1",
+            (0..30)
+                .map(|i| format!("'{}' AS c{i}", "w".repeat(100)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ];
+    for sql in &attacks {
+        let answer = server.sql(sql.as_bytes()).await;
+        assert_eq!(
+            answer.status,
+            400,
+            "{}…: {}",
+            &sql[..120],
+            &answer.body[..answer.body.len().min(300)]
+        );
+        assert!(
+            answer.body.contains("--sql-max-result-bytes"),
+            "{}…: {}",
+            &sql[..120],
+            &answer.body[..answer.body.len().min(300)]
+        );
+    }
+    // Below the limit the same functions answer as DataFusion does, with the operator's
+    // column names and NULL rule.
+    let fine = server
+        .sql(
+            b"SELECT metric || '/' || CAST(rank AS VARCHAR) AS key, count(*) AS n, \
+              replace(min(metric), '_', '.') AS dotted, concat_ws('-', 'a', 'b') AS ws, \
+              min(site) || NULL AS gone, 'a' || 'b' \
+              FROM samples GROUP BY metric || '/' || CAST(rank AS VARCHAR) \
+              ORDER BY key LIMIT 2",
+        )
+        .await;
+    assert_eq!(fine.status, 200, "{}", fine.body);
+    let answer: serde_json::Value = serde_json::from_str(&fine.body).unwrap();
+    let rows = answer["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{answer}");
+    let first = &rows[0];
+    let key = first["key"].as_str().unwrap();
+    assert!(key.ends_with("/0") && key.len() > 2, "{answer}");
+    assert!(first["n"].as_u64().unwrap() > 0, "{answer}");
+    assert!(!first["dotted"].as_str().unwrap().contains('_'), "{answer}");
+    assert_eq!(first["ws"], "a-b", "{answer}");
+    assert!(first["gone"].is_null(), "|| with NULL is NULL: {answer}");
+    assert_eq!(
+        first["Utf8(\"a\") || Utf8(\"b\")"], "ab",
+        "the operator's name: {answer}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_expression_nested_past_the_limit_is_refused_before_it_overflows_the_stack() {
+    let server = Server::start(|_| {}).await;
+    // A thousand `||` overflowed the answering thread's stack and aborted the collector.
+    for sql in [
+        format!("SELECT length({}'x') AS n", "'x' || ".repeat(1000)),
+        format!("SELECT {}1 AS n", "1 + ".repeat(5000)),
+    ] {
+        let answer = server.sql(sql.as_bytes()).await;
+        assert_eq!(answer.status, 400, "{}", answer.body);
+        assert!(
+            answer.body.contains("nest more than 64 deep"),
+            "{}",
+            answer.body
+        );
+    }
+    // Nested calls and brackets the parser counts itself, refusing past 50.
+    let sql = format!("SELECT {}1{} AS n", "abs(".repeat(1000), ")".repeat(1000));
+    let answer = server.sql(sql.as_bytes()).await;
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(
+        answer.body.contains("RecursionLimitExceeded"),
+        "{}",
+        answer.body
+    );
+    // Up to the limit the query is answered, on the test's own 2 MiB worker stack.
+    let sql = format!("SELECT length({}'x') AS n", "'x' || ".repeat(62));
+    let answer = server.sql(sql.as_bytes()).await;
+    assert!(
+        answer.status == 200 && answer.body.contains("\"n\":63"),
+        "{answer:?}"
+    );
+    server.stop().await;
+}
+
 /// The soft limit on open files of this process (from /proc).
 fn open_file_limit() -> usize {
     std::fs::read_to_string("/proc/self/limits")
