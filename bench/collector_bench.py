@@ -810,11 +810,24 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
                 attacks["bombs_413"] += r.status_code == 413
                 attacks["per_address_429"] += r.status_code == 429
 
+    # Queries built to allocate outside DataFusion's pool (decision 0110), in turn: a function
+    # whose result's size is an argument, a value doubled by thirty WITH levels, a one-row
+    # 8,000-byte literal copied by a join into every row of the agents' samples thirty times
+    # over, and a chain of a thousand `||` (once a stack overflow).
+    doubled = "WITH l0 AS (SELECT 'x' AS s)" + "".join(
+        f", l{i} AS (SELECT s || s AS s FROM l{i - 1})" for i in range(1, 31)) + " SELECT length(s) FROM l30"
+    wide = ("WITH w AS (SELECT " + ", ".join(f"'{'w' * 8000}' AS c{i}" for i in range(30))
+            + ") SELECT w.*, s.value FROM w CROSS JOIN samples s")
+    amplifiers = ["SELECT repeat('x', 2000000000) AS x", doubled, wide,
+                  "SELECT length(" + "'x' || " * 1000 + "'x')"]
+
     def sql(url: str) -> None:
         http = attacker_session()
+        turn = 0
         while not stop_attacks.is_set():
-            r = http.post(f"{url}/api/v1/sql", data="SELECT repeat('x', 2000000000) AS x",
-                              headers={"content-type": "text/plain"}, timeout=60)
+            turn += 1
+            r = http.post(f"{url}/api/v1/sql", data=amplifiers[turn % len(amplifiers)],
+                          headers={"content-type": "text/plain"}, timeout=60)
             with lock:
                 attacks["sql"] += 1
                 attacks["sql_400"] += r.status_code == 400
