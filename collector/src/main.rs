@@ -97,9 +97,6 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("rankwatch")
-        // SQL is planned by recursion over the query's expressions (query/depth.rs bounds
-        // them); 8 MiB, reserved not committed, leaves a wide margin over the 2 MiB default.
-        .thread_stack_size(8 << 20)
         .build()
         .context("starting the async runtime")?;
     match cli.command {

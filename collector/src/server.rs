@@ -83,6 +83,7 @@ impl Collector {
             crate::query::SqlLimits {
                 max_rows: config.sql_max_rows,
                 max_result_bytes: config.sql_max_result_bytes,
+                max_running: config.max_concurrent_sql,
             },
             config.query_memory,
             config.read_cache_bytes,

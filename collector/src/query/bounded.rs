@@ -8,6 +8,11 @@
 //! are cut to at most [`Budget::rows`] rows (views of the same memory, no copy), and a batch
 //! whose rows could be copied past [`Budget::bytes`] fails, naming the limit, before the
 //! operator sees it.
+//!
+//! An aggregate's or a window's result is bounded by DataFusion's pool while it is built, but
+//! not after: `string_agg` over a table made a 589 KB value that a scalar subquery then copied
+//! into a thousand rows. So their output is wrapped too, and a value longer than
+//! [`Budget::value`] fails there, before anything copies it.
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,6 +22,7 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -34,6 +40,8 @@ enum Feeds {
     Join,
     /// An unnest: each row's other columns once an element of its lists.
     Unnest,
+    /// What an aggregate or a window made: no value longer than a value may be.
+    Values,
 }
 
 #[derive(Debug)]
@@ -83,24 +91,32 @@ fn elements(array: &dyn Array) -> usize {
 
 fn check(feeds: Feeds, budget: Budget, batch: &RecordBatch) -> Result<()> {
     let columns = batch.columns().iter().map(|c| c.as_ref());
-    let (copies, width) = match feeds {
+    let (what, copies, width) = match feeds {
+        Feeds::Values => {
+            let longest = columns.map(longest_value).max().unwrap_or(0);
+            if longest <= budget.value() {
+                return Ok(());
+            }
+            return Err(DataFusionError::Execution(format!(
+                "an aggregate or window made a value of {longest} bytes, past the {} bytes one \
+                 value of a SQL query may hold (--sql-max-result-bytes over {} rows a batch)",
+                budget.value(),
+                budget.rows
+            )));
+        }
         // A join's output batch holds up to a batch's rows, each a copy of a row of this side.
-        Feeds::Join => (budget.rows, row_width(columns)),
+        Feeds::Join => ("a join", budget.rows, row_width(columns)),
         Feeds::Unnest => {
             let (lists, others): (Vec<&dyn Array>, Vec<&dyn Array>) =
                 columns.partition(|c| is_list(c.data_type()));
             let copies = lists.iter().map(|l| elements(*l)).sum::<usize>() + batch.num_rows();
             let width =
                 row_width(others) + lists.iter().map(|l| longest_value(*l)).max().unwrap_or(0);
-            (copies, width)
+            ("an unnest", copies, width)
         }
     };
     let most = copies.saturating_mul(width);
     if most > budget.bytes {
-        let what = match feeds {
-            Feeds::Join => "a join",
-            Feeds::Unnest => "an unnest",
-        };
         return Err(DataFusionError::Execution(format!(
             "{what} would copy rows of up to {width} bytes {copies} times, {most} bytes, past the {} \
              bytes one batch of a SQL query may hold (--sql-max-result-bytes); select fewer or \
@@ -180,7 +196,18 @@ impl ExecutionPlan for Bounded {
     }
 }
 
-/// `plan` with every input of a join or an unnest wrapped.
+fn is_partial(node: &dyn ExecutionPlan) -> bool {
+    let any: &dyn std::any::Any = node;
+    any.downcast_ref::<AggregateExec>().is_some_and(|a| {
+        matches!(
+            a.mode(),
+            AggregateMode::Partial | AggregateMode::PartialReduce
+        )
+    })
+}
+
+/// `plan` with every input of a join or an unnest, and every aggregate's and window's output,
+/// wrapped.
 pub(super) fn bound_plan(
     plan: Arc<dyn ExecutionPlan>,
     budget: Budget,
@@ -189,6 +216,16 @@ pub(super) fn bound_plan(
         let feeds = match node.name() {
             "UnnestExec" => Feeds::Unnest,
             name if name.ends_with("JoinExec") => Feeds::Join,
+            // A partial aggregate's output is its accumulators' state (`count(DISTINCT step)`
+            // sends the distinct steps as a list), not a value of the query's.
+            "AggregateExec" if is_partial(node.as_ref()) => return Ok(Transformed::no(node)),
+            "AggregateExec" | "WindowAggExec" | "BoundedWindowAggExec" => {
+                return Ok(Transformed::yes(Arc::new(Bounded {
+                    input: node,
+                    feeds: Feeds::Values,
+                    budget,
+                })));
+            }
             _ => return Ok(Transformed::no(node)),
         };
         let children = node

@@ -25,14 +25,16 @@ pub(super) struct Budget {
 }
 
 impl Budget {
-    /// The most one computed value may hold: a batch of such values stays within `bytes`.
+    /// The most one computed value may hold: a batch of such values stays within `bytes`. At
+    /// least 256 bytes, so that a small answer limit never refuses a number or a short name.
     pub(super) fn value(&self) -> usize {
-        (self.bytes / self.rows.max(1)).max(1)
+        (self.bytes / self.rows.max(1)).max(256)
     }
 }
 
-/// The bytes of the longest value in `array` (for nested types, the whole array's: an upper
-/// bound, since one row may hold every element).
+/// An upper bound of the bytes of the longest value in `array`, row by row: for a string its
+/// length, for a list its most elements times its longest element, for a struct the sum of its
+/// fields'.
 pub(super) fn longest_value(array: &dyn Array) -> usize {
     fn longest_by_offsets<O: Copy + Into<i64>>(offsets: &[O]) -> usize {
         offsets
@@ -48,10 +50,29 @@ pub(super) fn longest_value(array: &dyn Array) -> usize {
         DataType::LargeBinary => longest_by_offsets(array.as_binary::<i64>().value_offsets()),
         DataType::Utf8View => max_view(array.as_string_view().views()),
         DataType::BinaryView => max_view(array.as_binary_view().views()),
+        DataType::List(_) => {
+            let list = array.as_list::<i32>();
+            longest_by_offsets(list.value_offsets()).saturating_mul(longest_value(list.values()))
+        }
+        DataType::LargeList(_) => {
+            let list = array.as_list::<i64>();
+            longest_by_offsets(list.value_offsets()).saturating_mul(longest_value(list.values()))
+        }
+        DataType::FixedSizeList(_, n) => {
+            let list = array.as_fixed_size_list();
+            (*n).max(0) as usize * longest_value(list.values())
+        }
+        DataType::Map(..) => {
+            let map = array.as_map();
+            longest_by_offsets(map.value_offsets()).saturating_mul(longest_value(map.entries()))
+        }
+        DataType::Struct(_) => row_width(array.as_struct().columns().iter().map(|c| c.as_ref())),
+        DataType::Dictionary(..) => longest_value(array.as_any_dictionary().values().as_ref()),
         DataType::Null => 0,
         DataType::Boolean => 1,
         t => match t.primitive_width() {
             Some(width) => width,
+            // Unions and run-end encodings: the whole array bounds any one value.
             None => array
                 .to_data()
                 .get_slice_memory_size()
@@ -91,8 +112,14 @@ mod tests {
         let views = StringViewArray::from(vec!["a", "bbbbbbbbbbbbbbbbbbbb", "cc"]);
         assert_eq!(longest_value(&views), 20);
         assert_eq!(longest_value(&Int64Array::from(vec![1, 2])), 8);
-        let lists = ListArray::from_iter_primitive::<Int64Type, _, _>(vec![Some(vec![Some(1)])]);
-        assert!(longest_value(&lists) >= 8, "nested: bounded by the whole");
+        let lists = ListArray::from_iter_primitive::<Int64Type, _, _>(
+            (0..1000).map(|i| Some(vec![Some(i); 3])),
+        );
+        assert_eq!(
+            longest_value(&lists),
+            24,
+            "a row's elements, not the whole column's"
+        );
         let row = [
             &strings as &dyn Array,
             &Int64Array::from(vec![1, 2, 3]) as &dyn Array,

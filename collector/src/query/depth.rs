@@ -16,7 +16,9 @@ use crate::error::{Error, Result};
 
 /// Deep enough for any query a person writes (a `CASE` of a hundred branches is one level, a
 /// sixty-term sum sixty). The debug build, whose frames are the largest, answered a 90-term
-/// chain of `||` on a 2 MiB stack and overflowed at 97; the collector's threads have 8 MiB.
+/// chain of `||` on a 2 MiB stack and overflowed at 97. A query's thread has 256 MiB
+/// (`query/mod.rs`), for what DataFusion nests itself (projections merged into one expression,
+/// a union of thousands); this check refuses the deepest text before any planning.
 pub(super) const MAX_DEPTH: usize = 64;
 
 /// Counts the nesting of expressions, stopping at the first past the limit.

@@ -14,10 +14,14 @@
 //! result's size is an argument (`repeat`) are refused outright before planning (see
 //! `AMPLIFIERS` in the parent module).
 //!
-//! The wrapping happens twice: on the plan as written, so the optimiser's constant folding
-//! (which calls the functions) is guarded too, and on the optimised plan, for any call a
-//! rewrite introduced. `||` is planned as a guarded function with the operator's types, name
-//! and NULL rule.
+//! The wrapping happens twice. On the plan as written only the functions that can make more
+//! than they are given ([`GROWERS`]) and `||` are wrapped, so the optimiser's constant folding
+//! (which calls them) is guarded while its rewrites that recognise a function by its type
+//! (`log(power(..))`, `get_field(named_struct(..))`) still see the others. On the optimised
+//! plan every call is wrapped but the few the scan recognises by type ([`PASS_THROUGH`], none of
+//! which grows). `||` is planned as a guarded function with the operator's types, name and NULL
+//! rule. `string_agg` and `array_agg` are refused as window functions: a running frame makes a
+//! value a row, each as long as the rows before it, inside the operator.
 
 use std::any::Any;
 use std::hash::{Hash, Hasher};
@@ -44,6 +48,52 @@ use datafusion::logical_expr::{
     Volatility,
 };
 
+/// Functions that can make more bytes than they are given, by a factor or by a product:
+/// wrapped before the optimiser folds constants with them.
+const GROWERS: [&str; 24] = [
+    "concat",
+    "concat_ws",
+    "encode",
+    "upper",
+    "lower",
+    "initcap",
+    "replace",
+    "regexp_replace",
+    "regexp_match",
+    "translate",
+    "to_char",
+    "string_to_array",
+    "overlay",
+    "named_struct",
+    "struct",
+    "map",
+    "make_map",
+    "make_array",
+    "arrow_cast",
+    "to_hex",
+    "array_concat",
+    "array_append",
+    "array_prepend",
+    "array_to_string",
+];
+
+/// Functions the Parquet scan recognises by their type (so a wrapper would hide them), none of
+/// which makes more than it is given.
+const PASS_THROUGH: [&str; 3] = ["input_file_name", "file_row_index", "get_field"];
+
+/// Aggregates that build a value from every row they see: as window functions over a running
+/// frame they make a value a row, each as long as the rows before it.
+const ACCUMULATORS: [&str; 2] = ["string_agg", "array_agg"];
+
+/// Which plan the guard is put on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// The plan as written: only the [`GROWERS`] and `||`.
+    Written,
+    /// The optimised plan: every call but the [`PASS_THROUGH`] ones.
+    Optimised,
+}
+
 /// How many bytes a function can make, at most, from its arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Bound {
@@ -58,6 +108,9 @@ enum Bound {
     },
     /// `concat_ws(sep, a, b, ...)`: the separator once between every two arguments.
     Separates,
+    /// `to_char(t, format)`: every byte of the format may become up to 16 (`%c` is 2 bytes
+    /// that become 24).
+    Formats { format: usize },
 }
 
 fn bound_of(name: &str) -> Bound {
@@ -72,6 +125,7 @@ fn bound_of(name: &str) -> Bound {
             with: &[1, 2],
         },
         "concat_ws" => Bound::Separates,
+        "to_char" => Bound::Formats { format: 1 },
         _ => Bound::Joins,
     }
 }
@@ -86,6 +140,20 @@ fn scalar_bytes(value: &ScalarValue) -> usize {
         | ScalarValue::LargeBinary(Some(b))
         | ScalarValue::BinaryView(Some(b)) => b.len(),
         other => other.size(),
+    }
+}
+
+/// Bytes of a string or bytes literal (what a projection copies into every row); `None` for
+/// fixed-width ones.
+fn literal_bytes(value: &ScalarValue) -> Option<usize> {
+    match value {
+        ScalarValue::Utf8(Some(s))
+        | ScalarValue::LargeUtf8(Some(s))
+        | ScalarValue::Utf8View(Some(s)) => Some(s.len()),
+        ScalarValue::Binary(Some(b))
+        | ScalarValue::LargeBinary(Some(b))
+        | ScalarValue::BinaryView(Some(b)) => Some(b.len()),
+        _ => None,
     }
 }
 
@@ -134,6 +202,11 @@ fn most_bytes(bound: Bound, args: &[ColumnarValue], rows: usize) -> usize {
             .first()
             .map_or(0, |sep| bytes(sep, rows))
             .saturating_mul(args.len()),
+        Bound::Formats { format } => args
+            .get(format)
+            .map_or(0, longest)
+            .saturating_mul(16)
+            .saturating_mul(rows.max(1)),
     };
     given.saturating_add(extra)
 }
@@ -195,9 +268,13 @@ struct Guarded {
     bound: Bound,
 }
 
-fn guarded(func: &Arc<ScalarUDF>, budget: Budget) -> Option<Arc<ScalarUDF>> {
+fn guarded(func: &Arc<ScalarUDF>, budget: Budget, pass: Pass) -> Option<Arc<ScalarUDF>> {
     let any: &dyn Any = func.inner().as_ref();
-    if any.is::<Guarded>() || any.is::<GuardedConcat>() {
+    let wanted = match pass {
+        Pass::Written => GROWERS.contains(&func.name()),
+        Pass::Optimised => !PASS_THROUGH.contains(&func.name()),
+    };
+    if !wanted || any.is::<Guarded>() || any.is::<GuardedConcat>() {
         return None;
     }
     let inner = Arc::clone(func.inner());
@@ -211,18 +288,26 @@ fn guarded(func: &Arc<ScalarUDF>, budget: Budget) -> Option<Arc<ScalarUDF>> {
     ))))
 }
 
-/// Every call in `expr` guarded, `||` included; a literal longer than a value may be refused.
-fn guard_expr(expr: Expr, budget: Budget) -> Result<Transformed<Expr>> {
+/// Every call in `expr` the pass wraps guarded, `||` included; a literal longer than a value
+/// may be, and an accumulating aggregate over a window, refused.
+fn guard_expr(expr: Expr, budget: Budget, pass: Pass) -> Result<Transformed<Expr>> {
     expr.transform_up(|e| {
         Ok(match e {
-            Expr::Literal(value, _) if scalar_bytes(&value) > budget.value() => {
-                return Err(value_too_long(
-                    "the query writes a literal of",
-                    scalar_bytes(&value),
-                    budget,
-                ));
+            Expr::Literal(value, _)
+                if literal_bytes(&value).is_some_and(|n| n > budget.value()) =>
+            {
+                let n = literal_bytes(&value).unwrap_or_default();
+                return Err(value_too_long("the query writes a literal of", n, budget));
             }
-            Expr::ScalarFunction(call) => match guarded(&call.func, budget) {
+            Expr::WindowFunction(w) if ACCUMULATORS.contains(&w.fun.name()) => {
+                return Err(DataFusionError::Plan(format!(
+                    "{} is not available as a window function here: over a running frame it \
+                     makes a value a row, each as long as the rows before it, outside the query \
+                     memory limit (--query-memory); aggregate with GROUP BY instead",
+                    w.fun.name()
+                )));
+            }
+            Expr::ScalarFunction(call) => match guarded(&call.func, budget, pass) {
                 Some(func) => Transformed::yes(Expr::ScalarFunction(ScalarFunction::new_udf(
                     func, call.args,
                 ))),
@@ -241,9 +326,9 @@ fn guard_expr(expr: Expr, budget: Budget) -> Result<Transformed<Expr>> {
     })
 }
 
-/// `plan` with every function call in it, subqueries included, run under the guard.
-pub(super) fn guard_plan(plan: LogicalPlan, budget: Budget) -> Result<LogicalPlan> {
-    plan.transform_up_with_subqueries(|node| node.map_expressions(|e| guard_expr(e, budget)))
+/// `plan` with the calls the pass wraps, subqueries included, run under the guard.
+pub(super) fn guard_plan(plan: LogicalPlan, budget: Budget, pass: Pass) -> Result<LogicalPlan> {
+    plan.transform_up_with_subqueries(|node| node.map_expressions(|e| guard_expr(e, budget, pass)))
         .map(|t| t.data)
 }
 
@@ -292,7 +377,7 @@ impl ScalarUDFImpl for Guarded {
 
     fn with_updated_config(&self, config: &ConfigOptions) -> Option<ScalarUDF> {
         let updated = self.inner.with_updated_config(config)?;
-        guarded(&Arc::new(updated), self.budget).map(Arc::unwrap_or_clone)
+        guarded(&Arc::new(updated), self.budget, Pass::Optimised).map(Arc::unwrap_or_clone)
     }
 
     fn aliases(&self) -> &[String] {
@@ -303,7 +388,7 @@ impl ScalarUDFImpl for Guarded {
         // What the function simplifies to may call other functions, built unguarded.
         Ok(match self.inner.simplify(args, info)? {
             ExprSimplifyResult::Simplified(e) => {
-                ExprSimplifyResult::Simplified(guard_expr(e, self.budget)?.data)
+                ExprSimplifyResult::Simplified(guard_expr(e, self.budget, Pass::Written)?.data)
             }
             original => original,
         })
@@ -472,7 +557,7 @@ mod tests {
         args: Vec<ColumnarValue>,
         rows: usize,
     ) -> (usize, usize) {
-        let guard = guarded(&func, ROOMY).unwrap();
+        let guard = guarded(&func, ROOMY, Pass::Optimised).unwrap();
         let arg_fields: Vec<FieldRef> = args
             .iter()
             .map(|a| Arc::new(Field::new("a", a.data_type(), true)))
@@ -544,7 +629,12 @@ mod tests {
             bytes: 1000,
             rows: 1,
         };
-        let guard = guarded(&datafusion::functions::string::replace(), budget).unwrap();
+        let guard = guarded(
+            &datafusion::functions::string::replace(),
+            budget,
+            Pass::Written,
+        )
+        .unwrap();
         let subject = strings(&["a".repeat(100)]);
         let args = vec![subject, literal("a"), literal(&"x".repeat(100))];
         let return_field = Arc::new(Field::new("r", DataType::Utf8, true));
@@ -571,16 +661,31 @@ mod tests {
     #[test]
     fn a_guard_is_not_wrapped_twice_and_equals_its_twin() {
         let budget = Budget { bytes: 10, rows: 1 };
-        let once = guarded(&datafusion::functions::string::concat(), budget).unwrap();
-        assert!(guarded(&once, budget).is_none());
-        let twin = guarded(&datafusion::functions::string::concat(), budget).unwrap();
+        let once = guarded(
+            &datafusion::functions::string::concat(),
+            budget,
+            Pass::Written,
+        )
+        .unwrap();
+        assert!(guarded(&once, budget, Pass::Optimised).is_none());
+        let twin = guarded(
+            &datafusion::functions::string::concat(),
+            budget,
+            Pass::Optimised,
+        )
+        .unwrap();
         assert_eq!(
             once, twin,
             "plans compare calls: the same function guarded alike is equal"
         );
         assert_ne!(
             once,
-            guarded(&datafusion::functions::string::upper(), budget).unwrap()
+            guarded(
+                &datafusion::functions::string::upper(),
+                budget,
+                Pass::Optimised
+            )
+            .unwrap()
         );
     }
 }

@@ -51,6 +51,8 @@ pub struct Queries {
     /// Whether they read local parts directly ([`parts`]); off only to compare.
     point_reads: bool,
     parts: Arc<parts::PartIndexes>,
+    /// Permits for SQL queries' threads ([`SqlLimits::max_running`]).
+    running: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Queries {
@@ -62,11 +64,17 @@ impl std::fmt::Debug for Queries {
     }
 }
 
+/// The stack of a SQL query's thread: reserved, not committed, so what a query does not use
+/// costs address space only. The debug build overflowed 2 MiB on a 97-term chain of `||`.
+const SQL_STACK_BYTES: usize = 256 << 20;
+
 /// What one `/api/v1/sql` answer may hold.
 #[derive(Debug, Clone, Copy)]
 pub struct SqlLimits {
     pub max_rows: usize,
     pub max_result_bytes: usize,
+    /// Queries running at once, their threads included (`--max-concurrent-sql`).
+    pub max_running: usize,
 }
 
 /// Functions whose result's size is set by an argument (`repeat('x', 2000000000)`,
@@ -163,6 +171,7 @@ impl Queries {
             memory,
             rollups: true,
             point_reads: true,
+            running: Arc::new(tokio::sync::Semaphore::new(sql.max_running.max(1))),
             parts: Arc::new(parts::PartIndexes::new(
                 parts::DEFAULT_BUDGET_BYTES,
                 read_cache,
@@ -344,8 +353,44 @@ impl Queries {
     /// Runs read-only SQL over `samples`, `sketches`, `runs` and `alerts` (every run, with a
     /// `run` column). Returns the rows and whether the row limit cut the answer.
     pub async fn sql(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
+        // Each query is planned and run on a thread of its own, with a deep stack: DataFusion
+        // recurses over what it builds (projections merged into one expression thousands deep,
+        // a union of thousands), which no check on the text bounds, and a planning that takes
+        // seconds without yielding holds this thread, not one of the runtime's workers. At most
+        // `--sql-slots` of them run at once (the handler's semaphore).
+        // The thread holds its permit to the end: a client that hangs up does not free it
+        // while the query still runs.
+        let permit = Arc::clone(&self.running).try_acquire_owned().map_err(|_| {
+            Error::Busy(format!(
+                "{} SQL queries are still running (--max-concurrent-sql), some for clients \
+                     that hung up; retry",
+                self.sql.max_running
+            ))
+        })?;
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let (queries, sql) = (self.clone(), sql.to_owned());
+        std::thread::Builder::new()
+            .name("rankwatch-sql".into())
+            .stack_size(SQL_STACK_BYTES)
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                let result = match runtime {
+                    Ok(runtime) => runtime.block_on(queries.sql_caught(&sql)),
+                    Err(e) => Err(Error::Io(e)),
+                };
+                let _ = answer.send(result);
+                drop(permit);
+            })?;
+        answered
+            .await
+            .unwrap_or_else(|_| Err(Error::Sql("the query's thread ended unanswered".into())))
+    }
+
+    async fn sql_caught(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
         // A panic inside the engine (arrow's offset overflow, say) answers this query with an
-        // error instead of dropping its connection unanswered.
+        // error instead of ending its thread unanswered.
         let answer = std::panic::AssertUnwindSafe(self.sql_answer(sql)).catch_unwind();
         answer.await.unwrap_or_else(|panic| {
             let why = panic
@@ -426,8 +471,9 @@ impl Queries {
                 rows: state.config().batch_size(),
             };
             let planned = async {
-                let plan = state.optimize(&guard::guard_plan(plan, budget)?)?;
-                let plan = guard::guard_plan(plan, budget)?;
+                let written = guard::guard_plan(plan, budget, guard::Pass::Written)?;
+                let plan =
+                    guard::guard_plan(state.optimize(&written)?, budget, guard::Pass::Optimised)?;
                 let physical = state
                     .query_planner()
                     .create_physical_plan(&plan, &state)
