@@ -42,6 +42,10 @@ enum Feeds {
     Unnest,
     /// What an aggregate or a window made: no value longer than a value may be.
     Values,
+    /// A window over whole partitions (`WindowAggExec`): DataFusion keeps the input outside its
+    /// pool and makes a value a row of it (`max(s) OVER ()`), so the rows it has seen times the
+    /// widest of them may not pass [`Budget::whole`].
+    Whole,
 }
 
 #[derive(Debug)]
@@ -70,6 +74,17 @@ fn is_list(t: &DataType) -> bool {
         t,
         DataType::List(_) | DataType::LargeList(_) | DataType::FixedSizeList(..)
     )
+}
+
+/// The longest element of a list-typed array (what an unnest puts in one row).
+fn element_width(array: &dyn Array) -> usize {
+    use datafusion::arrow::array::AsArray;
+    match array.data_type() {
+        DataType::List(_) => longest_value(array.as_list::<i32>().values().as_ref()),
+        DataType::LargeList(_) => longest_value(array.as_list::<i64>().values().as_ref()),
+        DataType::FixedSizeList(..) => longest_value(array.as_fixed_size_list().values().as_ref()),
+        _ => longest_value(array),
+    }
 }
 
 /// Elements of the lists of `array` in its slice, for a list-typed array.
@@ -110,10 +125,12 @@ fn check(feeds: Feeds, budget: Budget, batch: &RecordBatch) -> Result<()> {
             let (lists, others): (Vec<&dyn Array>, Vec<&dyn Array>) =
                 columns.partition(|c| is_list(c.data_type()));
             let copies = lists.iter().map(|l| elements(*l)).sum::<usize>() + batch.num_rows();
-            let width =
-                row_width(others) + lists.iter().map(|l| longest_value(*l)).max().unwrap_or(0);
+            // Each row it makes holds the other columns and one element of each list.
+            let width = row_width(others) + lists.iter().map(|l| element_width(*l)).sum::<usize>();
             ("an unnest", copies, width)
         }
+        // Checked across batches, in `execute`.
+        Feeds::Whole => return Ok(()),
     };
     let most = copies.saturating_mul(width);
     if most > budget.bytes {
@@ -186,6 +203,25 @@ impl ExecutionPlan for Bounded {
         let (feeds, budget) = (self.feeds, self.budget);
         let input = self.input.execute(partition, context)?;
         let schema = input.schema();
+        if feeds == Feeds::Whole {
+            let (mut rows, mut widest) = (0usize, 0usize);
+            let checked = input.map(move |batch| {
+                let batch = batch?;
+                rows += batch.num_rows();
+                widest = widest.max(row_width(batch.columns().iter().map(|c| c.as_ref())));
+                let most = rows.saturating_mul(widest);
+                if most > budget.whole {
+                    return Err(DataFusionError::Execution(format!(
+                        "a window over a whole partition would hold {rows} rows of up to {widest} \
+                         bytes and make a value for each, past the {} bytes of --query-memory; \
+                         partition it more finely (PARTITION BY run, rank) or filter first",
+                        budget.whole
+                    )));
+                }
+                Ok(batch)
+            });
+            return Ok(Box::pin(RecordBatchStreamAdapter::new(schema, checked)));
+        }
         let pieces = input.flat_map(move |batch| {
             futures_util::stream::iter(match batch {
                 Ok(batch) => Bounded::pieces(feeds, budget, batch),
@@ -215,11 +251,32 @@ pub(super) fn bound_plan(
     plan.transform_up(|node| {
         let feeds = match node.name() {
             "UnnestExec" => Feeds::Unnest,
+            // Wrapped below and above: its input counted whole, its values checked.
+            "WindowAggExec" => {
+                let input: Vec<_> = node
+                    .children()
+                    .into_iter()
+                    .map(|input| {
+                        Arc::new(Bounded {
+                            input: Arc::clone(input),
+                            feeds: Feeds::Whole,
+                            budget,
+                        }) as Arc<dyn ExecutionPlan>
+                    })
+                    .collect();
+                let keep = ReplaceChildrenOptions::new(ChildrenPropertiesMode::Keep);
+                let node = node.replace_children(input, keep)?;
+                return Ok(Transformed::yes(Arc::new(Bounded {
+                    input: node,
+                    feeds: Feeds::Values,
+                    budget,
+                })));
+            }
             name if name.ends_with("JoinExec") => Feeds::Join,
             // A partial aggregate's output is its accumulators' state (`count(DISTINCT step)`
             // sends the distinct steps as a list), not a value of the query's.
             "AggregateExec" if is_partial(node.as_ref()) => return Ok(Transformed::no(node)),
-            "AggregateExec" | "WindowAggExec" | "BoundedWindowAggExec" => {
+            "AggregateExec" | "BoundedWindowAggExec" => {
                 return Ok(Transformed::yes(Arc::new(Bounded {
                     input: node,
                     feeds: Feeds::Values,
@@ -255,6 +312,7 @@ mod tests {
     const BUDGET: Budget = Budget {
         bytes: 10_000,
         rows: 100,
+        whole: 100_000,
     };
 
     fn batch(columns: Vec<(&str, ArrayRef)>) -> RecordBatch {

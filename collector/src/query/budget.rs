@@ -22,6 +22,9 @@ use datafusion::arrow::datatypes::DataType;
 pub(super) struct Budget {
     pub(super) bytes: usize,
     pub(super) rows: usize,
+    /// What a window over a whole partition may hold (`--query-memory`): DataFusion keeps such
+    /// a partition outside its pool and makes one value a row of it.
+    pub(super) whole: usize,
 }
 
 impl Budget {
@@ -81,6 +84,22 @@ pub(super) fn longest_value(array: &dyn Array) -> usize {
     }
 }
 
+/// The bytes every value of a fixed-size type takes (`FixedSizeBinary(n)`, a fixed-size list of
+/// them), whatever it holds, NULL included: `None` for variable-size types.
+pub(super) fn fixed_width(t: &DataType) -> Option<usize> {
+    match t {
+        DataType::FixedSizeBinary(n) => Some((*n).max(0) as usize),
+        DataType::FixedSizeList(f, n) => {
+            fixed_width(f.data_type()).map(|w| w.saturating_mul((*n).max(0) as usize))
+        }
+        DataType::Struct(fields) => fields
+            .iter()
+            .map(|f| fixed_width(f.data_type()))
+            .try_fold(0usize, |sum, w| w.map(|w| sum.saturating_add(w))),
+        t => t.primitive_width(),
+    }
+}
+
 /// A view's low 32 bits are its value's length.
 fn max_view(views: &[u128]) -> usize {
     views.iter().map(|&v| v as u32 as usize).max().unwrap_or(0)
@@ -126,9 +145,15 @@ mod tests {
         ];
         assert_eq!(row_width(row), 28);
         assert_eq!(
+            fixed_width(&DataType::FixedSizeBinary(1 << 30)),
+            Some(1 << 30)
+        );
+        assert_eq!(fixed_width(&DataType::Utf8), None);
+        assert_eq!(
             Budget {
                 bytes: 64 << 20,
-                rows: 8192
+                rows: 8192,
+                whole: 1 << 30,
             }
             .value(),
             8192

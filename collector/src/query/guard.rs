@@ -27,7 +27,7 @@ use std::any::Any;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use super::budget::{Budget, longest_value};
+use super::budget::{Budget, fixed_width, longest_value};
 use datafusion::arrow::array::Array;
 use datafusion::arrow::compute::kernels::concat_elements::concat_elements_dyn;
 use datafusion::arrow::datatypes::{DataType, FieldRef};
@@ -35,7 +35,7 @@ use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{ExprSchema, ScalarValue};
 use datafusion::error::{DataFusionError, Result};
-use datafusion::logical_expr::expr::ScalarFunction;
+use datafusion::logical_expr::expr::{Cast, ScalarFunction, TryCast};
 use datafusion::logical_expr::interval_arithmetic::Interval;
 use datafusion::logical_expr::preimage::PreimageResult;
 use datafusion::logical_expr::simplify::{ExprSimplifyResult, SimplifyContext};
@@ -119,6 +119,12 @@ fn bound_of(name: &str) -> Bound {
         | "array_replace_all" => Bound::Substitutes {
             subject: 0,
             with: &[2],
+        },
+        // Each capture group copies (part of) the match: groups are fewer than the pattern's
+        // bytes.
+        "regexp_match" => Bound::Substitutes {
+            subject: 0,
+            with: &[1],
         },
         "array_to_string" => Bound::Substitutes {
             subject: 0,
@@ -294,10 +300,22 @@ fn guard_expr(expr: Expr, budget: Budget, pass: Pass) -> Result<Transformed<Expr
     expr.transform_up(|e| {
         Ok(match e {
             Expr::Literal(value, _)
-                if literal_bytes(&value).is_some_and(|n| n > budget.value()) =>
+                if literal_bytes(&value)
+                    .or_else(|| fixed_width(&value.data_type()))
+                    .is_some_and(|n| n > budget.value()) =>
             {
-                let n = literal_bytes(&value).unwrap_or_default();
+                let n = literal_bytes(&value)
+                    .or_else(|| fixed_width(&value.data_type()))
+                    .unwrap_or_default();
                 return Err(value_too_long("the query writes a literal of", n, budget));
+            }
+            // A cast to a fixed-size type makes that many bytes a row, NULL or not
+            // (`arrow_cast(NULL, 'FixedSizeBinary(2147483647)')` simplifies to one).
+            Expr::Cast(Cast { ref field, .. }) | Expr::TryCast(TryCast { ref field, .. })
+                if fixed_width(field.data_type()).is_some_and(|n| n > budget.value()) =>
+            {
+                let n = fixed_width(field.data_type()).unwrap_or_default();
+                return Err(value_too_long("a cast makes", n, budget));
             }
             Expr::WindowFunction(w) if ACCUMULATORS.contains(&w.fun.name()) => {
                 return Err(DataFusionError::Plan(format!(
@@ -580,6 +598,7 @@ mod tests {
     const ROOMY: Budget = Budget {
         bytes: usize::MAX,
         rows: 1,
+        whole: usize::MAX,
     };
 
     fn strings(values: &[String]) -> ColumnarValue {
@@ -628,6 +647,7 @@ mod tests {
         let budget = Budget {
             bytes: 1000,
             rows: 1,
+            whole: 1000,
         };
         let guard = guarded(
             &datafusion::functions::string::replace(),
@@ -660,7 +680,11 @@ mod tests {
 
     #[test]
     fn a_guard_is_not_wrapped_twice_and_equals_its_twin() {
-        let budget = Budget { bytes: 10, rows: 1 };
+        let budget = Budget {
+            bytes: 10,
+            rows: 1,
+            whole: 10,
+        };
         let once = guarded(
             &datafusion::functions::string::concat(),
             budget,

@@ -51,8 +51,50 @@ pub struct Queries {
     /// Whether they read local parts directly ([`parts`]); off only to compare.
     point_reads: bool,
     parts: Arc<parts::PartIndexes>,
-    /// Permits for SQL queries' threads ([`SqlLimits::max_running`]).
+    /// Permits for SQL queries ([`SqlLimits::max_running`]), held until each query ends.
     running: Arc<tokio::sync::Semaphore>,
+    /// Where SQL queries are planned and run.
+    sql_runtime: Arc<SqlRuntime>,
+}
+
+/// The runtime SQL queries are planned and run on: threads of their own with deep stacks, for
+/// the recursion DataFusion does over what it builds (which no check on the text bounds), so
+/// that a planning that takes seconds without yielding holds one of these, not one of the
+/// ingest runtime's workers. Long-lived: connections to object storage a query opens are
+/// driven by it, and a pooled connection must not lose its driver when the query ends. Two
+/// threads more than queries may run, so one is free to drive I/O while every query plans.
+struct SqlRuntime {
+    runtime: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+}
+
+impl SqlRuntime {
+    fn new(queries: usize) -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(queries.clamp(1, 64) + 2)
+            .thread_name("rankwatch-sql")
+            .thread_stack_size(SQL_STACK_BYTES)
+            .enable_all()
+            .build()?;
+        let handle = runtime.handle().clone();
+        Ok(SqlRuntime {
+            runtime: Some(runtime),
+            handle,
+        })
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
+impl Drop for SqlRuntime {
+    fn drop(&mut self) {
+        // Dropping a runtime blocks, which async code may not do: let it go in the background.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 impl std::fmt::Debug for Queries {
@@ -64,8 +106,9 @@ impl std::fmt::Debug for Queries {
     }
 }
 
-/// The stack of a SQL query's thread: reserved, not committed, so what a query does not use
-/// costs address space only. The debug build overflowed 2 MiB on a 97-term chain of `||`.
+/// The stack of each of the SQL runtime's threads: reserved, not committed, so what a query
+/// does not use costs address space only. The debug build overflowed 2 MiB on a 97-term chain of
+/// `||`, and on twenty `WITH` levels the optimiser merged into one expression 1,200 deep.
 const SQL_STACK_BYTES: usize = 256 << 20;
 
 /// What one `/api/v1/sql` answer may hold.
@@ -171,7 +214,11 @@ impl Queries {
             memory,
             rollups: true,
             point_reads: true,
-            running: Arc::new(tokio::sync::Semaphore::new(sql.max_running.max(1))),
+            running: Arc::new(tokio::sync::Semaphore::new(
+                sql.max_running
+                    .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+            )),
+            sql_runtime: Arc::new(SqlRuntime::new(sql.max_running)?),
             parts: Arc::new(parts::PartIndexes::new(
                 parts::DEFAULT_BUDGET_BYTES,
                 read_cache,
@@ -353,39 +400,34 @@ impl Queries {
     /// Runs read-only SQL over `samples`, `sketches`, `runs` and `alerts` (every run, with a
     /// `run` column). Returns the rows and whether the row limit cut the answer.
     pub async fn sql(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
-        // Each query is planned and run on a thread of its own, with a deep stack: DataFusion
-        // recurses over what it builds (projections merged into one expression thousands deep,
-        // a union of thousands), which no check on the text bounds, and a planning that takes
-        // seconds without yielding holds this thread, not one of the runtime's workers. At most
-        // `--sql-slots` of them run at once (the handler's semaphore).
-        // The thread holds its permit to the end: a client that hangs up does not free it
-        // while the query still runs.
+        // The query holds its permit to its end: a client that hangs up does not free it while
+        // the query still runs.
         let permit = Arc::clone(&self.running).try_acquire_owned().map_err(|_| {
             Error::Busy(format!(
                 "{} SQL queries are still running (--max-concurrent-sql), some for clients \
-                     that hung up; retry",
+                 that hung up; retry",
                 self.sql.max_running
             ))
         })?;
-        let (answer, answered) = tokio::sync::oneshot::channel();
         let (queries, sql) = (self.clone(), sql.to_owned());
-        std::thread::Builder::new()
-            .name("rankwatch-sql".into())
-            .stack_size(SQL_STACK_BYTES)
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build();
-                let result = match runtime {
-                    Ok(runtime) => runtime.block_on(queries.sql_caught(&sql)),
-                    Err(e) => Err(Error::Io(e)),
-                };
-                let _ = answer.send(result);
-                drop(permit);
-            })?;
-        answered
-            .await
-            .unwrap_or_else(|_| Err(Error::Sql("the query's thread ended unanswered".into())))
+        let running = self.sql_runtime.handle().spawn(async move {
+            let answer = queries.sql_caught(&sql).await;
+            drop(permit);
+            answer
+        });
+        // The query's own deadline is checked where it can yield; a planning that does not
+        // is answered from here, and ends when it ends.
+        let deadline = self.timeout + Duration::from_secs(5);
+        match tokio::time::timeout(deadline, running).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => Err(Error::Sql(format!(
+                "the query's task ended unanswered: {e}"
+            ))),
+            Err(_) => Err(Error::Unavailable(format!(
+                "query cancelled after {:?}; narrow the step range",
+                self.timeout
+            ))),
+        }
     }
 
     async fn sql_caught(&self, sql: &str) -> Result<(Vec<RecordBatch>, bool)> {
@@ -469,6 +511,7 @@ impl Queries {
             let budget = budget::Budget {
                 bytes: self.sql.max_result_bytes,
                 rows: state.config().batch_size(),
+                whole: self.memory,
             };
             let planned = async {
                 let written = guard::guard_plan(plan, budget, guard::Pass::Written)?;

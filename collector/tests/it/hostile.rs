@@ -755,7 +755,9 @@ async fn sql_over_lists_aggregates_and_windows_is_answered_within_budget_or_refu
     let server = Server::start(|_| {}).await;
     let body = samples_ipc(&workload("w", 8, 200, 2), false);
     assert_eq!(server.ingest(&body, None).await.status, 200);
-    let sketches: Vec<_> = (0..200)
+    // 4,160 rows in one batch: an unnest measured by the whole list (256 bytes a row, not 4
+    // an element) refused it.
+    let sketches: Vec<_> = (0..520)
         .flat_map(|step| (0..8).map(move |rank| sketch("w", rank, step, vec![0.5; 64])))
         .collect();
     let head = format!("POST /api/v1/ingest?table=sketches HTTP/1.1\r\nContent-Type: {ARROW}");
@@ -767,6 +769,7 @@ async fn sql_over_lists_aggregates_and_windows_is_answered_within_budget_or_refu
         "SELECT k.step, k.vector, s.value FROM sketches k JOIN samples s \
          ON k.step = s.step AND k.rank = s.rank WHERE k.step < 50 LIMIT 5",
         "SELECT step, unnest(vector) AS v FROM sketches WHERE step < 20 LIMIT 5",
+        "SELECT step, unnest(vector) AS v FROM sketches ORDER BY v DESC LIMIT 5",
         "SELECT log(3, power(3, value)) = value AS same FROM samples LIMIT 5",
     ] {
         let answer = server.sql(sql.as_bytes()).await;
@@ -797,6 +800,17 @@ async fn sql_over_lists_aggregates_and_windows_is_answered_within_budget_or_refu
         answer
             .body
             .contains("an aggregate or window made a value of"),
+        "{}",
+        answer.body
+    );
+    // A cast to a fixed-size type makes its width a row, NULL or not: 100 KB × 8,192 rows
+    // (answered `200` before; at FixedSizeBinary(2147483647) the allocation aborted).
+    let answer = server
+        .sql(b"SELECT arrow_cast(NULL, 'FixedSizeBinary(100000)') AS x FROM samples LIMIT 1")
+        .await;
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(
+        answer.body.contains("a cast makes") || answer.body.contains("writes a literal of"),
         "{}",
         answer.body
     );
