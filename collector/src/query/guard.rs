@@ -138,15 +138,7 @@ fn bound_of(name: &str) -> Bound {
 
 /// Bytes of a literal, not of its Rust value.
 fn scalar_bytes(value: &ScalarValue) -> usize {
-    match value {
-        ScalarValue::Utf8(Some(s))
-        | ScalarValue::LargeUtf8(Some(s))
-        | ScalarValue::Utf8View(Some(s)) => s.len(),
-        ScalarValue::Binary(Some(b))
-        | ScalarValue::LargeBinary(Some(b))
-        | ScalarValue::BinaryView(Some(b)) => b.len(),
-        other => other.size(),
-    }
+    literal_bytes(value).unwrap_or_else(|| value.size())
 }
 
 /// Bytes of a string or bytes literal (what a projection copies into every row); `None` for
@@ -294,28 +286,30 @@ fn guarded(func: &Arc<ScalarUDF>, budget: Budget, pass: Pass) -> Option<Arc<Scal
     ))))
 }
 
+/// What a literal or a cast to a fixed-size type puts in every row, and how many bytes.
+fn value_width(e: &Expr) -> Option<(&'static str, usize)> {
+    match e {
+        Expr::Literal(value, _) => literal_bytes(value)
+            .or_else(|| fixed_width(&value.data_type()))
+            .map(|n| ("the query writes a literal of", n)),
+        Expr::Cast(Cast { field, .. }) | Expr::TryCast(TryCast { field, .. }) => {
+            fixed_width(field.data_type()).map(|n| ("a cast makes", n))
+        }
+        _ => None,
+    }
+}
+
 /// Every call in `expr` the pass wraps guarded, `||` included; a literal longer than a value
 /// may be, and an accumulating aggregate over a window, refused.
 fn guard_expr(expr: Expr, budget: Budget, pass: Pass) -> Result<Transformed<Expr>> {
     expr.transform_up(|e| {
         Ok(match e {
-            Expr::Literal(value, _)
-                if literal_bytes(&value)
-                    .or_else(|| fixed_width(&value.data_type()))
-                    .is_some_and(|n| n > budget.value()) =>
-            {
-                let n = literal_bytes(&value)
-                    .or_else(|| fixed_width(&value.data_type()))
-                    .unwrap_or_default();
-                return Err(value_too_long("the query writes a literal of", n, budget));
-            }
-            // A cast to a fixed-size type makes that many bytes a row, NULL or not
-            // (`arrow_cast(NULL, 'FixedSizeBinary(2147483647)')` simplifies to one).
-            Expr::Cast(Cast { ref field, .. }) | Expr::TryCast(TryCast { ref field, .. })
-                if fixed_width(field.data_type()).is_some_and(|n| n > budget.value()) =>
-            {
-                let n = fixed_width(field.data_type()).unwrap_or_default();
-                return Err(value_too_long("a cast makes", n, budget));
+            // A literal is copied into every row, and a cast to a fixed-size type makes that
+            // many bytes a row, NULL or not (`arrow_cast(NULL, 'FixedSizeBinary(2147483647)')`
+            // simplifies to one).
+            ref e if value_width(e).is_some_and(|(_, n)| n > budget.value()) => {
+                let (what, n) = value_width(e).unwrap_or_default();
+                return Err(value_too_long(what, n, budget));
             }
             Expr::WindowFunction(w) if ACCUMULATORS.contains(&w.fun.name()) => {
                 return Err(DataFusionError::Plan(format!(
