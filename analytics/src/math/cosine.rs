@@ -29,22 +29,8 @@ pub fn cos_weighted(norms: &[f64], mean_norm: f64) -> Option<f64> {
 /// norm is zero or not finite has no direction: its row and column are NaN (diagonal included),
 /// shown as such rather than hidden.
 pub fn sketch_cosine_matrix(sketches: &[&[f32]], norms: &[f64]) -> Result<DMatrix<f64>> {
+    check_shapes(sketches, norms)?;
     let k = sketches.len();
-    if norms.len() != k {
-        return Err(Error::Dimension(format!(
-            "{k} sketches but {} norms",
-            norms.len()
-        )));
-    }
-    if let Some(first) = sketches.first()
-        && let Some(bad) = sketches.iter().position(|s| s.len() != first.len())
-    {
-        return Err(Error::Dimension(format!(
-            "sketch {bad} has {} entries, sketch 0 has {}",
-            sketches[bad].len(),
-            first.len()
-        )));
-    }
     let usable = |i: usize| norms[i].is_finite() && norms[i] > 0.0;
     Ok(DMatrix::from_fn(k, k, |i, j| {
         if !usable(i) || !usable(j) {
@@ -72,6 +58,62 @@ pub fn cos_pair_mean(matrix: &DMatrix<f64>) -> Option<f64> {
         .filter(|c| c.is_finite())
         .collect();
     (!pairs.is_empty()).then(|| pairs.iter().sum::<f64>() / pairs.len() as f64)
+}
+
+/// The mean of the finite entries of the strictly upper triangle of [`sketch_cosine_matrix`],
+/// in O(K·d) instead of the matrix's O(K²·d). The usable ranks are those whose whole row of the
+/// matrix is finite: a finite positive norm and every entry finite. With w_i = s_i/n_i over
+/// them, Σ_{i<j} ⟨w_i,w_j⟩ = (‖Σ_i w_i‖² − Σ_i ‖w_i‖²)/2, so the mean of the M(M−1)/2 pairs
+/// is (‖Σ w_i‖² − Σ ‖w_i‖²)/(M(M−1)). Equal to `cos_pair_mean(&sketch_cosine_matrix(..))` up
+/// to rounding (tested against it): what the alert engine computes at every sketched step,
+/// where with thousands of ranks the matrix was the largest cost it had. `None` with fewer
+/// than two usable ranks; the same shape errors as the matrix.
+pub fn sketch_pair_mean(sketches: &[&[f32]], norms: &[f64]) -> Result<Option<f64>> {
+    check_shapes(sketches, norms)?;
+    let dim = sketches.first().map_or(0, |s| s.len());
+    let mut sum = vec![0.0f64; dim];
+    let (mut own, mut usable) = (0.0f64, 0usize);
+    for (s, &n) in sketches.iter().zip(norms) {
+        if !(n.is_finite() && n > 0.0) {
+            continue;
+        }
+        let inverse = 1.0 / n;
+        let square: f64 = s.iter().map(|x| (f64::from(*x) * inverse).powi(2)).sum();
+        if !square.is_finite() {
+            continue; // an entry that is not finite: every cosine of this rank is NaN or ±inf
+        }
+        for (total, x) in sum.iter_mut().zip(s.iter()) {
+            *total += f64::from(*x) * inverse;
+        }
+        own += square;
+        usable += 1;
+    }
+    if usable < 2 {
+        return Ok(None);
+    }
+    let total: f64 = sum.iter().map(|x| x * x).sum();
+    let pairs = (usable * (usable - 1)) as f64;
+    Ok(Some((total - own) / pairs).filter(|c| c.is_finite()))
+}
+
+fn check_shapes(sketches: &[&[f32]], norms: &[f64]) -> Result<()> {
+    let k = sketches.len();
+    if norms.len() != k {
+        return Err(Error::Dimension(format!(
+            "{k} sketches but {} norms",
+            norms.len()
+        )));
+    }
+    if let Some(first) = sketches.first()
+        && let Some(bad) = sketches.iter().position(|s| s.len() != first.len())
+    {
+        return Err(Error::Dimension(format!(
+            "sketch {bad} has {} entries, sketch 0 has {}",
+            sketches[bad].len(),
+            first.len()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -110,5 +152,53 @@ mod tests {
         assert_eq!(cos_pair_mean(&m), Some(1.0));
         let lone = sketch_cosine_matrix(&[&s, &s], &[1.0, f64::INFINITY]).unwrap();
         assert_eq!(cos_pair_mean(&lone), None);
+    }
+
+    /// The O(K·d) pair mean against the FP64 matrix it replaces, over random ranks, lengths,
+    /// agreement, and ranks made unusable (zero, infinite or NaN norm; a NaN or infinite entry).
+    #[test]
+    fn the_pair_mean_without_the_matrix_agrees_with_it() {
+        use proptest::prelude::*;
+        let rank = (
+            -4.0f32..4.0,
+            0.2f64..5.0,
+            prop_oneof![8 => Just(None), 1 => Just(Some(0.0)), 1 => Just(Some(f64::INFINITY)),
+                        1 => Just(Some(f64::NAN)), 1 => Just(Some(-1.0))],
+            prop_oneof![8 => Just(None), 1 => Just(Some(f32::NAN)), 1 => Just(Some(f32::INFINITY))],
+        );
+        let case = (
+            1usize..40,
+            prop::collection::vec(-1.0f32..1.0, 64),
+            prop::collection::vec(rank, 0..24),
+            0.0f32..3.0,
+        );
+        proptest!(ProptestConfig::with_cases(512), |((dim, shared, ranks, spread) in case)| {
+            let mut vectors = Vec::new();
+            let mut norms = Vec::new();
+            for (i, (noise, scale, bad_norm, bad_entry)) in ranks.iter().enumerate() {
+                // A shared direction plus each rank's own: cosines anywhere in [-1, 1].
+                let mut v: Vec<f32> = (0..dim)
+                    .map(|k| shared[k] + spread * noise * shared[(k * 7 + i * 13 + 5) % 64])
+                    .collect();
+                if let Some(bad) = bad_entry {
+                    v[i % dim] = *bad;
+                }
+                let norm = v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt() * scale;
+                norms.push(bad_norm.unwrap_or(norm));
+                vectors.push(v);
+            }
+            let slices: Vec<&[f32]> = vectors.iter().map(Vec::as_slice).collect();
+            let reference = cos_pair_mean(&sketch_cosine_matrix(&slices, &norms).unwrap()).filter(|c| c.is_finite());
+            let fast = sketch_pair_mean(&slices, &norms).unwrap();
+            match (reference, fast) {
+                (None, None) => {}
+                (Some(r), Some(f)) => prop_assert!((r - f).abs() <= 1e-9 * (1.0 + r.abs()), "{r} vs {f}"),
+                other => prop_assert!(false, "{other:?}"),
+            }
+        });
+        let err = sketch_pair_mean(&[&[1.0, 0.0], &[1.0]], &[1.0, 1.0])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sketch 1 has 1 entries"), "{err}");
     }
 }

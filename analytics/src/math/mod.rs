@@ -17,7 +17,7 @@ pub mod reference;
 pub mod sketch;
 pub mod step;
 
-pub use cosine::{cos_pair_mean, cos_weighted, sketch_cosine_matrix};
+pub use cosine::{cos_pair_mean, cos_weighted, sketch_cosine_matrix, sketch_pair_mean};
 pub use dispersion::{Dispersion, robust_z_scores};
 pub use noise::{NoiseEstimate, NoiseScaleTracker};
 pub use operator::{GroupedOv, LinearOperator, Product, Transposed};

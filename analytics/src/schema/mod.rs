@@ -75,6 +75,8 @@ pub(crate) fn normalize(
 pub(crate) struct Columns<'a> {
     table: &'static str,
     batch: &'a RecordBatch,
+    /// The batch carries the table's schema itself (see `new`): columns are where it puts them.
+    canonical: bool,
 }
 
 impl<'a> Columns<'a> {
@@ -86,6 +88,23 @@ impl<'a> Columns<'a> {
         batch: &'a RecordBatch,
     ) -> Result<Self> {
         let fail = |reason: String| Error::Schema { table, reason };
+        // A batch built on the table's own schema (what `normalize` and the `to_batch`es return:
+        // every batch the collector holds) has its names and types by construction; only its
+        // nulls are checked. The alert engine reads batches of a rank's step (a few rows), where
+        // comparing every column's type was most of the cost.
+        let canonical = std::ptr::eq(batch.schema_ref().as_ref(), schema);
+        if canonical {
+            for (field, column) in schema.fields().iter().zip(batch.columns()) {
+                if !field.is_nullable() && column.null_count() > 0 {
+                    return Err(null_in(&fail, field.name(), column.as_ref()));
+                }
+            }
+            return Ok(Columns {
+                table,
+                batch,
+                canonical,
+            });
+        }
         for field in batch.schema().fields() {
             if schema.field_with_name(field.name()).is_err() {
                 return Err(fail(format!(
@@ -113,14 +132,24 @@ impl<'a> Columns<'a> {
                 )));
             }
             if !field.is_nullable() && column.null_count() > 0 {
-                let row = (0..column.len()).find(|&i| column.is_null(i)).unwrap_or(0);
-                return Err(fail(format!(
-                    "column {:?} is required but row {row} is null",
-                    field.name()
-                )));
+                return Err(null_in(&fail, field.name(), column.as_ref()));
             }
         }
-        Ok(Columns { table, batch })
+        Ok(Columns {
+            table,
+            batch,
+            canonical,
+        })
+    }
+
+    /// Column `index` of the table's schema, named `name`: by position when the batch carries
+    /// the schema itself, else by name.
+    pub(crate) fn column_at(&self, index: usize, name: &str) -> &'a dyn Array {
+        if self.canonical {
+            self.batch.column(index).as_ref()
+        } else {
+            self.column(name)
+        }
     }
 
     fn column(&self, name: &str) -> &'a dyn Array {
@@ -167,6 +196,12 @@ impl<'a> Columns<'a> {
             source: Box::new(e),
         }
     }
+}
+
+/// The error for a null in required column `name`, naming its first null row.
+fn null_in(fail: &impl Fn(String) -> Error, name: &str, column: &dyn Array) -> Error {
+    let row = (0..column.len()).find(|&i| column.is_null(i)).unwrap_or(0);
+    fail(format!("column {name:?} is required but row {row} is null"))
 }
 
 /// The value at `row`, or `None` if null.

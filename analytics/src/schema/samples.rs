@@ -3,6 +3,8 @@
 use std::str::FromStr;
 use std::sync::{Arc, LazyLock};
 
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float64Type, TimestampMillisecondType, UInt32Type, UInt64Type};
 use arrow_array::{ArrayRef, Float64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
 use arrow_schema::{DataType, SchemaRef};
 
@@ -75,17 +77,19 @@ pub fn try_for_each_row<'a>(
     mut f: impl FnMut(SampleRow<'a>) -> Result<()>,
 ) -> Result<()> {
     let c = Columns::new(TABLE, &SCHEMA, batch)?;
+    // In the schema's order (by position when the batch carries it, else by name).
     let (run, rank, step, time) = (
-        c.strings("run"),
-        c.u32s("rank"),
-        c.u64s("step"),
-        c.times("time"),
+        c.column_at(0, "run").as_string::<i32>(),
+        c.column_at(1, "rank").as_primitive::<UInt32Type>(),
+        c.column_at(2, "step").as_primitive::<UInt64Type>(),
+        c.column_at(3, "time")
+            .as_primitive::<TimestampMillisecondType>(),
     );
     let (metric, layer, site, value) = (
-        c.strings("metric"),
-        c.u32s("layer"),
-        c.strings("site"),
-        c.f64s("value"),
+        c.column_at(4, "metric").as_string::<i32>(),
+        c.column_at(5, "layer").as_primitive::<UInt32Type>(),
+        c.column_at(6, "site").as_string::<i32>(),
+        c.column_at(7, "value").as_primitive::<Float64Type>(),
     );
     (0..c.rows()).try_for_each(|i| {
         f(SampleRow {
