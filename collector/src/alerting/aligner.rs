@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 
 use rankwatch_analytics::detect::RankFingerprint;
-use rankwatch_analytics::math::{RankValues, cos_pair_mean, sketch_cosine_matrix};
+use rankwatch_analytics::math::{self, RankValues};
 use rankwatch_analytics::{Metric, SketchRecord};
 
 /// A step as the aligner closes it.
@@ -85,9 +85,18 @@ pub struct StepAligner {
     open: BTreeMap<u64, OpenStep>,
     /// Latest step each rank reported anything for, and when (the collector's clock).
     latest: BTreeMap<u32, (u64, i64)>,
+    /// How many ranks of the world (`world`) have each latest step, and how many were heard:
+    /// the step every rank has moved past is the first key once all were, kept as ranks move
+    /// instead of taken as a minimum over the world at every batch (that was O(world) per
+    /// batch, O(world²) a step when every rank posts its own).
+    world: Option<u32>,
+    at_step: BTreeMap<u64, u32>,
+    heard: u32,
     /// Every step at or below this is closed.
     closed_through: Option<u64>,
     late_rows: u64,
+    /// The rows of the batch being read, applied when it ends (see [`StepAligner::stage`]).
+    staged: Vec<StagedRow>,
 }
 
 /// The per-rank scalar a row carries, when it is one the aligner gathers.
@@ -116,6 +125,24 @@ impl RankScalar {
     }
 }
 
+/// What a staged row brings to its step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Staged {
+    /// Only that its rank is alive at its step (a row the aligner does not gather).
+    Seen,
+    Scalar(RankScalar),
+    Digest(Digest),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StagedRow {
+    rank: u32,
+    step: u64,
+    time_ms: i64,
+    what: Staged,
+    value: f64,
+}
+
 impl StepAligner {
     /// An aligner that closes a step `timeout_ms` after its first row at the latest.
     pub fn new(timeout_ms: i64) -> Self {
@@ -123,8 +150,12 @@ impl StepAligner {
             timeout_ms,
             open: BTreeMap::new(),
             latest: BTreeMap::new(),
+            world: None,
+            at_step: BTreeMap::new(),
+            heard: 0,
             closed_through: None,
             late_rows: 0,
+            staged: Vec::new(),
         }
     }
 
@@ -154,38 +185,148 @@ impl StepAligner {
         })
     }
 
+    /// Keeps a row of the batch being read: appending is all a row costs. The batch's rows are
+    /// applied together by [`StepAligner::apply_staged`], each run of rows of one (rank, step)
+    /// (an agent sends a step's rows together) with one look-up of its rank and step.
+    pub fn stage(&mut self, rank: u32, step: u64, time_ms: i64, what: Staged, value: f64) {
+        self.staged.push(StagedRow {
+            rank,
+            step,
+            time_ms,
+            what,
+            value,
+        });
+    }
+
+    /// Applies the staged rows, as seen at `now_ms`.
+    pub fn apply_staged(&mut self, now_ms: i64) {
+        let staged = std::mem::take(&mut self.staged);
+        for group in staged.chunk_by(|a, b| (a.rank, a.step) == (b.rank, b.step)) {
+            self.apply(group, now_ms);
+        }
+        // Keep the allocation for the next batch.
+        self.staged = staged;
+        self.staged.clear();
+    }
+
+    /// One (rank, step)'s rows.
+    fn apply(&mut self, group: &[StagedRow], now_ms: i64) {
+        let (rank, step) = (group[0].rank, group[0].step);
+        self.note(rank, step, now_ms);
+        if self.is_closed(step) {
+            self.late_rows += group.len() as u64;
+            return;
+        }
+        // Rows that only show the rank alive do not open their step.
+        let Some(time_ms) = group
+            .iter()
+            .filter(|r| r.what != Staged::Seen)
+            .map(|r| r.time_ms)
+            .max()
+        else {
+            return;
+        };
+        let gathers = group
+            .iter()
+            .any(|r| matches!(r.what, Staged::Scalar(w) if w != RankScalar::Nonfinite));
+        let open = self.step_mut(step, now_ms);
+        open.time_ms = open.time_ms.max(time_ms);
+        let OpenStep {
+            ranks,
+            nonfinite,
+            fingerprints,
+            ..
+        } = open;
+        let mut values = gathers.then(|| {
+            ranks.entry(rank).or_insert_with(|| RankValues {
+                rank,
+                ..RankValues::default()
+            })
+        });
+        for row in group {
+            match row.what {
+                Staged::Seen => {}
+                Staged::Scalar(RankScalar::Nonfinite) => {
+                    *nonfinite.entry(rank).or_insert(0.0) += row.value;
+                }
+                Staged::Scalar(what) => {
+                    let Some(values) = values.as_deref_mut() else {
+                        continue; // not reached: `gathers` saw this row
+                    };
+                    let slot = match what {
+                        RankScalar::Loss => &mut values.loss,
+                        RankScalar::Tokens => &mut values.tokens,
+                        RankScalar::GradNorm => &mut values.grad_norm,
+                        RankScalar::GradNormMean => &mut values.grad_norm_mean,
+                        RankScalar::CosToMean => &mut values.cos_to_mean,
+                        RankScalar::Nonfinite => unreachable!("matched above"),
+                    };
+                    *slot = Some(row.value);
+                }
+                Staged::Digest(what) => {
+                    let entry = fingerprints.entry(rank).or_default();
+                    match what {
+                        Digest::Model => entry.model = Some(row.value),
+                        Digest::ModelLocator => entry.locator = Some(row.value),
+                        Digest::Layer(layer) => {
+                            entry.layers.insert(layer, row.value);
+                        }
+                        Digest::Optimizer => entry.optimizer = Some(row.value),
+                        Digest::OptimizerLocator => entry.optimizer_locator = Some(row.value),
+                        Digest::ReplicaSet => entry.replica_set = Some(row.value),
+                    }
+                }
+            }
+        }
+    }
+
+    /// `rank` reported `step` at `now_ms`: its latest step moves on, and the count of ranks
+    /// at each step with it.
+    fn note(&mut self, rank: u32, step: u64, now_ms: i64) {
+        let from = match self.latest.entry(rank) {
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert((step, now_ms));
+                None
+            }
+            std::collections::btree_map::Entry::Occupied(mut o) => {
+                let (old, _) = *o.get();
+                *o.get_mut() = (old.max(step), now_ms);
+                if step <= old {
+                    return;
+                }
+                Some(old)
+            }
+        };
+        if self.world.is_some_and(|w| rank < w) {
+            match from {
+                Some(old) => leave(&mut self.at_step, old),
+                None => self.heard += 1,
+            }
+            *self.at_step.entry(step).or_insert(0) += 1;
+        }
+    }
+
+    /// Counts the ranks of a world of `world` afresh (its size became known or changed).
+    fn recount(&mut self, world: Option<u32>) {
+        self.world = world;
+        self.at_step.clear();
+        self.heard = 0;
+        let Some(world) = world else {
+            return;
+        };
+        for (_, &(step, _)) in self.latest.range(..world) {
+            self.heard += 1;
+            *self.at_step.entry(step).or_insert(0) += 1;
+        }
+    }
+
     /// Notes that `rank` reported something for `step` at `now_ms` (any metric); returns false
     /// for a late row.
     pub fn seen(&mut self, rank: u32, step: u64, now_ms: i64) -> bool {
-        let latest = self.latest.entry(rank).or_insert((step, now_ms));
-        *latest = (latest.0.max(step), now_ms);
-        self.open_or_late(step)
-    }
-
-    /// Whether `step` is still open (else the row is counted late).
-    fn open_or_late(&mut self, step: u64) -> bool {
-        if self.is_closed(step) {
-            self.late_rows += 1;
-            return false;
-        }
-        true
-    }
-
-    /// The open step a row of `rank` for `step` joins (its time folded in), or `None` for a
-    /// late row.
-    fn row_step(
-        &mut self,
-        rank: u32,
-        step: u64,
-        time_ms: i64,
-        now_ms: i64,
-    ) -> Option<&mut OpenStep> {
-        if !self.seen(rank, step, now_ms) {
-            return None;
-        }
-        let open = self.step_mut(step, now_ms);
-        open.time_ms = open.time_ms.max(time_ms);
-        Some(open)
+        let late = self.late_rows;
+        self.stage(rank, step, 0, Staged::Seen, 0.0);
+        self.apply_staged(now_ms);
+        self.late_rows == late
     }
 
     /// Adds one per-rank scalar.
@@ -198,26 +339,8 @@ impl StepAligner {
         what: RankScalar,
         value: f64,
     ) {
-        let Some(open) = self.row_step(rank, step, time_ms, now_ms) else {
-            return;
-        };
-        if what == RankScalar::Nonfinite {
-            *open.nonfinite.entry(rank).or_insert(0.0) += value;
-            return;
-        }
-        let values = open.ranks.entry(rank).or_insert_with(|| RankValues {
-            rank,
-            ..RankValues::default()
-        });
-        let slot = match what {
-            RankScalar::Loss => &mut values.loss,
-            RankScalar::Tokens => &mut values.tokens,
-            RankScalar::GradNorm => &mut values.grad_norm,
-            RankScalar::GradNormMean => &mut values.grad_norm_mean,
-            RankScalar::CosToMean => &mut values.cos_to_mean,
-            RankScalar::Nonfinite => unreachable!("handled above"),
-        };
-        *slot = Some(value);
+        self.stage(rank, step, time_ms, Staged::Scalar(what), value);
+        self.apply_staged(now_ms);
     }
 
     /// Adds one replica fingerprint of `rank`.
@@ -230,20 +353,8 @@ impl StepAligner {
         what: Digest,
         value: f64,
     ) {
-        let Some(open) = self.row_step(rank, step, time_ms, now_ms) else {
-            return;
-        };
-        let entry = open.fingerprints.entry(rank).or_default();
-        match what {
-            Digest::Model => entry.model = Some(value),
-            Digest::ModelLocator => entry.locator = Some(value),
-            Digest::Layer(layer) => {
-                entry.layers.insert(layer, value);
-            }
-            Digest::Optimizer => entry.optimizer = Some(value),
-            Digest::OptimizerLocator => entry.optimizer_locator = Some(value),
-            Digest::ReplicaSet => entry.replica_set = Some(value),
-        }
+        self.stage(rank, step, time_ms, Staged::Digest(what), value);
+        self.apply_staged(now_ms);
     }
 
     /// Adds one rank's gradient sketch.
@@ -252,7 +363,8 @@ impl StepAligner {
         if let Some(latest) = self.latest.get_mut(&sketch.rank) {
             latest.1 = now_ms;
         }
-        if !self.open_or_late(sketch.step) {
+        if self.is_closed(sketch.step) {
+            self.late_rows += 1;
             return;
         }
         let open = self.step_mut(sketch.step, now_ms);
@@ -262,27 +374,22 @@ impl StepAligner {
 
     /// Closes every step that is ready at `now_ms`, in step order. `world_size` is the run's
     /// (when known; else the ranks seen so far stand for the world). With `all`, every open
-    /// step closes (the run is being evicted).
+    /// step closes (the run is being evicted). Staged rows are applied first.
     pub fn close_ready(
         &mut self,
         world_size: Option<u32>,
         now_ms: i64,
         all: bool,
     ) -> Vec<ClosedStep> {
-        let world: Vec<u32> = match world_size {
-            Some(n) => (0..n).collect(),
-            None => self.latest.keys().copied().collect(),
-        };
+        self.apply_staged(now_ms);
+        if world_size != self.world {
+            self.recount(world_size);
+        }
         // The last step that every rank of the world has moved past. Without a known world
         // size a rank not yet heard from could still be on its way: only the timeout closes.
-        let moved_past = world_size.and_then(|_| {
-            world
-                .iter()
-                .map(|r| self.last_seen(*r).map(|(step, _)| step))
-                .collect::<Option<Vec<u64>>>()?
-                .into_iter()
-                .min()
-        });
+        let moved_past = world_size
+            .filter(|&w| self.heard == w)
+            .and_then(|_| self.at_step.first_key_value().map(|(&step, _)| step));
         // The newest step that timed out; every step before it closes with it.
         let timed_out = self
             .open
@@ -291,6 +398,9 @@ impl StepAligner {
             .map(|(step, _)| *step)
             .max();
         let mut closed = Vec::new();
+        // The world, listed only when a step closes on the timeout and its missing ranks are
+        // named.
+        let mut world: Option<Vec<u32>> = None;
         while let Some((&step, _)) = self.open.first_key_value() {
             let complete = moved_past.is_some_and(|m| m > step);
             if !complete && timed_out.is_none_or(|t| step > t) {
@@ -298,27 +408,46 @@ impl StepAligner {
             }
             let open = self.open.remove(&step).unwrap_or_default();
             self.closed_through = Some(step);
-            closed.push(close(step, open, &world, complete));
+            let missing = if complete {
+                Vec::new()
+            } else {
+                let world = world.get_or_insert_with(|| match world_size {
+                    Some(n) => (0..n).collect(),
+                    None => self.latest.keys().copied().collect(),
+                });
+                missing(&open, world)
+            };
+            closed.push(close(step, open, missing, complete));
         }
         closed
     }
 }
 
-fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep {
-    let missing = if complete {
-        Vec::new()
-    } else {
-        world
-            .iter()
-            .copied()
-            .filter(|r| {
-                !open.ranks.contains_key(r)
-                    && !open.nonfinite.contains_key(r)
-                    && !open.sketches.contains_key(r)
-                    && !open.fingerprints.contains_key(r)
-            })
-            .collect()
-    };
+/// One rank fewer at `step`.
+fn leave(at_step: &mut BTreeMap<u64, u32>, step: u64) {
+    if let std::collections::btree_map::Entry::Occupied(mut o) = at_step.entry(step) {
+        *o.get_mut() -= 1;
+        if *o.get() == 0 {
+            o.remove();
+        }
+    }
+}
+
+/// The ranks of `world` with no row at all for a step.
+fn missing(open: &OpenStep, world: &[u32]) -> Vec<u32> {
+    world
+        .iter()
+        .copied()
+        .filter(|r| {
+            !open.ranks.contains_key(r)
+                && !open.nonfinite.contains_key(r)
+                && !open.sketches.contains_key(r)
+                && !open.fingerprints.contains_key(r)
+        })
+        .collect()
+}
+
+fn close(step: u64, open: OpenStep, missing: Vec<u32>, complete: bool) -> ClosedStep {
     ClosedStep {
         step,
         time_ms: open.time_ms,
@@ -346,7 +475,8 @@ fn close(step: u64, open: OpenStep, world: &[u32], complete: bool) -> ClosedStep
     }
 }
 
-/// Mean pairwise cosine of the sketches that share the most common (seed, kind, length).
+/// Mean pairwise cosine of the sketches that share the most common (seed, kind, length), in
+/// O(ranks × length) (`math::sketch_pair_mean`; the matrix it replaces was O(ranks²)).
 fn sketch_pair_mean(sketches: &BTreeMap<u32, SketchRecord>) -> Option<f64> {
     let first = sketches.values().next()?;
     let same: Vec<&SketchRecord> = sketches
@@ -360,8 +490,7 @@ fn sketch_pair_mean(sketches: &BTreeMap<u32, SketchRecord>) -> Option<f64> {
     }
     let vectors: Vec<&[f32]> = same.iter().map(|s| s.vector.as_slice()).collect();
     let norms: Vec<f64> = same.iter().map(|s| s.norm).collect();
-    let matrix = sketch_cosine_matrix(&vectors, &norms).ok()?;
-    cos_pair_mean(&matrix).filter(|c| c.is_finite())
+    math::sketch_pair_mean(&vectors, &norms).ok().flatten()
 }
 
 #[cfg(test)]

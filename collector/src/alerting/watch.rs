@@ -20,7 +20,7 @@ use rankwatch_analytics::math::StepStats;
 use rankwatch_analytics::schema::samples::SampleRow;
 use rankwatch_analytics::{Alert, Metric, MetricName, RunId, Sample, Site, SketchRecord};
 
-use super::aligner::{ClosedStep, Digest, RankScalar, StepAligner};
+use super::aligner::{ClosedStep, Digest, RankScalar, Staged, StepAligner};
 use crate::error::Result;
 
 /// What a tick produced.
@@ -32,6 +32,12 @@ pub struct Output {
     pub steps_complete: u64,
     pub steps_timed_out: u64,
 }
+
+/// How often stale ranks are looked for, in the collector's milliseconds.
+const STALE_EVERY_MS: i64 = 1_000;
+
+/// Distinct metric names a watch remembers.
+const NAMES_KEPT: usize = 1024;
 
 /// One run's aligner and detectors.
 #[derive(Debug)]
@@ -52,8 +58,14 @@ pub struct RunWatch {
     /// Hashed, not ordered, while a batch is read (a lookup per row; a batch carries a few
     /// thousand); sorted once when it ends.
     collapse: foldhash::HashMap<(u64, u32), CollapseObservation>,
-    /// The last metric name a row carried and its metric (see `metric_of`).
-    last_metric: Option<(Box<str>, Option<Metric>)>,
+    /// Metric names seen and their metric (see `metric_of`).
+    names: foldhash::HashMap<Box<str>, Option<Metric>>,
+    /// The collector's clock when the batch being fed arrived.
+    batch_now_ms: i64,
+    /// When stale ranks were last looked for.
+    stale_checked_ms: Option<i64>,
+    /// The ranks with an open stale alert then, with their last report as it was.
+    stale_ranks: Vec<(u32, Option<(u64, i64)>)>,
     /// Ranks whose latest row was `finished` (their `finish()` was called).
     finished: BTreeSet<u32>,
 }
@@ -79,7 +91,10 @@ impl RunWatch {
             started_ms: now_ms,
             last_activity_ms: now_ms,
             collapse: Default::default(),
-            last_metric: None,
+            names: Default::default(),
+            batch_now_ms: now_ms,
+            stale_checked_ms: None,
+            stale_ranks: Vec::new(),
             finished: BTreeSet::new(),
         })
     }
@@ -106,20 +121,22 @@ impl RunWatch {
         open
     }
 
-    /// Feeds one sample row; returns the alerts it changed.
+    /// Feeds one sample row; returns the alerts it changed. A rank's row is appended to the
+    /// aligner's batch (see [`StepAligner::stage`]); [`RunWatch::end_batch`] applies them.
     pub fn row(&mut self, row: SampleRow<'_>, now_ms: i64) -> Vec<Alert> {
         self.last_activity_ms = now_ms;
+        self.batch_now_ms = now_ms;
         let metric = self.metric_of(row.metric);
         if let Some(rank) = row.rank {
             // A rank is finished from its `finished` row until it reports anything else (a
             // resume under the same run name, or a crashed rank's replacement).
             if metric == Some(Metric::Finished) {
                 self.finished.insert(rank);
-            } else {
+            } else if !self.finished.is_empty() {
                 self.finished.remove(&rank);
             }
             // Every row of a rank shows it alive at its step (user metrics too); its step
-            // scalars also join the step.
+            // scalars and replica digests also join the step.
             let digest = match (metric, row.layer) {
                 (Some(Metric::ParamFingerprint), _) => Some(Digest::Model),
                 (Some(Metric::ParamLocator), _) => Some(Digest::ModelLocator),
@@ -129,20 +146,18 @@ impl RunWatch {
                 (Some(Metric::ReplicaSet), _) => Some(Digest::ReplicaSet),
                 _ => None,
             };
-            if let Some(what) = digest {
-                self.aligner
-                    .add_fingerprint(rank, row.step, row.time_ms, now_ms, what, row.value);
+            let joins = digest
+                .map(Staged::Digest)
+                .or_else(|| metric.and_then(RankScalar::of).map(Staged::Scalar));
+            self.aligner.stage(
+                rank,
+                row.step,
+                row.time_ms,
+                joins.unwrap_or(Staged::Seen),
+                row.value,
+            );
+            if joins.is_some() {
                 return Vec::new();
-            }
-            match metric.and_then(RankScalar::of) {
-                Some(what) => {
-                    self.aligner
-                        .add(rank, row.step, row.time_ms, now_ms, what, row.value);
-                    return Vec::new();
-                }
-                None => {
-                    self.aligner.seen(rank, row.step, now_ms);
-                }
             }
         }
         match (metric, row.layer) {
@@ -175,17 +190,19 @@ impl RunWatch {
         }
     }
 
-    /// `name`'s metric; rows come grouped by metric, so the vocabulary is searched once per
-    /// run of equal names.
+    /// `name`'s metric, from the names this run has used (a hash of a short string per row:
+    /// the agent's report changes metric from one row to the next, and the vocabulary's own
+    /// look-up compares the name with each of its forty).
     fn metric_of(&mut self, name: &str) -> Option<Metric> {
-        match &self.last_metric {
-            Some((last, metric)) if **last == *name => *metric,
-            _ => {
-                let metric = Metric::from_name(name);
-                self.last_metric = Some((name.into(), metric));
-                metric
-            }
+        if let Some(metric) = self.names.get(name) {
+            return *metric;
         }
+        let metric = Metric::from_name(name);
+        // User metrics are open-ended: past the cap they are looked up, not remembered.
+        if self.names.len() < NAMES_KEPT {
+            self.names.insert(name.into(), metric);
+        }
+        metric
     }
 
     fn collapse_probe(&mut self, row: SampleRow<'_>, layer: u32) -> &mut CollapseObservation {
@@ -207,11 +224,14 @@ impl RunWatch {
     /// Feeds one gradient sketch.
     pub fn sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
         self.last_activity_ms = now_ms;
+        self.aligner.apply_staged(self.batch_now_ms);
         self.aligner.add_sketch(sketch, now_ms);
     }
 
-    /// Ends a batch: feeds the collapse probes it carried, in step order.
+    /// Ends a batch: its ranks' rows join their steps, and the collapse probes it carried are
+    /// fed in step order.
     pub fn end_batch(&mut self) -> Vec<Alert> {
+        self.aligner.apply_staged(self.batch_now_ms);
         let mut probes: Vec<_> = std::mem::take(&mut self.collapse).into_iter().collect();
         probes.sort_unstable_by_key(|(key, _)| *key);
         probes
@@ -235,7 +255,21 @@ impl RunWatch {
         for closed in self.aligner.close_ready(world_size, now_ms, all) {
             self.closed_step(closed, world_size, tensors, &mut out);
         }
-        if let Some(world) = world_size.filter(|&w| w >= 2) {
+        // Stale ranks on a timer, as the rule is written: every rank's silence is looked at,
+        // so at every batch that was O(world) a batch, O(world²) a step when each rank posts
+        // its own.
+        // A rank with an open stale alert that reported again is looked at at once: its alert
+        // resolves when it is back, not up to a second later.
+        let back = self
+            .stale_ranks
+            .iter()
+            .any(|&(rank, seen)| self.aligner.last_seen(rank) != seen);
+        let due = back
+            || self
+                .stale_checked_ms
+                .is_none_or(|t| all || now_ms - t >= STALE_EVERY_MS || now_ms < t);
+        if let Some(world) = world_size.filter(|&w| w >= 2 && due) {
+            self.stale_checked_ms = Some(now_ms);
             let mut last_seen: Vec<_> = (0..world).map(|r| self.aligner.last_seen(r)).collect();
             // A rank that finished is done, not stale: it counts as up to date with the lead.
             let lead = last_seen.iter().flatten().map(|&(s, _)| s).max();
@@ -249,6 +283,13 @@ impl RunWatch {
                 run_started_ms: self.started_ms,
                 last_seen,
             }));
+            self.stale_ranks = self
+                .stale
+                .open_alerts()
+                .iter()
+                .filter_map(|a| a.rank)
+                .map(|rank| (rank, self.aligner.last_seen(rank)))
+                .collect();
         }
         out
     }

@@ -5,7 +5,7 @@
 
 use rankwatch_analytics::RunId;
 
-use super::index::RunSummary;
+use super::index::{BatchDigest, RunSummary};
 use super::{Admission, Event, Reservation, State, Store, files};
 use crate::entry::{Entry, Table};
 use crate::error::{Error, Result};
@@ -32,6 +32,9 @@ impl Store {
 
     /// Admission control before a batch is logged: memory budget, cardinality, idempotency.
     pub fn begin(&self, key: Option<&Key>, entry: &Entry) -> Result<Admission> {
+        // The batch's series, read before the lock: every other batch waits on it.
+        let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
+        let digest = samples.as_ref().map(BatchDigest::of);
         let mut state = self.lock();
         if let Some(key) = key {
             match state.keys.begin(key) {
@@ -80,13 +83,12 @@ impl Store {
             }
         }
         let mut reservation = Reservation { series: 0, new_run };
-        if let Some(samples) = &entry.samples {
+        if let Some(digest) = &digest {
             let summary = state.runs.get(&entry.run);
             let have = summary.map_or(0, |s| s.series.len());
-            let batch = files::without_run(samples)?;
             let fresh = match summary {
-                Some(s) => s.new_series(&batch),
-                None => RunSummary::default().new_series(&batch),
+                Some(s) => s.new_series(digest),
+                None => RunSummary::default().new_series(digest),
             };
             // Batches in flight count with their new series (conservatively: two in flight
             // with the same new series count it twice until one is applied).
@@ -167,6 +169,8 @@ impl Store {
     /// Applies a durable entry (called by the log writer in sequence order, and by replay).
     pub fn apply(&self, seq: u64, key: Option<&Key>, entry: &Entry, seen_ms: i64) -> Result<()> {
         let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
+        // Read before the lock, as in `begin`.
+        let digest = samples.as_ref().map(BatchDigest::of);
         let sketches = entry
             .sketches
             .as_ref()
@@ -203,12 +207,12 @@ impl Store {
                     world_size: info.world_size,
                 });
             }
-            if let Some(batch) = &samples {
+            if let (Some(batch), Some(digest)) = (&samples, &digest) {
                 let before = summary.series.len();
-                summary.add_samples(batch, seen_ms);
+                summary.add_digest(digest, seen_ms);
                 let added = summary.series.len().saturating_sub(before);
                 state.total_series += added;
-                let (first, last) = files::step_range(batch);
+                let (first, last) = digest.steps.unzip();
                 events.push(Event::Samples {
                     run: entry.run.to_string(),
                     rows: batch.num_rows() as u64,

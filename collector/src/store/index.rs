@@ -77,11 +77,12 @@ impl RunSummary {
         m
     }
 
-    /// Series of `batch` (file schema) that the run does not have yet.
-    pub fn new_series(&self, batch: &RecordBatch) -> usize {
-        distinct_keys(batch)
-            .into_iter()
-            .filter(|&(metric, layer, site, rank)| {
+    /// Series of a batch (its [`BatchDigest`]) that the run does not have yet.
+    pub fn new_series(&self, digest: &BatchDigest<'_>) -> usize {
+        digest
+            .series
+            .keys()
+            .filter(|&&(metric, layer, site, rank)| {
                 // A metric never interned has no series yet.
                 self.metrics.get(metric).is_none_or(|metric| {
                     !self.series.contains(&SeriesKey {
@@ -97,47 +98,32 @@ impl RunSummary {
 
     /// Takes a batch of samples (file schema) into account.
     pub fn add_samples(&mut self, batch: &RecordBatch, seen_ms: i64) {
-        let rows = batch.num_rows();
-        if rows == 0 {
+        self.add_digest(&BatchDigest::of(batch), seen_ms);
+    }
+
+    /// Takes a batch into account from its digest: the work is per series of the batch, not
+    /// per row (the rows were read once, outside the store's lock, by [`BatchDigest::of`]).
+    pub fn add_digest(&mut self, digest: &BatchDigest<'_>, seen_ms: i64) {
+        if digest.rows == 0 {
             return;
         }
-        let rank = batch.column(0).as_primitive::<UInt32Type>();
-        let step = batch.column(1).as_primitive::<UInt64Type>();
-        let time = batch.column(2).as_primitive::<TimestampMillisecondType>();
-        let metric = batch.column(3).as_string::<i32>();
-        let layer = batch.column(4).as_primitive::<UInt32Type>();
-        let value = batch.column(6).as_primitive::<Float64Type>();
-        self.samples += rows as u64;
+        self.samples += digest.rows;
         self.last_seen_ms = self.last_seen_ms.max(seen_ms);
-        self.nonfinite += value.values().iter().filter(|v| !v.is_finite()).count() as u64;
-        let steps = step.values();
-        let (lo, hi) = (steps.iter().min(), steps.iter().max());
-        self.first_step = lo.map(|&s| self.first_step.map_or(s, |f| f.min(s)));
-        self.last_step = hi.map(|&s| self.last_step.map_or(s, |l| l.max(s)));
-        if let Some(&t) = time.values().iter().max() {
+        self.nonfinite += digest.nonfinite;
+        if let Some((lo, hi)) = digest.steps {
+            self.first_step = Some(self.first_step.map_or(lo, |f| f.min(lo)));
+            self.last_step = Some(self.last_step.map_or(hi, |l| l.max(hi)));
+        }
+        if let Some(t) = digest.last_time_ms {
             self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
         }
-        // Rows arrive grouped by metric: the vocabulary is searched once per run of equal
-        // names, not on every row.
-        let mut last_metric: Option<(&str, Option<Metric>)> = None;
-        for i in 0..rows {
-            let (s, v) = (steps[i], value.value(i));
-            let r = rank.is_valid(i).then(|| rank.value(i));
-            if let Some(r) = r {
+        for (&(metric, layer, site, rank), latest) in &digest.series {
+            let (s, v) = (latest.step, latest.value);
+            if let Some(r) = rank {
                 let e = self.rank_steps.entry(r).or_insert(s);
                 *e = (*e).max(s);
             }
-            let m = metric.value(i);
-            let known = match last_metric {
-                Some((name, known)) if name == m => known,
-                _ => {
-                    let known = Metric::from_name(m);
-                    last_metric = Some((m, known));
-                    known
-                }
-            };
-            let l = layer.is_valid(i).then(|| layer.value(i));
-            match (known, r, l) {
+            match (Metric::from_name(metric), rank, layer) {
                 (Some(Metric::Loss), Some(r), _) => {
                     keep_latest(self.loss_by_rank.entry(r).or_default(), s, v)
                 }
@@ -149,8 +135,6 @@ impl RunSummary {
                 (Some(Metric::GradNormCv), ..) => keep_latest(&mut self.grad_norm_cv, s, v),
                 _ => {}
             }
-        }
-        for (metric, layer, site, rank) in distinct_keys(batch) {
             let metric = self.intern(metric);
             self.series.insert(SeriesKey {
                 metric,
@@ -185,67 +169,123 @@ impl RunSummary {
 }
 
 /// A series key borrowed from a batch: metric, layer, site, rank.
-type BorrowedKey<'a> = (&'a str, Option<u32>, Option<Site>, Option<u32>);
+pub type BorrowedKey<'a> = (&'a str, Option<u32>, Option<Site>, Option<u32>);
 
 /// A series key with its metric named by position in a batch's vocabulary.
 type NumberedKey = (u32, Option<u32>, Option<Site>, Option<u32>);
 
-/// The distinct series of a batch (file schema), borrowed from it. Ingest asks this twice of
-/// every batch (admission, then apply), so rows are hashed as integers: metric names and sites
-/// come in runs of equal values, so each is compared with the row before and named by its
-/// position in a small vocabulary (a site parsed once per run, not per row); a row repeating
-/// the one before is not hashed at all.
-fn distinct_keys(batch: &RecordBatch) -> HashSet<BorrowedKey<'_>> {
-    let rank = batch.column(0).as_primitive::<UInt32Type>();
-    let metric = batch.column(3).as_string::<i32>();
-    let layer = batch.column(4).as_primitive::<UInt32Type>();
-    let site = batch.column(5).as_string::<i32>();
-    let mut names: Vec<&str> = Vec::new();
-    let mut ids: HashMap<&str, u32> = HashMap::default();
-    let mut current_name: Option<(&str, u32)> = None;
-    let mut current_site: Option<(&str, Option<Site>)> = None;
-    let mut keys: HashSet<NumberedKey> = HashSet::default();
-    let mut previous = None;
-    for i in 0..batch.num_rows() {
-        let name = metric.value(i);
-        let name_id = match current_name {
-            Some((last, id)) if last == name => id,
-            _ => {
-                let id = *ids.entry(name).or_insert_with(|| {
-                    names.push(name);
-                    names.len() as u32 - 1
-                });
-                current_name = Some((name, id));
-                id
-            }
-        };
-        let site = if site.is_valid(i) {
-            let text = site.value(i);
-            match current_site {
-                Some((last, parsed)) if last == text => parsed,
+/// What a samples batch (file schema) brings to its run's summary, read in one pass over its
+/// rows: its distinct series, each with its latest value, and its counts and ranges. Ingest
+/// takes it before the store's lock (admission needs the new series, apply all of it), so the
+/// work under the lock is per series, not per row.
+#[derive(Debug, Default)]
+pub struct BatchDigest<'a> {
+    pub rows: u64,
+    pub nonfinite: u64,
+    /// Lowest and highest step.
+    pub steps: Option<(u64, u64)>,
+    pub last_time_ms: Option<i64>,
+    /// Each series with its value at its highest step (the last row of that step).
+    pub series: HashMap<BorrowedKey<'a>, Latest>,
+}
+
+impl<'a> BatchDigest<'a> {
+    /// Reads `batch` (file schema). Rows are hashed as integers: a metric name or site equal to
+    /// the row before's is not looked up again, another name is numbered in a small vocabulary
+    /// (the agent's report changes metric from one row to the next), and a row of the series
+    /// before only moves its latest value.
+    pub fn of(batch: &'a RecordBatch) -> Self {
+        let rows = batch.num_rows();
+        if rows == 0 {
+            return BatchDigest::default();
+        }
+        let rank = batch.column(0).as_primitive::<UInt32Type>();
+        let step = batch.column(1).as_primitive::<UInt64Type>();
+        let time = batch.column(2).as_primitive::<TimestampMillisecondType>();
+        let metric = batch.column(3).as_string::<i32>();
+        let layer = batch.column(4).as_primitive::<UInt32Type>();
+        let site = batch.column(5).as_string::<i32>();
+        let value = batch.column(6).as_primitive::<Float64Type>();
+        let steps = step.values();
+        let mut names: Vec<&str> = Vec::new();
+        let mut ids: HashMap<&str, u32> = HashMap::default();
+        let mut current_name: Option<(&str, u32)> = None;
+        let mut current_site: Option<(&str, Option<Site>)> = None;
+        let mut keys: HashMap<NumberedKey, Latest> = HashMap::default();
+        let mut previous: Option<(NumberedKey, Latest)> = None;
+        for i in 0..rows {
+            let name = metric.value(i);
+            let name_id = match current_name {
+                Some((last, id)) if last == name => id,
                 _ => {
-                    let parsed = text.parse::<Site>().ok();
-                    current_site = Some((text, parsed));
-                    parsed
+                    let id = *ids.entry(name).or_insert_with(|| {
+                        names.push(name);
+                        names.len() as u32 - 1
+                    });
+                    current_name = Some((name, id));
+                    id
+                }
+            };
+            let site = if site.is_valid(i) {
+                let text = site.value(i);
+                match current_site {
+                    Some((last, parsed)) if last == text => parsed,
+                    _ => {
+                        let parsed = text.parse::<Site>().ok();
+                        current_site = Some((text, parsed));
+                        parsed
+                    }
+                }
+            } else {
+                None
+            };
+            let key = (
+                name_id,
+                layer.is_valid(i).then(|| layer.value(i)),
+                site,
+                rank.is_valid(i).then(|| rank.value(i)),
+            );
+            let row = Latest {
+                step: steps[i],
+                value: value.value(i),
+            };
+            match &mut previous {
+                Some((k, latest)) if *k == key => keep_later(latest, row),
+                _ => {
+                    if let Some((k, latest)) = previous.take() {
+                        keep_later(keys.entry(k).or_insert(latest), latest);
+                    }
+                    previous = Some((key, row));
                 }
             }
-        } else {
-            None
-        };
-        let key = (
-            name_id,
-            layer.is_valid(i).then(|| layer.value(i)),
-            site,
-            rank.is_valid(i).then(|| rank.value(i)),
-        );
-        if previous != Some(key) {
-            keys.insert(key);
-            previous = Some(key);
+        }
+        if let Some((k, latest)) = previous {
+            keep_later(keys.entry(k).or_insert(latest), latest);
+        }
+        BatchDigest {
+            rows: rows as u64,
+            nonfinite: value.values().iter().filter(|v| !v.is_finite()).count() as u64,
+            steps: steps
+                .iter()
+                .min()
+                .zip(steps.iter().max())
+                .map(|(&lo, &hi)| (lo, hi)),
+            last_time_ms: time.values().iter().max().copied(),
+            series: keys
+                .into_iter()
+                .map(|((name, layer, site, rank), latest)| {
+                    ((names[name as usize], layer, site, rank), latest)
+                })
+                .collect(),
         }
     }
-    keys.into_iter()
-        .map(|(name, layer, site, rank)| (names[name as usize], layer, site, rank))
-        .collect()
+}
+
+/// `row` replaces `latest` unless it is of an earlier step (a later row of the same step wins).
+fn keep_later(latest: &mut Latest, row: Latest) {
+    if latest.step <= row.step {
+        *latest = row;
+    }
 }
 
 #[cfg(test)]
@@ -256,12 +296,13 @@ mod tests {
     use rankwatch_analytics::{MetricName, RunId, Sample};
 
     proptest! {
-        /// The distinct keys are those of every row taken one by one, whatever the order of
-        /// the rows and however names and sites repeat.
+        /// A batch's digest is what its rows say taken one by one, whatever the order of the
+        /// rows and however names, sites and steps repeat: its distinct series, each series'
+        /// value at its highest step (the last such row), and the counts and ranges.
         #[test]
-        fn distinct_keys_are_every_rows_key(
+        fn a_digest_is_every_rows_key_and_latest_value(
             rows in prop::collection::vec(
-                (0usize..4, prop::option::of(0u32..3), prop::option::of(0usize..3), prop::option::of(0u32..3)),
+                (0usize..4, prop::option::of(0u32..3), prop::option::of(0usize..3), prop::option::of(0u32..3), 0u64..4),
                 0..120,
             ),
         ) {
@@ -269,23 +310,37 @@ mod tests {
             let sites = [Site::Up, Site::Down, Site::Q];
             let samples: Vec<Sample> = rows
                 .iter()
-                .map(|&(m, layer, site, rank)| Sample {
+                .enumerate()
+                .map(|(i, &(m, layer, site, rank, step))| Sample {
                     run: RunId::new("r").unwrap(),
                     rank,
-                    step: 1,
-                    time_ms: 0,
+                    step,
+                    time_ms: 1_000 + i as i64 % 7,
                     metric: MetricName::new(names[m]).unwrap(),
                     layer,
                     site: site.map(|s| sites[s]),
-                    value: 0.0,
+                    value: if i % 11 == 5 { f64::NAN } else { i as f64 },
                 })
                 .collect();
             let batch = crate::store::files::without_run(&samples::to_batch(&samples).unwrap()).unwrap();
-            let want: HashSet<BorrowedKey<'_>> = rows
-                .iter()
-                .map(|&(m, layer, site, rank)| (names[m], layer, site.map(|s| sites[s]), rank))
-                .collect();
-            prop_assert_eq!(distinct_keys(&batch), want);
+            let mut want: HashMap<BorrowedKey<'_>, (u64, usize)> = HashMap::default();
+            for (i, &(m, layer, site, rank, step)) in rows.iter().enumerate() {
+                let slot = want.entry((names[m], layer, site.map(|s| sites[s]), rank)).or_insert((step, i));
+                if slot.0 <= step {
+                    *slot = (step, i);
+                }
+            }
+            let digest = BatchDigest::of(&batch);
+            prop_assert_eq!(digest.series.len(), want.len());
+            for (key, (step, row)) in want {
+                let got = digest.series.get(&key).copied();
+                prop_assert_eq!(got.map(|l| l.step), Some(step), "{:?}", key);
+                prop_assert_eq!(got.map(|l| l.value.to_bits()), Some(samples[row].value.to_bits()), "{:?}", key);
+            }
+            prop_assert_eq!(digest.rows, rows.len() as u64);
+            prop_assert_eq!(digest.nonfinite, samples.iter().filter(|s| !s.value.is_finite()).count() as u64);
+            prop_assert_eq!(digest.steps, rows.iter().map(|r| r.4).min().zip(rows.iter().map(|r| r.4).max()));
+            prop_assert_eq!(digest.last_time_ms, samples.iter().map(|s| s.time_ms).max());
         }
     }
 }
