@@ -581,6 +581,34 @@ mod tests {
     }
 
     #[test]
+    fn the_world_size_can_come_late_change_and_ignore_ranks_outside_it() {
+        let steps = |closed: Vec<ClosedStep>| closed.iter().map(|c| c.step).collect::<Vec<_>>();
+        let mut a = StepAligner::new(10_000);
+        for rank in 0..3 {
+            loss(&mut a, rank, 1, 0);
+            loss(&mut a, rank, 2, 0);
+        }
+        // A rank outside the world (a world that shrank) does not hold steps back.
+        loss(&mut a, 7, 1, 0);
+        // Without a world size only the timeout closes.
+        assert!(a.close_ready(None, 1, false).is_empty());
+        // Announced as 3: every rank of it moved past step 1.
+        assert_eq!(steps(a.close_ready(Some(3), 2, false)), [1]);
+        for rank in 0..3 {
+            loss(&mut a, rank, 3, 3);
+        }
+        // Grown to 4: rank 3 has not reported, so step 2 waits for it.
+        assert!(a.close_ready(Some(4), 4, false).is_empty());
+        loss(&mut a, 3, 3, 5);
+        assert_eq!(steps(a.close_ready(Some(4), 6, false)), [2]);
+        // Back to 3: rank 3 no longer counts; steps move on with the three.
+        for rank in 0..3 {
+            loss(&mut a, rank, 4, 7);
+        }
+        assert_eq!(steps(a.close_ready(Some(3), 8, false)), [3]);
+    }
+
+    #[test]
     fn the_timeout_closes_in_order_and_names_the_missing_ranks() {
         let mut a = StepAligner::new(1_000);
         for step in 1..=3 {
