@@ -61,8 +61,16 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         ]);
         run("bench power_vs_svd", cmd)?;
     }
+    if matches!(which, "all" | "engine") {
+        // The alert engine alone, on the agent's default report (bench/agent_mix.json).
+        let mut cmd = cargo();
+        cmd.args(["bench", "-p", "rankwatch-collector", "--bench", "engine"]);
+        run("bench engine", cmd)?;
+    }
     if matches!(which, "all" | "collector") {
         ensure_debian("victoria-metrics", "/usr/bin/victoria-metrics")?;
+        // ingest-fsync and ingest-floor make the collector's fsyncs no-ops with it.
+        ensure_debian("eatmydata", "/usr/lib/x86_64-linux-gnu/libeatmydata.so")?;
         let python = ensure_venv()?;
         pip_install(
             &python,

@@ -1,0 +1,216 @@
+//! The alert engine's CPU per sample on the agent's default report (issue 47's "≤ 30 ns a
+//! sample"), without the HTTP, WAL and store around it.
+//!
+//! The report is the one `bench/agent_mix.py capture` recorded from the real SDK (the demo
+//! model at its default cadences: every step's gradient scalars, a sketch and the replica
+//! fingerprints every 10 steps, activations every 25, the spectral probe every 50), replayed for
+//! `ranks` ranks. Each rank's report of a step is one Arrow batch, as the agent posts it, and
+//! goes through what the engine does with an acknowledged batch: every row routed
+//! (`RunWatch::row`), the batch ended, the run ticked (steps closed, their cross-rank statistics
+//! and rules evaluated, stale ranks checked). Sketches are fed as the agent sends them, before
+//! that step's samples. Throughput is reported in samples (sample rows; the sketches' work is
+//! counted in their time, not their number).
+//!
+//! Time is the bench thread's CPU time, not wall time: on a shared machine other processes
+//! stretch wall time, not the CPU the engine itself uses (what a sample costs the collector's
+//! core). Run with `cargo bench -p rankwatch-collector --bench engine` (or `cargo xtask bench
+//! engine`).
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use criterion::measurement::{Measurement, ValueFormatter, WallTime};
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rankwatch_analytics::detect::DetectorsConfig;
+use rankwatch_analytics::math::SketchKind;
+use rankwatch_analytics::schema::samples;
+use rankwatch_analytics::{MetricName, RunId, Sample, Site, SketchRecord};
+use rankwatch_collector::alerting::watch::RunWatch;
+use serde::Deserialize;
+
+const MIX: &str = include_str!("../../bench/agent_mix.json");
+/// Steps replayed per iteration: two periods of the schedule.
+const STEPS: u64 = 200;
+const SKETCH_DIM: usize = 1024;
+
+#[derive(Deserialize)]
+struct Mix {
+    world: u32,
+    period: Vec<Step>,
+}
+
+/// A captured row: (has a rank, metric, layer, site, value).
+type Captured = (bool, String, Option<u32>, Option<String>, f64);
+
+#[derive(Deserialize)]
+struct Step {
+    /// Per captured rank, its rows.
+    ranks: Vec<Vec<Captured>>,
+    sketches: Vec<u32>,
+}
+
+/// One rank's report of one step: its samples batch and whether a sketch goes with it.
+struct Report {
+    rank: u32,
+    step: u64,
+    batch: RecordBatch,
+    sketch: bool,
+}
+
+fn reports(mix: &Mix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
+    let mut out = Vec::new();
+    let mut rows = 0;
+    for step in 0..STEPS {
+        let entry = &mix.period[step as usize % mix.period.len()];
+        for rank in 0..ranks {
+            let own = entry.ranks[(rank % mix.world) as usize]
+                .iter()
+                .filter(|r| r.0)
+                .map(|r| (Some(rank), r));
+            // The layers this rank's spectral probe measures: layer i on rank i mod ranks.
+            let layers = entry
+                .ranks
+                .iter()
+                .flatten()
+                .filter(|r| !r.0 && r.2.is_some_and(|l| l % ranks == rank))
+                .map(|r| (None, r));
+            let samples: Vec<Sample> = own
+                .chain(layers)
+                .map(|(rank, (_, metric, layer, site, value))| Sample {
+                    run: run.clone(),
+                    rank,
+                    step,
+                    time_ms: 1_700_000_000_000 + step as i64 * 1000,
+                    metric: MetricName::new(metric.as_str()).expect("a captured name"),
+                    layer: *layer,
+                    site: site
+                        .as_deref()
+                        .map(|s| s.parse::<Site>().expect("a captured site")),
+                    value: *value,
+                })
+                .collect();
+            rows += samples.len() as u64;
+            out.push(Report {
+                rank,
+                step,
+                batch: samples::to_batch(&samples).expect("a valid batch"),
+                sketch: entry.sketches.contains(&(rank % mix.world)),
+            });
+        }
+    }
+    (out, rows)
+}
+
+fn sketch(run: &RunId, rank: u32, step: u64) -> SketchRecord {
+    // Replicas' gradients agree to a cosine near 0.9: a shared direction and each rank's own.
+    let shared = rankwatch_analytics::math::sketch::gaussian_vector(step as u32, SKETCH_DIM);
+    let own = rankwatch_analytics::math::sketch::gaussian_vector(1_000_000 + rank, SKETCH_DIM);
+    let vector: Vec<f32> = shared
+        .iter()
+        .zip(&own)
+        .map(|(a, b)| (a + 0.3 * b) as f32)
+        .collect();
+    let norm = vector
+        .iter()
+        .map(|v| f64::from(*v).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    SketchRecord {
+        run: run.clone(),
+        rank,
+        step,
+        time_ms: 1_700_000_000_000 + step as i64 * 1000,
+        kind: SketchKind::Rademacher,
+        seed: 7,
+        norm,
+        vector,
+    }
+}
+
+/// The calling thread's CPU time.
+fn thread_cpu() -> Duration {
+    cpu_time::ThreadTime::now().as_duration()
+}
+
+/// Criterion's measurement on [`thread_cpu`], printed as wall time is.
+struct ThreadCpu;
+
+static WALL: WallTime = WallTime;
+
+impl Measurement for ThreadCpu {
+    type Intermediate = Duration;
+    type Value = Duration;
+
+    fn start(&self) -> Duration {
+        thread_cpu()
+    }
+    fn end(&self, started: Duration) -> Duration {
+        thread_cpu() - started
+    }
+    fn add(&self, a: &Duration, b: &Duration) -> Duration {
+        *a + *b
+    }
+    fn zero(&self) -> Duration {
+        Duration::ZERO
+    }
+    fn to_f64(&self, value: &Duration) -> f64 {
+        value.as_nanos() as f64
+    }
+    fn formatter(&self) -> &dyn ValueFormatter {
+        WALL.formatter()
+    }
+}
+
+fn engine(c: &mut Criterion<ThreadCpu>) {
+    let mix: Mix = serde_json::from_str(MIX).expect("bench/agent_mix.json");
+    let run = RunId::new("bench").expect("a valid run id");
+    let mut group = c.benchmark_group("alert engine, agent's default report");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(20));
+    for ranks in [64u32, 1024] {
+        let (reports, rows) = reports(&mix, &run, ranks);
+        let sketches: Vec<Option<Arc<SketchRecord>>> = reports
+            .iter()
+            .map(|r| r.sketch.then(|| Arc::new(sketch(&run, r.rank, r.step))))
+            .collect();
+        group.throughput(Throughput::Elements(rows));
+        group.bench_with_input(BenchmarkId::new("ranks", ranks), &ranks, |b, &ranks| {
+            b.iter_batched(
+                || {
+                    RunWatch::new(run.clone(), DetectorsConfig::default(), 30_000, 0)
+                        .expect("default detectors")
+                },
+                |mut watch| {
+                    let tensors = Vec::new;
+                    for (report, sketch) in reports.iter().zip(&sketches) {
+                        // The collector's clock: one second a step, as the ranks report.
+                        let now = report.step as i64 * 1000;
+                        if let Some(s) = sketch {
+                            watch.sketch(SketchRecord::clone(s), now);
+                        }
+                        samples::try_for_each_row(&report.batch, |row| {
+                            black_box(watch.row(row, now));
+                            Ok(())
+                        })
+                        .expect("a valid batch");
+                        black_box(watch.end_batch());
+                        black_box(watch.tick(Some(ranks), now, false, &tensors));
+                    }
+                    watch
+                },
+                BatchSize::PerIteration,
+            );
+        });
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().with_measurement(ThreadCpu);
+    targets = engine
+}
+criterion_main!(benches);
