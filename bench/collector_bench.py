@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 BIN = os.environ["RANKWATCH_BIN"]
 ARROW = "application/vnd.apache.arrow.stream"
+# The ranks whose reports the side-by-side benches send (bench/agent_mix.py).
+AGENT_RANKS = 64
 
 
 def free_port() -> int:
@@ -276,12 +278,12 @@ def cpu_until_idle(pid: int, quiet: float = 0.01, every: float = 0.25, limit: fl
     return last
 
 
-def nonfinite_firings(url: str) -> int:
-    """How many `nonfinite` alerts the collector has raised to firing (its /metrics)."""
+def metric_sum(url: str, prefix: str, *labels: str) -> float:
+    """The sum of the collector's /metrics lines starting with `prefix` and holding every one
+    of `labels`."""
     text = requests.get(f"{url}/metrics", timeout=30).text
-    return int(sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("rankwatch_alert_transitions_total{")
-                   and 'rule="nonfinite"' in line and 'state="firing"' in line))
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(prefix) and all(label in line for label in labels))
 
 
 class AlertClock:
@@ -300,7 +302,7 @@ class AlertClock:
 
     def poll(self) -> None:
         while not self.done.is_set() and len(self.fired) < len(self.faults):
-            count = nonfinite_firings(self.url)
+            count = int(metric_sum(self.url, "rankwatch_alert_transitions_total{", 'rule="nonfinite"', 'state="firing"'))
             now = time.perf_counter()
             self.fired.extend([now] * (count - len(self.fired)))
             time.sleep(self.every)
@@ -318,18 +320,21 @@ class AlertClock:
 def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str | None = None,
                    env: dict[str, str] | None = None, busy: list[float] | None = None,
                    extra: tuple[str, ...] = (), cpu: list[float] | None = None,
-                   faults: list[int] | None = None, latency: list[float] | None = None) -> float:
+                   faults: list[int] | None = None, latency: list[float] | None = None,
+                   world: int | None = AGENT_RANKS) -> float:
     """Samples/s; `busy`, if given, gets the server's CPU time over the wall time of the sends;
     `cpu` its CPU seconds from the first send until it is idle again after the last ack (the
     alert engine's queue drained, a flush under way finished); `latency` the milliseconds from
-    the ack of each batch in `faults` (each carries a NaN loss) to its alert firing."""
+    the ack of each batch in `faults` (each carries a NaN loss) to its alert firing. `world`:
+    the run's world size, announced first as the agent does (None: not announced)."""
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data", *extra, binary=binary, env=env)
         try:
             # The run's info, as the agent sends it first: with its world size, a step closes
             # once every rank moved past it, not on the aligner's timeout.
-            r = session().post(f"{url}/api/v1/ingest", json={"run": "ingest", "info": {"world_size": AGENT_RANKS}, "samples": []}, timeout=60)
-            assert r.status_code == 200, r.text
+            if world is not None:
+                r = session().post(f"{url}/api/v1/ingest", json={"run": "ingest", "info": {"world_size": world}, "samples": []}, timeout=60)
+                assert r.status_code == 200, r.text
             clock = AlertClock(url, faults) if faults and latency is not None else None
             # taskset execs the collector, which execs itself once more: one process id.
             cpu_before = cpu_seconds(proc.pid)
@@ -340,9 +345,7 @@ def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str |
                 cpu.append(cpu_until_idle(proc.pid) - cpu_before)
             if clock is not None and latency is not None:
                 latency.extend(clock.latencies())
-            stored = requests.get(f"{url}/metrics", timeout=30).text
-            ingested = sum(float(line.split()[-1]) for line in stored.splitlines()
-                           if line.startswith('rankwatch_ingest_rows_total{table="samples"'))
+            ingested = metric_sum(url, 'rankwatch_ingest_rows_total{table="samples"')
             assert ingested == samples, f"{ingested} of {samples} rows ingested"
         finally:
             stop(proc)
@@ -359,10 +362,6 @@ def pin_off_cpu0() -> set[int]:
     if others and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, others)
     return others
-
-
-# The ranks whose reports the side-by-side benches send (bench/agent_mix.py).
-AGENT_RANKS = 64
 
 
 def ingest_tables(count: int, rows: int) -> list[pa.Table]:
@@ -394,7 +393,7 @@ def bench_ingest(batches: int = 200, rows: int = 10_000, sustained: int = 1_000)
     # Each system: how it is fed, the rate of some bodies sent by so many clients, its bodies.
     systems: dict[str, tuple[str, Callable[[list[Body], int], float], list[Body]]] = {
         "rankwatch": ("Arrow IPC + zstd; acknowledged after the WAL's fsync",
-                      lambda bodies, c: rankwatch_rate(bodies, c, len(bodies) * rows), arrow),
+                      lambda bodies, c: rankwatch_rate(bodies, c, len(bodies) * rows, world=None), arrow),
     }
     if victoria_metrics_installed():
         grouped = [by_series(t) for t in tables]

@@ -17,7 +17,6 @@
 //! engine`).
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::Duration;
 
 use arrow_array::RecordBatch;
@@ -172,9 +171,9 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
         .measurement_time(Duration::from_secs(20));
     for ranks in [64u32, 1024] {
         let (reports, rows) = reports(&mix, &run, ranks);
-        let sketches: Vec<Option<Arc<SketchRecord>>> = reports
+        let sketches: Vec<Option<SketchRecord>> = reports
             .iter()
-            .map(|r| r.sketch.then(|| Arc::new(sketch(&run, r.rank, r.step))))
+            .map(|r| r.sketch.then(|| sketch(&run, r.rank, r.step)))
             .collect();
         group.throughput(Throughput::Elements(rows));
         group.bench_with_input(BenchmarkId::new("ranks", ranks), &ranks, |b, &ranks| {
@@ -189,7 +188,7 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
                         // The collector's clock: one second a step, as the ranks report.
                         let now = report.step as i64 * 1000;
                         if let Some(s) = sketch {
-                            watch.sketch(SketchRecord::clone(s), now);
+                            watch.sketch(s.clone(), now);
                         }
                         samples::try_for_each_row(&report.batch, |row| {
                             black_box(watch.row(row, now));

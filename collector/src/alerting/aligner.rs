@@ -320,43 +320,6 @@ impl StepAligner {
         }
     }
 
-    /// Notes that `rank` reported something for `step` at `now_ms` (any metric); returns false
-    /// for a late row.
-    pub fn seen(&mut self, rank: u32, step: u64, now_ms: i64) -> bool {
-        let late = self.late_rows;
-        self.stage(rank, step, 0, Staged::Seen, 0.0);
-        self.apply_staged(now_ms);
-        self.late_rows == late
-    }
-
-    /// Adds one per-rank scalar.
-    pub fn add(
-        &mut self,
-        rank: u32,
-        step: u64,
-        time_ms: i64,
-        now_ms: i64,
-        what: RankScalar,
-        value: f64,
-    ) {
-        self.stage(rank, step, time_ms, Staged::Scalar(what), value);
-        self.apply_staged(now_ms);
-    }
-
-    /// Adds one replica fingerprint of `rank`.
-    pub fn add_fingerprint(
-        &mut self,
-        rank: u32,
-        step: u64,
-        time_ms: i64,
-        now_ms: i64,
-        what: Digest,
-        value: f64,
-    ) {
-        self.stage(rank, step, time_ms, Staged::Digest(what), value);
-        self.apply_staged(now_ms);
-    }
-
     /// Adds one rank's gradient sketch.
     pub fn add_sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
         // The rank is alive, but not past any step on a sketch's word (see the module header).
@@ -398,9 +361,9 @@ impl StepAligner {
             .map(|(step, _)| *step)
             .max();
         let mut closed = Vec::new();
-        // The world, listed only when a step closes on the timeout and its missing ranks are
-        // named.
-        let mut world: Option<Vec<u32>> = None;
+        // The world's ranks, listed only when a step closes on the timeout and its missing
+        // ranks are named.
+        let mut listed: Option<Vec<u32>> = None;
         while let Some((&step, _)) = self.open.first_key_value() {
             let complete = moved_past.is_some_and(|m| m > step);
             if !complete && timed_out.is_none_or(|t| step > t) {
@@ -411,11 +374,11 @@ impl StepAligner {
             let missing = if complete {
                 Vec::new()
             } else {
-                let world = world.get_or_insert_with(|| match world_size {
+                let listed = listed.get_or_insert_with(|| match world_size {
                     Some(n) => (0..n).collect(),
                     None => self.latest.keys().copied().collect(),
                 });
-                missing(&open, world)
+                missing(&open, listed)
             };
             closed.push(close(step, open, missing, complete));
         }
@@ -496,6 +459,35 @@ fn sketch_pair_mean(sketches: &BTreeMap<u32, SketchRecord>) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One row at a time, as a batch of one.
+    impl StepAligner {
+        fn add(
+            &mut self,
+            rank: u32,
+            step: u64,
+            time_ms: i64,
+            now_ms: i64,
+            what: RankScalar,
+            value: f64,
+        ) {
+            self.stage(rank, step, time_ms, Staged::Scalar(what), value);
+            self.apply_staged(now_ms);
+        }
+
+        fn add_fingerprint(
+            &mut self,
+            rank: u32,
+            step: u64,
+            time_ms: i64,
+            now_ms: i64,
+            what: Digest,
+            value: f64,
+        ) {
+            self.stage(rank, step, time_ms, Staged::Digest(what), value);
+            self.apply_staged(now_ms);
+        }
+    }
 
     fn loss(a: &mut StepAligner, rank: u32, step: u64, now: i64) {
         a.add(

@@ -60,8 +60,6 @@ pub struct RunWatch {
     collapse: foldhash::HashMap<(u64, u32), CollapseObservation>,
     /// Metric names seen and their metric (see `metric_of`).
     names: foldhash::HashMap<Box<str>, Option<Metric>>,
-    /// The collector's clock when the batch being fed arrived.
-    batch_now_ms: i64,
     /// When stale ranks were last looked for.
     stale_checked_ms: Option<i64>,
     /// The ranks with an open stale alert then, with their last report as it was.
@@ -92,7 +90,6 @@ impl RunWatch {
             last_activity_ms: now_ms,
             collapse: Default::default(),
             names: Default::default(),
-            batch_now_ms: now_ms,
             stale_checked_ms: None,
             stale_ranks: Vec::new(),
             finished: BTreeSet::new(),
@@ -122,10 +119,10 @@ impl RunWatch {
     }
 
     /// Feeds one sample row; returns the alerts it changed. A rank's row is appended to the
-    /// aligner's batch (see [`StepAligner::stage`]); [`RunWatch::end_batch`] applies them.
+    /// aligner's batch (see [`StepAligner::stage`]); [`RunWatch::end_batch`] applies them, as
+    /// seen at the time of the batch's rows (`last_activity_ms`).
     pub fn row(&mut self, row: SampleRow<'_>, now_ms: i64) -> Vec<Alert> {
         self.last_activity_ms = now_ms;
-        self.batch_now_ms = now_ms;
         let metric = self.metric_of(row.metric);
         if let Some(rank) = row.rank {
             // A rank is finished from its `finished` row until it reports anything else (a
@@ -223,15 +220,16 @@ impl RunWatch {
 
     /// Feeds one gradient sketch.
     pub fn sketch(&mut self, sketch: SketchRecord, now_ms: i64) {
+        // Rows staged before it were seen at their own batch's time.
+        self.aligner.apply_staged(self.last_activity_ms);
         self.last_activity_ms = now_ms;
-        self.aligner.apply_staged(self.batch_now_ms);
         self.aligner.add_sketch(sketch, now_ms);
     }
 
     /// Ends a batch: its ranks' rows join their steps, and the collapse probes it carried are
     /// fed in step order.
     pub fn end_batch(&mut self) -> Vec<Alert> {
-        self.aligner.apply_staged(self.batch_now_ms);
+        self.aligner.apply_staged(self.last_activity_ms);
         let mut probes: Vec<_> = std::mem::take(&mut self.collapse).into_iter().collect();
         probes.sort_unstable_by_key(|(key, _)| *key);
         probes
@@ -257,17 +255,17 @@ impl RunWatch {
         }
         // Stale ranks on a timer, as the rule is written: every rank's silence is looked at,
         // so at every batch that was O(world) a batch, O(world²) a step when each rank posts
-        // its own.
-        // A rank with an open stale alert that reported again is looked at at once: its alert
-        // resolves when it is back, not up to a second later.
+        // its own. A rank with an open stale alert that reported again is looked at at once:
+        // its alert resolves when it is back, not up to a second later.
         let back = self
             .stale_ranks
             .iter()
             .any(|&(rank, seen)| self.aligner.last_seen(rank) != seen);
-        let due = back
+        let due = all
+            || back
             || self
                 .stale_checked_ms
-                .is_none_or(|t| all || now_ms - t >= STALE_EVERY_MS || now_ms < t);
+                .is_none_or(|t| now_ms - t >= STALE_EVERY_MS || now_ms < t);
         if let Some(world) = world_size.filter(|&w| w >= 2 && due) {
             self.stale_checked_ms = Some(now_ms);
             let mut last_seen: Vec<_> = (0..world).map(|r| self.aligner.last_seen(r)).collect();

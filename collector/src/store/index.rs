@@ -32,10 +32,18 @@ pub struct Latest {
     pub value: f64,
 }
 
-fn keep_latest(slot: &mut Option<Latest>, step: u64, value: f64) {
-    if slot.is_none_or(|l| l.step <= step) {
-        *slot = Some(Latest { step, value });
+impl Latest {
+    /// `row` replaces this value unless it is of an earlier step (a later row of the same step
+    /// wins).
+    fn keep(&mut self, row: Latest) {
+        if self.step <= row.step {
+            *self = row;
+        }
     }
+}
+
+fn keep_latest(slot: &mut Option<Latest>, row: Latest) {
+    slot.get_or_insert(row).keep(row);
 }
 
 /// What the index knows about one run.
@@ -117,22 +125,22 @@ impl RunSummary {
         if let Some(t) = digest.last_time_ms {
             self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
         }
-        for (&(metric, layer, site, rank), latest) in &digest.series {
-            let (s, v) = (latest.step, latest.value);
+        for (&(metric, layer, site, rank), series) in &digest.series {
+            let latest = series.latest;
             if let Some(r) = rank {
-                let e = self.rank_steps.entry(r).or_insert(s);
-                *e = (*e).max(s);
+                let e = self.rank_steps.entry(r).or_insert(latest.step);
+                *e = (*e).max(latest.step);
             }
-            match (Metric::from_name(metric), rank, layer) {
+            match (series.known, rank, layer) {
                 (Some(Metric::Loss), Some(r), _) => {
-                    keep_latest(self.loss_by_rank.entry(r).or_default(), s, v)
+                    keep_latest(self.loss_by_rank.entry(r).or_default(), latest)
                 }
                 (Some(Metric::SpectralRatio), _, Some(l)) => {
-                    keep_latest(self.ratio_by_layer.entry(l).or_default(), s, v)
+                    keep_latest(self.ratio_by_layer.entry(l).or_default(), latest)
                 }
-                (Some(Metric::Perplexity), ..) => keep_latest(&mut self.perplexity, s, v),
-                (Some(Metric::LossCv), ..) => keep_latest(&mut self.loss_cv, s, v),
-                (Some(Metric::GradNormCv), ..) => keep_latest(&mut self.grad_norm_cv, s, v),
+                (Some(Metric::Perplexity), ..) => keep_latest(&mut self.perplexity, latest),
+                (Some(Metric::LossCv), ..) => keep_latest(&mut self.loss_cv, latest),
+                (Some(Metric::GradNormCv), ..) => keep_latest(&mut self.grad_norm_cv, latest),
                 _ => {}
             }
             let metric = self.intern(metric);
@@ -186,7 +194,16 @@ pub struct BatchDigest<'a> {
     pub steps: Option<(u64, u64)>,
     pub last_time_ms: Option<i64>,
     /// Each series with its value at its highest step (the last row of that step).
-    pub series: HashMap<BorrowedKey<'a>, Latest>,
+    pub series: HashMap<BorrowedKey<'a>, SeriesDigest>,
+}
+
+/// One series of a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct SeriesDigest {
+    /// Its metric in the vocabulary, looked up once per distinct name of the batch (not under
+    /// the store's lock).
+    pub known: Option<Metric>,
+    pub latest: Latest,
 }
 
 impl<'a> BatchDigest<'a> {
@@ -250,18 +267,19 @@ impl<'a> BatchDigest<'a> {
                 value: value.value(i),
             };
             match &mut previous {
-                Some((k, latest)) if *k == key => keep_later(latest, row),
+                Some((k, latest)) if *k == key => latest.keep(row),
                 _ => {
                     if let Some((k, latest)) = previous.take() {
-                        keep_later(keys.entry(k).or_insert(latest), latest);
+                        keys.entry(k).or_insert(latest).keep(latest);
                     }
                     previous = Some((key, row));
                 }
             }
         }
         if let Some((k, latest)) = previous {
-            keep_later(keys.entry(k).or_insert(latest), latest);
+            keys.entry(k).or_insert(latest).keep(latest);
         }
+        let known: Vec<Option<Metric>> = names.iter().map(|n| Metric::from_name(n)).collect();
         BatchDigest {
             rows: rows as u64,
             nonfinite: value.values().iter().filter(|v| !v.is_finite()).count() as u64,
@@ -274,17 +292,14 @@ impl<'a> BatchDigest<'a> {
             series: keys
                 .into_iter()
                 .map(|((name, layer, site, rank), latest)| {
-                    ((names[name as usize], layer, site, rank), latest)
+                    let series = SeriesDigest {
+                        known: known[name as usize],
+                        latest,
+                    };
+                    ((names[name as usize], layer, site, rank), series)
                 })
                 .collect(),
         }
-    }
-}
-
-/// `row` replaces `latest` unless it is of an earlier step (a later row of the same step wins).
-fn keep_later(latest: &mut Latest, row: Latest) {
-    if latest.step <= row.step {
-        *latest = row;
     }
 }
 
@@ -333,7 +348,7 @@ mod tests {
             let digest = BatchDigest::of(&batch);
             prop_assert_eq!(digest.series.len(), want.len());
             for (key, (step, row)) in want {
-                let got = digest.series.get(&key).copied();
+                let got = digest.series.get(&key).map(|s| s.latest);
                 prop_assert_eq!(got.map(|l| l.step), Some(step), "{:?}", key);
                 prop_assert_eq!(got.map(|l| l.value.to_bits()), Some(samples[row].value.to_bits()), "{:?}", key);
             }
