@@ -74,8 +74,9 @@ pub struct RankActivity {
 pub struct StaleRank {
     config: StaleRankConfig,
     trackers: Trackers<u32>,
-    /// Whether the last observation found every rank silent.
-    quiet: bool,
+    /// Set when an observation found every rank silent: reports at or after this time came
+    /// after that silence.
+    quiet_before_ms: Option<i64>,
     /// When the run last came back from a silence of every rank.
     resumed_ms: Option<i64>,
 }
@@ -87,7 +88,7 @@ impl StaleRank {
         Ok(StaleRank {
             config,
             trackers: Trackers::new(run, Rule::StaleRank, |rank| (None, None, Some(*rank))),
-            quiet: false,
+            quiet_before_ms: None,
             resumed_ms: None,
         })
     }
@@ -107,10 +108,17 @@ impl Detector for StaleRank {
         let lead = seen().map(|&(s, _)| s).max().unwrap_or(0);
         let active = freshest.is_some_and(|t| obs.now_ms.saturating_sub(t) <= c.timeout_ms);
         if !active {
-            self.quiet = true;
-        } else if self.quiet {
-            self.quiet = false;
-            self.resumed_ms = freshest;
+            // A run no rank has reported in yet has not gone quiet: it has not started, and a
+            // rank that never reports is measured from the run's start (taking the first
+            // report as a resume measured its silence from then: a rank silent since the
+            // start went unflagged when the first check came after other ranks' reports).
+            if freshest.is_some() {
+                self.quiet_before_ms = Some(obs.now_ms.saturating_sub(c.timeout_ms));
+            }
+        } else if let Some(quiet_before) = self.quiet_before_ms.take() {
+            // The first report after the silence, not the freshest: checks may be seconds
+            // apart, and the run came back when its first rank did.
+            self.resumed_ms = seen().map(|&(_, t)| t).filter(|&t| t >= quiet_before).min();
         }
         let mut changed = Vec::new();
         for (rank, last) in obs.last_seen.iter().enumerate() {
