@@ -21,14 +21,14 @@ use crate::record::Point;
 
 /// A point with its step and time, as it waits to be batched.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Row {
-    pub(crate) step: u64,
-    pub(crate) time_ms: i64,
-    pub(crate) point: Point,
+pub struct Row {
+    pub step: u64,
+    pub time_ms: i64,
+    pub point: Point,
 }
 
 /// The `samples` body of `rows`.
-pub(crate) fn samples_body(run: &RunId, rows: &[Row]) -> Result<Vec<u8>> {
+pub fn samples_body(run: &RunId, rows: &[Row]) -> Result<Vec<u8>> {
     let columns: Vec<ArrayRef> = vec![
         Arc::new(StringArray::from_iter_values(std::iter::repeat_n(
             run.as_str(),
@@ -57,12 +57,12 @@ pub(crate) fn samples_body(run: &RunId, rows: &[Row]) -> Result<Vec<u8>> {
 }
 
 /// The `sketches` body of `rows`.
-pub(crate) fn sketches_body(rows: &[SketchRecord]) -> Result<Vec<u8>> {
+pub fn sketches_body(rows: &[SketchRecord]) -> Result<Vec<u8>> {
     ipc(&sketches::to_batch(rows)?)
 }
 
 /// The `runs` body of one run's metadata.
-pub(crate) fn runs_body(info: &RunInfo) -> Result<Vec<u8>> {
+pub fn runs_body(info: &RunInfo) -> Result<Vec<u8>> {
     ipc(&runs::to_batch(std::slice::from_ref(info))?)
 }
 

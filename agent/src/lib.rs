@@ -35,6 +35,7 @@ pub mod sender;
 pub mod spool;
 mod stats;
 mod transport;
+pub mod wire;
 
 use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;

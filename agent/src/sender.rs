@@ -376,9 +376,11 @@ impl Sender {
 
     fn enqueue(&mut self, table: Table, rows: u64, body: Vec<u8>, prefer_disk: bool) {
         self.seq += 1;
-        let key = format!(
-            "{}/{}/{}/{}",
-            self.config.run, self.config.rank, self.session, self.seq
+        let key = crate::wire::idempotency_key(
+            &self.config.run,
+            self.config.rank,
+            &self.session,
+            self.seq,
         );
         let batch = Batch {
             table,

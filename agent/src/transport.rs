@@ -36,10 +36,9 @@ pub(crate) enum Outcome {
 #[derive(Debug)]
 pub(crate) struct Transport {
     agent: ureq::Agent,
-    ingest_url: String,
+    /// Its base URL, without a trailing slash.
+    collector: String,
     authorization: Option<String>,
-    /// [`rankwatch_api::WIRE_PROTOCOL`] as the header carries it.
-    protocol: String,
 }
 
 impl Transport {
@@ -56,27 +55,23 @@ impl Transport {
             .into();
         Transport {
             agent,
-            ingest_url: format!("{}/api/v1/ingest", collector.trim_end_matches('/')),
+            collector: collector.trim_end_matches('/').to_owned(),
             authorization: token.map(|t| format!("Bearer {t}")),
-            protocol: rankwatch_api::WIRE_PROTOCOL.to_string(),
         }
     }
 
     /// Posts `batch`, giving up on the attempt after `timeout`.
     pub(crate) fn post(&self, batch: &Batch, timeout: Duration) -> Outcome {
-        let mut request = self
-            .agent
-            .post(format!(
-                "{}?table={}",
-                self.ingest_url,
-                batch.table.as_str()
-            ))
-            .header("content-type", "application/vnd.apache.arrow.stream")
-            .header("idempotency-key", &batch.key)
-            // So that a collector of another release refuses the batch by name instead of
-            // misreading it (the refused batch is kept, see `sender`).
-            .header(rankwatch_api::VERSION_HEADER, rankwatch_api::VERSION)
-            .header(rankwatch_api::PROTOCOL_HEADER, &self.protocol);
+        let mut request = self.agent.post(format!(
+            "{}{}",
+            self.collector,
+            crate::wire::ingest_path(batch.table)
+        ));
+        // With the release and protocol, so that a collector of another release refuses the
+        // batch by name instead of misreading it (the refused batch is kept, see `sender`).
+        for (name, value) in crate::wire::headers(&batch.key) {
+            request = request.header(name, value);
+        }
         if let Some(auth) = &self.authorization {
             request = request.header("authorization", auth);
         }
@@ -132,9 +127,10 @@ impl Transport {
             404 => Outcome::Retry {
                 after: None,
                 reason: format!(
-                    "collector answered 404 for {}: is the collector URL the collector's base \
-                     address (e.g. http://127.0.0.1:7070)? The rows are kept in the spool",
-                    self.ingest_url
+                    "collector answered 404 for {}/api/v1/ingest: is the collector URL the \
+                     collector's base address (e.g. http://127.0.0.1:7070)? The rows are kept in \
+                     the spool",
+                    self.collector
                 ),
             },
             _ => Outcome::Refused {
