@@ -20,6 +20,11 @@
 4. Memory: 1,024 simulated ranks x 200 metrics, each rank posting its own batch once a second
    as the agent does; RSS over time, p50/p99 ingest latency, refusals. Ten minutes by default
    (RANKWATCH_BENCH_MEMORY_SECONDS shortens it).
+5. `operator [RANKS ...]` (issue 47; not in the default run): 16,384 and then 65,536 simulated
+   ranks of one job at one step a second, each posting the agent's default report through at
+   most 4,096 connections for ten minutes (RANKWATCH_BENCH_OPERATOR_SECONDS), sent by
+   bench/loadgen (the agent's own encoder, keys and headers) on CPU 1, the collector on CPU 0:
+   ack latency by minute, refusals, RSS, and "ranks per collector core".
 
 Numbers are targets, not assertions: the script prints them and the machine they ran on.
 """
@@ -1011,6 +1016,100 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
           f"RSS <= 1 GiB")
 
 
+def loadgen_binary() -> str:
+    """The operator's load generator (bench/loadgen), beside the collector's binary unless
+    RANKWATCH_LOADGEN names it."""
+    path = os.environ.get("RANKWATCH_LOADGEN") or str(Path(BIN).parent / "rankwatch-loadgen")
+    if not Path(path).exists():
+        sys.exit(f"no load generator at {path}: cargo build --release -p rankwatch-loadgen")
+    return path
+
+
+def bench_operator(seconds: int, sizes: list[int], connections: int = 4096) -> None:
+    """The figure an operator plans with (issue 47): `ranks` simulated ranks of one job, one
+    step a second, each posting the agent's default per-step report (bench/agent_mix.json, with
+    its gradient sketch every tenth step; the agent's own encoder, idempotency keys and version
+    headers, bench/loadgen) through `connections` keep-alive connections, for `seconds`. The
+    collector runs on CPU 0 with its default limits (but the ones a job this size needs: its
+    world size, its series, and no per-address connection cap, since every simulated host is
+    127.0.0.1), the generator on CPU 1. Reports the ack latency, what was refused, the
+    collector's RSS by minute and its CPU as "ranks per collector core", with the generator's
+    own lag beside it so that a schedule it could not keep is not read as the collector's."""
+    import resource
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    loadgen = loadgen_binary()
+    mix = Path(__file__).with_name("agent_mix.json")
+    rows: list[str] = []
+    for ranks in sizes:
+        conns = min(connections, ranks)
+        print(f"\n# operator: {ranks:,} ranks, one step a second, {conns:,} connections, {seconds} s", flush=True)
+        with tempfile.TemporaryDirectory() as d:
+            extra = ("--max-world-size", str(ranks), "--max-connections-per-peer", "0",
+                     "--max-connections", str(conns + 64),
+                     "--max-series-per-run", str(max(1 << 20, ranks * 64)),
+                     "--max-series", str(max(5_000_000, ranks * 80)))
+            proc, url = start_collector(Path(d) / "data", *extra, cpus="0")
+            timeline: list[tuple[float, float, float]] = []  # (s, RSS MiB, CPU s)
+            done = threading.Event()
+
+            def sample() -> None:
+                t0 = time.perf_counter()
+                while not done.wait(1.0):
+                    timeline.append((time.perf_counter() - t0, rss_mib(proc.pid), cpu_seconds(proc.pid)))
+
+            out = Path(d) / "loadgen.json"
+            cmd = [loadgen, "--collector", url, "--ranks", str(ranks), "--connections", str(conns),
+                   "--seconds", str(seconds), "--mix", str(mix), "--out", str(out)]
+            if shutil.which("taskset"):
+                cmd = ["taskset", "-c", "1", *cmd]
+            sampler = threading.Thread(target=sample, daemon=True)
+            try:
+                cpu0 = cpu_seconds(proc.pid)
+                sampler.start()
+                gen = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 600)
+                cpu_load = cpu_seconds(proc.pid) - cpu0
+                cpu_all = cpu_until_idle(proc.pid, limit=120) - cpu0
+                done.set()
+                sampler.join()
+                if gen.returncode != 0:
+                    sys.exit(f"load generator failed ({gen.returncode}):\n{gen.stdout[-3000:]}\n{gen.stderr[-3000:]}")
+                progress = [line for line in gen.stdout.splitlines() if line.startswith("t=")]
+                print("\n".join(progress[::6]), flush=True)
+                report = json.loads(out.read_text())
+                ingested = metric_sum(url, 'rankwatch_ingest_rows_total{table="samples"')
+                derived = metric_sum(url, "rankwatch_derived_samples_total")
+                alerts = requests.get(f"{url}/api/v1/alerts?run=operator", timeout=60).json()["alerts"]
+            finally:
+                done.set()
+                stop(proc)
+        wall = report["seconds"]
+        cores = cpu_load / wall
+        print(f"{'minute':>6} {'answers':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'RSS MiB max':>12} {'collector cores':>16}")
+        for m in report["by_minute"]:
+            window = [(r, c) for t, r, c in timeline if m["minute"] * 60 <= t < (m["minute"] + 1) * 60]
+            rss = max((r for r, _ in window), default=float("nan"))
+            busy = (window[-1][1] - window[0][1]) / max(1, len(window) - 1) if len(window) > 1 else float("nan")
+            print(f"{m['minute']:>6} {m['answers']:>9,} {m['p50_ms']:>8.1f} {m['p99_ms']:>8.1f} {m['max_ms']:>8.1f} "
+                  f"{rss:>12.1f} {busy:>16.2f}")
+        peak = max(r for _, r, _ in timeline)
+        print(f"requests {report['requests']:,} ({report['requests_per_second']:,.0f}/s), answered 2xx {report['ok']:,}, "
+              f"refused {report['refused']:,} {report['statuses']}, without an answer {report['without_answer']:,}")
+        print(f"rows sent {report['rows']:,} ({report['rows_per_second']:,.0f}/s), sketches {report['sketches']:,}; "
+              f"collector ingested {ingested:,.0f} of them (+ {derived:,.0f} all-ranks statistics of its own); "
+              f"alerts raised on the run: {len(alerts)}")
+        print(f"generator: {report['late_steps']:,} connection slots begun over a step late (each then posts every step due), max lag "
+              f"{report['max_lag_ms']:,.0f} ms; its own CPU {report['generator_cpu_seconds'] / wall:.2f} cores")
+        print(f"collector CPU: {cpu_load:,.1f} s over {wall:,.0f} s of load = {cores:.2f} cores; "
+              f"{cpu_all - cpu_load:,.1f} s more until idle; {ranks / cores:,.0f} ranks per collector core "
+              f"({ranks * wall / cpu_all:,.0f} with everything after the load counted)")
+        rows.append(f"{ranks:>7,} {conns:>6,} {report['p50_ms']:>7.1f} {report['p99_ms']:>7.1f} {report['refused'] + report['without_answer']:>8,} "
+                    f"{peak:>9.0f} {cores:>6.2f} {ranks / cores:>12,.0f} {report['late_steps']:>6,}")
+    print(f"\n{'ranks':>7} {'conns':>6} {'p50 ms':>7} {'p99 ms':>7} {'refused':>8} {'RSS peak':>9} {'cores':>6} "
+          f"{'ranks/core':>12} {'late':>6}")
+    print("\n".join(rows))
+
+
 def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
     which = sys.argv[1:] or ["ingest", "queries", "storage", "memory"]
@@ -1024,6 +1123,10 @@ def main() -> None:
         return
     if which[0] == "ingest-floor":
         bench_ingest_floor()
+        return
+    if which[0] == "operator":
+        sizes = [int(n) for n in which[1:]] or [16_384, 65_536]
+        bench_operator(int(os.environ.get("RANKWATCH_BENCH_OPERATOR_SECONDS", "600")), sizes)
         return
     if which[0] == "hostile":
         bench_hostile(int(os.environ.get("RANKWATCH_BENCH_HOSTILE_SECONDS", "60")))

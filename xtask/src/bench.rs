@@ -78,6 +78,12 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
             "install the benchmark's encoders",
         )?;
         build_release_collector()?;
+        if extra.get(1).is_some_and(|b| b == "operator") {
+            // The operator's figure posts through the agent's own encoder (bench/loadgen).
+            let mut build = cargo();
+            build.args(["build", "--release", "--locked", "-p", "rankwatch-loadgen"]);
+            run("build rankwatch-loadgen (release)", build)?;
+        }
         let mut cmd = Command::new(python);
         cmd.current_dir(root())
             .arg("bench/collector_bench.py")
@@ -152,9 +158,11 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
     }
     if !matches!(
         which,
-        "all" | "analytics" | "collector" | "sdk" | "ui" | "detection"
+        "all" | "analytics" | "engine" | "collector" | "sdk" | "ui" | "detection"
     ) {
-        bail!("unknown benchmark {which:?}: all, analytics, collector, sdk, ui or detection");
+        bail!(
+            "unknown benchmark {which:?}: all, analytics, engine, collector, sdk, ui or detection"
+        );
     }
     Ok(())
 }
