@@ -1243,19 +1243,25 @@ fn stale_rank_counts_silence_from_a_restart_not_from_before_it() {
     assert_eq!(fired, vec![(Some(3), 151_000)], "{events:#?}");
 }
 
-#[test]
-fn stale_rank_measures_a_rank_silent_since_the_start_from_the_start() {
-    // The collector looks at the ranks once a second: its first look came before any rank had
-    // reported. That is not a silence the run came back from, so rank 1, silent since the
-    // start, is stale 61 s in, although rank 0 was first seen at the next look, 59 s later.
-    let mut d = StaleRank::new(run(), StaleRankConfig::default()).unwrap();
-    let mut look = |now_ms, last_seen| {
+/// The collector's looks at a run's ranks, one call each: (now, each rank's last report).
+fn looks(
+    mut d: StaleRank,
+) -> impl FnMut(i64, Vec<Option<(u64, i64)>>) -> Vec<rankwatch_analytics::Alert> {
+    move |now_ms, last_seen| {
         d.observe(&RankActivity {
             now_ms,
             run_started_ms: 0,
             last_seen,
         })
-    };
+    }
+}
+
+#[test]
+fn stale_rank_measures_a_rank_silent_since_the_start_from_the_start() {
+    // The collector looks at the ranks once a second: its first look came before any rank had
+    // reported. That is not a silence the run came back from, so rank 1, silent since the
+    // start, is stale 61 s in, although rank 0 was first seen at the next look, 59 s later.
+    let mut look = looks(StaleRank::new(run(), StaleRankConfig::default()).unwrap());
     assert!(look(0, vec![None, None]).is_empty());
     assert!(look(59_000, vec![Some((2, 59_000)), Some((1, 0))]).is_empty());
     let events = look(61_000, vec![Some((3, 61_000)), Some((1, 0))]);
@@ -1273,14 +1279,7 @@ fn stale_rank_counts_from_the_first_rank_back_when_looks_are_sparse() {
     // Every rank silent at the look at 100 s; by the next look, at 130 s, rank 0 came back at
     // 101 s and rank 1 at 129 s. The run came back at 101 s: rank 2 is stale after 161 s, not
     // after 189 s (the freshest report's time, which a look made seconds later would give).
-    let mut d = StaleRank::new(run(), StaleRankConfig::default()).unwrap();
-    let mut look = |now_ms, last_seen| {
-        d.observe(&RankActivity {
-            now_ms,
-            run_started_ms: 0,
-            last_seen,
-        })
-    };
+    let mut look = looks(StaleRank::new(run(), StaleRankConfig::default()).unwrap());
     let before = vec![Some((10, 30_000)); 3];
     assert!(look(100_000, before).is_empty());
     let back = |t0, t1| vec![Some((11, t0)), Some((11, t1)), Some((10, 30_000))];

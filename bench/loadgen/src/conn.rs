@@ -214,18 +214,24 @@ impl XorShift {
 }
 
 /// One keep-alive HTTP/1.1 connection, opened again after it fails.
-struct Client {
+pub(crate) struct Client {
     addr: SocketAddr,
     sender: Option<SendRequest<Full<Bytes>>>,
 }
 
 impl Client {
-    fn new(addr: SocketAddr) -> Client {
+    pub(crate) fn new(addr: SocketAddr) -> Client {
         Client { addr, sender: None }
     }
 
     /// Posts one batch; its answer's status, or `None` if there was no answer.
-    async fn post(&mut self, host: &str, table: Table, key: &str, body: Vec<u8>) -> Option<u16> {
+    pub(crate) async fn post(
+        &mut self,
+        host: &str,
+        table: Table,
+        key: &str,
+        body: Vec<u8>,
+    ) -> Option<u16> {
         let sender = match &mut self.sender {
             Some(sender) => sender,
             None => self.sender.insert(connect(self.addr).await?),

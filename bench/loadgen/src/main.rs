@@ -15,11 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use bytes::Bytes;
 use clap::Parser;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use rankwatch_agent::Table;
 use rankwatch_agent::wire;
 use rankwatch_analytics::{ModelLayout, RunId, RunInfo};
@@ -154,29 +150,15 @@ async fn announce(
         tags: Default::default(),
     };
     let body = wire::runs_body(&info)?;
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(connection);
     let key = wire::idempotency_key(run, 0, &format!("loadgen-{}-runs", std::process::id()), 1);
-    let mut request = Request::post(wire::ingest_path(Table::Runs)).header("host", host);
-    for (name, value) in wire::headers(&key) {
-        request = request.header(name, value);
+    match conn::Client::new(addr)
+        .post(host, Table::Runs, &key, body)
+        .await
+    {
+        Some(status) if (200..300).contains(&status) => Ok(()),
+        Some(status) => bail!("the collector refused the run's metadata ({status})"),
+        None => bail!("no answer from the collector at {addr}"),
     }
-    let response = sender
-        .send_request(request.body(Full::new(Bytes::from(body)))?)
-        .await?;
-    let status = response.status();
-    let text = response.into_body().collect().await?.to_bytes();
-    if !status.is_success() {
-        bail!(
-            "the collector refused the run's metadata ({status}): {}",
-            String::from_utf8_lossy(&text)
-        );
-    }
-    Ok(())
 }
 
 /// A line every ten seconds: answers a second since the last line, and failures.
