@@ -14,7 +14,7 @@ use crate::decode;
 use crate::entry::{Entry, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::Key;
-use crate::store::{Admission, Store};
+use crate::store::{Admission, Prepared, Store};
 use crate::wal::WalHandle;
 
 /// The store and the log, written together.
@@ -34,7 +34,8 @@ impl Committer {
         entry: &Entry,
         raw: Option<(Table, &[u8])>,
     ) -> Result<Option<u64>> {
-        let reserved = match self.store.begin(key, entry)? {
+        let prepared = Prepared::of(entry)?;
+        let reserved = match self.store.begin(key, entry, &prepared)? {
             Admission::Duplicate => return Ok(None),
             Admission::Write(reservation) => reservation,
         };
@@ -55,7 +56,7 @@ impl Committer {
             .append(
                 payload,
                 Box::new(move |seq| {
-                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, store.now_ms()) {
+                    if let Err(e) = store.apply(seq, applied_key.as_ref(), &apply_entry, prepared, store.now_ms()) {
                         tracing::error!(seq, error = %e, "a durable batch could not enter the hot buffer; it will be replayed on restart");
                     }
                     // Applied: its series and run are known now (or, failed, never will be).

@@ -328,7 +328,13 @@ fn recover_log(
         match decode::decode_entry(&record.payload) {
             Ok((key, entry)) => {
                 let key = key.as_deref().map(Key::parse).transpose().ok().flatten();
-                store.apply(record.seq, key.as_ref(), &entry, 0)?;
+                store.apply(
+                    record.seq,
+                    key.as_ref(),
+                    &entry,
+                    crate::store::Prepared::of(&entry)?,
+                    0,
+                )?;
                 records += 1;
                 if !config.no_alert_engine {
                     let derived =

@@ -3,6 +3,7 @@
 //! caps count what admitted batches will add ([`Reservation`]) until they are applied or
 //! fail, so batches in flight together cannot pass a cap one by one.
 
+use arrow_array::RecordBatch;
 use rankwatch_analytics::RunId;
 
 use super::index::{BatchDigest, RunSummary};
@@ -10,6 +11,33 @@ use super::{Admission, Event, Reservation, State, Store, files};
 use crate::entry::{Entry, Table};
 use crate::error::{Error, Result};
 use crate::idempotency::{Check, Key};
+
+/// An entry as the store takes it: its parts in the file schema and its samples' digest, read
+/// once, outside the store's lock (every other batch waits on it), for both [`Store::begin`]
+/// and [`Store::apply`].
+#[derive(Debug)]
+pub struct Prepared {
+    samples: Option<RecordBatch>,
+    sketches: Option<RecordBatch>,
+    digest: Option<BatchDigest>,
+}
+
+impl Prepared {
+    pub fn of(entry: &Entry) -> Result<Prepared> {
+        let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
+        let sketches = entry
+            .sketches
+            .as_ref()
+            .map(files::without_run)
+            .transpose()?;
+        let digest = samples.as_ref().map(BatchDigest::of);
+        Ok(Prepared {
+            samples,
+            sketches,
+            digest,
+        })
+    }
+}
 
 impl Store {
     /// Refuses with 429 (and starts a flush) while the hot buffer is at twice its budget:
@@ -31,10 +59,12 @@ impl Store {
     }
 
     /// Admission control before a batch is logged: memory budget, cardinality, idempotency.
-    pub fn begin(&self, key: Option<&Key>, entry: &Entry) -> Result<Admission> {
-        // The batch's series, read before the lock: every other batch waits on it.
-        let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
-        let digest = samples.as_ref().map(BatchDigest::of);
+    pub fn begin(
+        &self,
+        key: Option<&Key>,
+        entry: &Entry,
+        prepared: &Prepared,
+    ) -> Result<Admission> {
         let mut state = self.lock();
         if let Some(key) = key {
             match state.keys.begin(key) {
@@ -83,7 +113,7 @@ impl Store {
             }
         }
         let mut reservation = Reservation { series: 0, new_run };
-        if let Some(digest) = &digest {
+        if let Some(digest) = &prepared.digest {
             let summary = state.runs.get(&entry.run);
             let have = summary.map_or(0, |s| s.series.len());
             let fresh = match summary {
@@ -167,15 +197,19 @@ impl Store {
     }
 
     /// Applies a durable entry (called by the log writer in sequence order, and by replay).
-    pub fn apply(&self, seq: u64, key: Option<&Key>, entry: &Entry, seen_ms: i64) -> Result<()> {
-        let samples = entry.samples.as_ref().map(files::without_run).transpose()?;
-        // Read before the lock, as in `begin`.
-        let digest = samples.as_ref().map(BatchDigest::of);
-        let sketches = entry
-            .sketches
-            .as_ref()
-            .map(files::without_run)
-            .transpose()?;
+    pub fn apply(
+        &self,
+        seq: u64,
+        key: Option<&Key>,
+        entry: &Entry,
+        prepared: Prepared,
+        seen_ms: i64,
+    ) -> Result<()> {
+        let Prepared {
+            samples,
+            sketches,
+            digest,
+        } = prepared;
         let mut events = Vec::new();
         {
             let mut state = self.lock();

@@ -86,11 +86,10 @@ impl RunSummary {
     }
 
     /// Series of a batch (its [`BatchDigest`]) that the run does not have yet.
-    pub fn new_series(&self, digest: &BatchDigest<'_>) -> usize {
+    pub fn new_series(&self, digest: &BatchDigest) -> usize {
         digest
-            .series
-            .keys()
-            .filter(|&&(metric, layer, site, rank)| {
+            .series()
+            .filter(|&((metric, layer, site, rank), ..)| {
                 // A metric never interned has no series yet.
                 self.metrics.get(metric).is_none_or(|metric| {
                     !self.series.contains(&SeriesKey {
@@ -111,7 +110,7 @@ impl RunSummary {
 
     /// Takes a batch into account from its digest: the work is per series of the batch, not
     /// per row (the rows were read once, outside the store's lock, by [`BatchDigest::of`]).
-    pub fn add_digest(&mut self, digest: &BatchDigest<'_>, seen_ms: i64) {
+    pub fn add_digest(&mut self, digest: &BatchDigest, seen_ms: i64) {
         if digest.rows == 0 {
             return;
         }
@@ -125,13 +124,12 @@ impl RunSummary {
         if let Some(t) = digest.last_time_ms {
             self.last_time_ms = Some(self.last_time_ms.map_or(t, |l| l.max(t)));
         }
-        for (&(metric, layer, site, rank), series) in &digest.series {
-            let latest = series.latest;
+        for ((metric, layer, site, rank), known, latest) in digest.series() {
             if let Some(r) = rank {
                 let e = self.rank_steps.entry(r).or_insert(latest.step);
                 *e = (*e).max(latest.step);
             }
-            match (series.known, rank, layer) {
+            match (known, rank, layer) {
                 (Some(Metric::Loss), Some(r), _) => {
                     keep_latest(self.loss_by_rank.entry(r).or_default(), latest)
                 }
@@ -184,34 +182,29 @@ type NumberedKey = (u32, Option<u32>, Option<Site>, Option<u32>);
 
 /// What a samples batch (file schema) brings to its run's summary, read in one pass over its
 /// rows: its distinct series, each with its latest value, and its counts and ranges. Ingest
-/// takes it before the store's lock (admission needs the new series, apply all of it), so the
-/// work under the lock is per series, not per row.
+/// takes it once, before the store's lock, for both admission (the new series) and apply (all
+/// of it), so the work under the lock is per series, not per row.
 #[derive(Debug, Default)]
-pub struct BatchDigest<'a> {
+pub struct BatchDigest {
     pub rows: u64,
     pub nonfinite: u64,
     /// Lowest and highest step.
     pub steps: Option<(u64, u64)>,
     pub last_time_ms: Option<i64>,
-    /// Each series with its value at its highest step (the last row of that step).
-    pub series: HashMap<BorrowedKey<'a>, SeriesDigest>,
+    /// The batch's distinct metric names, each with its metric in the vocabulary (looked up
+    /// once per name, not under the store's lock).
+    names: Vec<(Box<str>, Option<Metric>)>,
+    /// Each series, its metric named by position in `names`, with its value at its highest
+    /// step (the last row of that step).
+    series: HashMap<NumberedKey, Latest>,
 }
 
-/// One series of a batch.
-#[derive(Debug, Clone, Copy)]
-pub struct SeriesDigest {
-    /// Its metric in the vocabulary, looked up once per distinct name of the batch (not under
-    /// the store's lock).
-    pub known: Option<Metric>,
-    pub latest: Latest,
-}
-
-impl<'a> BatchDigest<'a> {
+impl BatchDigest {
     /// Reads `batch` (file schema). Rows are hashed as integers: a metric name or site equal to
     /// the row before's is not looked up again, another name is numbered in a small vocabulary
     /// (the agent's report changes metric from one row to the next), and a row of the series
     /// before only moves its latest value.
-    pub fn of(batch: &'a RecordBatch) -> Self {
+    pub fn of(batch: &RecordBatch) -> Self {
         let rows = batch.num_rows();
         if rows == 0 {
             return BatchDigest::default();
@@ -279,7 +272,6 @@ impl<'a> BatchDigest<'a> {
         if let Some((k, latest)) = previous {
             keys.entry(k).or_insert(latest).keep(latest);
         }
-        let known: Vec<Option<Metric>> = names.iter().map(|n| Metric::from_name(n)).collect();
         BatchDigest {
             rows: rows as u64,
             nonfinite: value.values().iter().filter(|v| !v.is_finite()).count() as u64,
@@ -289,17 +281,22 @@ impl<'a> BatchDigest<'a> {
                 .zip(steps.iter().max())
                 .map(|(&lo, &hi)| (lo, hi)),
             last_time_ms: time.values().iter().max().copied(),
-            series: keys
+            names: names
                 .into_iter()
-                .map(|((name, layer, site, rank), latest)| {
-                    let series = SeriesDigest {
-                        known: known[name as usize],
-                        latest,
-                    };
-                    ((names[name as usize], layer, site, rank), series)
-                })
+                .map(|n| (Box::from(n), Metric::from_name(n)))
                 .collect(),
+            series: keys,
         }
+    }
+
+    /// Each series of the batch, with its metric in the vocabulary and its latest value.
+    pub fn series(&self) -> impl Iterator<Item = (BorrowedKey<'_>, Option<Metric>, Latest)> {
+        self.series
+            .iter()
+            .map(|(&(name, layer, site, rank), &latest)| {
+                let (name, known) = &self.names[name as usize];
+                ((&**name, layer, site, rank), *known, latest)
+            })
     }
 }
 
@@ -346,9 +343,10 @@ mod tests {
                 }
             }
             let digest = BatchDigest::of(&batch);
-            prop_assert_eq!(digest.series.len(), want.len());
+            let series: HashMap<BorrowedKey<'_>, Latest> = digest.series().map(|(key, _, latest)| (key, latest)).collect();
+            prop_assert_eq!(series.len(), want.len());
             for (key, (step, row)) in want {
-                let got = digest.series.get(&key).map(|s| s.latest);
+                let got = series.get(&key).copied();
                 prop_assert_eq!(got.map(|l| l.step), Some(step), "{:?}", key);
                 prop_assert_eq!(got.map(|l| l.value.to_bits()), Some(samples[row].value.to_bits()), "{:?}", key);
             }

@@ -21,6 +21,7 @@
 //! possibly unlisted files, which start-up deletes.
 
 mod admit;
+pub use admit::Prepared;
 pub mod alert_log;
 mod alerts;
 pub mod backend;
