@@ -3,6 +3,8 @@
 //! The agent's own sender and transport use exactly these; the operator load generator
 //! (`bench/loadgen`) uses them to post what thousands of agents would, byte for byte.
 
+use std::sync::LazyLock;
+
 use rankwatch_analytics::RunId;
 
 use crate::encode::Table;
@@ -25,19 +27,19 @@ pub fn ingest_path(table: Table) -> String {
 /// Every batch's headers but its length and the ingest token: the media type, the idempotency
 /// `key`, and the sender's release and wire protocol, so that a collector of another release
 /// refuses the batch by name instead of misreading it.
-pub fn headers(key: &str) -> [(&'static str, String); 4] {
+pub fn headers(key: &str) -> [(&'static str, &str); 4] {
     [
-        ("content-type", CONTENT_TYPE.to_owned()),
-        ("idempotency-key", key.to_owned()),
-        (
-            rankwatch_api::VERSION_HEADER,
-            rankwatch_api::VERSION.to_owned(),
-        ),
-        (
-            rankwatch_api::PROTOCOL_HEADER,
-            rankwatch_api::WIRE_PROTOCOL.to_string(),
-        ),
+        ("content-type", CONTENT_TYPE),
+        ("idempotency-key", key),
+        (rankwatch_api::VERSION_HEADER, rankwatch_api::VERSION),
+        (rankwatch_api::PROTOCOL_HEADER, protocol()),
     ]
+}
+
+/// [`rankwatch_api::WIRE_PROTOCOL`] as the header carries it, written once.
+fn protocol() -> &'static str {
+    static PROTOCOL: LazyLock<String> = LazyLock::new(|| rankwatch_api::WIRE_PROTOCOL.to_string());
+    &PROTOCOL
 }
 
 #[cfg(test)]
@@ -50,12 +52,7 @@ mod tests {
         let key = idempotency_key(&run, 3, "s1", 7);
         assert_eq!(key, "r/3/s1/7");
         let headers = headers(&key);
-        let get = |name: &str| {
-            headers
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |name: &str| headers.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
         assert_eq!(get("idempotency-key"), Some("r/3/s1/7"));
         assert_eq!(get("content-type"), Some(CONTENT_TYPE));
         let (version, protocol) = (
