@@ -9,6 +9,8 @@
 //! it states it.
 
 pub mod advice;
+#[cfg(feature = "test-support")]
+pub mod agent_mix;
 pub mod alert;
 pub mod consistency;
 pub mod detect;

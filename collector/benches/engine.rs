@@ -22,33 +22,17 @@ use std::time::Duration;
 use arrow_array::RecordBatch;
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rankwatch_analytics::agent_mix::{AgentMix, replica_sketch};
 use rankwatch_analytics::detect::DetectorsConfig;
 use rankwatch_analytics::math::SketchKind;
 use rankwatch_analytics::schema::samples;
-use rankwatch_analytics::{MetricName, RunId, Sample, Site, SketchRecord};
+use rankwatch_analytics::{RunId, Sample, SketchRecord};
 use rankwatch_collector::alerting::watch::RunWatch;
-use serde::Deserialize;
 
 const MIX: &str = include_str!("../../bench/agent_mix.json");
 /// Steps replayed per iteration: two periods of the schedule.
 const STEPS: u64 = 200;
 const SKETCH_DIM: usize = 1024;
-
-#[derive(Deserialize)]
-struct Mix {
-    world: u32,
-    period: Vec<Step>,
-}
-
-/// A captured row: (has a rank, metric, layer, site, value).
-type Captured = (bool, String, Option<u32>, Option<String>, f64);
-
-#[derive(Deserialize)]
-struct Step {
-    /// Per captured rank, its rows.
-    ranks: Vec<Vec<Captured>>,
-    sketches: Vec<u32>,
-}
 
 /// One rank's report of one step: its samples batch and whether a sketch goes with it.
 struct Report {
@@ -58,36 +42,27 @@ struct Report {
     sketch: bool,
 }
 
-fn reports(mix: &Mix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
+fn time_ms(step: u64) -> i64 {
+    1_700_000_000_000 + step as i64 * 1000
+}
+
+fn reports(mix: &AgentMix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
     let mut out = Vec::new();
     let mut rows = 0;
     for step in 0..STEPS {
-        let entry = &mix.period[step as usize % mix.period.len()];
         for rank in 0..ranks {
-            let own = entry.ranks[(rank % mix.world) as usize]
-                .iter()
-                .filter(|r| r.0)
-                .map(|r| (Some(rank), r));
-            // The layers this rank's spectral probe measures: layer i on rank i mod ranks.
-            let layers = entry
-                .ranks
-                .iter()
-                .flatten()
-                .filter(|r| !r.0 && r.2.is_some_and(|l| l % ranks == rank))
-                .map(|r| (None, r));
-            let samples: Vec<Sample> = own
-                .chain(layers)
-                .map(|(rank, (_, metric, layer, site, value))| Sample {
+            let (report, sketch) = mix.report(rank, step, ranks);
+            let samples: Vec<Sample> = report
+                .into_iter()
+                .map(|(rank, row)| Sample {
                     run: run.clone(),
                     rank,
                     step,
-                    time_ms: 1_700_000_000_000 + step as i64 * 1000,
-                    metric: MetricName::new(metric.as_str()).expect("a captured name"),
-                    layer: *layer,
-                    site: site
-                        .as_deref()
-                        .map(|s| s.parse::<Site>().expect("a captured site")),
-                    value: *value,
+                    time_ms: time_ms(step),
+                    metric: row.metric.clone(),
+                    layer: row.layer,
+                    site: row.site,
+                    value: row.value,
                 })
                 .collect();
             rows += samples.len() as u64;
@@ -95,37 +70,11 @@ fn reports(mix: &Mix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
                 rank,
                 step,
                 batch: samples::to_batch(&samples).expect("a valid batch"),
-                sketch: entry.sketches.contains(&(rank % mix.world)),
+                sketch,
             });
         }
     }
     (out, rows)
-}
-
-fn sketch(run: &RunId, rank: u32, step: u64) -> SketchRecord {
-    // Replicas' gradients agree to a cosine near 0.9: a shared direction and each rank's own.
-    let shared = rankwatch_analytics::math::sketch::gaussian_vector(step as u32, SKETCH_DIM);
-    let own = rankwatch_analytics::math::sketch::gaussian_vector(1_000_000 + rank, SKETCH_DIM);
-    let vector: Vec<f32> = shared
-        .iter()
-        .zip(&own)
-        .map(|(a, b)| (a + 0.3 * b) as f32)
-        .collect();
-    let norm = vector
-        .iter()
-        .map(|v| f64::from(*v).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    SketchRecord {
-        run: run.clone(),
-        rank,
-        step,
-        time_ms: 1_700_000_000_000 + step as i64 * 1000,
-        kind: SketchKind::Rademacher,
-        seed: 7,
-        norm,
-        vector,
-    }
 }
 
 /// The calling thread's CPU time.
@@ -163,7 +112,7 @@ impl Measurement for ThreadCpu {
 }
 
 fn engine(c: &mut Criterion<ThreadCpu>) {
-    let mix: Mix = serde_json::from_str(MIX).expect("bench/agent_mix.json");
+    let mix = AgentMix::parse(MIX).expect("bench/agent_mix.json");
     let run = RunId::new("bench").expect("a valid run id");
     let mut group = c.benchmark_group("alert engine, agent's default report");
     group
@@ -173,7 +122,21 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
         let (reports, rows) = reports(&mix, &run, ranks);
         let sketches: Vec<Option<SketchRecord>> = reports
             .iter()
-            .map(|r| r.sketch.then(|| sketch(&run, r.rank, r.step)))
+            .map(|r| {
+                // Replicas' gradients agree to a cosine near 0.9: a shared direction and each
+                // rank's own.
+                r.sketch.then(|| {
+                    replica_sketch(
+                        &run,
+                        r.rank,
+                        r.step,
+                        time_ms(r.step),
+                        SketchKind::Rademacher,
+                        SKETCH_DIM,
+                        0.3,
+                    )
+                })
+            })
             .collect();
         group.throughput(Throughput::Elements(rows));
         group.bench_with_input(BenchmarkId::new("ranks", ranks), &ranks, |b, &ranks| {

@@ -22,11 +22,12 @@ use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use rankwatch_agent::Table;
 use rankwatch_agent::wire::{self, Row};
+use rankwatch_analytics::RunId;
+use rankwatch_analytics::agent_mix::{AgentMix, replica_sketch};
 use rankwatch_analytics::math::SketchKind;
-use rankwatch_analytics::{RunId, SketchRecord};
 use tokio::net::TcpStream;
 
-use crate::mix::Mix;
+use crate::mix::{self, AgentRow};
 
 /// What every connection shares.
 pub(crate) struct Plan {
@@ -39,7 +40,7 @@ pub(crate) struct Plan {
     pub(crate) host: String,
     pub(crate) sketch_dim: usize,
     pub(crate) start: Instant,
-    pub(crate) mix: Mix,
+    pub(crate) mix: AgentMix<AgentRow>,
     /// Answers so far, for the progress lines.
     pub(crate) answered: AtomicU64,
     pub(crate) failed: AtomicU64,
@@ -121,14 +122,24 @@ pub(crate) async fn drive(conn: u32, plan: Arc<Plan>) -> Tally {
             let mut rows = Vec::new();
             let mut sketches = Vec::new();
             for step in next..=through {
-                let report = plan.mix.report(rank, step, plan.ranks);
-                rows.extend(report.points.into_iter().map(|point| Row {
+                let (points, sketch) = mix::report(&plan.mix, rank, step, plan.ranks);
+                rows.extend(points.into_iter().map(|point| Row {
                     step,
                     time_ms,
                     point,
                 }));
-                if report.sketch {
-                    sketches.push(sketch(&plan, rank, step, time_ms));
+                if sketch {
+                    // The SDK's default sketch; ranks agree about as well as the captured
+                    // run's (cos to the mean ~0.6), so the collector sees a healthy run.
+                    sketches.push(replica_sketch(
+                        &plan.run,
+                        rank,
+                        step,
+                        time_ms,
+                        SketchKind::CountSketch,
+                        plan.sketch_dim,
+                        1.0,
+                    ));
                 }
             }
             let mut bodies = Vec::with_capacity(2);
@@ -171,46 +182,6 @@ pub(crate) async fn drive(conn: u32, plan: Arc<Plan>) -> Tally {
         next = through + 1;
     }
     tally
-}
-
-/// The gradient sketch the agent sends every tenth step: a count sketch of the SDK's default
-/// size whose direction is shared by all ranks with per-rank noise of the same size (ranks'
-/// gradients agree about as well as the captured run's, cos to the mean ~0.6), so the
-/// collector's cross-rank cosines see a healthy run.
-fn sketch(plan: &Plan, rank: u32, step: u64, time_ms: i64) -> SketchRecord {
-    let mut shared = XorShift(0x9e37_79b9_7f4a_7c15 ^ step);
-    let mut own = XorShift(0x2545_f491_4f6c_dd1d ^ (step << 20) ^ u64::from(rank));
-    let vector: Vec<f32> = (0..plan.sketch_dim)
-        .map(|_| shared.unit() + own.unit())
-        .collect();
-    let norm = vector
-        .iter()
-        .map(|&v| f64::from(v).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    SketchRecord {
-        run: plan.run.clone(),
-        rank,
-        step,
-        time_ms,
-        kind: SketchKind::CountSketch,
-        seed: 7,
-        norm,
-        vector,
-    }
-}
-
-/// A small deterministic generator (xorshift64*): values in [-1, 1).
-struct XorShift(u64);
-
-impl XorShift {
-    fn unit(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let bits = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
-        bits as f32 / (1u64 << 23) as f32 - 1.0
-    }
 }
 
 /// One keep-alive HTTP/1.1 connection, opened again after it fails.

@@ -22,7 +22,6 @@ use rankwatch_analytics::{ModelLayout, RunId, RunInfo};
 use serde_json::json;
 
 use crate::conn::{Plan, Tally};
-use crate::mix::Mix;
 
 #[derive(Parser)]
 #[command(about = "Simulated ranks posting the agent's default report to a collector")]
@@ -89,7 +88,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("resolving {host}"))?
         .next()
         .with_context(|| format!("{host} resolves to nothing"))?;
-    let mix = Mix::load(&args.mix)?;
+    let mix = mix::load(&args.mix)?;
     let run = RunId::new(&args.run)?;
     announce(addr, &host, &run, args.ranks).await?;
     let steps = args.seconds * 1000 / args.step_ms;
