@@ -179,6 +179,30 @@ def start_collector(data: Path, rules: str | None) -> tuple[subprocess.Popen[str
     return proc, line.strip().rsplit(" ", 1)[1]
 
 
+def training_env() -> dict[str, str]:
+    """The environment of a training run: this checkout's SDK ahead of the venv's. The venv's
+    `rankwatch` is an editable install of whichever checkout last ran `maturin develop`, so
+    without this a bench started from a frozen checkout would train with another checkout's
+    SDK."""
+    path = os.pathsep.join(p for p in (str(ROOT / "sdk-python"), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def check_sdk() -> None:
+    """Refuses to train unless the runs import this checkout's SDK and its native module."""
+    want = (ROOT / "sdk-python" / "rankwatch").resolve()
+    probe = subprocess.run(
+        [sys.executable, "-c", "import rankwatch, rankwatch._native as n; print(rankwatch.__file__); print(n.__file__)"],
+        env=training_env(), capture_output=True, text=True, check=False,
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"the training runs cannot import this checkout's SDK ({want}): {last}; build its native module there (`maturin develop` in sdk-python, or copy the built cdylib into {want})")
+    found = [Path(line).resolve().parent for line in probe.stdout.split()]
+    if any(f != want for f in found):
+        raise SystemExit(f"the training runs would import the SDK from {', '.join(map(str, found))}, not this checkout's {want}")
+
+
 def sql(url: str, query: str) -> list[dict[str, Any]]:
     r = requests.post(f"{url}/api/v1/sql", json={"sql": query}, timeout=60)
     r.raise_for_status()
@@ -205,7 +229,7 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     where.mkdir(parents=True)
     cmd = [sys.executable, str(s.script), "--nproc", str(s.nproc), "--steps", str(steps), "--run", s.name, "--collector", url, "--result-dir", str(where), "--spool-dir", str(where / "spool"), "--corpus-dir", str(out / "corpus"), *s.args]
     cmd += ["--stop-at", str(s.stop_at)] if s.stop_at else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = training_env()
     started = time.monotonic()
     try:
         done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
@@ -317,6 +341,7 @@ def train_and_export(
     finished run's `tables` as out/exports/RUN.TABLE.parquet as soon as it ends, for analyses
     and `rankwatch replay` (which judges the same rows again under other rules). The collector's data lives
     in `data` (kept) or in a temporary directory (removed)."""
+    check_sdk()
     keep = data is not None
     if data is None:
         data = Path(tempfile.mkdtemp(prefix="rankwatch-bench-"))
