@@ -339,6 +339,13 @@ def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str,
     return summary
 
 
+
+def ratio(x: float) -> str:
+    """A precision, recall or F1, or a dash where there is none (a healthy part alone has no
+    incident and no fault)."""
+    return "—" if math.isnan(x) else f"{x:.3f}"
+
+
 def table(summary: dict[str, Any], rules_hash: str | None, machine: str) -> str:
     lines = [f"Detection on the {summary['set']} set ({summary['runs']} runs; {machine})", f"rules: {'SHA-256 ' + rules_hash if rules_hash else 'the collector defaults (not frozen)'}", ""]
     for name, s in summary["detectors"].items():
@@ -351,7 +358,7 @@ def table(summary: dict[str, Any], rules_hash: str | None, machine: str) -> str:
             "",
             f"false alerts over {s['false_steps']:,} steps: critical {f['critical']['count']} ({f['critical']['per_1k']:.3f} per 1k, {f['critical']['ci'][0]:.3f}–{f['critical']['ci'][1]:.3f}), "
             f"warning {f['warning']['count']} ({f['warning']['per_1k']:.3f} per 1k, {f['warning']['ci'][0]:.3f}–{f['warning']['ci'][1]:.3f})",
-            f"incidents: precision {inc['precision']:.3f}, recall {inc['recall']:.3f}, F1 {inc['f1']:.3f} (TP {inc['tp']}, FP {inc['fp']}, FN {inc['fn']})",
+            f"incidents: precision {ratio(inc['precision'])}, recall {ratio(inc['recall'])}, F1 {ratio(inc['f1'])} (TP {inc['tp']}, FP {inc['fp']}, FN {inc['fn']})",
             "",
         ]
     return "\n".join(lines)
