@@ -290,9 +290,10 @@ def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) 
         lo, hi = poisson_interval(count)
         per_k = 1000.0 / false_steps if false_steps else math.nan
         rates[sev] = {"count": count, "per_1k": count * per_k, "ci": [lo * per_k, hi * per_k]}
-    precision = tp / (tp + fp) if tp + fp else math.nan
-    recall = tp / (tp + fn) if tp + fn else math.nan
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else math.nan
+    # None where there is nothing to divide (a healthy part alone has no incident and no fault).
+    precision = tp / (tp + fp) if tp + fp else None
+    recall = tp / (tp + fn) if tp + fn else None
+    f1 = 2 * precision * recall / (precision + recall) if precision and recall else None
     return {"kinds": kinds, "false": rates, "false_steps": false_steps, "incidents": {"tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1}}
 
 
@@ -339,11 +340,9 @@ def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str,
     return summary
 
 
-
-def ratio(x: float) -> str:
-    """A precision, recall or F1, or a dash where there is none (a healthy part alone has no
-    incident and no fault)."""
-    return "—" if math.isnan(x) else f"{x:.3f}"
+def ratio(x: float | None) -> str:
+    """A precision, recall or F1, or a dash where there is none."""
+    return "—" if x is None else f"{x:.3f}"
 
 
 def table(summary: dict[str, Any], rules_hash: str | None, machine: str) -> str:
