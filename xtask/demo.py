@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "target" / "demo" / "data", help="the collector's data directory")
     p.add_argument("--step-sleep", type=float, default=0.2, help="seconds between steps, so the story can be watched live")
     p.add_argument("--exit", action="store_true", help="exit when the story ends instead of keeping the dashboard up")
-    p.add_argument("--attach", action="store_true", help="start a training job that never imports rankwatch, then attach to it by pid (gdb)")
+    p.add_argument("--attach", action="store_true", help="start a training job that never imports rankwatch, then attach to it by pid (ptrace on x86-64, gdb elsewhere)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.ranks < 1:
         p.error("--steps and --ranks must be at least 1")

@@ -56,7 +56,7 @@ pub enum Command {
     /// Turn a run's probes on: the agents of a job started with `rankwatch run --dormant`
     /// start measuring within a few steps. `rankwatch attach --pid PID [--run NAME] [--every
     /// ...]` instead injects the agent into a job started without rankwatch (`python -m
-    /// rankwatch attach`; gdb, or sys.remote_exec on Python 3.14).
+    /// rankwatch attach`; ptrace on x86-64, gdb elsewhere, or sys.remote_exec on Python 3.14).
     Attach(SwitchArgs),
     /// Turn a run's probes off: its agents remove every hook within a few steps.
     /// `rankwatch detach --pid PID` does it by process instead.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -79,9 +80,12 @@ def _has_cap_sys_ptrace() -> bool:
 
 
 def check_attach() -> Check:
-    """`rankwatch attach --pid`: a way in (sys.remote_exec, else gdb) and ptrace rights."""
+    """`rankwatch attach --pid`: a way in (sys.remote_exec, our own ptrace on x86-64, else gdb)
+    and ptrace rights."""
     if sys.version_info >= (3, 14) and hasattr(sys, "remote_exec"):
         way = "sys.remote_exec"
+    elif sys.platform == "linux" and platform.machine() == "x86_64":
+        way = "rankwatch's own ptrace"
     elif shutil.which("gdb"):
         way = "gdb"
     else:

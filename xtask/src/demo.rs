@@ -6,7 +6,8 @@ use super::*;
 /// The main job: a collector with the dashboard and a real multi-rank training job with
 /// scripted trouble (`xtask/demo.py` tells the story). Everything it needs is installed first.
 pub(crate) fn demo(extra: &[String]) -> Result<()> {
-    if extra.iter().any(|a| a == "--attach") {
+    // `--attach` on x86-64 needs no debugger (the SDK's own ptrace); elsewhere it takes gdb.
+    if extra.iter().any(|a| a == "--attach") && !cfg!(target_arch = "x86_64") {
         ensure_debian("gdb", "/usr/bin/gdb")?;
     }
     // pip mostly waits on the network and the disk: it fills the venv while cargo compiles.

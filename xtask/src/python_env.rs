@@ -1,5 +1,5 @@
 //! The Python side's tools: the git-ignored `.venv` with the suites' requirements, the SDK's
-//! native module (maturin), and Debian's packages (Prometheus, Alertmanager, gdb, Chromium).
+//! native module (maturin), and Debian's packages (Prometheus, Alertmanager, Chromium; gdb off x86-64).
 
 use super::*;
 
@@ -127,17 +127,19 @@ pub(crate) fn ensure_debian(package: &str, binary: &str) -> Result<()> {
     )
 }
 
-/// What the Python suites need besides the build: Debian's Prometheus, Alertmanager, gdb and
-/// Chromium, and the venv. Returns the venv's interpreter.
+/// What the Python suites need besides the build: Debian's Prometheus, Alertmanager and
+/// Chromium (and gdb off x86-64), and the venv. Returns the venv's interpreter.
 pub(crate) fn python_tools() -> Result<PathBuf> {
     ensure_debian("prometheus", "/usr/bin/prometheus")?;
     ensure_debian(
         "prometheus-alertmanager",
         "/usr/bin/prometheus-alertmanager",
     )?;
-    // `rankwatch attach --pid` on Python < 3.14 goes through gdb (the SDK's attach tests and
-    // `demo --attach`).
-    ensure_debian("gdb", "/usr/bin/gdb")?;
+    // `rankwatch attach --pid` on Python < 3.14 goes through the SDK's own ptrace on x86-64
+    // and through gdb elsewhere (the SDK's attach tests and `demo --attach`).
+    if !cfg!(target_arch = "x86_64") {
+        ensure_debian("gdb", "/usr/bin/gdb")?;
+    }
     // The dashboard in a real browser: Debian's Chromium, driven by Playwright.
     ensure_debian("chromium", "/usr/bin/chromium")?;
     ensure_venv()

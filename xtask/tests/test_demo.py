@@ -95,7 +95,7 @@ def test_demo_tells_its_story_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> Non
 
 def test_demo_attach_watches_a_job_started_without_rankwatch(tmp_path: Path) -> None:
     """`cargo xtask demo --attach`: the training job starts plain; the demo attaches to it by
-    pid (gdb) while it runs, says what it found on each rank, and the run's metrics arrive."""
+    pid (ptrace on x86-64, gdb elsewhere) while it runs, says what it found on each rank, and the run's metrics arrive."""
     cmd = [*README_DEMO, "--attach", "--ranks", "2", "--steps", "60", "--step-sleep", "0.2", "--port", "0", "--exit", "--data-dir", str(tmp_path / "data")]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SILENCE_LIMIT_S)
     text = done.stdout + done.stderr

@@ -7,20 +7,24 @@ workers inherit their rank's variables and are left alone), or PID itself when n
 it is a rank. Each gets a small payload file run in its main thread at a safe point:
 
 - Python >= 3.14 (when this interpreter has it too): `sys.remote_exec(pid, payload)`;
-- older Pythons, as memray and pyrasite do, through gdb: it attaches (loading only libc's
-  and libpython's symbols), maps one page with `mmap` (a plain system call, safe wherever the
-  process was stopped, unlike `malloc`, whose lock the stopped thread may hold), writes the
-  code into it through ptrace (`restore`), schedules `PyRun_SimpleString(page)` with
-  `Py_AddPendingCall`, and detaches. The interpreter runs pending calls in its main thread
-  between two bytecodes, holding the GIL. The scheduled code catches everything: a pending
-  call that failed would raise into the training loop. (memray instead waits at a `malloc`
-  breakpoint; a rank blocked in C never reaches one, and a breakpoint left behind by a gdb that
-  had to be killed would crash the job.)
+- older Pythons on x86-64, with ptrace alone (`ptrace.py`): the main thread is stopped, one
+  page is mapped in it with `mmap` (a plain system call, safe wherever the thread was stopped,
+  unlike `malloc`, whose lock it may hold), the code is written there, `PyRun_SimpleString(page)`
+  is queued with `Py_AddPendingCall`, and every register is put back, the whole extended state
+  included (gdb 13 cannot write that back on a CPU with AMX: see `ptrace.py`);
+- older Pythons elsewhere (aarch64), as memray and pyrasite do, through gdb, with the same three
+  steps (gdb's `restore` writes the code).
+
+The interpreter runs pending calls in its main thread between two bytecodes, holding the GIL.
+The queued code catches everything: a pending call that failed would raise into the training
+loop. (memray instead waits at a `malloc` breakpoint; a rank blocked in C never reaches one, and
+a breakpoint left behind by a debugger that had to be killed would crash the job.)
 
 The payload starts the same agent `rankwatch run` installs (`rankwatch.auto.agent`), and every
 rank reports what it found in a status directory that this command reads back. Its request
 waits for a `go` file that this command writes there once the last rank is injected (gdb may
-take seconds per process on a busy node, while the ranks injected first go on training); from
+take seconds per process on a busy node, ptrace a tenth of one, while the ranks injected first
+go on training); from
 then on every rank reads it at its next step end, within a step of the others, and the ranks
 switch together at a step a few steps on (`agreement.py`). A rank stuck in a collective or in native code
 runs no Python, so its payload waits: after `--timeout` this says so instead of hanging.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -157,14 +162,20 @@ except BaseException as _e:
     return path
 
 
+def _scheduled_code(payload: Path) -> bytes:
+    """What `PyRun_SimpleString` runs in the target: the payload, swallowing everything (see the
+    module doc), NUL-terminated."""
+    code = f"try:\n exec(compile(open({str(payload)!r}).read(), {str(payload)!r}, 'exec'), {{'__name__': '__rankwatch__'}})\nexcept BaseException:\n pass\n"
+    return code.encode() + b"\0"
+
+
 def _gdb_script(payload: Path, code_file: Path) -> list[str]:
     """gdb commands: map a page, copy the code into it, schedule it. Nothing here allocates
     with malloc in the target or waits for the target to do anything: `mmap` is a plain system
     call, `restore` writes memory through ptrace, and `Py_AddPendingCall` only queues."""
-    # PyRun_SimpleString's code: run the payload, swallowing everything (see the module doc).
-    code = f"try:\n exec(compile(open({str(payload)!r}).read(), {str(payload)!r}, 'exec'), {{'__name__': '__rankwatch__'}})\nexcept BaseException:\n pass\n"
-    code_file.write_bytes(code.encode() + b"\0")
-    size = (len(code) + 1 + 4095) // 4096 * 4096
+    code = _scheduled_code(payload)
+    code_file.write_bytes(code)
+    size = (len(code) + 4095) // 4096 * 4096
     return [
         "set confirm off",
         "set pagination off",
@@ -223,6 +234,20 @@ def _inject_gdb(pid: int, payload: Path) -> None:
         raise AttachError(f"scheduling the agent in {pid} failed: {output.strip()[-400:]}")
 
 
+def _inject_ptrace(pid: int, payload: Path) -> None:
+    from . import ptrace
+
+    try:
+        ptrace.queue_code(pid, _scheduled_code(payload))
+    except ptrace.NotPermitted as e:
+        raise AttachError(
+            f"not permitted to trace process {pid} ({e}): attaching needs the same user and ptrace rights "
+            "(kernel.yama.ptrace_scope = 0, or CAP_SYS_PTRACE; in a container: --cap-add SYS_PTRACE), and no other debugger attached"
+        ) from e
+    except (ptrace.InjectError, OSError) as e:  # OSError: the process went away mid-way
+        raise AttachError(f"scheduling the agent in {pid} failed: {e}") from e
+
+
 def _inject(pid: int, payload: Path) -> str:
     version = _python_version(pid)
     if version is not None and version >= (3, 14):
@@ -231,6 +256,9 @@ def _inject(pid: int, payload: Path) -> str:
             raise AttachError(f"process {pid} runs Python {version[0]}.{version[1]}; attach with a Python >= 3.14 (sys.remote_exec) or gdb")
         remote_exec(pid, str(payload))
         return "sys.remote_exec"
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        _inject_ptrace(pid, payload)
+        return "ptrace"
     _inject_gdb(pid, payload)
     return "gdb"
 

@@ -1,0 +1,310 @@
+"""Queueing code in a running CPython on x86-64 Linux with ptrace alone (no gdb).
+
+Why not gdb here: a debugger that calls a function in the target must put every register back
+afterwards, and Linux takes a thread's extended state (XSAVE: the SSE, AVX and AMX registers)
+only whole, at the size this CPU's XSAVE area has. gdb 13 (Debian 12's) writes it at a fixed
+2,696 bytes; on a CPU with AMX (Sapphire Rapids and later, 11 KB) every call it makes ends in
+"Couldn't write extended state status: Bad address". This module saves the area whole, at the
+size the kernel reports, and writes back exactly that.
+
+How, for one process:
+
+1. `PTRACE_SEIZE` its main thread and `PTRACE_INTERRUPT` it. Only that thread stops; the job's
+   other threads (gloo, autograd, loaders) run on, so a lock one of them holds is let go.
+2. Save its general registers and its whole extended state.
+3. Each call: a frame 512 bytes below the stack pointer (past the 128-byte red zone the
+   interrupted code may use), 16-byte aligned as the ABI wants, whose return address is 0; rip
+   set to the function, the arguments in rdi, rsi, ...; `orig_rax` set to -1 so that the kernel
+   does not restart the system call the thread was interrupted in into this frame. Continue,
+   and wait for the SIGSEGV at address 0 that ends the call: rax holds its result. Signals the
+   thread receives meanwhile are held back and sent again once it is let go.
+4. The calls: libc's `mmap` (one page for the code: a plain system call, safe wherever the
+   thread stopped, unlike `malloc`, whose lock it may hold); the code written there through
+   /proc/PID/mem; `Py_AddPendingCall(PyRun_SimpleString, page)`, which only queues: the
+   interpreter runs pending calls in its main thread between two bytecodes, holding the GIL.
+5. Every register put back, whatever happened; detach. A system call the thread was in restarts
+   as it does after any signal.
+
+Functions are found in the ELF dynamic symbol tables of the files the process maps (libc, and
+the python executable or its libpython), at the address each file was loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+
+PTRACE_GETREGS = 12
+PTRACE_SETREGS = 13
+PTRACE_GETFPREGS = 14
+PTRACE_SETFPREGS = 15
+PTRACE_CONT = 7
+PTRACE_DETACH = 17
+PTRACE_GETREGSET = 0x4204
+PTRACE_SETREGSET = 0x4205
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+NT_X86_XSTATE = 0x202
+WALL = 0x40000000
+PTRACE_EVENT_STOP = 128
+MASK64 = (1 << 64) - 1
+# Past the red zone (128 bytes) the interrupted function may keep data in, with room to spare.
+FRAME_GAP = 512
+# Larger than any XSAVE area (AMX: 11,008 bytes); the kernel says how much it filled.
+XSTATE_BUFFER = 1 << 16
+STT_FUNC = 2
+SHT_DYNSYM = 11
+PT_LOAD = 1
+SYS_TGKILL = 234
+
+
+class InjectError(RuntimeError):
+    """Queueing the code failed; the message says why. The process was left as it was."""
+
+
+class NotPermitted(InjectError):
+    """ptrace was refused (rights, or another tracer)."""
+
+
+class _Regs(ctypes.Structure):
+    # struct user_regs_struct, x86-64 (sys/user.h), in its order.
+    _fields_ = [
+        (name, ctypes.c_ulonglong)
+        for name in (
+            "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi",
+            "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base", "ds", "es", "fs", "gs",
+        )
+    ]  # fmt: skip
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_ptrace_fn = _libc.ptrace
+_ptrace_fn.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+_ptrace_fn.restype = ctypes.c_long
+
+
+def _ptrace(request: int, pid: int, addr: int = 0, data: int = 0) -> None:
+    ctypes.set_errno(0)
+    if _ptrace_fn(request, pid, addr, data) == -1 and (err := ctypes.get_errno()):
+        raise OSError(err, os.strerror(err))
+
+
+# -- finding the functions --------------------------------------------------------------------
+
+
+def _loaded_files(pid: int) -> dict[str, int]:
+    """Each file the process maps, with the address its first page (file offset 0) is at."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and int(parts[2], 16) == 0 and parts[5].startswith("/") and not parts[5].endswith(" (deleted)"):
+            out.setdefault(parts[5], int(parts[0].split("-")[0], 16))
+    return out
+
+
+def _elf_functions(path: Path, wanted: set[str]) -> tuple[dict[str, int], int]:
+    """The wanted functions' addresses in `path`'s dynamic symbol table (relative to its link
+    address), and the link address of its first page."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"\x7fELF" or m[4] != 2 or m[5] != 1:
+            raise InjectError(f"{path} is not a 64-bit little-endian ELF file")
+        (phoff, shoff) = struct.unpack_from("<QQ", m, 32)
+        (phentsize, phnum, shentsize, shnum) = struct.unpack_from("<HHHH", m, 54)
+        first_page = None
+        for i in range(phnum):
+            p_type, _, p_offset, p_vaddr = struct.unpack_from("<IIQQ", m, phoff + i * phentsize)
+            if p_type == PT_LOAD and p_offset < mmap.PAGESIZE:
+                first_page = (p_vaddr - p_offset) & ~(mmap.PAGESIZE - 1)
+                break
+        if first_page is None:
+            raise InjectError(f"{path} has no segment loaded from its first page")
+        found: dict[str, int] = {}
+        for i in range(shnum):
+            _, sh_type, _, _, sh_offset, sh_size, sh_link, _ = struct.unpack_from("<IIQQQQII", m, shoff + i * shentsize)
+            if sh_type != SHT_DYNSYM:
+                continue
+            strtab = struct.unpack_from("<Q", m, shoff + sh_link * shentsize + 24)[0]
+            for st_name, st_info, _, st_shndx, st_value, _ in struct.iter_unpack("<IBBHQQ", m[sh_offset : sh_offset + sh_size]):
+                if st_shndx == 0 or st_value == 0 or st_info & 0xF != STT_FUNC:
+                    continue
+                end = m.find(b"\0", strtab + st_name)
+                name = m[strtab + st_name : end].decode(errors="replace")
+                if name in wanted:
+                    found.setdefault(name, st_value)
+        return found, first_page
+
+
+def find_functions(pid: int, libc_names: set[str], python_names: set[str]) -> dict[str, int]:
+    """Addresses in `pid` of libc's `libc_names` and the interpreter's `python_names` (those
+    that could not be found are missing from the answer)."""
+    exe = os.readlink(f"/proc/{pid}/exe")
+    out: dict[str, int] = {}
+    for path, start in _loaded_files(pid).items():
+        base = os.path.basename(path)
+        wanted = set()
+        if base.startswith(("libc.so", "libc-", "ld-musl")):
+            wanted |= libc_names
+        if path == exe or base.startswith("libpython"):
+            wanted |= python_names
+        wanted -= out.keys()
+        if not wanted:
+            continue
+        try:
+            functions, first_page = _elf_functions(Path(f"/proc/{pid}/root{path}"), wanted)
+        except (OSError, ValueError, struct.error, InjectError):  # unreadable or not ELF: look elsewhere
+            continue
+        out.update({name: start - first_page + value for name, value in functions.items()})
+    return out
+
+
+# -- stopping, calling, letting go --------------------------------------------------------------
+
+
+class _Stopped:
+    """One thread, seized and stopped, with everything needed to put it back as it was."""
+
+    def __init__(self, pid: int, deadline: float) -> None:
+        self.pid = pid
+        self.deadline = deadline
+        self.held_signals: list[int] = []
+        try:
+            _ptrace(PTRACE_SEIZE, pid)
+        except OSError as e:
+            raise NotPermitted(f"ptrace refused ({e.strerror})") from e
+        _ptrace(PTRACE_INTERRUPT, pid)
+        while True:
+            status = self._wait()
+            if status >> 16 == PTRACE_EVENT_STOP:
+                break
+            # A signal was on its way in first: hold it back, and wait for the interrupt.
+            self.held_signals.append(os.WSTOPSIG(status))
+            _ptrace(PTRACE_CONT, pid)
+        self.regs = _Regs()
+        _ptrace(PTRACE_GETREGS, pid, 0, ctypes.addressof(self.regs))
+        self.xstate = ctypes.create_string_buffer(XSTATE_BUFFER)
+        iov = _IoVec(ctypes.addressof(self.xstate), XSTATE_BUFFER)
+        try:
+            _ptrace(PTRACE_GETREGSET, pid, NT_X86_XSTATE, ctypes.addressof(iov))
+            self.xstate_size: int | None = iov.iov_len
+        except OSError:  # no XSAVE: the 512-byte FXSAVE area is the whole state
+            _ptrace(PTRACE_GETFPREGS, pid, 0, ctypes.addressof(self.xstate))
+            self.xstate_size = None
+
+    def _wait(self) -> int:
+        while True:
+            got, status = os.waitpid(self.pid, os.WNOHANG | WALL)
+            if got == self.pid:
+                if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                    raise InjectError("the process ended while it was stopped")
+                return status
+            if time.monotonic() > self.deadline:
+                raise TimeoutError
+            time.sleep(0.001)
+
+    def write(self, address: int, data: bytes) -> None:
+        fd = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
+        try:
+            if os.pwrite(fd, data, address) != len(data):
+                raise InjectError(f"writing {len(data)} bytes at {address:#x} was cut short")
+        finally:
+            os.close(fd)
+
+    def call(self, function: int, *args: int) -> int:
+        """Runs `function(*args)` in the stopped thread; its return value (rax)."""
+        regs = _Regs.from_buffer_copy(self.regs)
+        sp = ((self.regs.rsp - FRAME_GAP) & ~0xF) - 8
+        self.write(sp, b"\0" * 8)  # the return address
+        regs.rsp, regs.rip, regs.rax, regs.orig_rax = sp, function, 0, MASK64
+        regs.eflags &= ~0x400  # the ABI wants the direction flag clear at a call
+        for name, value in zip(("rdi", "rsi", "rdx", "rcx", "r8", "r9"), args, strict=False):
+            setattr(regs, name, value & MASK64)
+        _ptrace(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(regs))
+        _ptrace(PTRACE_CONT, self.pid)
+        while True:
+            status = self._wait()
+            if status >> 16:  # an interrupt or group stop: not for this call
+                _ptrace(PTRACE_CONT, self.pid)
+                continue
+            sig = os.WSTOPSIG(status)
+            if sig == signal.SIGSEGV:
+                _ptrace(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
+                if regs.rip == 0:
+                    return int(regs.rax)
+                raise InjectError(f"the call to {function:#x} faulted at {regs.rip:#x}")
+            self.held_signals.append(sig)
+            _ptrace(PTRACE_CONT, self.pid)
+
+    def let_go(self) -> None:
+        """Puts every register back and detaches; held signals are sent again."""
+        _ptrace(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(self.regs))
+        if self.xstate_size is None:
+            _ptrace(PTRACE_SETFPREGS, self.pid, 0, ctypes.addressof(self.xstate))
+        else:
+            iov = _IoVec(ctypes.addressof(self.xstate), self.xstate_size)
+            _ptrace(PTRACE_SETREGSET, self.pid, NT_X86_XSTATE, ctypes.addressof(iov))
+        # Queued to the thread while it is still stopped, so each is delivered as it runs on.
+        for sig in dict.fromkeys(self.held_signals):
+            _libc.syscall(SYS_TGKILL, self.pid, self.pid, sig)
+        _ptrace(PTRACE_DETACH, self.pid)
+
+    def interrupt_and_let_go(self) -> None:
+        """After a call that did not return in time: stop the thread again, then let it go."""
+        self.deadline = time.monotonic() + 10.0
+        _ptrace(PTRACE_INTERRUPT, self.pid)
+        while (status := self._wait()) >> 16 != PTRACE_EVENT_STOP:
+            self.held_signals.append(os.WSTOPSIG(status))
+            _ptrace(PTRACE_CONT, self.pid)
+        self.let_go()
+
+
+def _steps(functions: dict[str, int], code: bytes, stopped: _Stopped) -> None:
+    size = (len(code) + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS; kept for the life of the process.
+    page = stopped.call(functions["mmap"], 0, size, 3, 0x22, MASK64, 0)
+    if page >= MASK64 - 4095:  # MAP_FAILED, or -errno from a raw system call
+        raise InjectError("mmap of a page for the code failed in the process")
+    stopped.write(page, code)
+    result = stopped.call(functions["Py_AddPendingCall"], functions["PyRun_SimpleString"], page) & 0xFFFFFFFF
+    if result != 0:
+        raise InjectError(f"Py_AddPendingCall refused the call (returned {ctypes.c_int32(result).value}: its queue is full)")
+
+
+def queue_code(pid: int, code: bytes, timeout: float = 30.0) -> None:
+    """Queues `code` (NUL-terminated Python source) to run in `pid`'s main thread at its next
+    safe point, as `PyRun_SimpleString` does. Raises InjectError (NotPermitted where ptrace is
+    refused); whatever happens, the thread is put back and let go."""
+    if not code.endswith(b"\0"):
+        raise ValueError("the code must end with a NUL byte (it is handed to PyRun_SimpleString)")
+    try:
+        functions = find_functions(pid, {"mmap"}, {"Py_AddPendingCall", "PyRun_SimpleString"})
+    except OSError as e:
+        raise InjectError(f"cannot read process {pid}'s memory map: {e.strerror}") from e
+    missing = sorted({"mmap", "Py_AddPendingCall", "PyRun_SimpleString"} - functions.keys())
+    if missing:
+        raise InjectError(f"process {pid} has no CPython runtime to call ({', '.join(missing)} not found)")
+    try:
+        stopped = _Stopped(pid, time.monotonic() + timeout)
+    except TimeoutError as e:
+        # Released when this process ends (a tracer's exit detaches its tracees).
+        raise InjectError(f"process {pid}'s main thread did not stop within {timeout:.0f} s (blocked in the kernel?)") from e
+    try:
+        _steps(functions, code, stopped)
+    except TimeoutError as e:
+        try:
+            stopped.interrupt_and_let_go()
+        except TimeoutError:
+            raise InjectError(f"a call in process {pid} did not return within {timeout:.0f} s, and its thread did not stop again") from e
+        raise InjectError(f"a call in process {pid} did not return within {timeout:.0f} s; the thread was put back where it was") from e
+    except BaseException:
+        stopped.let_go()
+        raise
+    stopped.let_go()
