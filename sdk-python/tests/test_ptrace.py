@@ -149,3 +149,38 @@ def test_a_process_another_tracer_holds_is_refused_and_attach_says_why(tmp_path:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_signal_that_arrives_during_a_call_is_held_and_delivered_once_afterwards(tmp_path: Path) -> None:
+    """The job's own signal (here SIGUSR1, sent to the borrowed thread while it is stopped) is
+    not delivered into the injected call: it is held back and sent again once the thread is
+    let go, so the job's handler runs exactly once, in its own code."""
+    import signal
+
+    count = tmp_path / "usr1"
+    script = (
+        "import signal, time\n"
+        f"signal.signal(signal.SIGUSR1, lambda *_: open({str(count)!r}, 'a').write('x'))\n"
+        "for _ in range(600): time.sleep(0.05)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(1.0)
+        stopped = ptrace._Stopped(proc.pid, time.monotonic() + 30)
+        try:
+            ptrace._libc.syscall(ptrace.SYS_TGKILL, proc.pid, proc.pid, signal.SIGUSR1)
+            fn = ptrace.find_functions(proc.pid, {"getpid"}, set())["getpid"]
+            assert stopped.call(fn) == proc.pid, "the call ran in the target"
+            assert stopped.held_signals == [signal.SIGUSR1]
+            assert not count.exists(), "not delivered while the thread was borrowed"
+        finally:
+            stopped.let_go()
+        deadline = time.monotonic() + 10
+        while not count.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert count.read_text() == "x", "delivered once after the thread was let go"
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -254,7 +254,10 @@ def _inject(pid: int, payload: Path) -> str:
         remote_exec = getattr(sys, "remote_exec", None)
         if remote_exec is None:
             raise AttachError(f"process {pid} runs Python {version[0]}.{version[1]}; attach with a Python >= 3.14 (sys.remote_exec) or gdb")
-        remote_exec(pid, str(payload))
+        try:
+            remote_exec(pid, str(payload))
+        except (OSError, RuntimeError, ValueError) as e:
+            raise AttachError(f"sys.remote_exec into {pid} failed: {e}") from e
         return "sys.remote_exec"
     if sys.platform == "linux" and platform.machine() == "x86_64":
         _inject_ptrace(pid, payload)

@@ -22,8 +22,19 @@ How, for one process:
    thread stopped, unlike `malloc`, whose lock it may hold); the code written there through
    /proc/PID/mem; `Py_AddPendingCall(PyRun_SimpleString, page)`, which only queues: the
    interpreter runs pending calls in its main thread between two bytecodes, holding the GIL.
-5. Every register put back, whatever happened; detach. A system call the thread was in restarts
-   as it does after any signal.
+5. Every register put back, whatever happened (a call still running is stopped first); held
+   signals sent again; detach. A system call the thread was in restarts as it does after any
+   signal (those that return EINTR after any stop, `epoll_wait` or `sigtimedwait`, do so here
+   as under gdb).
+
+Faults the kernel raises for the call's own instructions are never held or sent to the job, and
+a thread with SIGSEGV blocked or ignored is refused (ending a call with SIGSEGV would reset its
+handler). While the calls run, this process blocks SIGINT, SIGTERM, SIGHUP and SIGQUIT: a
+Ctrl-C here must not leave the thread running injected code with no tracer. What cannot be
+guarded: this process killed with SIGKILL mid-call (the thread then returns to address 0 and
+the job dies, as with a killed gdb), and a main thread stopped while it held the interpreter's
+pending-call lock (the second call blocks; after the timeout the thread is put back, and the
+abandoned wait is the one thing not undone).
 
 Functions are found in the ELF dynamic symbol tables of the files the process maps (libc, and
 the python executable or its libpython), at the address each file was loaded.
@@ -32,11 +43,13 @@ the python executable or its libpython), at the address each file was loaded.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import signal
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PTRACE_GETREGS = 12
@@ -45,6 +58,7 @@ PTRACE_GETFPREGS = 14
 PTRACE_SETFPREGS = 15
 PTRACE_CONT = 7
 PTRACE_DETACH = 17
+PTRACE_GETSIGINFO = 0x4202
 PTRACE_GETREGSET = 0x4204
 PTRACE_SETREGSET = 0x4205
 PTRACE_SEIZE = 0x4206
@@ -169,6 +183,16 @@ def find_functions(pid: int, libc_names: set[str], python_names: set[str]) -> di
 # -- stopping, calling, letting go --------------------------------------------------------------
 
 
+class _SigInfo(ctypes.Structure):
+    # The head of siginfo_t; si_addr (for faults) is the union's first field, at 16.
+    _fields_ = [("signo", ctypes.c_int), ("errno", ctypes.c_int), ("code", ctypes.c_int), ("pad", ctypes.c_int), ("addr", ctypes.c_ulonglong), ("rest", ctypes.c_byte * 104)]
+
+
+# Signals the kernel raises for the instruction a thread runs: from the borrowed thread, only
+# the call can have raised them, and they are never the job's.
+FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP})
+
+
 class _Stopped:
     """One thread, seized and stopped, with everything needed to put it back as it was."""
 
@@ -176,28 +200,53 @@ class _Stopped:
         self.pid = pid
         self.deadline = deadline
         self.held_signals: list[int] = []
+        # True while an injected call runs: the thread must be stopped again before it is let go.
+        self.running = False
         try:
             _ptrace(PTRACE_SEIZE, pid)
         except OSError as e:
+            if e.errno == errno.ESRCH:
+                raise InjectError(f"there is no process {pid}") from e
             raise NotPermitted(f"ptrace refused ({e.strerror})") from e
-        _ptrace(PTRACE_INTERRUPT, pid)
-        while True:
-            status = self._wait()
-            if status >> 16 == PTRACE_EVENT_STOP:
-                break
-            # A signal was on its way in first: hold it back, and wait for the interrupt.
-            self.held_signals.append(os.WSTOPSIG(status))
-            _ptrace(PTRACE_CONT, pid)
-        self.regs = _Regs()
-        _ptrace(PTRACE_GETREGS, pid, 0, ctypes.addressof(self.regs))
-        self.xstate = ctypes.create_string_buffer(XSTATE_BUFFER)
-        iov = _IoVec(ctypes.addressof(self.xstate), XSTATE_BUFFER)
         try:
-            _ptrace(PTRACE_GETREGSET, pid, NT_X86_XSTATE, ctypes.addressof(iov))
-            self.xstate_size: int | None = iov.iov_len
-        except OSError:  # no XSAVE: the 512-byte FXSAVE area is the whole state
-            _ptrace(PTRACE_GETFPREGS, pid, 0, ctypes.addressof(self.xstate))
-            self.xstate_size = None
+            _ptrace(PTRACE_INTERRUPT, pid)
+            self._wait_for_interrupt()
+        except TimeoutError:
+            # Still seized, with the interrupt pending: released when this process exits (a
+            # tracer's exit detaches its tracees).
+            raise
+        except BaseException:
+            _detach_quietly(pid)
+            raise
+        try:
+            self.regs = _Regs()
+            _ptrace(PTRACE_GETREGS, pid, 0, ctypes.addressof(self.regs))
+            self.xstate = ctypes.create_string_buffer(XSTATE_BUFFER)
+            iov = _IoVec(ctypes.addressof(self.xstate), XSTATE_BUFFER)
+            try:
+                _ptrace(PTRACE_GETREGSET, pid, NT_X86_XSTATE, ctypes.addressof(iov))
+                self.xstate_size: int | None = iov.iov_len
+            except OSError as e:
+                if e.errno != errno.ENODEV:
+                    raise
+                # No XSAVE on this CPU: the 512-byte FXSAVE area is the whole state.
+                _ptrace(PTRACE_GETFPREGS, pid, 0, ctypes.addressof(self.xstate))
+                self.xstate_size = None
+            # Written back at once: a state that could not be put back must stop us before
+            # any call, not after one.
+            self._put_back_extended_state()
+            self._refuse_if_faults_are_masked()
+        except BaseException:
+            _detach_quietly(pid)
+            raise
+
+    def _refuse_if_faults_are_masked(self) -> None:
+        # A call ends in a SIGSEGV: with SIGSEGV blocked or ignored in the thread, the kernel
+        # would reset the job's handler to the default and unblock it for good.
+        fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{self.pid}/task/{self.pid}/status").read_text().splitlines() if ":\t" in line)
+        bit = 1 << (signal.SIGSEGV - 1)
+        if int(fields.get("SigBlk", "0"), 16) & bit or int(fields.get("SigIgn", "0"), 16) & bit:
+            raise InjectError("its main thread has SIGSEGV blocked or ignored just now; try again")
 
     def _wait(self) -> int:
         while True:
@@ -209,6 +258,21 @@ class _Stopped:
             if time.monotonic() > self.deadline:
                 raise TimeoutError
             time.sleep(0.001)
+
+    def _fault(self, sig: int) -> _SigInfo | None:
+        """The signal's details if the kernel raised it for an instruction (a call's fault)."""
+        info = _SigInfo()
+        _ptrace(PTRACE_GETSIGINFO, self.pid, 0, ctypes.addressof(info))
+        return info if sig in FAULTS and info.code > 0 else None
+
+    def _wait_for_interrupt(self) -> None:
+        """Waits for the stop an interrupt asked for; a signal on its way in first is held back
+        (to be sent again), unless it is a fault the call raised."""
+        while (status := self._wait()) >> 16 != PTRACE_EVENT_STOP:
+            sig = os.WSTOPSIG(status)
+            if self._fault(sig) is None:
+                self.held_signals.append(sig)
+            _ptrace(PTRACE_CONT, self.pid)
 
     def write(self, address: int, data: bytes) -> None:
         fd = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
@@ -228,6 +292,7 @@ class _Stopped:
         for name, value in zip(("rdi", "rsi", "rdx", "rcx", "r8", "r9"), args, strict=False):
             setattr(regs, name, value & MASK64)
         _ptrace(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(regs))
+        self.running = True
         _ptrace(PTRACE_CONT, self.pid)
         while True:
             status = self._wait()
@@ -235,35 +300,63 @@ class _Stopped:
                 _ptrace(PTRACE_CONT, self.pid)
                 continue
             sig = os.WSTOPSIG(status)
-            if sig == signal.SIGSEGV:
-                _ptrace(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
-                if regs.rip == 0:
-                    return int(regs.rax)
-                raise InjectError(f"the call to {function:#x} faulted at {regs.rip:#x}")
-            self.held_signals.append(sig)
-            _ptrace(PTRACE_CONT, self.pid)
+            fault = self._fault(sig)
+            if fault is None:  # the job's own signal: held back, sent again at the end
+                self.held_signals.append(sig)
+                _ptrace(PTRACE_CONT, self.pid)
+                continue
+            self.running = False  # stopped at the fault, which is never delivered
+            _ptrace(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
+            if sig == signal.SIGSEGV and regs.rip == 0 and fault.addr == 0:
+                return int(regs.rax)
+            raise InjectError(f"the call to {function:#x} faulted ({signal.Signals(sig).name} at {regs.rip:#x})")
 
-    def let_go(self) -> None:
-        """Puts every register back and detaches; held signals are sent again."""
-        _ptrace(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(self.regs))
+    def _put_back_extended_state(self) -> None:
         if self.xstate_size is None:
             _ptrace(PTRACE_SETFPREGS, self.pid, 0, ctypes.addressof(self.xstate))
         else:
             iov = _IoVec(ctypes.addressof(self.xstate), self.xstate_size)
             _ptrace(PTRACE_SETREGSET, self.pid, NT_X86_XSTATE, ctypes.addressof(iov))
-        # Queued to the thread while it is still stopped, so each is delivered as it runs on.
-        for sig in dict.fromkeys(self.held_signals):
-            _libc.syscall(SYS_TGKILL, self.pid, self.pid, sig)
-        _ptrace(PTRACE_DETACH, self.pid)
 
-    def interrupt_and_let_go(self) -> None:
-        """After a call that did not return in time: stop the thread again, then let it go."""
-        self.deadline = time.monotonic() + 10.0
-        _ptrace(PTRACE_INTERRUPT, self.pid)
-        while (status := self._wait()) >> 16 != PTRACE_EVENT_STOP:
-            self.held_signals.append(os.WSTOPSIG(status))
-            _ptrace(PTRACE_CONT, self.pid)
-        self.let_go()
+    def let_go(self) -> None:
+        """Puts every register back and detaches (each step tried, whatever failed before);
+        held signals are sent again. Stops the thread first if a call is still running."""
+        errors: list[Exception] = []
+        if self.running:
+            self.deadline = time.monotonic() + 10.0
+            try:
+                _ptrace(PTRACE_INTERRUPT, self.pid)
+                self._wait_for_interrupt()
+                self.running = False
+            except (OSError, InjectError, TimeoutError) as e:
+                errors.append(e)
+        steps: tuple[Callable[[], None], ...] = (
+            lambda: _ptrace(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(self.regs)),
+            self._put_back_extended_state,
+            self._send_held_signals,
+            lambda: _ptrace(PTRACE_DETACH, self.pid),
+        )
+        for step in steps:
+            try:
+                step()
+            except (OSError, InjectError) as e:
+                errors.append(e)
+        if errors:
+            raise InjectError(f"putting the thread back failed: {errors[0]}") from errors[0]
+
+    def _send_held_signals(self) -> None:
+        # Queued to the thread while it is still stopped, each one (real-time signals queue),
+        # so that each is delivered as it runs on.
+        for sig in self.held_signals:
+            if _libc.syscall(SYS_TGKILL, self.pid, self.pid, sig) != 0:
+                raise InjectError(f"sending back signal {sig} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _detach_quietly(pid: int) -> None:
+    try:
+        _ptrace(PTRACE_DETACH, pid)
+    except OSError:
+        pass  # not stopped, or gone: released when this process exits
 
 
 def _steps(functions: dict[str, int], code: bytes, stopped: _Stopped) -> None:
@@ -291,18 +384,25 @@ def queue_code(pid: int, code: bytes, timeout: float = 30.0) -> None:
     missing = sorted({"mmap", "Py_AddPendingCall", "PyRun_SimpleString"} - functions.keys())
     if missing:
         raise InjectError(f"process {pid} has no CPython runtime to call ({', '.join(missing)} not found)")
+    # The attaching command must not be stopped mid-call by Ctrl-C or a hang-up: the borrowed
+    # thread would be left running injected code with no tracer to take it back.
+    shielded = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, shielded)
+    try:
+        _queue(pid, functions, code, timeout)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _queue(pid: int, functions: dict[str, int], code: bytes, timeout: float) -> None:
     try:
         stopped = _Stopped(pid, time.monotonic() + timeout)
     except TimeoutError as e:
-        # Released when this process ends (a tracer's exit detaches its tracees).
         raise InjectError(f"process {pid}'s main thread did not stop within {timeout:.0f} s (blocked in the kernel?)") from e
     try:
         _steps(functions, code, stopped)
     except TimeoutError as e:
-        try:
-            stopped.interrupt_and_let_go()
-        except TimeoutError:
-            raise InjectError(f"a call in process {pid} did not return within {timeout:.0f} s, and its thread did not stop again") from e
+        stopped.let_go()  # stops it again first
         raise InjectError(f"a call in process {pid} did not return within {timeout:.0f} s; the thread was put back where it was") from e
     except BaseException:
         stopped.let_go()
