@@ -161,6 +161,8 @@ impl Queries {
             if steps.1 < from || steps.0 > to {
                 continue;
             }
+            // A sparse metric's rollup starts at a coarser level: narrower buckets read raw.
+            let level = level.filter(|&l| part.has_windows(&read.select.metric, l, read.pooled));
             let windows = level
                 .zip(part.rollup)
                 .and_then(|(l, rollup)| windows_for(from, to, steps, l).map(|w| (l, w, rollup)));

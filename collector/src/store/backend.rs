@@ -833,6 +833,7 @@ mod tests {
                     max_step: Some(99),
                     node: Some("n-1".into()),
                     writer: b.writer().map(str::to_owned),
+                    sparse: Default::default(),
                 }],
                 ..Manifest::default()
             };

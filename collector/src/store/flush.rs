@@ -264,9 +264,10 @@ impl Store {
             rollup::LAYOUT,
             &samples.run,
             samples.part,
-            &summary,
+            &summary.batches,
             written,
         )?;
+        meta.sparse = summary.sparse;
         // The steps it covers are its part's (a rollup has window starts, not steps).
         (meta.min_step, meta.max_step) = (samples.min_step, samples.max_step);
         Ok(Some(meta))
@@ -302,6 +303,7 @@ impl Store {
             max_step,
             node: node.map(str::to_owned),
             writer: writer.map(str::to_owned),
+            sparse: Default::default(),
         })
     }
 }

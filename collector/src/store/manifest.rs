@@ -13,7 +13,10 @@ use crate::entry::Table;
 use crate::error::{Error, Result};
 
 const FILE: &str = "manifest.json";
-const VERSION: u32 = 1;
+/// Written as 2 since rollup entries may list sparse metrics ([`FileMeta::sparse`]): a collector
+/// that knows only 1 refuses such a manifest instead of answering narrow buckets without them.
+/// Version 1 (no entries: every metric at every level) is read as it is.
+const VERSION: u32 = 2;
 
 /// One Parquet file of one table and run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,6 +38,11 @@ pub struct FileMeta {
     /// Absent in parts written before this existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writer: Option<String>,
+    /// A rollup part's sparse metrics: those it summarises only from a coarser level than the
+    /// first ([`super::rollup::Summary::sparse`]). Every other metric, and every metric of a
+    /// part written before this existed, has every level.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub sparse: std::collections::BTreeMap<String, super::rollup::Finest>,
 }
 
 impl FileMeta {
@@ -125,7 +133,7 @@ impl Manifest {
             what: what.to_owned(),
             reason: e.to_string(),
         })?;
-        if manifest.version != VERSION {
+        if !(1..=VERSION).contains(&manifest.version) {
             return Err(Error::Corrupt {
                 what: what.to_owned(),
                 reason: format!("unsupported manifest version {}", manifest.version),
@@ -191,4 +199,49 @@ fn is_dir_named(path: &Path, prefix: &str) -> bool {
             .file_name()
             .and_then(|n| n.to_str())
             .is_some_and(|n| n.starts_with(prefix))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::rollup::Finest;
+
+    #[test]
+    fn version_1_is_read_version_2_keeps_sparse_metrics_and_a_later_one_is_refused() {
+        let finest = Finest {
+            rank: Some(6),
+            pooled: None,
+        };
+        let manifest = Manifest {
+            files: vec![FileMeta {
+                table: "rollups".into(),
+                run: RunId::new("r").unwrap(),
+                part: 3,
+                rows: 10,
+                bytes: 100,
+                min_step: Some(0),
+                max_step: Some(99),
+                node: None,
+                writer: None,
+                sparse: [("act_max".to_owned(), finest)].into(),
+            }],
+            ..Manifest::default()
+        };
+        let json = String::from_utf8(manifest.to_json().unwrap()).unwrap();
+        assert!(json.contains(r#""version": 2"#), "{json}");
+        let back = Manifest::from_json(json.as_bytes(), "m").unwrap();
+        assert_eq!(back.files, manifest.files);
+        // A version-1 manifest (written before sparse metrics): every metric at every level.
+        let old = json
+            .replace(r#""version": 2"#, r#""version": 1"#)
+            .replace(r#""sparse""#, r#""ignored""#);
+        let old = Manifest::from_json(old.as_bytes(), "m").unwrap();
+        assert!(old.files[0].sparse.is_empty());
+        let newer = json.replace(r#""version": 2"#, r#""version": 3"#);
+        let err = Manifest::from_json(newer.as_bytes(), "m").unwrap_err();
+        assert!(
+            err.to_string().contains("unsupported manifest version 3"),
+            "{err}"
+        );
+    }
 }

@@ -100,8 +100,17 @@ pub struct SamplesPart {
     pub samples: PathBuf,
     /// Its rollup part, when written.
     pub rollup: Option<PathBuf>,
+    /// The rollup's sparse metrics ([`FileMeta::sparse`]): see [`SamplesPart::has_windows`].
+    pub sparse: BTreeMap<String, rollup::Finest>,
     /// Its first and last step (unknown only for an empty part).
     pub steps: Option<(u64, u64)>,
+}
+
+impl SamplesPart {
+    /// Whether its rollup holds `metric`'s windows of `level` (per rank, or `pooled`).
+    pub fn has_windows(&self, metric: &str, level: u32, pooled: bool) -> bool {
+        self.rollup.is_some() && self.sparse.get(metric).is_none_or(|f| f.has(level, pooled))
+    }
 }
 
 /// The samples of one run with their rollups: see [`Store::samples_view`].
@@ -405,13 +414,16 @@ impl Store {
         let parts = of_run
             .iter()
             .filter(|f| f.table == Table::Samples.as_str())
-            .map(|f| SamplesPart {
-                samples: f.relative(),
-                rollup: of_run
+            .map(|f| {
+                let rollup = of_run
                     .iter()
-                    .find(|r| r.table == rollup::TABLE && r.pairs(f))
-                    .map(|r| r.relative()),
-                steps: f.min_step.zip(f.max_step),
+                    .find(|r| r.table == rollup::TABLE && r.pairs(f));
+                SamplesPart {
+                    samples: f.relative(),
+                    rollup: rollup.map(|r| r.relative()),
+                    sparse: rollup.map(|r| r.sparse.clone()).unwrap_or_default(),
+                    steps: f.min_step.zip(f.max_step),
+                }
             })
             .collect();
         let hot = state.unflushed(Table::Samples, run);

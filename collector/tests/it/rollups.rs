@@ -27,15 +27,17 @@ fn value() -> impl Strategy<Value = f64> {
 }
 
 /// A run's rows: per-layer metrics without a site and at two sites, a per-rank metric, ranks that
-/// start late and skip steps, and now and then a step reported twice.
+/// start late and skip steps, now and then a step reported twice, and a sparse per-layer metric
+/// (every `every` steps, as a probe at its cadence), whose rollups start at a coarser level.
 fn run_rows() -> impl Strategy<Value = Vec<Sample>> {
     (
         1u32..4,
         0u64..300,
         1u64..700,
         proptest::collection::vec((value(), 0u8..10), 64),
+        2u64..60,
     )
-        .prop_map(|(ranks, first, steps, noise)| {
+        .prop_map(|(ranks, first, steps, noise, every)| {
             let mut rows = Vec::new();
             let mut n = 0usize;
             let mut next = || {
@@ -87,6 +89,17 @@ fn run_rows() -> impl Strategy<Value = Vec<Sample>> {
                             Some(site),
                             v * 0.5,
                         ));
+                        if step.is_multiple_of(every) {
+                            rows.push(sample(
+                                "rp",
+                                r,
+                                step,
+                                "token_cosine",
+                                Some(layer),
+                                None,
+                                v * 0.25,
+                            ));
+                        }
                     }
                 }
             }
@@ -152,6 +165,7 @@ async fn answers_agree(
             ("spectral.ratio", None, None, None),
             ("stable_rank", Some(1), Some("up"), Some(0)),
             ("loss", None, None, Some(1)),
+            ("token_cosine", Some(2), None, Some(0)),
         ] {
             let q = || SeriesQuery {
                 metric: metric.into(),
@@ -185,6 +199,8 @@ async fn answers_agree(
             ("spectral.ratio", None, None),
             ("stable_rank", Some("up"), None),
             ("stable_rank", Some("o"), Some(0)),
+            ("token_cosine", None, None),
+            ("token_cosine", None, Some(1)),
         ] {
             let q = || HeatmapQuery {
                 metric: metric.into(),
@@ -254,6 +270,67 @@ proptest! {
             answers_agree(&c, &grids).await;
         });
     }
+}
+
+/// A metric sampled every 25 steps beside dense ones: its rollup starts at 64-step windows
+/// (per rank; pooled over 4 ranks at 2-step ones), the part's manifest entry says so, and
+/// every grid, narrower and wider than that, answers exactly what raw rows answer.
+#[tokio::test]
+async fn a_sparse_metric_is_read_raw_below_its_first_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open_store_only(dir.path()).await;
+    let mut rows = Vec::new();
+    for step in 0..3_000u64 {
+        for rank in 0..4 {
+            let r = Some(rank);
+            rows.push(sample("rp", r, step, "loss", None, None, step as f64));
+            for layer in 0..3 {
+                rows.push(sample(
+                    "rp",
+                    r,
+                    step,
+                    "spectral.ratio",
+                    Some(layer),
+                    None,
+                    f64::from(layer),
+                ));
+                if step.is_multiple_of(25) {
+                    let v = (step as f64).sin() * f64::from(rank + 1);
+                    rows.push(sample("rp", r, step, "token_cosine", Some(layer), None, v));
+                }
+            }
+        }
+    }
+    ingest_and_flush(&c, &rows).await;
+    let rollups: Vec<_> = c
+        .store()
+        .files()
+        .into_iter()
+        .filter(|f| f.table == "rollups")
+        .collect();
+    assert_eq!(rollups.len(), 1);
+    let finest = rollups[0].sparse.get("token_cosine").copied();
+    assert_eq!(
+        finest,
+        Some(rankwatch_collector::store::rollup::Finest {
+            rank: Some(6),
+            pooled: Some(1)
+        })
+    );
+    assert_eq!(
+        rollups[0].sparse.len(),
+        1,
+        "the dense metrics have every level"
+    );
+    let grids: Vec<(Option<u64>, Option<u64>, usize)> = vec![
+        (None, None, 1000), // 4-step buckets: raw below 64 per rank
+        (None, None, 100),  // 32-step
+        (None, None, 40),   // 128-step: rollups
+        (Some(10), Some(2_990), 60),
+        (Some(100), Some(400), 300),
+    ];
+    let used = answers_agree(&c, &grids).await;
+    assert!(used > 0, "the coarse grids read rollup windows");
 }
 
 /// A long run in a few parts, asked for the whole range: the planner reads rollup windows
