@@ -20,7 +20,6 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use arrow_array::RecordBatch;
-use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rankwatch_analytics::agent_mix::{AgentMix, replica_sketch};
 use rankwatch_analytics::detect::DetectorsConfig;
@@ -28,6 +27,10 @@ use rankwatch_analytics::math::SketchKind;
 use rankwatch_analytics::schema::samples;
 use rankwatch_analytics::{RunId, Sample, SketchRecord};
 use rankwatch_collector::alerting::watch::RunWatch;
+
+#[path = "shared/thread_cpu.rs"]
+mod thread_cpu;
+use thread_cpu::ThreadCpu;
 
 const MIX: &str = include_str!("../../bench/agent_mix.json");
 /// Steps replayed per iteration: two periods of the schedule.
@@ -75,40 +78,6 @@ fn reports(mix: &AgentMix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
         }
     }
     (out, rows)
-}
-
-/// The calling thread's CPU time.
-fn thread_cpu() -> Duration {
-    cpu_time::ThreadTime::now().as_duration()
-}
-
-/// Criterion's measurement on [`thread_cpu`], printed as wall time is.
-struct ThreadCpu;
-
-static WALL: WallTime = WallTime;
-
-impl Measurement for ThreadCpu {
-    type Intermediate = Duration;
-    type Value = Duration;
-
-    fn start(&self) -> Duration {
-        thread_cpu()
-    }
-    fn end(&self, started: Duration) -> Duration {
-        thread_cpu() - started
-    }
-    fn add(&self, a: &Duration, b: &Duration) -> Duration {
-        *a + *b
-    }
-    fn zero(&self) -> Duration {
-        Duration::ZERO
-    }
-    fn to_f64(&self, value: &Duration) -> f64 {
-        value.as_nanos() as f64
-    }
-    fn formatter(&self) -> &dyn ValueFormatter {
-        WALL.formatter()
-    }
 }
 
 fn engine(c: &mut Criterion<ThreadCpu>) {

@@ -157,16 +157,17 @@ pub fn coarsen(windows: &[(u64, Cell)], shift: u32) -> Windows {
 /// start combined, in list order). The lists of one group's series mostly hold the same
 /// windows, so each is absorbed in place when it does, merged pairwise when not; sorting
 /// their concatenation moved every cell several times (a tenth of a flush).
-pub fn pool(lists: Vec<Windows>) -> Windows {
+pub fn pool<'a>(lists: impl IntoIterator<Item = &'a Windows>) -> Windows {
     let mut lists = lists.into_iter();
-    let Some(mut out) = lists.next() else {
+    let Some(first) = lists.next() else {
         return Windows::new();
     };
+    let mut out = first.clone();
     for list in lists {
         let same_windows =
             list.len() == out.len() && list.iter().zip(&out).all(|(a, b)| a.0 == b.0);
         if same_windows {
-            for ((_, into), (_, cell)) in out.iter_mut().zip(&list) {
+            for ((_, into), (_, cell)) in out.iter_mut().zip(list) {
                 into.absorb(cell);
             }
         } else {
@@ -177,19 +178,19 @@ pub fn pool(lists: Vec<Windows>) -> Windows {
 }
 
 /// Two ascending window lists as one; `into`'s cell absorbs `other`'s at an equal start.
-fn merge(into: Windows, other: Windows) -> Windows {
+fn merge(into: Windows, other: &Windows) -> Windows {
     let mut out = Windows::with_capacity(into.len().max(other.len()));
-    let mut other = other.into_iter().peekable();
+    let mut other = other.iter().peekable();
     for (start, mut cell) in into {
         while let Some((s, c)) = other.next_if(|(s, _)| *s < start) {
-            out.push((s, c));
+            out.push((*s, c.clone()));
         }
         if let Some((_, c)) = other.next_if(|(s, _)| *s == start) {
-            cell.absorb(&c);
+            cell.absorb(c);
         }
         out.push((start, cell));
     }
-    out.extend(other);
+    out.extend(other.cloned());
     out
 }
 
@@ -274,13 +275,13 @@ mod tests {
             let mut all = [a.clone(), b.clone(), a.clone()].concat();
             all.sort_by_key(|x| x.0);
             prop_assert_eq!(
-                bits(&pool(vec![windows_of(a.clone(), fine), windows_of(b, fine), windows_of(a.clone(), fine)])),
+                bits(&pool(&[windows_of(a.clone(), fine), windows_of(b, fine), windows_of(a.clone(), fine)])),
                 bits(&windows_of(all, fine))
             );
             let mut twice = [a.clone(), a.clone()].concat();
             twice.sort_by_key(|x| x.0);
             prop_assert_eq!(
-                bits(&pool(vec![windows_of(a.clone(), fine), windows_of(a, fine)])),
+                bits(&pool(&[windows_of(a.clone(), fine), windows_of(a, fine)])),
                 bits(&windows_of(twice, fine))
             );
         }

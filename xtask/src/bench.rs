@@ -67,6 +67,13 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         cmd.args(["bench", "-p", "rankwatch-collector", "--bench", "engine"]);
         run("bench engine", cmd)?;
     }
+    if matches!(which, "all" | "flush") {
+        // The flush's sort, rollups and rollup writes, on the same report (decision 0114's
+        // side-by-side: every level against each metric's first dense level).
+        let mut cmd = cargo();
+        cmd.args(["bench", "-p", "rankwatch-collector", "--bench", "flush"]);
+        run("bench flush", cmd)?;
+    }
     if matches!(which, "all" | "collector") {
         ensure_debian("victoria-metrics", "/usr/bin/victoria-metrics")?;
         // ingest-fsync and ingest-floor make the collector's fsyncs no-ops with it.
@@ -158,10 +165,10 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
     }
     if !matches!(
         which,
-        "all" | "analytics" | "engine" | "collector" | "sdk" | "ui" | "detection"
+        "all" | "analytics" | "engine" | "flush" | "collector" | "sdk" | "ui" | "detection"
     ) {
         bail!(
-            "unknown benchmark {which:?}: all, analytics, engine, collector, sdk, ui or detection"
+            "unknown benchmark {which:?}: all, analytics, engine, flush, collector, sdk, ui or detection"
         );
     }
     Ok(())

@@ -62,9 +62,10 @@ tasks:
            collector (the Docker build)
   web      builds the dashboard (web/dist) that the collector embeds: wasm32 target,
            wasm-bindgen-cli and npm packages are installed on demand
-  bench [all|analytics|engine|collector|sdk|ui|detection] [ingest|queries|memory|ingest-floor|...]
+  bench [all|analytics|engine|flush|collector|sdk|ui|detection] [ingest|queries|memory|ingest-floor|...]
            benchmarks, printed as tables: power iteration vs dense SVD (criterion), the
            alert engine's CPU per sample on the agent's default report (criterion), the
+           flush's sort, rollups and rollup writes on that report (criterion), the
            collector's ingest, query and memory targets beside VictoriaMetrics and DuckDB,
            the SDK's log() cost beside other loggers and each probe's step overhead and peak
            memory on a ~100M-parameter model, and the dashboard's load and zoom times on a

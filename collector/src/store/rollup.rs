@@ -30,14 +30,17 @@
 //! manifest entry lists those that start later than the first level ([`Summary::sparse`]), and
 //! the planner reads raw rows of that part for their narrower buckets. On the agent's default
 //! report (64 ranks, 400 steps in one part) this halves the rollup rows: 0.87 a sample to 0.43.
+//! Each level's windows are counted before any is built, and only the levels kept are built,
+//! the first straight from the finest windows (`cargo xtask bench flush` measures it).
 //!
 //! Windows of one series can appear in several parts (ranks report late, a window straddles a
 //! flush); each part's row covers only that part's rows, and the merge makes them one.
 //!
-//! How: per series, the finest windows are built from its rows (steps ascend within a series
-//! in a sorted part), each coarser level by merging pairs of the level below; the pooled
-//! windows of a (metric, layer, site) merge its series' finest windows, then coarsen the same
-//! way. Work and memory are proportional to the part's rows.
+//! How: per series, the finest windows (2 steps) are built from its rows (steps ascend within
+//! a series in a sorted part); the pooled windows of a (metric, layer, site) merge its series'
+//! finest windows. Once a metric's series are all read, its first levels are known, and each
+//! kept level is built from the one below (the first straight from the finest windows). Work
+//! and memory are proportional to the part's rows.
 //!
 //! Cost: with a row per step, the per-rank levels hold 1/8 + 1/16 + … ≈ 1/4 as many rows as
 //! the part, and the pooled levels about 1/ranks as many again. In bytes the pooled rows
@@ -48,7 +51,6 @@
 //! last values. A small part (a flush of a few steps per series) has about one row per level
 //! per series until compaction merges it.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 use std::sync::{Arc, LazyLock};
@@ -187,27 +189,42 @@ impl Out {
     }
 }
 
-/// The windows `fine` (of level `finest`) makes at each level of `levels`, each coarser level
-/// merged from the one below.
-/// (Borrowed `fine` is copied only when its own level is one of `levels`.)
-fn levels_of(
-    fine: Cow<'_, Windows>,
-    finest: u32,
-    levels: &RangeInclusive<u32>,
-) -> Vec<(u32, Windows)> {
-    let mut out: Vec<(u32, Windows)> = Vec::new();
-    // The current level's windows while not yet handed out (then they are `out`'s last).
-    let mut current = Some(fine);
-    for level in finest..=*levels.end() {
-        if level > finest {
-            let below = current.as_deref().or(out.last().map(|(_, w)| w));
-            current = below.map(|w| Cow::Owned(coarsen(w, level)));
-        }
-        if levels.contains(&level) {
-            out.extend(current.take().map(|w| (level, w.into_owned())));
-        }
+/// The windows `fine` (of level `fine_level`) makes at each level of `levels`: the first
+/// straight from `fine` (merging is exact, so skipping the levels between changes nothing),
+/// each coarser one merged from the one below.
+fn levels_of(fine: Windows, fine_level: u32, levels: RangeInclusive<u32>) -> Vec<(u32, Windows)> {
+    let mut levels = levels;
+    let Some(first) = levels.next() else {
+        return Vec::new();
+    };
+    let mut out = vec![(
+        first,
+        if first == fine_level {
+            fine
+        } else {
+            coarsen(&fine, first)
+        },
+    )];
+    for level in levels {
+        let coarser = coarsen(&out[out.len() - 1].1, level);
+        out.push((level, coarser));
     }
     out
+}
+
+/// Adds to `counts[level]` how many windows of each of `levels` `fine` (finer) makes, without
+/// building them.
+fn count_windows(fine: &Windows, levels: &RangeInclusive<u32>, counts: &mut [usize; 17]) {
+    for level in levels.clone() {
+        let mut last = None;
+        for (start, _) in fine {
+            let window = Some(start >> level);
+            if window != last {
+                counts[level as usize] += 1;
+                last = window;
+            }
+        }
+    }
 }
 
 /// The finest level a metric's rows in one rollup part are summarised from, per rank and with
@@ -241,44 +258,57 @@ pub struct Summary {
 /// average: a window of one row costs more to build, write and read than the row itself.
 pub const MIN_ROWS_PER_WINDOW: usize = 2;
 
-/// One metric's windows, every level, until its last series is read and its finest level
-/// known.
+/// One metric's finest windows per series and pooled group, with how many windows each level
+/// would have, until its last series is read and its first level known; only the levels kept
+/// are then built.
 #[derive(Debug, Default)]
 struct Staged {
-    /// (a row of the series, its levels) per series, then per pooled group.
-    rank: Vec<(u32, Vec<(u32, Windows)>)>,
-    pooled: Vec<(u32, Vec<(u32, Windows)>)>,
+    /// (a row of the series, its finest windows) per series, then per pooled group.
+    rank: Vec<(u32, Windows)>,
+    pooled: Vec<(u32, Windows)>,
+    rank_windows: [usize; 17],
+    pooled_windows: [usize; 17],
     rows: usize,
     pooled_rows: usize,
 }
 
 impl Staged {
-    /// The finest of `levels` whose windows hold at least [`MIN_ROWS_PER_WINDOW`] of `rows`
-    /// on average.
+    /// The finest of `levels` whose windows hold at least `min_rows` of `rows` on average
+    /// ([`MIN_ROWS_PER_WINDOW`]).
     fn finest(
-        series: &[(u32, Vec<(u32, Windows)>)],
+        counts: &[usize; 17],
         rows: usize,
         levels: &RangeInclusive<u32>,
+        min_rows: usize,
     ) -> Option<u32> {
         levels.clone().find(|&level| {
-            let windows: usize = series
-                .iter()
-                .flat_map(|(_, by_level)| by_level.iter().filter(|(l, _)| *l == level))
-                .map(|(_, w)| w.len())
-                .sum();
-            windows > 0 && rows >= MIN_ROWS_PER_WINDOW * windows
+            let windows = counts[level as usize];
+            windows > 0 && rows >= min_rows * windows
         })
     }
 
-    /// Hands the kept levels to `out`; the metric's entry for [`Summary::sparse`] if it
+    /// Builds the kept levels into `out`; the metric's entry for [`Summary::sparse`] if it
     /// starts coarser than the first level anywhere.
-    fn finish(self, out: &mut BTreeMap<(u32, bool), Out>) -> Option<Finest> {
-        let rank = Self::finest(&self.rank, self.rows, &LEVELS);
-        let pooled = Self::finest(&self.pooled, self.pooled_rows, &POOLED_LEVELS);
-        for (is_pooled, series, finest) in [(false, self.rank, rank), (true, self.pooled, pooled)] {
+    fn finish(
+        self,
+        fine_level: u32,
+        out: &mut BTreeMap<(u32, bool), Out>,
+        min_rows: usize,
+    ) -> Option<Finest> {
+        let rank = Self::finest(&self.rank_windows, self.rows, &LEVELS, min_rows);
+        let pooled = Self::finest(
+            &self.pooled_windows,
+            self.pooled_rows,
+            &POOLED_LEVELS,
+            min_rows,
+        );
+        for (is_pooled, series, finest, levels) in [
+            (false, self.rank, rank, LEVELS),
+            (true, self.pooled, pooled, POOLED_LEVELS),
+        ] {
             let Some(finest) = finest else { continue };
-            for (row, by_level) in series {
-                for (level, windows) in by_level.into_iter().filter(|(l, _)| *l >= finest) {
+            for (row, fine) in series {
+                for (level, windows) in levels_of(fine, fine_level, finest..=*levels.end()) {
                     out.entry((level, is_pooled))
                         .or_default()
                         .push(row, &windows);
@@ -309,6 +339,15 @@ pub const MIN_ROWS_PER_SERIES: usize = 64;
 /// rollup row once more) with its sparse metrics, or `None` when its series are too short to
 /// be worth one ([`MIN_ROWS_PER_SERIES`]) or no window would hold enough rows.
 pub fn summarise(samples: &RecordBatch) -> Result<Option<Summary>> {
+    summarise_with(samples, MIN_ROWS_PER_WINDOW)
+}
+
+/// [`summarise`] with another least average of rows a window (0: every level, as before
+/// [`MIN_ROWS_PER_WINDOW`] existed), for the flush bench's side-by-side.
+pub fn summarise_with(
+    samples: &RecordBatch,
+    min_rows_per_window: usize,
+) -> Result<Option<Summary>> {
     let column = |name: &str| {
         samples
             .column_by_name(name)
@@ -355,11 +394,11 @@ pub fn summarise(samples: &RecordBatch) -> Result<Option<Summary>> {
     let finest = *POOLED_LEVELS.start();
     let mut out: BTreeMap<(u32, bool), Out> = BTreeMap::new();
     let mut sparse = BTreeMap::new();
-    // The metric being read, every level, until its finest level is known.
+    // The metric being read, until its first levels are known.
     let mut staged = Staged::default();
-    // The finest windows of each series of the (metric, layer, site) group being read.
-    let mut group: Vec<Windows> = Vec::new();
-    let (mut group_row, mut group_rows) = (0u32, 0usize);
+    // Where the (metric, layer, site) group being read starts in `staged.rank`, its first row,
+    // and how many rows it has (per-layer metrics only).
+    let (mut group_start, mut group_row, mut group_rows) = (None::<usize>, 0u32, 0usize);
     for pair in bounds.windows(2) {
         let (first, end) = (pair[0], pair[1]);
         // One series, steps ascending.
@@ -368,29 +407,25 @@ pub fn summarise(samples: &RecordBatch) -> Result<Option<Summary>> {
             finest,
         );
         staged.rows += end - first;
+        count_windows(&fine, &LEVELS, &mut staged.rank_windows);
         if layer.is_valid(first) {
-            if group.is_empty() {
-                group_row = first as u32;
+            if group_start.is_none() {
+                (group_start, group_row) = (Some(staged.rank.len()), first as u32);
             }
             group_rows += end - first;
         }
-        staged.rank.push((
-            first as u32,
-            levels_of(Cow::Borrowed(&fine), finest, &LEVELS),
-        ));
-        if layer.is_valid(first) {
-            group.push(fine);
-        }
-        if (end == n || key(first) != key(end)) && !group.is_empty() {
-            let pooled = pool(std::mem::take(&mut group));
+        staged.rank.push((first as u32, fine));
+        if (end == n || key(first) != key(end))
+            && let Some(start) = group_start.take()
+        {
+            let pooled = pool(staged.rank[start..].iter().map(|(_, w)| w));
             staged.pooled_rows += std::mem::take(&mut group_rows);
-            staged.pooled.push((
-                group_row,
-                levels_of(Cow::Owned(pooled), finest, &POOLED_LEVELS),
-            ));
+            count_windows(&pooled, &POOLED_LEVELS, &mut staged.pooled_windows);
+            staged.pooled.push((group_row, pooled));
         }
         if (end == n || metric.value(first) != metric.value(end))
-            && let Some(f) = std::mem::take(&mut staged).finish(&mut out)
+            && let Some(f) =
+                std::mem::take(&mut staged).finish(finest, &mut out, min_rows_per_window)
         {
             sparse.insert(metric.value(first).to_owned(), f);
         }
