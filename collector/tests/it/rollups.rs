@@ -282,21 +282,19 @@ async fn a_sparse_metric_is_read_raw_below_its_first_level() {
     let mut rows = Vec::new();
     for step in 0..3_000u64 {
         for rank in 0..4 {
-            let r = Some(rank);
-            rows.push(sample("rp", r, step, "loss", None, None, step as f64));
+            // (metric, layer, value) of rank `rank` at `step`.
+            let mut at = |metric: &str, layer: Option<u32>, v: f64| {
+                rows.push(sample("rp", Some(rank), step, metric, layer, None, v));
+            };
+            at("loss", None, step as f64);
             for layer in 0..3 {
-                rows.push(sample(
-                    "rp",
-                    r,
-                    step,
-                    "spectral.ratio",
-                    Some(layer),
-                    None,
-                    f64::from(layer),
-                ));
+                at("spectral.ratio", Some(layer), f64::from(layer));
                 if step.is_multiple_of(25) {
-                    let v = (step as f64).sin() * f64::from(rank + 1);
-                    rows.push(sample("rp", r, step, "token_cosine", Some(layer), None, v));
+                    at(
+                        "token_cosine",
+                        Some(layer),
+                        (step as f64).sin() * f64::from(rank + 1),
+                    );
                 }
             }
         }
