@@ -6,15 +6,16 @@
 //! `r mod world` of the capture sent at `step mod period`, and the rank-less layer rows (the
 //! spectral probe's) are sent by rank `layer mod ranks`.
 //!
-//! Each consumer keeps the rows in its own form ([`AgentMix::map_rows`]: the agent's validated
-//! `Point` parts for the load generator, `Sample` parts for the engine bench), converted once
-//! at load, not per replayed row.
+//! The load generator keeps the rows in its own form ([`AgentMix::map_rows`]: the agent's
+//! validated `Point` parts), converted once at load, not per replayed row; the collector's
+//! benches (engine, flush) take each report as samples ([`AgentMix::samples`]) while they
+//! build their input, before anything is measured.
 
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::math::sketch::{SketchKind, gaussian_vector};
-use crate::{MetricName, RunId, Site, SketchRecord};
+use crate::{MetricName, RunId, Sample, Site, SketchRecord};
 
 /// A captured row, validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -188,6 +189,34 @@ impl<R> AgentMix<R> {
             .map(Vec::len)
             .sum();
         rows as f64 / self.period.len() as f64 / f64::from(self.world)
+    }
+}
+
+impl AgentMix {
+    /// [`AgentMix::report`] as samples of `run` stamped `time_ms` (the collector's benches).
+    pub fn samples(
+        &self,
+        run: &RunId,
+        rank: u32,
+        step: u64,
+        ranks: u32,
+        time_ms: i64,
+    ) -> (Vec<Sample>, bool) {
+        let (rows, sketch) = self.report(rank, step, ranks);
+        let samples = rows
+            .into_iter()
+            .map(|(rank, row)| Sample {
+                run: run.clone(),
+                rank,
+                step,
+                time_ms,
+                metric: row.metric.clone(),
+                layer: row.layer,
+                site: row.site,
+                value: row.value,
+            })
+            .collect();
+        (samples, sketch)
     }
 }
 

@@ -25,7 +25,7 @@ use rankwatch_analytics::agent_mix::{AgentMix, replica_sketch};
 use rankwatch_analytics::detect::DetectorsConfig;
 use rankwatch_analytics::math::SketchKind;
 use rankwatch_analytics::schema::samples;
-use rankwatch_analytics::{RunId, Sample, SketchRecord};
+use rankwatch_analytics::{RunId, SketchRecord};
 use rankwatch_collector::alerting::watch::RunWatch;
 
 #[path = "shared/thread_cpu.rs"]
@@ -54,20 +54,7 @@ fn reports(mix: &AgentMix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
     let mut rows = 0;
     for step in 0..STEPS {
         for rank in 0..ranks {
-            let (report, sketch) = mix.report(rank, step, ranks);
-            let samples: Vec<Sample> = report
-                .into_iter()
-                .map(|(rank, row)| Sample {
-                    run: run.clone(),
-                    rank,
-                    step,
-                    time_ms: time_ms(step),
-                    metric: row.metric.clone(),
-                    layer: row.layer,
-                    site: row.site,
-                    value: row.value,
-                })
-                .collect();
+            let (samples, sketch) = mix.samples(run, rank, step, ranks, time_ms(step));
             rows += samples.len() as u64;
             out.push(Report {
                 rank,

@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use arrow_array::RecordBatch;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use rankwatch_analytics::RunId;
 use rankwatch_analytics::agent_mix::AgentMix;
 use rankwatch_analytics::schema::samples;
-use rankwatch_analytics::{RunId, Sample};
 use rankwatch_collector::disk::RealDisk;
 use rankwatch_collector::entry::Table;
 use rankwatch_collector::store::{files, rollup};
@@ -36,17 +36,8 @@ fn arrived() -> RecordBatch {
     let mut rows = Vec::new();
     for step in 0..STEPS {
         for rank in 0..RANKS {
-            let (report, _) = mix.report(rank, step, RANKS);
-            rows.extend(report.into_iter().map(|(rank, row)| Sample {
-                run: run.clone(),
-                rank,
-                step,
-                time_ms: 1_700_000_000_000 + step as i64 * 1000,
-                metric: row.metric.clone(),
-                layer: row.layer,
-                site: row.site,
-                value: row.value,
-            }));
+            let time_ms = 1_700_000_000_000 + step as i64 * 1000;
+            rows.extend(mix.samples(&run, rank, step, RANKS, time_ms).0);
         }
     }
     files::without_run(&samples::to_batch(&rows).expect("a valid batch")).expect("file schema")

@@ -75,13 +75,7 @@ def test_every_register_is_put_back_after_a_call_that_clobbers_vector_registers(
             stopped.write(page, code)
             stopped.call(page)
             # What the call left in the thread (read while it is still stopped): clobbered.
-            import ctypes
-
-            iov = ptrace._IoVec(ctypes.addressof(clobbered := ctypes.create_string_buffer(ptrace.XSTATE_BUFFER)), ptrace.XSTATE_BUFFER)
-            if size is None:
-                ptrace._ptrace(ptrace.PTRACE_GETFPREGS, proc.pid, 0, ctypes.addressof(clobbered))
-            else:
-                ptrace._ptrace(ptrace.PTRACE_GETREGSET, proc.pid, ptrace.NT_X86_XSTATE, ctypes.addressof(iov))
+            clobbered, _ = stopped.read_extended_state()
             assert clobbered.raw[XMM][:32] == b"\xff" * 32, "the test call did set xmm0 and xmm1"
             assert clobbered.raw[XMM] != before_x[XMM]
         finally:

@@ -315,16 +315,13 @@ impl Staged {
                 }
             }
         }
-        let dense = |finest: Option<u32>, levels: &RangeInclusive<u32>, had_rows: bool| {
-            !had_rows || finest == Some(*levels.start())
-        };
-        let had_pooled = self.pooled_rows > 0;
-        (!dense(rank, &LEVELS, self.rows > 0) || !dense(pooled, &POOLED_LEVELS, had_pooled)).then(
-            || Finest {
-                rank: rank.map(|l| l as u8),
-                pooled: pooled.map(|l| l as u8),
-            },
-        )
+        // Listed when either kind it has rows of starts later than its first level.
+        let sparse = rank != Some(*LEVELS.start())
+            || (self.pooled_rows > 0 && pooled != Some(*POOLED_LEVELS.start()));
+        sparse.then(|| Finest {
+            rank: rank.map(|l| l as u8),
+            pooled: pooled.map(|l| l as u8),
+        })
     }
 }
 

@@ -50,6 +50,7 @@ import signal
 import struct
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 PTRACE_GETREGS = 12
@@ -157,14 +158,14 @@ def _elf_functions(path: Path, wanted: set[str]) -> tuple[dict[str, int], int]:
         return found, first_page
 
 
-def find_functions(pid: int, libc_names: set[str], python_names: set[str]) -> dict[str, int]:
+def find_functions(pid: int, libc_names: AbstractSet[str], python_names: AbstractSet[str]) -> dict[str, int]:
     """Addresses in `pid` of libc's `libc_names` and the interpreter's `python_names` (those
     that could not be found are missing from the answer)."""
     exe = os.readlink(f"/proc/{pid}/exe")
     out: dict[str, int] = {}
     for path, start in _loaded_files(pid).items():
         base = os.path.basename(path)
-        wanted = set()
+        wanted: set[str] = set()
         if base.startswith(("libc.so", "libc-", "ld-musl")):
             wanted |= libc_names
         if path == exe or base.startswith("libpython"):
@@ -221,17 +222,7 @@ class _Stopped:
         try:
             self.regs = _Regs()
             _ptrace(PTRACE_GETREGS, pid, 0, ctypes.addressof(self.regs))
-            self.xstate = ctypes.create_string_buffer(XSTATE_BUFFER)
-            iov = _IoVec(ctypes.addressof(self.xstate), XSTATE_BUFFER)
-            try:
-                _ptrace(PTRACE_GETREGSET, pid, NT_X86_XSTATE, ctypes.addressof(iov))
-                self.xstate_size: int | None = iov.iov_len
-            except OSError as e:
-                if e.errno != errno.ENODEV:
-                    raise
-                # No XSAVE on this CPU: the 512-byte FXSAVE area is the whole state.
-                _ptrace(PTRACE_GETFPREGS, pid, 0, ctypes.addressof(self.xstate))
-                self.xstate_size = None
+            self.xstate, self.xstate_size = self.read_extended_state()
             # Written back at once: a state that could not be put back must stop us before
             # any call, not after one.
             self._put_back_extended_state()
@@ -239,6 +230,21 @@ class _Stopped:
         except BaseException:
             _detach_quietly(pid)
             raise
+
+    def read_extended_state(self) -> tuple[ctypes.Array[ctypes.c_char], int | None]:
+        """The thread's extended state as it is now: the whole XSAVE area and its size, or
+        (no XSAVE on this CPU) the 512-byte FXSAVE area, which is then the whole state, and
+        None."""
+        buffer = ctypes.create_string_buffer(XSTATE_BUFFER)
+        iov = _IoVec(ctypes.addressof(buffer), XSTATE_BUFFER)
+        try:
+            _ptrace(PTRACE_GETREGSET, self.pid, NT_X86_XSTATE, ctypes.addressof(iov))
+            return buffer, iov.iov_len
+        except OSError as e:
+            if e.errno != errno.ENODEV:
+                raise
+        _ptrace(PTRACE_GETFPREGS, self.pid, 0, ctypes.addressof(buffer))
+        return buffer, None
 
     def _refuse_if_faults_are_masked(self) -> None:
         # A call ends in a SIGSEGV: with SIGSEGV blocked or ignored in the thread, the kernel
@@ -265,13 +271,25 @@ class _Stopped:
         _ptrace(PTRACE_GETSIGINFO, self.pid, 0, ctypes.addressof(info))
         return info if sig in FAULTS and info.code > 0 else None
 
-    def _wait_for_interrupt(self) -> None:
-        """Waits for the stop an interrupt asked for; a signal on its way in first is held back
-        (to be sent again), unless it is a fault the call raised."""
-        while (status := self._wait()) >> 16 != PTRACE_EVENT_STOP:
+    def _next_stop(self) -> tuple[int, _SigInfo] | None:
+        """Waits for the thread's next stop that is ours: None for an interrupt (or a group
+        stop), else a fault the kernel raised for the call (its signal and details). The job's
+        own signals met on the way are held back, to be sent again when it is let go."""
+        while True:
+            status = self._wait()
+            if status >> 16:
+                return None
             sig = os.WSTOPSIG(status)
-            if self._fault(sig) is None:
-                self.held_signals.append(sig)
+            fault = self._fault(sig)
+            if fault is not None:
+                return sig, fault
+            self.held_signals.append(sig)
+            _ptrace(PTRACE_CONT, self.pid)
+
+    def _wait_for_interrupt(self) -> None:
+        """Waits for the stop an interrupt asked for; a fault the call raised on the way is
+        dropped, never delivered."""
+        while self._next_stop() is not None:
             _ptrace(PTRACE_CONT, self.pid)
 
     def write(self, address: int, data: bytes) -> None:
@@ -294,22 +312,14 @@ class _Stopped:
         _ptrace(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(regs))
         self.running = True
         _ptrace(PTRACE_CONT, self.pid)
-        while True:
-            status = self._wait()
-            if status >> 16:  # an interrupt or group stop: not for this call
-                _ptrace(PTRACE_CONT, self.pid)
-                continue
-            sig = os.WSTOPSIG(status)
-            fault = self._fault(sig)
-            if fault is None:  # the job's own signal: held back, sent again at the end
-                self.held_signals.append(sig)
-                _ptrace(PTRACE_CONT, self.pid)
-                continue
-            self.running = False  # stopped at the fault, which is never delivered
-            _ptrace(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
-            if sig == signal.SIGSEGV and regs.rip == 0 and fault.addr == 0:
-                return int(regs.rax)
-            raise InjectError(f"the call to {function:#x} faulted ({signal.Signals(sig).name} at {regs.rip:#x})")
+        while (stop := self._next_stop()) is None:  # an interrupt or group stop: not this call's
+            _ptrace(PTRACE_CONT, self.pid)
+        sig, fault = stop
+        self.running = False  # stopped at the fault, which is never delivered
+        _ptrace(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
+        if sig == signal.SIGSEGV and regs.rip == 0 and fault.addr == 0:
+            return int(regs.rax)
+        raise InjectError(f"the call to {function:#x} faulted ({signal.Signals(sig).name} at {regs.rip:#x})")
 
     def _put_back_extended_state(self) -> None:
         if self.xstate_size is None:
@@ -359,6 +369,11 @@ def _detach_quietly(pid: int) -> None:
         pass  # not stopped, or gone: released when this process exits
 
 
+# What the injection calls: libc's, then the interpreter's.
+LIBC_FUNCTIONS = frozenset({"mmap"})
+PYTHON_FUNCTIONS = frozenset({"Py_AddPendingCall", "PyRun_SimpleString"})
+
+
 def _steps(functions: dict[str, int], code: bytes, stopped: _Stopped) -> None:
     size = (len(code) + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
     # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS; kept for the life of the process.
@@ -378,10 +393,10 @@ def queue_code(pid: int, code: bytes, timeout: float = 30.0) -> None:
     if not code.endswith(b"\0"):
         raise ValueError("the code must end with a NUL byte (it is handed to PyRun_SimpleString)")
     try:
-        functions = find_functions(pid, {"mmap"}, {"Py_AddPendingCall", "PyRun_SimpleString"})
+        functions = find_functions(pid, LIBC_FUNCTIONS, PYTHON_FUNCTIONS)
     except OSError as e:
         raise InjectError(f"cannot read process {pid}'s memory map: {e.strerror}") from e
-    missing = sorted({"mmap", "Py_AddPendingCall", "PyRun_SimpleString"} - functions.keys())
+    missing = sorted((LIBC_FUNCTIONS | PYTHON_FUNCTIONS) - functions.keys())
     if missing:
         raise InjectError(f"process {pid} has no CPython runtime to call ({', '.join(missing)} not found)")
     # The attaching command must not be stopped mid-call by Ctrl-C or a hang-up: the borrowed
@@ -402,9 +417,6 @@ def _queue(pid: int, functions: dict[str, int], code: bytes, timeout: float) -> 
     try:
         _steps(functions, code, stopped)
     except TimeoutError as e:
-        stopped.let_go()  # stops it again first
         raise InjectError(f"a call in process {pid} did not return within {timeout:.0f} s; the thread was put back where it was") from e
-    except BaseException:
-        stopped.let_go()
-        raise
-    stopped.let_go()
+    finally:
+        stopped.let_go()  # a call still running is stopped first
