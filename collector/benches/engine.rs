@@ -6,10 +6,17 @@
 //! fingerprints every 10 steps, activations every 25, the spectral probe every 50), replayed for
 //! `ranks` ranks. Each rank's report of a step is one Arrow batch, as the agent posts it, and
 //! goes through what the engine does with an acknowledged batch: every row routed
-//! (`RunWatch::row`), the batch ended, the run ticked (steps closed, their cross-rank statistics
+//! (`RunWatch::samples`), the batch ended, the run ticked (steps closed, their cross-rank statistics
 //! and rules evaluated, stale ranks checked). Sketches are fed as the agent sends them, before
 //! that step's samples. Throughput is reported in samples (sample rows; the sketches' work is
 //! counted in their time, not their number).
+//!
+//! Two cases. `cold`: every batch of the replay built before it starts (tens of megabytes at 64
+//! ranks), so the engine reads each one from memory, as if it had waited in a long queue.
+//! `handed-over`: each step's batches built just before the engine takes them, their building
+//! not timed, as ingest hands over a batch it has just decoded and validated. The engine's own
+//! work is the same in both; the difference is what reading a batch costs when it is not in the
+//! cache.
 //!
 //! Time is the bench thread's CPU time, not wall time: on a shared machine other processes
 //! stretch wall time, not the CPU the engine itself uses (what a sample costs the collector's
@@ -20,12 +27,13 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use arrow_array::RecordBatch;
+use criterion::measurement::Measurement;
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use rankwatch_analytics::agent_mix::{AgentMix, replica_sketch};
 use rankwatch_analytics::detect::DetectorsConfig;
 use rankwatch_analytics::math::SketchKind;
 use rankwatch_analytics::schema::samples;
-use rankwatch_analytics::{RunId, SketchRecord};
+use rankwatch_analytics::{RunId, Sample, SketchRecord};
 use rankwatch_collector::alerting::watch::RunWatch;
 
 #[path = "shared/thread_cpu.rs"]
@@ -37,10 +45,12 @@ const MIX: &str = include_str!("../../bench/agent_mix.json");
 const STEPS: u64 = 200;
 const SKETCH_DIM: usize = 1024;
 
-/// One rank's report of one step: its samples batch and whether a sketch goes with it.
+/// One rank's report of one step: its samples (as rows and as the batch) and whether a
+/// sketch goes with it.
 struct Report {
     rank: u32,
     step: u64,
+    samples: Vec<Sample>,
     batch: RecordBatch,
     sketch: bool,
 }
@@ -60,11 +70,35 @@ fn reports(mix: &AgentMix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
                 rank,
                 step,
                 batch: samples::to_batch(&samples).expect("a valid batch"),
+                samples,
                 sketch,
             });
         }
     }
     (out, rows)
+}
+
+fn new_watch(run: &RunId) -> RunWatch {
+    RunWatch::new(run.clone(), DetectorsConfig::default(), 30_000, 0).expect("default detectors")
+}
+
+/// What the engine does with one acknowledged batch: its sketch first (the agent sends it
+/// before the step's samples), every row routed, the batch ended, the run ticked.
+fn feed(
+    watch: &mut RunWatch,
+    report: &Report,
+    batch: &RecordBatch,
+    sketch: Option<&SketchRecord>,
+    ranks: u32,
+) {
+    // The collector's clock: one second a step, as the ranks report.
+    let now = report.step as i64 * 1000;
+    if let Some(s) = sketch {
+        watch.sketch(s.clone(), now);
+    }
+    black_box(watch.samples(batch, now).expect("a valid batch"));
+    black_box(watch.end_batch());
+    black_box(watch.tick(Some(ranks), now, false, &Vec::new));
 }
 
 fn engine(c: &mut Criterion<ThreadCpu>) {
@@ -95,33 +129,49 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
             })
             .collect();
         group.throughput(Throughput::Elements(rows));
-        group.bench_with_input(BenchmarkId::new("ranks", ranks), &ranks, |b, &ranks| {
+        // Every batch built before the run, as it always was: 200 steps of reports are tens of
+        // megabytes at 64 ranks, so each batch is read cold from memory.
+        group.bench_with_input(BenchmarkId::new("cold", ranks), &ranks, |b, &ranks| {
             b.iter_batched(
-                || {
-                    RunWatch::new(run.clone(), DetectorsConfig::default(), 30_000, 0)
-                        .expect("default detectors")
-                },
+                || new_watch(&run),
                 |mut watch| {
-                    let tensors = Vec::new;
                     for (report, sketch) in reports.iter().zip(&sketches) {
-                        // The collector's clock: one second a step, as the ranks report.
-                        let now = report.step as i64 * 1000;
-                        if let Some(s) = sketch {
-                            watch.sketch(s.clone(), now);
-                        }
-                        samples::try_for_each_row(&report.batch, |row| {
-                            black_box(watch.row(row, now));
-                            Ok(())
-                        })
-                        .expect("a valid batch");
-                        black_box(watch.end_batch());
-                        black_box(watch.tick(Some(ranks), now, false, &tensors));
+                        feed(&mut watch, report, &report.batch, sketch.as_ref(), ranks);
                     }
                     watch
                 },
                 BatchSize::PerIteration,
             );
         });
+        // As ingest hands batches over: each step's batches built just before the engine
+        // reads them (ingest has just decoded and validated each one), their building not timed.
+        group.bench_with_input(
+            BenchmarkId::new("handed-over", ranks),
+            &ranks,
+            |b, &ranks| {
+                b.iter_custom(|iterations| {
+                    let mut spent = Duration::ZERO;
+                    for _ in 0..iterations {
+                        let mut watch = new_watch(&run);
+                        let step = |(report, _): &(&Report, _)| report.step;
+                        let both: Vec<_> = reports.iter().zip(&sketches).collect();
+                        for one_step in both.chunk_by(|a, b| step(a) == step(b)) {
+                            let batches: Vec<RecordBatch> = one_step
+                                .iter()
+                                .map(|(r, _)| samples::to_batch(&r.samples).expect("a valid batch"))
+                                .collect();
+                            let started = ThreadCpu.start();
+                            for ((report, sketch), batch) in one_step.iter().zip(&batches) {
+                                feed(&mut watch, report, batch, sketch.as_ref(), ranks);
+                            }
+                            spent += ThreadCpu.end(started);
+                        }
+                        black_box(watch);
+                    }
+                    spent
+                });
+            },
+        );
     }
     group.finish();
 }

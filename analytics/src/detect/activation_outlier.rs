@@ -18,8 +18,6 @@
 //! about saturation. Growth over the site's own baseline is what the rule judges unless told
 //! otherwise.
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 
 use super::baseline::TrailingMedian;
@@ -116,7 +114,9 @@ type Subject = (Option<u32>, Site, Option<u32>);
 #[derive(Debug, Clone)]
 pub struct ActivationOutlier {
     config: ActivationOutlierConfig,
-    baselines: BTreeMap<Subject, TrailingMedian>,
+    /// Hashed: every `act_max` row looks its subject up (ranks × layers × sites of them), and
+    /// nothing reads them in order.
+    baselines: foldhash::HashMap<Subject, TrailingMedian>,
     trackers: Trackers<Subject>,
 }
 
@@ -126,7 +126,7 @@ impl ActivationOutlier {
         config.validate()?;
         Ok(ActivationOutlier {
             config,
-            baselines: BTreeMap::new(),
+            baselines: Default::default(),
             trackers: Trackers::new(run, Rule::ActivationOutlier, |&(layer, site, rank)| {
                 (layer, Some(site), rank)
             }),

@@ -228,6 +228,12 @@ impl<K: Ord + Clone> Trackers<K> {
         signal: Signal,
         config: &LifecycleConfig,
     ) -> Vec<Alert> {
+        // A subject with no tracker is one with nothing open and no breach under way: a clear
+        // or a hold changes nothing there, so it gets no tracker (every rank's `nonfinite`
+        // and every activation site clear at almost every step).
+        if !matches!(signal, Signal::Breach(_)) && !self.map.contains_key(subject) {
+            return Vec::new();
+        }
         let (run, rule, place) = (&self.run, self.rule, self.place);
         self.map
             .entry(subject.clone())

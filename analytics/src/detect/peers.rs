@@ -119,17 +119,20 @@ pub(super) fn against_others(ranks: &[RankValues], get: Getter) -> Vec<Option<(f
     if ranks.iter().filter_map(get).any(|v| !v.is_finite()) {
         return vec![None; ranks.len()];
     }
-    let mut sorted: Vec<(f64, usize)> = ranks
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| get(r).filter(|v| v.is_finite()).map(|v| (v, i)))
-        .collect();
+    let mut sorted = Vec::with_capacity(ranks.len());
+    sorted.extend(
+        ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| get(r).filter(|v| v.is_finite()).map(|v| (v, i))),
+    );
     let mut out = vec![None; ranks.len()];
     let m = sorted.len().saturating_sub(1);
     if m < 1 {
         return out;
     }
-    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    // Unstable: equal values in either order give the same column of values.
+    sorted.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
     for (p, &(own, i)) in sorted.iter().enumerate() {
         let at = |j: usize| sorted[if j < p { j } else { j + 1 }].0;
         let others = if m % 2 == 1 {
@@ -154,10 +157,13 @@ fn list(ranks: &[u32]) -> String {
 
 impl Peers {
     /// Folds in one step.
+    /// Folds in one step; `loss` is [`against_others`] of the ranks' losses (the shift test
+    /// reads the same column, so it is sorted once a step).
     pub(super) fn observe(
         &mut self,
         step: u64,
         ranks: &[RankValues],
+        loss: &[Option<(f64, f64)>],
         c: PeerConfig,
     ) -> PeerVerdict {
         let identical = if c.identical_steps > 0 {
@@ -166,7 +172,7 @@ impl Peers {
             None
         };
         let standout = if c.window > 0 {
-            self.standout(step, ranks, c)
+            self.standout(step, ranks, loss, c)
         } else {
             PeerVerdict::Clear
         };
@@ -182,9 +188,15 @@ impl Peers {
         }
     }
 
-    fn standout(&mut self, step: u64, ranks: &[RankValues], c: PeerConfig) -> PeerVerdict {
+    fn standout(
+        &mut self,
+        step: u64,
+        ranks: &[RankValues],
+        loss: &[Option<(f64, f64)>],
+        c: PeerConfig,
+    ) -> PeerVerdict {
         let noted = if ranks.len() >= 3 {
-            Self::distant(ranks, c.min_effect)
+            Self::distant(ranks, loss, c.min_effect)
         } else {
             vec![]
         };
@@ -275,7 +287,11 @@ impl Peers {
     }
 
     /// Every rank at least `min_effect` from the others' median this step, by its largest effect.
-    fn distant(ranks: &[RankValues], min_effect: f64) -> Vec<Standout> {
+    fn distant(
+        ranks: &[RankValues],
+        loss: &[Option<(f64, f64)>],
+        min_effect: f64,
+    ) -> Vec<Standout> {
         let mut best: Vec<Option<Standout>> = vec![None; ranks.len()];
         let mut consider = |i: usize, effect: f64, value: f64, what: Quantity| {
             if effect >= min_effect && best[i].is_none_or(|b| effect > b.effect) {
@@ -287,12 +303,9 @@ impl Peers {
                 });
             }
         };
-        let sized: [(Getter, Quantity); 2] = [
-            (|r| r.loss, Quantity::Loss),
-            (|r| r.grad_norm, Quantity::GradNorm),
-        ];
-        for (get, what) in sized {
-            for (i, pair) in against_others(ranks, get).into_iter().enumerate() {
+        let grad_norm = against_others(ranks, |r| r.grad_norm);
+        for (column, what) in [(loss, Quantity::Loss), (&grad_norm, Quantity::GradNorm)] {
+            for (i, &pair) in column.iter().enumerate() {
                 if let Some((own, others)) = pair
                     && others > 0.0
                     && own > 0.0
@@ -315,16 +328,19 @@ impl Peers {
     }
 
     fn identical(&mut self, ranks: &[RankValues], needed: u32) -> Option<Breach> {
-        let mut keyed: Vec<((u64, u64), u32)> = ranks
-            .iter()
-            .filter_map(|r| {
-                let loss = r.loss.filter(|v| v.is_finite())?;
-                let grad = r.grad_norm.filter(|v| v.is_finite() && *v > 0.0)?;
-                Some(((loss.to_bits(), grad.to_bits()), r.rank))
-            })
-            .collect();
+        let mut keyed: Vec<((u64, u64), u32)> = Vec::with_capacity(ranks.len());
+        keyed.extend(ranks.iter().filter_map(|r| {
+            let loss = r.loss.filter(|v| v.is_finite())?;
+            let grad = r.grad_norm.filter(|v| v.is_finite() && *v > 0.0)?;
+            Some(((loss.to_bits(), grad.to_bits()), r.rank))
+        }));
         // Sorted by values, then rank: each run of equal values is a group, in rank order.
         keyed.sort_unstable();
+        // Healthy ranks never share a value: that step ends here, with nothing built.
+        if !keyed.windows(2).any(|w| w[0].0 == w[1].0) {
+            self.identical = None;
+            return None;
+        }
         let (mut groups, mut odd): (Vec<Vec<u32>>, Vec<u32>) = (vec![], vec![]);
         for run in keyed.chunk_by(|a, b| a.0 == b.0) {
             match run {
@@ -334,10 +350,6 @@ impl Peers {
         }
         groups.sort_unstable();
         odd.sort_unstable();
-        if groups.is_empty() {
-            self.identical = None;
-            return None;
-        }
         let steps = match &self.identical {
             Some((previous, n)) if *previous == groups => n + 1,
             _ => 1,

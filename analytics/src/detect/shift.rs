@@ -32,7 +32,9 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::lifecycle::Breach;
-use super::peers::{PeerVerdict, against_others};
+use super::peers::PeerVerdict;
+#[cfg(doc)]
+use super::peers::against_others;
 use super::short;
 use crate::alert::Severity;
 use crate::math::dispersion::{median, median_of_sorted};
@@ -167,11 +169,13 @@ pub(super) struct Shifts {
 
 impl Shifts {
     /// Folds in one step: a breach naming the ranks whose loss rose, a hold while an alarm is
-    /// open but its CUSUM has fallen under half the limit, else clear.
+    /// open but its CUSUM has fallen under half the limit, else clear. `loss` is
+    /// [`against_others`] of the ranks' losses (shared with the stand-out test).
     pub(super) fn observe(
         &mut self,
         step: u64,
         ranks: &[RankValues],
+        loss: &[Option<(f64, f64)>],
         c: ShiftConfig,
     ) -> PeerVerdict {
         if c.limit <= 0.0 {
@@ -182,7 +186,7 @@ impl Shifts {
         }
         self.last_step = Some(step);
         let mut rising = Vec::new();
-        for (r, pair) in ranks.iter().zip(against_others(ranks, |r| r.loss)) {
+        for (r, &pair) in ranks.iter().zip(loss) {
             let Some((own, others)) = pair.filter(|&(own, others)| own > 0.0 && others > 0.0)
             else {
                 continue;
@@ -239,6 +243,17 @@ impl Shifts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::detect::peers::against_others;
+
+    /// One step, its loss column computed as the detector's caller does.
+    fn observe(
+        shifts: &mut Shifts,
+        step: u64,
+        ranks: &[RankValues],
+        c: ShiftConfig,
+    ) -> PeerVerdict {
+        shifts.observe(step, ranks, &against_others(ranks, |r| r.loss), c)
+    }
 
     const C: ShiftConfig = ShiftConfig {
         limit: 16.0,
@@ -285,7 +300,7 @@ mod tests {
         let mut shifts = Shifts::default();
         for step in 0..steps {
             let losses: Vec<f64> = (0..world).map(|r| loss(step, r)).collect();
-            if let PeerVerdict::Breach(b) = shifts.observe(step, &step_values(&losses), C) {
+            if let PeerVerdict::Breach(b) = observe(&mut shifts, step, &step_values(&losses), C) {
                 return Some((step, b));
             }
         }
@@ -329,7 +344,7 @@ mod tests {
                 })
                 .collect();
             breached.push(matches!(
-                shifts.observe(step, &step_values(&losses), C),
+                observe(&mut shifts, step, &step_values(&losses), C),
                 PeerVerdict::Breach(_)
             ));
         }
@@ -361,12 +376,12 @@ mod tests {
         let mut shifts = Shifts::default();
         for step in 0..200u64 {
             let losses: Vec<f64> = (0..4).map(|r| noise(5, step, r, 0.05)).collect();
-            shifts.observe(step, &step_values(&losses), C);
+            observe(&mut shifts, step, &step_values(&losses), C);
         }
         assert!(shifts.ranks[&0].baseline.len() >= C.min_observations);
         let losses: Vec<f64> = (0..4).map(|r| noise(5, 100, r, 0.05)).collect();
         assert_eq!(
-            shifts.observe(100, &step_values(&losses), C),
+            observe(&mut shifts, 100, &step_values(&losses), C),
             PeerVerdict::Clear
         );
         assert!(shifts.ranks[&0].baseline.is_empty());
@@ -395,14 +410,14 @@ mod tests {
         let mut shifts = Shifts::default();
         let off = ShiftConfig { limit: 0.0, ..C };
         let losses = step_values(&[1.0, 5.0, 1.0]);
-        assert_eq!(shifts.observe(0, &losses, off), PeerVerdict::Clear);
+        assert_eq!(observe(&mut shifts, 0, &losses, off), PeerVerdict::Clear);
         assert!(shifts.ranks.is_empty());
         let mut lone = step_values(&[1.0]);
         lone.push(RankValues {
             rank: 1,
             ..RankValues::default()
         });
-        assert_eq!(shifts.observe(1, &lone, C), PeerVerdict::Clear);
+        assert_eq!(observe(&mut shifts, 1, &lone, C), PeerVerdict::Clear);
         assert!(shifts.ranks.is_empty());
     }
 

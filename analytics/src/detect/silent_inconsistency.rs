@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::pair::{Pair, PairConfig, PairVerdict};
-use super::peers::{PeerConfig, PeerVerdict, Peers};
+use super::peers::{PeerConfig, PeerVerdict, Peers, against_others};
 use super::shift::{ShiftConfig, Shifts};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
@@ -499,10 +499,15 @@ impl Detector for SilentInconsistency {
         let c = self.config;
         // The peers judge from step 0: they need no baseline; with two ranks, each rank's own
         // history does what the peers cannot (name the one that changed).
+        // Each rank's loss against the others', sorted once for both tests that read it.
+        let loss = against_others(&obs.ranks, |r| r.loss);
         let mut peers = self
             .peers
-            .observe(obs.step, &obs.ranks, c.peer_config())
-            .either(self.shifts.observe(obs.step, &obs.ranks, c.shift_config()));
+            .observe(obs.step, &obs.ranks, &loss, c.peer_config())
+            .either(
+                self.shifts
+                    .observe(obs.step, &obs.ranks, &loss, c.shift_config()),
+            );
         if c.pair_window > 0
             && let PairVerdict::Breach(found) =
                 self.pair.observe(obs.step, &obs.ranks, c.pair_config())

@@ -31,7 +31,8 @@ pub struct Dispersion {
 impl Dispersion {
     /// Statistics of `values`; `None` when no value is finite.
     pub fn of(values: &[f64]) -> Option<Self> {
-        let mut finite: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+        let mut finite = Vec::with_capacity(values.len());
+        finite.extend(values.iter().copied().filter(|v| v.is_finite()));
         let count = finite.len();
         if count == 0 {
             return None;
@@ -43,8 +44,11 @@ impl Dispersion {
         let min = finite.iter().copied().fold(f64::INFINITY, f64::min);
         let max = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let median = median(&mut finite);
-        let mut deviations: Vec<f64> = finite.iter().map(|v| (v - median).abs()).collect();
-        let mad = self::median(&mut deviations);
+        // The deviations overwrite the values (no second buffer): only the median was needed.
+        for v in &mut finite {
+            *v = (*v - median).abs();
+        }
+        let mad = self::median(&mut finite);
         Some(Dispersion {
             count,
             nonfinite: values.len() - count,
@@ -71,13 +75,27 @@ impl Dispersion {
     }
 }
 
-/// Median of finite values (the slice is reordered). NaN for an empty slice.
+/// Median of finite values (the slice is reordered, not sorted: the middle values are
+/// selected in linear time, and the result is the sorted slice's to the bit). NaN for an empty
+/// slice.
 pub fn median(values: &mut [f64]) -> f64 {
     if values.is_empty() {
         return f64::NAN;
     }
-    values.sort_by(f64::total_cmp);
-    median_of_sorted(values)
+    let (mid, even) = (values.len() / 2, values.len().is_multiple_of(2));
+    let (below, at, _) = values.select_nth_unstable_by(mid, f64::total_cmp);
+    let upper = *at;
+    if even {
+        // The value before the middle in sorted order is the largest of those below it.
+        let lower = below
+            .iter()
+            .copied()
+            .max_by(f64::total_cmp)
+            .unwrap_or(upper);
+        (lower + upper) / 2.0
+    } else {
+        upper
+    }
 }
 
 /// The median of values already sorted ascending (NaN when there are none).
@@ -106,6 +124,26 @@ pub fn robust_z_scores(values: &[f64], min_scale: f64) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The selected median is the sorted slice's, to the bit: odd and even lengths, ties,
+        /// signed zeros, NaN (which `total_cmp` places by its sign).
+        #[test]
+        fn the_selected_median_is_the_sorted_median(values in prop::collection::vec(prop_oneof![
+            6 => -1e3..1e3f64,
+            2 => (0..3u8).prop_map(f64::from),
+            1 => Just(-0.0),
+            1 => Just(f64::NAN),
+            1 => Just(f64::INFINITY),
+        ], 0..70)) {
+            let mut sorted = values.clone();
+            sorted.sort_by(f64::total_cmp);
+            let want = median_of_sorted(&sorted);
+            let got = median(&mut values.clone());
+            prop_assert_eq!(got.to_bits(), want.to_bits());
+        }
+    }
 
     #[test]
     fn known_values() {

@@ -205,11 +205,13 @@ fn null_in(fail: &impl Fn(String) -> Error, name: &str, column: &dyn Array) -> E
 }
 
 /// The value at `row`, or `None` if null.
+#[inline]
 pub(crate) fn opt<T: ArrowPrimitiveType>(a: &PrimitiveArray<T>, row: usize) -> Option<T::Native> {
     a.is_valid(row).then(|| a.value(row))
 }
 
 /// The string at `row`, or `None` if null.
+#[inline]
 pub(crate) fn opt_str(a: &StringArray, row: usize) -> Option<&str> {
     a.is_valid(row).then(|| a.value(row))
 }

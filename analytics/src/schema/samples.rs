@@ -70,39 +70,76 @@ pub struct SampleRow<'a> {
     pub value: f64,
 }
 
+/// A samples batch's columns, its schema checked once: for readers that go column by column
+/// (the alert engine resolves a batch's metric names from the `metric` column as a whole) and
+/// then row by row.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleColumns<'a> {
+    run: &'a StringArray,
+    rank: &'a UInt32Array,
+    step: &'a UInt64Array,
+    time: &'a arrow_array::TimestampMillisecondArray,
+    /// The metric names, by row.
+    pub metric: &'a StringArray,
+    layer: &'a UInt32Array,
+    site: &'a StringArray,
+    value: &'a Float64Array,
+}
+
+impl<'a> SampleColumns<'a> {
+    /// Checks the schema of `batch` (not its values).
+    pub fn new(batch: &'a RecordBatch) -> Result<Self> {
+        let c = Columns::new(TABLE, &SCHEMA, batch)?;
+        // In the schema's order (by position when the batch carries it, else by name).
+        Ok(SampleColumns {
+            run: c.column_at(0, "run").as_string::<i32>(),
+            rank: c.column_at(1, "rank").as_primitive::<UInt32Type>(),
+            step: c.column_at(2, "step").as_primitive::<UInt64Type>(),
+            time: c
+                .column_at(3, "time")
+                .as_primitive::<TimestampMillisecondType>(),
+            metric: c.column_at(4, "metric").as_string::<i32>(),
+            layer: c.column_at(5, "layer").as_primitive::<UInt32Type>(),
+            site: c.column_at(6, "site").as_string::<i32>(),
+            value: c.column_at(7, "value").as_primitive::<Float64Type>(),
+        })
+    }
+
+    /// Rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.value.len()
+    }
+
+    /// Row `i` (below [`SampleColumns::rows`]). Inlined into the reader, so the columns it
+    /// does not use are not read.
+    #[inline]
+    pub fn row(&self, i: usize) -> SampleRow<'a> {
+        SampleRow {
+            run: self.run.value(i),
+            rank: opt(self.rank, i),
+            step: self.step.value(i),
+            time_ms: self.time.value(i),
+            metric: self.metric.value(i),
+            layer: opt(self.layer, i),
+            site: opt_str(self.site, i),
+            value: self.value.value(i),
+        }
+    }
+}
+
 /// Checks the schema of `batch` and calls `f` with each row; stops at the first error `f`
 /// returns, naming its row.
 pub fn try_for_each_row<'a>(
     batch: &'a RecordBatch,
     mut f: impl FnMut(SampleRow<'a>) -> Result<()>,
 ) -> Result<()> {
-    let c = Columns::new(TABLE, &SCHEMA, batch)?;
-    // In the schema's order (by position when the batch carries it, else by name).
-    let (run, rank, step, time) = (
-        c.column_at(0, "run").as_string::<i32>(),
-        c.column_at(1, "rank").as_primitive::<UInt32Type>(),
-        c.column_at(2, "step").as_primitive::<UInt64Type>(),
-        c.column_at(3, "time")
-            .as_primitive::<TimestampMillisecondType>(),
-    );
-    let (metric, layer, site, value) = (
-        c.column_at(4, "metric").as_string::<i32>(),
-        c.column_at(5, "layer").as_primitive::<UInt32Type>(),
-        c.column_at(6, "site").as_string::<i32>(),
-        c.column_at(7, "value").as_primitive::<Float64Type>(),
-    );
-    (0..c.rows()).try_for_each(|i| {
-        f(SampleRow {
-            run: run.value(i),
-            rank: opt(rank, i),
-            step: step.value(i),
-            time_ms: time.value(i),
-            metric: metric.value(i),
-            layer: opt(layer, i),
-            site: opt_str(site, i),
-            value: value.value(i),
+    let columns = SampleColumns::new(batch)?;
+    (0..columns.rows()).try_for_each(|i| {
+        f(columns.row(i)).map_err(|e| crate::error::Error::Row {
+            table: TABLE,
+            row: i,
+            source: Box::new(e),
         })
-        .map_err(c.at(i))
     })
 }
 

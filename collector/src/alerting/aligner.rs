@@ -71,8 +71,12 @@ pub enum Digest {
 struct OpenStep {
     first_seen_ms: i64,
     time_ms: i64,
-    ranks: BTreeMap<u32, RankValues>,
-    nonfinite: BTreeMap<u32, f64>,
+    /// One entry per (rank, step) group as the groups arrive: a rank's rows of a step come
+    /// together, so this is one entry a rank, appended rather than looked up in a map. The
+    /// rare rank that sent a step in two batches is merged when the step closes.
+    ranks: Vec<RankValues>,
+    /// NaN/Inf counts, gathered the same way (summed per rank when the step closes).
+    nonfinite: Vec<(u32, f64)>,
     sketches: BTreeMap<u32, SketchRecord>,
     /// Per rank: the whole-model digest, each block's, the optimizer state's.
     fingerprints: BTreeMap<u32, Digests>,
@@ -83,8 +87,9 @@ struct OpenStep {
 pub struct StepAligner {
     timeout_ms: i64,
     open: BTreeMap<u64, OpenStep>,
-    /// Latest step each rank reported anything for, and when (the collector's clock).
-    latest: BTreeMap<u32, (u64, i64)>,
+    /// Latest step each rank reported anything for, and when (the collector's clock). Hashed:
+    /// every (rank, step) group looks its rank up; the few readers that need rank order sort.
+    latest: foldhash::HashMap<u32, (u64, i64)>,
     /// How many ranks of the world (`world`) have each latest step, and how many were heard:
     /// the step every rank has moved past is the first key once all were, kept as ranks move
     /// instead of taken as a minimum over the world at every batch (that was O(world) per
@@ -149,7 +154,7 @@ impl StepAligner {
         StepAligner {
             timeout_ms,
             open: BTreeMap::new(),
-            latest: BTreeMap::new(),
+            latest: Default::default(),
             world: None,
             at_step: BTreeMap::new(),
             heard: 0,
@@ -179,8 +184,12 @@ impl StepAligner {
     }
 
     fn step_mut(&mut self, step: u64, now_ms: i64) -> &mut OpenStep {
+        // Room for every rank heard from (up to a bound), so the step's entries are not moved
+        // as it fills.
+        let ranks = self.latest.len().min(1 << 16);
         self.open.entry(step).or_insert_with(|| OpenStep {
             first_seen_ms: now_ms,
+            ranks: Vec::with_capacity(ranks),
             ..OpenStep::default()
         })
     }
@@ -238,17 +247,21 @@ impl StepAligner {
             ..
         } = open;
         let mut values = gathers.then(|| {
-            ranks.entry(rank).or_insert_with(|| RankValues {
-                rank,
-                ..RankValues::default()
-            })
+            if ranks.last().is_none_or(|v| v.rank != rank) {
+                ranks.push(RankValues {
+                    rank,
+                    ..RankValues::default()
+                });
+            }
+            ranks.last_mut().expect("pushed above")
         });
         for row in group {
             match row.what {
                 Staged::Seen => {}
-                Staged::Scalar(RankScalar::Nonfinite) => {
-                    *nonfinite.entry(rank).or_insert(0.0) += row.value;
-                }
+                Staged::Scalar(RankScalar::Nonfinite) => match nonfinite.last_mut() {
+                    Some((r, count)) if *r == rank => *count += row.value,
+                    _ => nonfinite.push((rank, 0.0 + row.value)),
+                },
                 Staged::Scalar(what) => {
                     let Some(values) = values.as_deref_mut() else {
                         continue; // not reached: `gathers` saw this row
@@ -284,11 +297,11 @@ impl StepAligner {
     /// at each step with it.
     fn note(&mut self, rank: u32, step: u64, now_ms: i64) {
         let from = match self.latest.entry(rank) {
-            std::collections::btree_map::Entry::Vacant(v) => {
+            std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert((step, now_ms));
                 None
             }
-            std::collections::btree_map::Entry::Occupied(mut o) => {
+            std::collections::hash_map::Entry::Occupied(mut o) => {
                 let (old, _) = *o.get();
                 *o.get_mut() = (old.max(step), now_ms);
                 if step <= old {
@@ -314,7 +327,7 @@ impl StepAligner {
         let Some(world) = world else {
             return;
         };
-        for (_, &(step, _)) in self.latest.range(..world) {
+        for (_, &(step, _)) in self.latest.iter().filter(|(rank, _)| **rank < world) {
             self.heard += 1;
             *self.at_step.entry(step).or_insert(0) += 1;
         }
@@ -369,14 +382,19 @@ impl StepAligner {
             if !complete && timed_out.is_none_or(|t| step > t) {
                 break;
             }
-            let open = self.open.remove(&step).unwrap_or_default();
+            let mut open = self.open.remove(&step).unwrap_or_default();
+            merge_ranks(&mut open);
             self.closed_through = Some(step);
             let missing = if complete {
                 Vec::new()
             } else {
                 let listed = listed.get_or_insert_with(|| match world_size {
                     Some(n) => (0..n).collect(),
-                    None => self.latest.keys().copied().collect(),
+                    None => {
+                        let mut heard: Vec<u32> = self.latest.keys().copied().collect();
+                        heard.sort_unstable();
+                        heard
+                    }
                 });
                 missing(&open, listed)
             };
@@ -396,26 +414,60 @@ fn leave(at_step: &mut BTreeMap<u64, u32>, step: u64) {
     }
 }
 
-/// The ranks of `world` with no row at all for a step.
+/// The ranks of `world` with no row at all for a step (its ranks and counts merged: sorted by
+/// rank).
 fn missing(open: &OpenStep, world: &[u32]) -> Vec<u32> {
     world
         .iter()
         .copied()
         .filter(|r| {
-            !open.ranks.contains_key(r)
-                && !open.nonfinite.contains_key(r)
+            open.ranks.binary_search_by_key(r, |v| v.rank).is_err()
+                && open
+                    .nonfinite
+                    .binary_search_by_key(r, |&(rank, _)| rank)
+                    .is_err()
                 && !open.sketches.contains_key(r)
                 && !open.fingerprints.contains_key(r)
         })
         .collect()
 }
 
+/// Puts a step's per-rank entries in rank order, one a rank: a rank's later group fills in what
+/// it sent (its values replace the earlier ones, as rows of one group do), and NaN counts add
+/// up, in arrival order. Ranks mostly arrive in order, which a stable sort takes in one pass.
+fn merge_ranks(open: &mut OpenStep) {
+    open.ranks.sort_by_key(|v| v.rank);
+    open.ranks.dedup_by(|later, kept| {
+        if later.rank != kept.rank {
+            return false;
+        }
+        for (slot, value) in [
+            (&mut kept.loss, later.loss),
+            (&mut kept.tokens, later.tokens),
+            (&mut kept.grad_norm, later.grad_norm),
+            (&mut kept.grad_norm_mean, later.grad_norm_mean),
+            (&mut kept.cos_to_mean, later.cos_to_mean),
+        ] {
+            *slot = value.or(*slot);
+        }
+        true
+    });
+    open.nonfinite.sort_by_key(|&(rank, _)| rank);
+    open.nonfinite.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 += later.1;
+        }
+        same
+    });
+}
+
 fn close(step: u64, open: OpenStep, missing: Vec<u32>, complete: bool) -> ClosedStep {
     ClosedStep {
         step,
         time_ms: open.time_ms,
-        ranks: open.ranks.into_values().collect(),
-        nonfinite: open.nonfinite.into_iter().collect(),
+        ranks: open.ranks,
+        nonfinite: open.nonfinite,
         missing,
         cos_pair_mean: sketch_pair_mean(&open.sketches),
         fingerprints: open
@@ -617,6 +669,35 @@ mod tests {
         let closed = a.close_ready(Some(3), 0, true);
         assert_eq!(closed.len(), 1);
         assert_eq!(closed[0].step, 3);
+    }
+
+    #[test]
+    fn a_rank_that_sends_a_step_in_two_batches_is_one_rank_of_it() {
+        let mut a = StepAligner::new(10_000);
+        // Rank 1 first, out of order; rank 0's step 5 in two batches with rank 1's between.
+        a.add(1, 5, 5, 0, RankScalar::Loss, 9.0);
+        a.add(0, 5, 5, 0, RankScalar::Loss, 1.0);
+        a.add(0, 5, 5, 0, RankScalar::Nonfinite, 2.0);
+        a.add(1, 5, 5, 0, RankScalar::GradNorm, 3.0);
+        a.add(0, 5, 5, 0, RankScalar::GradNorm, 4.0);
+        a.add(0, 5, 5, 0, RankScalar::Loss, 1.5);
+        a.add(0, 5, 5, 0, RankScalar::Nonfinite, 1.0);
+        for rank in 0..2 {
+            loss(&mut a, rank, 6, 1);
+        }
+        let closed = a.close_ready(Some(2), 2, false);
+        assert_eq!(closed.len(), 1);
+        let ranks: Vec<_> = closed[0]
+            .ranks
+            .iter()
+            .map(|v| (v.rank, v.loss, v.grad_norm))
+            .collect();
+        assert_eq!(
+            ranks,
+            [(0, Some(1.5), Some(4.0)), (1, Some(9.0), Some(3.0))],
+            "the later batch's loss replaces the earlier; what it did not send is kept"
+        );
+        assert_eq!(closed[0].nonfinite, [(0, 3.0)]);
     }
 
     #[test]

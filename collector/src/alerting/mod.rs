@@ -525,14 +525,14 @@ impl Engine {
         let Some(watch) = self.watch(&run, now) else {
             return;
         };
-        if let Some(batch) = &entry.samples
-            && let Err(e) = samples::try_for_each_row(batch, |row| {
-                alerts.extend(watch.row(row, now));
-                Ok(())
-            })
-        {
-            tracing::error!(%run, error = %e, "alert engine could not read a samples batch");
-            metrics.errors.inc();
+        if let Some(batch) = &entry.samples {
+            match watch.samples(batch, now) {
+                Ok(changed) => alerts.extend(changed),
+                Err(e) => {
+                    tracing::error!(%run, error = %e, "alert engine could not read a samples batch");
+                    metrics.errors.inc();
+                }
+            }
         }
         if let Some(batch) = &entry.sketches {
             match sketches::from_batch(batch) {

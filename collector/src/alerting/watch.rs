@@ -9,15 +9,17 @@
 //! `rank_collapse`, `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
 //! rank's last report as the collector saw it (its own clock, not the agents').
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
+use arrow_array::{Array, RecordBatch, StringArray};
+use rankwatch_analytics::Result as AnalyticsResult;
 use rankwatch_analytics::detect::{
     ActivationObservation, ActivationOutlier, CollapseObservation, Detector, DetectorsConfig,
     LossObservation, LossSpike, Nonfinite, NonfiniteObservation, RankActivity, RankCollapse,
     ReplicaDivergence, ReplicaObservation, SilentInconsistency, StaleRank, StepObservation,
 };
 use rankwatch_analytics::math::StepStats;
-use rankwatch_analytics::schema::samples::SampleRow;
+use rankwatch_analytics::schema::samples::{SampleColumns, SampleRow};
 use rankwatch_analytics::{Alert, Metric, MetricName, RunId, Sample, Site, SketchRecord};
 
 use super::aligner::{ClosedStep, Digest, RankScalar, Staged, StepAligner};
@@ -66,6 +68,45 @@ pub struct RunWatch {
     stale_ranks: Vec<(u32, Option<(u64, i64)>)>,
     /// Ranks whose latest row was `finished` (their `finish()` was called).
     finished: BTreeSet<u32>,
+    /// The metrics of the last samples batch's rows.
+    layout: MetricLayout,
+}
+
+/// The metric of each row of a batch, kept for the next batch: the ranks of a run send the same
+/// report at a step, so the next batch's `metric` column is most often the same bytes, and one
+/// comparison of them replaces a look-up per row.
+#[derive(Debug, Default)]
+struct MetricLayout {
+    /// The column's bytes and its offsets relative to the first, as last resolved.
+    names: Vec<u8>,
+    offsets: Vec<i32>,
+    metrics: Vec<Option<Metric>>,
+}
+
+impl MetricLayout {
+    /// Makes `metrics` the metrics of `column`'s rows, looking names up with `metric_of` only
+    /// when the column differs from the last one.
+    fn resolve(&mut self, column: &StringArray, mut metric_of: impl FnMut(&str) -> Option<Metric>) {
+        let offsets = column.value_offsets();
+        let (first, last) = (offsets[0], offsets[offsets.len() - 1]);
+        let names = &column.value_data()[first as usize..last as usize];
+        let same = names == self.names.as_slice()
+            && offsets.len() == self.offsets.len()
+            && offsets
+                .iter()
+                .zip(&self.offsets)
+                .all(|(&at, &kept)| at - first == kept);
+        if same {
+            return;
+        }
+        self.names.clear();
+        self.names.extend_from_slice(names);
+        self.offsets.clear();
+        self.offsets.extend(offsets.iter().map(|&at| at - first));
+        self.metrics.clear();
+        self.metrics
+            .extend((0..column.len()).map(|i| metric_of(column.value(i))));
+    }
 }
 
 impl RunWatch {
@@ -93,6 +134,7 @@ impl RunWatch {
             stale_checked_ms: None,
             stale_ranks: Vec::new(),
             finished: BTreeSet::new(),
+            layout: MetricLayout::default(),
         })
     }
 
@@ -118,12 +160,31 @@ impl RunWatch {
         open
     }
 
-    /// Feeds one sample row; returns the alerts it changed. A rank's row is appended to the
-    /// aligner's batch (see [`StepAligner::stage`]); [`RunWatch::end_batch`] applies them, as
-    /// seen at the time of the batch's rows (`last_activity_ms`).
+    /// Feeds a samples batch, row by row; returns the alerts it changed. Its metric names are
+    /// resolved for the batch as a whole (see [`MetricLayout`]).
+    pub fn samples(&mut self, batch: &RecordBatch, now_ms: i64) -> AnalyticsResult<Vec<Alert>> {
+        let columns = SampleColumns::new(batch)?;
+        let mut layout = std::mem::take(&mut self.layout);
+        layout.resolve(columns.metric, |name| self.metric_of(name));
+        let mut alerts = Vec::new();
+        for (i, &metric) in layout.metrics.iter().enumerate() {
+            alerts.extend(self.route(columns.row(i), metric, now_ms));
+        }
+        self.layout = layout;
+        Ok(alerts)
+    }
+
+    /// Feeds one sample row; returns the alerts it changed.
     pub fn row(&mut self, row: SampleRow<'_>, now_ms: i64) -> Vec<Alert> {
-        self.last_activity_ms = now_ms;
         let metric = self.metric_of(row.metric);
+        self.route(row, metric, now_ms)
+    }
+
+    /// A row whose metric is known. A rank's row is appended to the aligner's batch (see
+    /// [`StepAligner::stage`]); [`RunWatch::end_batch`] applies them, as seen at the time of
+    /// the batch's rows (`last_activity_ms`).
+    fn route(&mut self, row: SampleRow<'_>, metric: Option<Metric>, now_ms: i64) -> Vec<Alert> {
+        self.last_activity_ms = now_ms;
         if let Some(rank) = row.rank {
             // A rank is finished from its `finished` row until it reports anything else (a
             // resume under the same run name, or a crashed rank's replacement).
@@ -324,14 +385,20 @@ impl RunWatch {
         }));
         let alerts = &mut out.alerts;
         // Nonfinite first: a NaN step is critical on its own, whatever the other rules say.
-        let mut per_rank: BTreeMap<u32, (u64, Option<f64>)> = BTreeMap::new();
-        for (rank, count) in &closed.nonfinite {
-            per_rank.entry(*rank).or_default().0 = count.max(0.0) as u64;
-        }
-        for values in &closed.ranks {
-            per_rank.entry(values.rank).or_default().1 = values.loss;
-        }
-        for (rank, (count, loss)) in per_rank {
+        // Each rank that reported a count or a loss, in rank order: both lists come sorted by
+        // rank, one entry a rank, so they are merged rather than gathered in a map.
+        let mut counts = closed.nonfinite.iter().peekable();
+        let mut losses = closed.ranks.iter().peekable();
+        while let Some(rank) = match (counts.peek(), losses.peek()) {
+            (Some(&&(a, _)), Some(b)) => Some(a.min(b.rank)),
+            (Some(&&(a, _)), None) => Some(a),
+            (None, Some(b)) => Some(b.rank),
+            (None, None) => None,
+        } {
+            let count = counts
+                .next_if(|&&(r, _)| r == rank)
+                .map_or(0, |&(_, count)| count.max(0.0) as u64);
+            let loss = losses.next_if(|v| v.rank == rank).and_then(|v| v.loss);
             alerts.extend(self.nonfinite.observe(&NonfiniteObservation {
                 step: closed.step,
                 time_ms: closed.time_ms,
@@ -369,5 +436,40 @@ impl RunWatch {
         }
         out.steps_complete += u64::from(closed.complete);
         out.steps_timed_out += u64::from(!closed.complete);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each column's metrics are the names' own, whether the layout is reused or not: the same
+    /// bytes split differently, a sliced column, an empty one, and back again.
+    #[test]
+    fn a_layout_is_reused_only_for_the_same_names() {
+        let columns: Vec<StringArray> = vec![
+            StringArray::from(vec!["loss", "grad_norm", "act_max"]),
+            StringArray::from(vec!["loss", "grad_norm", "act_max"]),
+            StringArray::from(vec!["x", "loss", "grad_norm", "act_max"]).slice(1, 3),
+            StringArray::from(vec!["lossgrad", "_norm", "act_max"]),
+            StringArray::from(Vec::<&str>::new()),
+            StringArray::from(vec!["loss", "grad_norm", "act_ma"]),
+            StringArray::from(vec!["loss", "grad_norm", "act_max", "loss"]),
+        ];
+        let mut layout = MetricLayout::default();
+        let mut looked_up = 0;
+        for column in &columns {
+            layout.resolve(column, |name| {
+                looked_up += 1;
+                Metric::from_name(name)
+            });
+            let want: Vec<Option<Metric>> = (0..column.len())
+                .map(|i| Metric::from_name(column.value(i)))
+                .collect();
+            assert_eq!(layout.metrics, want, "{column:?}");
+        }
+        // Looked up afresh for all but the repeat, the slice of the same names after it and
+        // the empty column: 3 + 3 + 3 + 4 names.
+        assert_eq!(looked_up, 13);
     }
 }
