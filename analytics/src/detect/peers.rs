@@ -107,6 +107,16 @@ impl PeerVerdict {
 
 type Getter = fn(&RankValues) -> Option<f64>;
 
+/// One step as the tests that compare ranks read it: each rank's values, and each rank's loss
+/// against the others' median ([`against_others`], computed once a step for both the
+/// stand-out and the shift test).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PeerStep<'a> {
+    pub(super) step: u64,
+    pub(super) ranks: &'a [RankValues],
+    pub(super) loss: &'a [Option<(f64, f64)>],
+}
+
 /// For each rank (by index), its own value of `get` and the median of the other ranks' values,
 /// where it has a value and at least one other does (the stand-out test asks for three ranks
 /// before it calls this; the shift test takes two). Nothing when some rank's value is not
@@ -157,22 +167,14 @@ fn list(ranks: &[u32]) -> String {
 
 impl Peers {
     /// Folds in one step.
-    /// Folds in one step; `loss` is [`against_others`] of the ranks' losses (the shift test
-    /// reads the same column, so it is sorted once a step).
-    pub(super) fn observe(
-        &mut self,
-        step: u64,
-        ranks: &[RankValues],
-        loss: &[Option<(f64, f64)>],
-        c: PeerConfig,
-    ) -> PeerVerdict {
+    pub(super) fn observe(&mut self, at: PeerStep<'_>, c: PeerConfig) -> PeerVerdict {
         let identical = if c.identical_steps > 0 {
-            self.identical(ranks, c.identical_steps)
+            self.identical(at.ranks, c.identical_steps)
         } else {
             None
         };
         let standout = if c.window > 0 {
-            self.standout(step, ranks, loss, c)
+            self.standout(at, c)
         } else {
             PeerVerdict::Clear
         };
@@ -188,13 +190,8 @@ impl Peers {
         }
     }
 
-    fn standout(
-        &mut self,
-        step: u64,
-        ranks: &[RankValues],
-        loss: &[Option<(f64, f64)>],
-        c: PeerConfig,
-    ) -> PeerVerdict {
+    fn standout(&mut self, at: PeerStep<'_>, c: PeerConfig) -> PeerVerdict {
+        let PeerStep { step, ranks, loss } = at;
         let noted = if ranks.len() >= 3 {
             Self::distant(ranks, loss, c.min_effect)
         } else {

@@ -32,13 +32,10 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::lifecycle::Breach;
-use super::peers::PeerVerdict;
-#[cfg(doc)]
-use super::peers::against_others;
+use super::peers::{PeerStep, PeerVerdict};
 use super::short;
 use crate::alert::Severity;
 use crate::math::dispersion::{median, median_of_sorted};
-use crate::math::step::RankValues;
 
 /// Thresholds, from `SilentInconsistencyConfig`.
 #[derive(Debug, Clone, Copy)]
@@ -169,15 +166,9 @@ pub(super) struct Shifts {
 
 impl Shifts {
     /// Folds in one step: a breach naming the ranks whose loss rose, a hold while an alarm is
-    /// open but its CUSUM has fallen under half the limit, else clear. `loss` is
-    /// [`against_others`] of the ranks' losses (shared with the stand-out test).
-    pub(super) fn observe(
-        &mut self,
-        step: u64,
-        ranks: &[RankValues],
-        loss: &[Option<(f64, f64)>],
-        c: ShiftConfig,
-    ) -> PeerVerdict {
+    /// open but its CUSUM has fallen under half the limit, else clear.
+    pub(super) fn observe(&mut self, at: PeerStep<'_>, c: ShiftConfig) -> PeerVerdict {
+        let PeerStep { step, ranks, loss } = at;
         if c.limit <= 0.0 {
             return PeerVerdict::Clear;
         }
@@ -244,6 +235,7 @@ impl Shifts {
 mod tests {
     use super::*;
     use crate::detect::peers::against_others;
+    use crate::math::step::RankValues;
 
     /// One step, its loss column computed as the detector's caller does.
     fn observe(
@@ -252,7 +244,15 @@ mod tests {
         ranks: &[RankValues],
         c: ShiftConfig,
     ) -> PeerVerdict {
-        shifts.observe(step, ranks, &against_others(ranks, |r| r.loss), c)
+        let loss = against_others(ranks, |r| r.loss);
+        shifts.observe(
+            PeerStep {
+                step,
+                ranks,
+                loss: &loss,
+            },
+            c,
+        )
     }
 
     const C: ShiftConfig = ShiftConfig {

@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::pair::{Pair, PairConfig, PairVerdict};
-use super::peers::{PeerConfig, PeerVerdict, Peers, against_others};
+use super::peers::{PeerConfig, PeerStep, PeerVerdict, Peers, against_others};
 use super::shift::{ShiftConfig, Shifts};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
@@ -501,13 +501,15 @@ impl Detector for SilentInconsistency {
         // history does what the peers cannot (name the one that changed).
         // Each rank's loss against the others', sorted once for both tests that read it.
         let loss = against_others(&obs.ranks, |r| r.loss);
+        let at = PeerStep {
+            step: obs.step,
+            ranks: &obs.ranks,
+            loss: &loss,
+        };
         let mut peers = self
             .peers
-            .observe(obs.step, &obs.ranks, &loss, c.peer_config())
-            .either(
-                self.shifts
-                    .observe(obs.step, &obs.ranks, &loss, c.shift_config()),
-            );
+            .observe(at, c.peer_config())
+            .either(self.shifts.observe(at, c.shift_config()));
         if c.pair_window > 0
             && let PairVerdict::Breach(found) =
                 self.pair.observe(obs.step, &obs.ranks, c.pair_config())
