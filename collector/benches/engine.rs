@@ -45,14 +45,13 @@ const MIX: &str = include_str!("../../bench/agent_mix.json");
 const STEPS: u64 = 200;
 const SKETCH_DIM: usize = 1024;
 
-/// One rank's report of one step: its samples (as rows and as the batch) and whether a
-/// sketch goes with it.
+/// One rank's report of one step: its samples (as rows and as the batch) and the sketch that
+/// goes with it, if any.
 struct Report {
-    rank: u32,
     step: u64,
     samples: Vec<Sample>,
     batch: RecordBatch,
-    sketch: bool,
+    sketch: Option<SketchRecord>,
 }
 
 fn time_ms(step: u64) -> i64 {
@@ -66,8 +65,20 @@ fn reports(mix: &AgentMix, run: &RunId, ranks: u32) -> (Vec<Report>, u64) {
         for rank in 0..ranks {
             let (samples, sketch) = mix.samples(run, rank, step, ranks, time_ms(step));
             rows += samples.len() as u64;
+            // Replicas' gradients agree to a cosine near 0.9: a shared direction and each
+            // rank's own.
+            let sketch = sketch.then(|| {
+                replica_sketch(
+                    run,
+                    rank,
+                    step,
+                    time_ms(step),
+                    SketchKind::Rademacher,
+                    SKETCH_DIM,
+                    0.3,
+                )
+            });
             out.push(Report {
-                rank,
                 step,
                 batch: samples::to_batch(&samples).expect("a valid batch"),
                 samples,
@@ -84,16 +95,10 @@ fn new_watch(run: &RunId) -> RunWatch {
 
 /// What the engine does with one acknowledged batch: its sketch first (the agent sends it
 /// before the step's samples), every row routed, the batch ended, the run ticked.
-fn feed(
-    watch: &mut RunWatch,
-    report: &Report,
-    batch: &RecordBatch,
-    sketch: Option<&SketchRecord>,
-    ranks: u32,
-) {
+fn feed(watch: &mut RunWatch, report: &Report, batch: &RecordBatch, ranks: u32) {
     // The collector's clock: one second a step, as the ranks report.
     let now = report.step as i64 * 1000;
-    if let Some(s) = sketch {
+    if let Some(s) = &report.sketch {
         watch.sketch(s.clone(), now);
     }
     black_box(watch.samples(batch, now).expect("a valid batch"));
@@ -110,24 +115,6 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
         .measurement_time(Duration::from_secs(20));
     for ranks in [64u32, 1024] {
         let (reports, rows) = reports(&mix, &run, ranks);
-        let sketches: Vec<Option<SketchRecord>> = reports
-            .iter()
-            .map(|r| {
-                // Replicas' gradients agree to a cosine near 0.9: a shared direction and each
-                // rank's own.
-                r.sketch.then(|| {
-                    replica_sketch(
-                        &run,
-                        r.rank,
-                        r.step,
-                        time_ms(r.step),
-                        SketchKind::Rademacher,
-                        SKETCH_DIM,
-                        0.3,
-                    )
-                })
-            })
-            .collect();
         group.throughput(Throughput::Elements(rows));
         // Every batch built before the run, as it always was: 200 steps of reports are tens of
         // megabytes at 64 ranks, so each batch is read cold from memory.
@@ -135,8 +122,8 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
             b.iter_batched(
                 || new_watch(&run),
                 |mut watch| {
-                    for (report, sketch) in reports.iter().zip(&sketches) {
-                        feed(&mut watch, report, &report.batch, sketch.as_ref(), ranks);
+                    for report in &reports {
+                        feed(&mut watch, report, &report.batch, ranks);
                     }
                     watch
                 },
@@ -153,16 +140,14 @@ fn engine(c: &mut Criterion<ThreadCpu>) {
                     let mut spent = Duration::ZERO;
                     for _ in 0..iterations {
                         let mut watch = new_watch(&run);
-                        let step = |(report, _): &(&Report, _)| report.step;
-                        let both: Vec<_> = reports.iter().zip(&sketches).collect();
-                        for one_step in both.chunk_by(|a, b| step(a) == step(b)) {
+                        for one_step in reports.chunk_by(|a, b| a.step == b.step) {
                             let batches: Vec<RecordBatch> = one_step
                                 .iter()
-                                .map(|(r, _)| samples::to_batch(&r.samples).expect("a valid batch"))
+                                .map(|r| samples::to_batch(&r.samples).expect("a valid batch"))
                                 .collect();
                             let started = ThreadCpu.start();
-                            for ((report, sketch), batch) in one_step.iter().zip(&batches) {
-                                feed(&mut watch, report, batch, sketch.as_ref(), ranks);
+                            for (report, batch) in one_step.iter().zip(&batches) {
+                                feed(&mut watch, report, batch, ranks);
                             }
                             spent += ThreadCpu.end(started);
                         }

@@ -228,28 +228,29 @@ impl<K: Ord + Clone> Trackers<K> {
         signal: Signal,
         config: &LifecycleConfig,
     ) -> Vec<Alert> {
+        if let Some(tracker) = self.map.get_mut(subject) {
+            return tracker
+                .observe(step, time_ms, signal, config)
+                .into_iter()
+                .collect();
+        }
         // A subject with no tracker is one with nothing open and no breach under way: a clear
         // or a hold changes nothing there, so it gets no tracker (every rank's `nonfinite`
         // and every activation site clear at almost every step).
-        if !matches!(signal, Signal::Breach(_)) && !self.map.contains_key(subject) {
+        if !matches!(signal, Signal::Breach(_)) {
             return Vec::new();
         }
-        let (run, rule, place) = (&self.run, self.rule, self.place);
-        self.map
-            .entry(subject.clone())
-            .or_insert_with(|| {
-                let (layer, site, rank) = place(subject);
-                AlertTracker::new(AlertKey {
-                    run: run.clone(),
-                    rule,
-                    layer,
-                    site,
-                    rank,
-                })
-            })
-            .observe(step, time_ms, signal, config)
-            .into_iter()
-            .collect()
+        let (layer, site, rank) = (self.place)(subject);
+        let mut tracker = AlertTracker::new(AlertKey {
+            run: self.run.clone(),
+            rule: self.rule,
+            layer,
+            site,
+            rank,
+        });
+        let changed = tracker.observe(step, time_ms, signal, config);
+        self.map.insert(subject.clone(), tracker);
+        changed.into_iter().collect()
     }
 
     pub(crate) fn open(&self) -> Vec<Alert> {

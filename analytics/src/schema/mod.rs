@@ -72,6 +72,7 @@ pub(crate) fn normalize(
 }
 
 /// Typed, checked access to the columns of a batch of one table.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Columns<'a> {
     table: &'static str,
     batch: &'a RecordBatch,

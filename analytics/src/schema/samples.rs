@@ -75,6 +75,8 @@ pub struct SampleRow<'a> {
 /// then row by row.
 #[derive(Debug, Clone, Copy)]
 pub struct SampleColumns<'a> {
+    /// The checked batch, for naming a row in an error.
+    checked: Columns<'a>,
     run: &'a StringArray,
     rank: &'a UInt32Array,
     step: &'a UInt64Array,
@@ -92,6 +94,7 @@ impl<'a> SampleColumns<'a> {
         let c = Columns::new(TABLE, &SCHEMA, batch)?;
         // In the schema's order (by position when the batch carries it, else by name).
         Ok(SampleColumns {
+            checked: c,
             run: c.column_at(0, "run").as_string::<i32>(),
             rank: c.column_at(1, "rank").as_primitive::<UInt32Type>(),
             step: c.column_at(2, "step").as_primitive::<UInt64Type>(),
@@ -134,13 +137,7 @@ pub fn try_for_each_row<'a>(
     mut f: impl FnMut(SampleRow<'a>) -> Result<()>,
 ) -> Result<()> {
     let columns = SampleColumns::new(batch)?;
-    (0..columns.rows()).try_for_each(|i| {
-        f(columns.row(i)).map_err(|e| crate::error::Error::Row {
-            table: TABLE,
-            row: i,
-            source: Box::new(e),
-        })
-    })
+    (0..columns.rows()).try_for_each(|i| f(columns.row(i)).map_err(columns.checked.at(i)))
 }
 
 /// A batch to rows, checking the schema and every identifier. Scope rules are checked
