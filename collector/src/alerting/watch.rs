@@ -161,7 +161,8 @@ impl RunWatch {
     }
 
     /// Feeds a samples batch, row by row; returns the alerts it changed. Its metric names are
-    /// resolved for the batch as a whole (see [`MetricLayout`]).
+    /// resolved once for the batch as a whole, and reused when its metric column is the last
+    /// batch's bytes.
     pub fn samples(&mut self, batch: &RecordBatch, now_ms: i64) -> AnalyticsResult<Vec<Alert>> {
         let columns = SampleColumns::new(batch)?;
         let mut layout = std::mem::take(&mut self.layout);
