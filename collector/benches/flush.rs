@@ -1,7 +1,8 @@
 //! What a flush spends a sample on for the agent's default report (issue 47's "the flush sorts
 //! and builds rollups"), side by side in one run: sorting the hot rows into a part, summarising
 //! the part into rollups at every level (as before decision 0114) and from each metric's first
-//! dense level (as now), and writing each rollup part to Parquet.
+//! dense level (as now), writing each rollup part and the samples part to Parquet. The sort is measured from one
+//! batch and from the 10,000-row batches a hot buffer holds after `ingest-floor`'s requests.
 //!
 //! The report is `bench/agent_mix.json` (see the engine bench) replayed for 64 ranks over 400
 //! steps, four periods of the schedule, as one part: what a flush of a 64-rank job every 400
@@ -54,6 +55,25 @@ fn flush(c: &mut Criterion<ThreadCpu>) {
         .throughput(Throughput::Elements(hot.num_rows() as u64));
     group.bench_function("sort the part", |b| {
         b.iter(|| files::sorted(Table::Samples, black_box(std::slice::from_ref(&hot))))
+    });
+    // As the hot buffer holds them: one batch per request (`ingest-floor` posts 10,000 rows).
+    let requests: Vec<RecordBatch> = (0..hot.num_rows())
+        .step_by(10_000)
+        .map(|from| hot.slice(from, 10_000.min(hot.num_rows() - from)))
+        .collect();
+    group.bench_function("sort the part from 10k-row requests", |b| {
+        b.iter(|| files::sorted(Table::Samples, black_box(&requests)))
+    });
+    let samples_path = dir.path().join("samples.parquet");
+    group.bench_function("write the samples part (Parquet, fsync)", |b| {
+        b.iter(|| {
+            files::write(
+                &RealDisk,
+                files::Layout::of(Table::Samples),
+                black_box(std::slice::from_ref(&sorted)),
+                &samples_path,
+            )
+        })
     });
     for (name, min_rows) in [
         ("every level (before 0114)", 0),
