@@ -322,7 +322,7 @@ mod tests {
             err.contains("`value` column is Float64, not a string or an integer"),
             "{err}"
         );
-        let err = number(&[a.clone()], &["rank"], "sketches")
+        let err = number(std::slice::from_ref(&a), &["rank"], "sketches")
             .unwrap_err()
             .to_string();
         assert!(err.contains("no `rank` column"), "{err}");
