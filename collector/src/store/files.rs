@@ -13,7 +13,8 @@ use std::sync::Arc;
 use arrow_array::RecordBatch;
 use arrow_array::cast::AsArray;
 use arrow_array::types::UInt64Type;
-use arrow_schema::SchemaRef;
+use arrow_row::{RowConverter, SortField};
+use arrow_schema::{SchemaRef, SortOptions};
 use parquet::arrow::ArrowWriter;
 
 use crate::disk::Disk;
@@ -62,12 +63,12 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
     if keys.is_empty() || rows < 2 {
         return arrow_select::concat::concat_batches(&schema, batches).map_err(Error::Arrow);
     }
-    // The sort is most of a flush's CPU, so it is done without comparing rows. Each row's
-    // series (the sort columns but the last: for samples metric, layer, site, rank; for
-    // sketches the step) is numbered, and the distinct series put in order (`series`); a
-    // counting sort by that order then puts the rows of each together in arrival order, and
-    // only a group whose last sort column (the step; a sketch's rank) does not already ascend
-    // is sorted further, stably.
+    // The sort is most of a flush's CPU, so it is done without comparing rows. The sort
+    // columns but the last (for samples the series: metric, layer, site, rank; for sketches
+    // the step) become byte-comparable rows (arrow-row) and each distinct one gets its rank
+    // among the distinct values; a counting sort by that rank then puts the rows of each
+    // together in arrival order, and only a group whose last sort column (the step; a
+    // sketch's rank) does not already ascend is sorted further, stably.
     // The key columns of the output are taken from the distinct keys by rank (sequential,
     // from a table that fits in cache); only the other columns are gathered from the batches
     // as they are: concatenating them first copied every row once more.
@@ -81,11 +82,48 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
                 reason: format!("it has no `{name}` column"),
             })
     };
-    let super::series::Series {
-        of_row: series,
-        rank_of,
-        columns: distinct_keys,
-    } = super::series::number(batches, series_keys, table.as_str())?;
+    let fields = series_keys
+        .iter()
+        .map(|name| {
+            let field = schema.field_with_name(name).map_err(Error::Arrow)?;
+            Ok(SortField::new_with_options(
+                field.data_type().clone(),
+                SortOptions {
+                    descending: false,
+                    nulls_first: true,
+                },
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let converter = RowConverter::new(fields).map_err(Error::Arrow)?;
+    let converted = batches
+        .iter()
+        .map(|batch| {
+            let columns = series_keys
+                .iter()
+                .map(|name| column(batch, name))
+                .collect::<Result<Vec<_>>>()?;
+            converter.convert_columns(&columns).map_err(Error::Arrow)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut ids: foldhash::HashMap<arrow_row::Row<'_>, u32> = Default::default();
+    let series: Vec<u32> = converted
+        .iter()
+        .flat_map(|rows| rows.iter())
+        .map(|row| {
+            let next = ids.len() as u32;
+            *ids.entry(row).or_insert(next)
+        })
+        .collect();
+    let mut distinct: Vec<(arrow_row::Row<'_>, u32)> = ids.into_iter().collect();
+    distinct.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    let mut rank_of = vec![0u32; distinct.len()];
+    for (rank, (_, id)) in distinct.iter().enumerate() {
+        rank_of[*id as usize] = rank as u32;
+    }
+    let distinct_keys = converter
+        .convert_rows(distinct.iter().map(|(row, _)| *row))
+        .map_err(Error::Arrow)?;
     let mut last: Vec<u64> = Vec::with_capacity(rows);
     for batch in batches {
         let values = column(batch, last_key[0])?;
@@ -109,7 +147,7 @@ pub fn sorted(table: Table, batches: &[RecordBatch]) -> Result<RecordBatch> {
         }
     }
     // Counting sort by series rank: where each series' rows start in the output.
-    let mut starts = vec![0usize; rank_of.len() + 1];
+    let mut starts = vec![0usize; distinct.len() + 1];
     for &id in &series {
         starts[rank_of[id as usize] as usize + 1] += 1;
     }

@@ -30,11 +30,9 @@ mod delete;
 pub mod files;
 mod flush;
 pub mod index;
-pub mod maintainer;
 pub mod manifest;
 pub mod metrics;
 pub mod rollup;
-mod series;
 mod unlisted;
 
 use std::collections::{BTreeMap, HashMap};
@@ -194,8 +192,6 @@ pub struct Store {
     clock: SharedClock,
     /// Serialises flushes, compactions and deletions (see `under_maintenance`).
     maintenance: Arc<tokio::sync::Mutex<()>>,
-    /// The thread maintenance runs on (see `maintainer`).
-    maintainer: maintainer::Maintainer,
     epoch: i64,
     /// Alert changes since the last flush, durable (see `alert_log`).
     alert_log: alert_log::AlertLog,
@@ -304,7 +300,6 @@ impl Store {
             flush_wanted: Notify::new(),
             metrics: StoreMetrics::default(),
             maintenance: Arc::new(tokio::sync::Mutex::new(())),
-            maintainer: maintainer::Maintainer::start()?,
             epoch: clock.now_ms(),
             clock,
         };
@@ -445,10 +440,9 @@ impl Store {
         self.epoch
     }
 
-    /// Runs `work` on the maintenance thread (niced: see `maintainer`) under the maintenance
-    /// lock (flushes, compactions and deletions each commit a manifest). The guard travels into
-    /// the job, so a caller that stops waiting (a request cancelled at shutdown) cannot let the
-    /// next step start beside it.
+    /// Runs `work` on a blocking thread under the maintenance lock (flushes, compactions and
+    /// deletions each commit a manifest). The guard travels into the task, so a caller that
+    /// stops waiting (a request cancelled at shutdown) cannot let the next step start beside it.
     async fn under_maintenance<T: Send + 'static>(
         self: &Arc<Self>,
         what: &str,
@@ -456,12 +450,12 @@ impl Store {
     ) -> Result<T> {
         let guard = self.maintenance.clone().lock_owned().await;
         let store = self.clone();
-        self.maintainer
-            .run(what, move || {
-                let _guard = guard;
-                work(&store)
-            })
-            .await
+        tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            work(&store)
+        })
+        .await
+        .map_err(|e| Error::Unavailable(format!("{what} task failed: {e}")))?
     }
 
     /// Bytes in the hot buffer.
