@@ -55,6 +55,10 @@ use watch::{Output, RunWatch};
 
 /// The rank number that marks the aligner's own batches in idempotency keys.
 pub const ALIGNER_RANK: u32 = u32::MAX;
+/// How long the engine waits between tries of a derived batch refused for backpressure, and
+/// in all before it gives that batch up (counted in its errors).
+const DERIVED_RETRY: Duration = Duration::from_millis(50);
+const DERIVED_PATIENCE: Duration = Duration::from_secs(30);
 /// The session name of the aligner's batches.
 pub const ALIGNER_SESSION: &str = "aligner";
 
@@ -676,11 +680,18 @@ impl Engine {
             info: None,
         };
         // Backpressure (429) is the only refusal a derived batch can meet; wait it out (but not
-        // while stopping: the final flush is about to empty the hot buffer anyway).
-        let attempts = if self.stopping { 1 } else { 30 };
+        // while stopping: the final flush is about to empty the hot buffer anyway). In short
+        // waits: the engine reads no batch while it waits, so a client's whole second of
+        // Retry-After here delayed every alert behind it by up to a second after the flush
+        // that ends the backpressure (docs/performance.md, decision 0116).
+        let attempts = if self.stopping {
+            1
+        } else {
+            DERIVED_PATIENCE.as_millis() / DERIVED_RETRY.as_millis()
+        };
         for _ in 0..attempts {
             match self.writer.commit(Some(&key), &entry, None).await {
-                Err(Error::Backpressure { .. }) => tokio::time::sleep(Duration::from_secs(1)).await,
+                Err(Error::Backpressure { .. }) => tokio::time::sleep(DERIVED_RETRY).await,
                 other => return other.map(|_| ()),
             }
         }

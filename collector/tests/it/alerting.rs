@@ -187,6 +187,65 @@ async fn all_rank_statistics_are_exact_stored_once_and_a_scaled_rank_is_named() 
     c.shutdown().await.unwrap();
 }
 
+/// The engine's all-ranks statistics wait out backpressure. With a hot budget of one byte
+/// every batch leaves the buffer over twice the budget until a flush empties it, so clients
+/// and the engine's own derived batches meet 429s; the engine retries its batches, and every
+/// closed step's statistics land exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_rank_statistics_wait_out_backpressure_and_land_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = "pressed";
+    let mut config = config(dir.path());
+    config.hot_budget_bytes = 1;
+    let c = Collector::open(&config).await.expect("collector opens");
+    let mut refused = 0;
+    let mut post_retrying = async |path: &str, key: Option<&str>, body: Vec<u8>| loop {
+        let r = post(&c, path, ARROW, key, body.clone()).await;
+        if r.status == 429 {
+            refused += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        assert_eq!(r.status, 200, "{}", r.text());
+        break;
+    };
+    post_retrying(
+        "/api/v1/ingest?table=runs",
+        None,
+        runs_ipc(&info(run, WORLD, 2)),
+    )
+    .await;
+    let mut sim = DataParallelSim::new(WORLD, 256, 5);
+    let steps = 30u64;
+    for step in 0..steps {
+        let obs = sim.step(step, Fault::None);
+        let key = format!("{run}/0/t/{step}");
+        post_retrying(
+            "/api/v1/ingest",
+            Some(&key),
+            samples_ipc(&step_rows(run, &obs), false),
+        )
+        .await;
+    }
+    assert!(refused > 0, "the budget never pushed back");
+    // Every step but the last closes (every rank moved past it).
+    let query = format!(
+        "SELECT count(*) AS n, count(DISTINCT step) AS steps FROM samples WHERE run = '{run}' AND rank IS NULL AND metric = 'loss_std'"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut rows = sql(&c, &query).await;
+    while rows[0]["steps"].as_u64() < Some(steps - 1) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        rows = sql(&c, &query).await;
+    }
+    assert_eq!(
+        (rows[0]["n"].as_u64(), rows[0]["steps"].as_u64()),
+        (Some(steps - 1), Some(steps - 1)),
+        "{refused} requests refused on the way"
+    );
+    c.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_workers_raise_nothing() {
     let dir = tempfile::tempdir().unwrap();
