@@ -128,6 +128,27 @@ impl RankScalar {
             _ => return None,
         })
     }
+
+    /// The scalars kept in a rank's [`RankValues`] (the NaN count is kept apart).
+    const VALUES: [RankScalar; 5] = [
+        RankScalar::Loss,
+        RankScalar::Tokens,
+        RankScalar::GradNorm,
+        RankScalar::GradNormMean,
+        RankScalar::CosToMean,
+    ];
+
+    /// Where this scalar is kept in a rank's values; `None` for the NaN count.
+    fn slot(self, values: &mut RankValues) -> Option<&mut Option<f64>> {
+        Some(match self {
+            RankScalar::Loss => &mut values.loss,
+            RankScalar::Tokens => &mut values.tokens,
+            RankScalar::GradNorm => &mut values.grad_norm,
+            RankScalar::GradNormMean => &mut values.grad_norm_mean,
+            RankScalar::CosToMean => &mut values.cos_to_mean,
+            RankScalar::Nonfinite => return None,
+        })
+    }
 }
 
 /// What a staged row brings to its step.
@@ -260,21 +281,14 @@ impl StepAligner {
                 Staged::Seen => {}
                 Staged::Scalar(RankScalar::Nonfinite) => match nonfinite.last_mut() {
                     Some((r, count)) if *r == rank => *count += row.value,
+                    // Counted up from 0.0, as a sum is (so -0.0 arrives as 0.0).
                     _ => nonfinite.push((rank, 0.0 + row.value)),
                 },
                 Staged::Scalar(what) => {
-                    let Some(values) = values.as_deref_mut() else {
-                        continue; // not reached: `gathers` saw this row
-                    };
-                    let slot = match what {
-                        RankScalar::Loss => &mut values.loss,
-                        RankScalar::Tokens => &mut values.tokens,
-                        RankScalar::GradNorm => &mut values.grad_norm,
-                        RankScalar::GradNormMean => &mut values.grad_norm_mean,
-                        RankScalar::CosToMean => &mut values.cos_to_mean,
-                        RankScalar::Nonfinite => unreachable!("matched above"),
-                    };
-                    *slot = Some(row.value);
+                    // `gathers` saw this row, so the rank's values exist.
+                    if let Some(slot) = values.as_deref_mut().and_then(|v| what.slot(v)) {
+                        *slot = Some(row.value);
+                    }
                 }
                 Staged::Digest(what) => {
                     let entry = fingerprints.entry(rank).or_default();
@@ -441,14 +455,10 @@ fn merge_ranks(open: &mut OpenStep) {
         if later.rank != kept.rank {
             return false;
         }
-        for (slot, value) in [
-            (&mut kept.loss, later.loss),
-            (&mut kept.tokens, later.tokens),
-            (&mut kept.grad_norm, later.grad_norm),
-            (&mut kept.grad_norm_mean, later.grad_norm_mean),
-            (&mut kept.cos_to_mean, later.cos_to_mean),
-        ] {
-            *slot = value.or(*slot);
+        for what in RankScalar::VALUES {
+            if let (Some(&mut value), Some(slot)) = (what.slot(later), what.slot(kept)) {
+                *slot = value.or(*slot);
+            }
         }
         true
     });

@@ -55,12 +55,12 @@ use watch::{Output, RunWatch};
 
 /// The rank number that marks the aligner's own batches in idempotency keys.
 pub const ALIGNER_RANK: u32 = u32::MAX;
+/// The session name of the aligner's batches.
+pub const ALIGNER_SESSION: &str = "aligner";
 /// How long the engine waits between tries of a derived batch refused for backpressure, and
 /// in all before it gives that batch up (counted in its errors).
 const DERIVED_RETRY: Duration = Duration::from_millis(50);
 const DERIVED_PATIENCE: Duration = Duration::from_secs(30);
-/// The session name of the aligner's batches.
-pub const ALIGNER_SESSION: &str = "aligner";
 
 /// Engine settings.
 #[derive(Debug, Clone, Copy)]
