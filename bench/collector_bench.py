@@ -15,6 +15,8 @@
    VictoriaMetrics' remote write interleaved (RANKWATCH_BENCH_AB_ROUNDS rounds, 3 by default):
    a change to ingest measured side by side in one run. `ingest-fsync` runs the collector with
    and without its fsyncs (libeatmydata) beside VictoriaMetrics: what the durability costs.
+   `alerts-ab OLD NEW [RUNS]` runs `ingest-floor`'s as-shipped case for two collector binaries,
+   alternated, with each run's 429s and slowest alert, and alert p50 / p99 over all its faults.
    `ingest-floor` takes the promised work away piece by piece (alert engine, Parquet flushes
    and rollups during the run, fsync) beside VictoriaMetrics: what each costs per sample.
 4. Memory: 1,024 simulated ranks x 200 metrics, each rank posting its own batch once a second
@@ -326,12 +328,13 @@ def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str |
                    env: dict[str, str] | None = None, busy: list[float] | None = None,
                    extra: tuple[str, ...] = (), cpu: list[float] | None = None,
                    faults: list[int] | None = None, latency: list[float] | None = None,
-                   world: int | None = AGENT_RANKS) -> float:
+                   world: int | None = AGENT_RANKS, refused: list[float] | None = None) -> float:
     """Samples/s; `busy`, if given, gets the server's CPU time over the wall time of the sends;
     `cpu` its CPU seconds from the first send until it is idle again after the last ack (the
     alert engine's queue drained, a flush under way finished); `latency` the milliseconds from
     the ack of each batch in `faults` (each carries a NaN loss) to its alert firing. `world`:
-    the run's world size, announced first as the agent does (None: not announced)."""
+    the run's world size, announced first as the agent does (None: not announced); `refused`
+    the requests the collector answered 429 for backpressure."""
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data", *extra, binary=binary, env=env)
         try:
@@ -352,6 +355,8 @@ def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str |
                 latency.extend(clock.latencies())
             ingested = metric_sum(url, 'rankwatch_ingest_rows_total{table="samples"')
             assert ingested == samples, f"{ingested} of {samples} rows ingested"
+            if refused is not None:
+                refused.append(metric_sum(url, "rankwatch_ingest_rejects_total", 'reason="backpressure"'))
         finally:
             stop(proc)
     return samples / secs
@@ -494,6 +499,36 @@ def bench_ingest_ab(old: str, new: str, rows: int = 10_000, sustained: int = 1_0
     print(f"new / old, median: {statistics.median(results['new']) / statistics.median(results['old']):.2f}")
     if results["vm"]:
         print(f"new / VictoriaMetrics remote write, median: {statistics.median(results['new']) / statistics.median(results['vm']):.2f}")
+
+
+def bench_alerts_ab(old: str, new: str, runs: int = 4, rows: int = 10_000, sustained: int = 1_000) -> None:
+    """Alert latency under sustained load for two collector binaries, alternated run by run
+    (the first of each pair swapped every run): the as-shipped case of `ingest-floor` (10 M
+    samples of the agent's report, a NaN loss every 50th batch), with each run's CPU per sample,
+    its 429s for backpressure and its slowest alert, then p50 / p99 over all of a binary's
+    faults. With ~20 faults a run the tail is a few events: compare over several runs."""
+    _, arrow, _, faults = side_by_side_inputs(sustained, rows, faults_every=50)
+    samples = sustained * rows
+    print(f"\n# alert latency, side by side: {samples / 1e6:g} M samples, 8 clients, server on CPU 0, "
+          f"{len(faults)} NaN losses a run, {runs} runs each")
+    print(f"{'run':>3} {'binary':>6} {'samples/s':>12} {'CPU ns/sample':>14} {'429s':>6} {'slowest alert ms':>17}")
+    latencies: dict[str, list[float]] = {"old": [], "new": []}
+    for r in range(runs):
+        pair = [("old", old), ("new", new)]
+        for name, binary in pair if r % 2 == 0 else pair[::-1]:
+            cpu: list[float] = []
+            refused: list[float] = []
+            latency: list[float] = []
+            rate = rankwatch_rate(arrow, 8, samples, binary=binary, cpu=cpu, faults=faults,
+                                  latency=latency, refused=refused)
+            latencies[name].extend(latency)
+            print(f"{r + 1:>3} {name:>6} {rate:>12,.0f} {cpu[0] / samples * 1e9:>14.0f} {refused[0]:>6.0f} "
+                  f"{max(latency, default=float('nan')):>17.0f}", flush=True)
+    for name, binary in (("old", old), ("new", new)):
+        lat = sorted(latencies[name])
+        if lat:
+            p50, p99 = (lat[min(len(lat) - 1, int(f * len(lat)))] for f in (0.5, 0.99))
+            print(f"{name} ({binary}): alert p50 {p50:.0f} ms, p99 {p99:.0f} ms over {len(lat)} faults")
 
 
 EATMYDATA = Path("/usr/lib/x86_64-linux-gnu/libeatmydata.so")
@@ -1117,6 +1152,11 @@ def main() -> None:
         if len(which) != 3:
             sys.exit("usage: collector_bench.py ingest-ab OLD_BINARY NEW_BINARY")
         bench_ingest_ab(which[1], which[2])
+        return
+    if which[0] == "alerts-ab":
+        if len(which) not in (3, 4):
+            sys.exit("usage: collector_bench.py alerts-ab OLD_BINARY NEW_BINARY [RUNS]")
+        bench_alerts_ab(which[1], which[2], int(which[3]) if len(which) == 4 else 4)
         return
     if which[0] == "ingest-fsync":
         bench_ingest_fsync()
