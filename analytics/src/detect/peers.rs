@@ -14,7 +14,14 @@
 //!   nor judges on a handful of steps) breaches, and the verdict holds (neither
 //!   breach nor clear) while the most-noted rank's share stays above half of that, so an alert
 //!   does not flap on the steps where the rank happens to sit close to its peers. By chance,
-//!   with K = 4, one rank is the furthest at 40 of 50 steps with probability ~5×10⁻¹⁶. The
+//!   with K = 4, one rank is the furthest at 40 of 50 steps with probability ~5×10⁻¹⁶. A
+//!   share of the window needs 40 noted steps after a fault begins, so a rank noted at each of
+//!   the last `peer_run` logged steps of the window breaches too (and holds from half of
+//!   that; logged every 10th step, the window never holds that many): a rank whose
+//!   gradient is ×4 from step 60 is named about 14 steps later, not 40. Noted at a step by
+//!   chance with probability p, a rank is noted 12 times in a row with p¹² (2×10⁻¹⁶ at
+//!   p = 0.05); what keeps that bound honest is that chance notes do not come in runs, which
+//!   the healthy runs of the tuning set check (docs/detection.md § Held-out protocol). The
 //!   effect floor is what keeps healthy differences out: ranks reading contiguous shards of a
 //!   corpus see persistently different content, which is how many pipelines shard, not a fault
 //!   (the detection benchmark's shard runs raised nothing). A rank whose data is corrupted or
@@ -78,6 +85,8 @@ pub(super) struct PeerConfig {
     /// Observations in the window needed to judge.
     pub(super) min_observations: usize,
     pub(super) share: f64,
+    /// Logged steps in a row noted that breach (0: off).
+    pub(super) run: usize,
     pub(super) min_effect: f64,
     pub(super) identical_steps: u32,
 }
@@ -88,6 +97,8 @@ pub(super) struct Peers {
     recent: VecDeque<(u64, Vec<Standout>)>,
     /// Steps each rank is noted at within `recent`.
     noted: BTreeMap<u32, usize>,
+    /// Logged steps in a row, up to the last and within the window, each rank was noted at.
+    streaks: BTreeMap<u32, usize>,
     /// The groups of ranks with bit-identical values, and for how many steps in a row.
     identical: Option<(Vec<Vec<u32>>, u32)>,
 }
@@ -201,10 +212,15 @@ impl Peers {
         if self.recent.back().is_some_and(|(last, _)| *last >= step) {
             self.recent.clear();
             self.noted.clear();
+            self.streaks.clear();
         }
         for s in &noted {
             *self.noted.entry(s.rank).or_default() += 1;
         }
+        self.streaks = noted
+            .iter()
+            .map(|s| (s.rank, self.streaks.get(&s.rank).map_or(1, |n| n + 1)))
+            .collect();
         self.recent.push_back((step, noted));
         // Bounded in steps: logging every 10th step does not stretch it over 500 steps.
         let oldest = step.saturating_sub(c.window as u64);
@@ -222,31 +238,49 @@ impl Peers {
                 }
             }
         }
-        if self.recent.len() < c.min_observations {
-            return PeerVerdict::Clear;
+        // A run is bounded by the window too: logged every 10th step, 12 in a row would span
+        // 120 steps.
+        let held = self.recent.len();
+        for n in self.streaks.values_mut() {
+            *n = (*n).min(held);
         }
+        let judged = self.recent.len() >= c.min_observations;
         let window = self.recent.len() as f64;
-        let top = self.noted.values().copied().max().unwrap_or(0) as f64 / window;
-        if top < c.share {
-            return if top >= c.share / 2.0 {
+        let share_of = |n: usize| n as f64 / window;
+        let by_share = |n: usize| judged && share_of(n) >= c.share;
+        let by_run = |rank: &u32| c.run > 0 && self.streaks.get(rank).is_some_and(|&n| n >= c.run);
+        let named: Vec<(u32, usize)> = self
+            .noted
+            .iter()
+            .filter(|&(rank, &n)| by_share(n) || by_run(rank))
+            .map(|(&r, &n)| (r, n))
+            .collect();
+        if named.is_empty() {
+            let top = self.noted.values().copied().max().unwrap_or(0);
+            let longest = self.streaks.values().copied().max().unwrap_or(0);
+            let held =
+                (judged && share_of(top) >= c.share / 2.0) || (c.run > 0 && 2 * longest >= c.run);
+            return if held {
                 PeerVerdict::Hold
             } else {
                 PeerVerdict::Clear
             };
         }
-        let named: Vec<(u32, usize)> = self
-            .noted
-            .iter()
-            .filter(|&(_, &n)| n as f64 / window >= c.share)
-            .map(|(&r, &n)| (r, n))
-            .collect();
+        let others = ranks.len() - 1;
         let parts: Vec<String> = named
             .iter()
-            .map(|&(rank, n)| format!("rank {rank} stood out from the other {} ranks at {n} of the last {} steps ({})", ranks.len() - 1, self.recent.len(), self.how(rank)))
+            .map(|&(rank, n)| {
+                if by_share(n) {
+                    format!("rank {rank} stood out from the other {others} ranks at {n} of the last {} steps ({})", self.recent.len(), self.how(rank))
+                } else {
+                    format!("rank {rank} stood out from the other {others} ranks at each of the last {} steps ({})", self.streaks[&rank], self.how(rank))
+                }
+            })
             .collect();
+        let value = named.iter().map(|&(_, n)| share_of(n)).fold(0.0, f64::max);
         PeerVerdict::Breach(Breach {
             severity: Severity::Warning,
-            value: top,
+            value,
             threshold: c.share,
             explanation: parts.join("; "),
             outlier_ranks: named.iter().map(|&(r, _)| r).collect(),

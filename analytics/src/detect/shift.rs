@@ -22,7 +22,15 @@
 //! The median is of the rank's x over `baseline` observations that are at least `delay` steps
 //! old, so the first steps of a fault are judged against a past without them; while the rank's
 //! alarm is open (from S ≥ `limit` until S is back to 0) nothing enters it, so a fault that
-//! lasts is not learnt as the rank's usual place. Both ways are followed, only a rise is named
+//! lasts is not learnt as the rank's usual place. No blind start: while the rank is younger
+//! than twice `delay`, an observation waits half the rank's age instead, so its baseline is
+//! the first half of what it has seen and judging starts once that half holds
+//! `min_observations` (at step 60 with the defaults, not 130): a fault from step 56 is named
+//! about 45 steps later instead of past step 180. The young baseline's median is rough (30
+//! values), which is why the baseline keeps growing with the rank's age rather than judging
+//! everything since against the first 30 values (tried: a rank of a healthy simulated job
+//! whose first 30 values happened to sit low breached and, its baseline frozen by the open
+//! alarm, stayed breached). Both ways are followed, only a rise is named
 //! (corrupted data raises a loss), and only when no other rank's fall is half as strong:
 //! places are relative, so one rank falling lifts every other rank's place a little, and ranks
 //! reading contiguous shards move both ways when the data mix switches (the tuning runs that
@@ -61,8 +69,10 @@ const FELL: usize = 1;
 /// One rank's two sign CUSUMs.
 #[derive(Debug, Clone, Default)]
 struct RankShift {
-    /// Observations younger than `delay`, oldest first.
+    /// Observations younger than the delay, oldest first.
     pending: VecDeque<(u64, f64)>,
+    /// The step of the rank's first observation, from which its age is counted.
+    first: Option<u64>,
     /// The baseline in arrival order (what leaves next) and sorted (its median).
     baseline: VecDeque<f64>,
     sorted: Vec<f64>,
@@ -90,36 +100,15 @@ impl RankShift {
     /// Folds in one observation; whether the rank's rise breaches.
     fn observe(&mut self, step: u64, x: f64, c: ShiftConfig) -> bool {
         if self.baseline.len() >= c.min_observations {
-            let usual = median_of_sorted(&self.sorted);
-            for (i, beyond) in [(ROSE, x > usual), (FELL, x < usual)] {
-                let sign = if beyond { 1.0 } else { -1.0 };
-                self.cusum[i] = (self.cusum[i] + sign - c.allowance).clamp(0.0, 2.0 * c.limit);
-                if self.cusum[i] == 0.0 {
-                    self.open[i] = false;
-                } else if self.cusum[i] >= c.limit {
-                    self.open[i] = true;
-                }
-            }
-            if self.cusum[ROSE] > 0.0 {
-                let e = self.rise.get_or_insert_with(|| Excursion {
-                    from: step,
-                    above: 0,
-                    judged: 0,
-                    usual,
-                    values: Vec::new(),
-                });
-                e.above += u32::from(x > usual);
-                e.judged += 1;
-                if e.values.len() < EXCURSION_VALUES {
-                    e.values.push(x);
-                }
-            } else {
-                self.rise = None;
-            }
+            self.judge(step, x, c);
         }
         self.pending.push_back((step, x));
+        // Half the rank's age while that is shorter than `delay`: the first half of what a
+        // young rank has seen is its baseline.
+        let age = step - *self.first.get_or_insert(step);
+        let delay = c.delay.min(age / 2).max(1);
         while let Some(&(s, old)) = self.pending.front() {
-            if s + c.delay > step {
+            if s + delay > step {
                 break;
             }
             self.pending.pop_front();
@@ -137,6 +126,36 @@ impl RankShift {
             }
         }
         self.open[ROSE] && self.cusum[ROSE] >= c.limit / 2.0
+    }
+
+    /// Moves both CUSUMs by one observation against the baseline's median.
+    fn judge(&mut self, step: u64, x: f64, c: ShiftConfig) {
+        let usual = median_of_sorted(&self.sorted);
+        for (i, beyond) in [(ROSE, x > usual), (FELL, x < usual)] {
+            let sign = if beyond { 1.0 } else { -1.0 };
+            self.cusum[i] = (self.cusum[i] + sign - c.allowance).clamp(0.0, 2.0 * c.limit);
+            if self.cusum[i] == 0.0 {
+                self.open[i] = false;
+            } else if self.cusum[i] >= c.limit {
+                self.open[i] = true;
+            }
+        }
+        if self.cusum[ROSE] > 0.0 {
+            let e = self.rise.get_or_insert_with(|| Excursion {
+                from: step,
+                above: 0,
+                judged: 0,
+                usual,
+                values: Vec::new(),
+            });
+            e.above += u32::from(x > usual);
+            e.judged += 1;
+            if e.values.len() < EXCURSION_VALUES {
+                e.values.push(x);
+            }
+        } else {
+            self.rise = None;
+        }
     }
 
     fn describe(&self, rank: u32) -> String {
@@ -329,6 +348,25 @@ mod tests {
                 "{}",
                 breach.explanation
             );
+        }
+    }
+
+    /// A fault from step 56, before a 100-step delay would let the baseline judge (step 129):
+    /// a young rank's baseline is the first half of what it has seen, which holds
+    /// `min_observations` from step 60, and the rank is named within a hundred steps of the
+    /// onset.
+    #[test]
+    fn a_rise_that_begins_before_the_baseline_can_judge_is_named_when_it_can() {
+        for world in [2u32, 4, 8] {
+            let found = first_breach(world, 600, |step, r| {
+                let fault = if r == 1 && step >= 56 { 1.05 } else { 1.0 };
+                curve(step) * noise(17, step, r, 0.06) * fault
+            });
+            let (step, breach) = found.unwrap_or_else(|| panic!("{world} ranks: never named"));
+            // Judged from step 60; with a 100-step delay, nothing before step 129, and S needs
+            // about 50 steps above the median to reach the limit.
+            assert!((60..156).contains(&step), "{world} ranks: step {step}");
+            assert_eq!(breach.outlier_ranks, vec![1], "{world} ranks");
         }
     }
 

@@ -622,10 +622,33 @@ fn silent_inconsistency_does_not_latch_after_a_level_shift() {
 fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline() {
     // Rank 3 reads off-task data from the first step: its loss is 2.8 against the others' 2.0.
     // The run-level baseline would learn it as normal; its peers do not.
-    // The window judges once 40 of its 50 steps are in: 3 breaching steps from step 39.
+    // Noted at each of 12 steps in a row, it breaches at step 12 and fires 2 steps later
+    // (before: at step 41, when 40 of the window's steps were in).
     let events = run_dp(4, 200, 0..200, Fault::LossOffset(3, 0.8), 31);
-    let a = fired_within(&events, 41..=47);
+    let a = fired_within(&events, 14..=14);
     assert_eq!(a.outlier_ranks, vec![3]);
+    assert!(
+        a.explanation.contains(
+            "rank 3 stood out from the other 3 ranks at each of the last 14 steps (loss 1.42× theirs)"
+        ),
+        "{}",
+        a.explanation
+    );
+    // With the run test off, the window's share alone judges, once 40 steps are in.
+    let config = SilentInconsistencyConfig {
+        peer_run: 0,
+        ..SilentInconsistencyConfig::default()
+    };
+    let mut d = SilentInconsistency::new(run(), config).unwrap();
+    let mut sim = DataParallelSim::new(4, 1024, 31);
+    let events: Vec<(u64, Alert)> = (0..200u64)
+        .flat_map(|step| {
+            d.observe(&sim.step(step, Fault::LossOffset(3, 0.8)))
+                .into_iter()
+                .map(move |a| (step, a))
+        })
+        .collect();
+    let a = fired_within(&events, 41..=47);
     assert!(
         a.explanation.contains(
             "rank 3 stood out from the other 3 ranks at 42 of the last 42 steps (loss 1.4× theirs)"
@@ -712,13 +735,13 @@ fn silent_inconsistency_names_ranks_fed_identical_batches() {
         );
     }
     let (step, a) = first_firing(&events);
-    // 20 identical steps to breach (step 19), 3 breaching steps to fire.
-    assert_eq!(*step, 21, "{}", a.explanation);
+    // 10 identical steps to breach (step 9), 3 breaching steps to fire.
+    assert_eq!(*step, 11, "{}", a.explanation);
     // The ranks sharing batches are named: which of them is the copy cannot be told.
     assert_eq!(a.outlier_ranks, vec![1, 2, 3]);
     assert!(
         a.explanation.contains(
-            "ranks 1, 2, 3 computed the same loss and gradient norm, to the bit, for 22 steps"
+            "ranks 1, 2, 3 computed the same loss and gradient norm, to the bit, for 12 steps"
         ) && a.explanation.contains("rank 0 alone differs"),
         "{}",
         a.explanation
@@ -1874,9 +1897,11 @@ fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
     // Rank 3 off-task from step 0, its peers judged alone (the run-level test never starts).
     // Logged every step, the 50-step window judges once 40 steps are in; logged every 2nd or
     // 10th step, it never holds 40 observations, so it judges nothing — before, its 50
-    // observations stretched over 100 or 500 steps.
+    // observations stretched over 100 or 500 steps. (The run of noted steps is off here; it
+    // is bounded by the same window, below.)
     let config = SilentInconsistencyConfig {
         skip_steps: u64::MAX,
+        peer_run: 0,
         ..SilentInconsistencyConfig::default()
     };
     for (every, fires) in [(1u64, true), (2, false), (10, false)] {
@@ -1898,5 +1923,30 @@ fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
             (false, None) => {}
             _ => panic!("logged every {every} step(s): {first:?}"),
         }
+    }
+    // Twelve noted steps in a row: logged every 2nd step they span 24 steps, inside the
+    // window; logged every 10th, the window holds at most 6, so the run never reaches 12.
+    let config = SilentInconsistencyConfig {
+        skip_steps: u64::MAX,
+        ..SilentInconsistencyConfig::default()
+    };
+    for (every, fired_at) in [(1u64, Some(14)), (2, Some(28)), (10, None)] {
+        let mut d = SilentInconsistency::new(run(), config).unwrap();
+        let mut sim = DataParallelSim::new(4, 1024, 41);
+        let mut first = None;
+        for step in 0..1000u64 {
+            let obs = sim.step(step, Fault::LossOffset(3, 0.8));
+            if step % every == 0
+                && let Some(a) = d
+                    .observe(&obs)
+                    .into_iter()
+                    .find(|a| a.state == AlertState::Firing)
+            {
+                assert_eq!(a.outlier_ranks, vec![3], "every {every}");
+                first = Some(step);
+                break;
+            }
+        }
+        assert_eq!(first, fired_at, "logged every {every} step(s)");
     }
 }
