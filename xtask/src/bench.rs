@@ -140,7 +140,11 @@ pub(crate) fn bench(extra: &[String]) -> Result<()> {
         // heldout` (the frozen rules on runs no rule was tuned on) are scripts of their own.
         let mut args: Vec<&String> = extra.iter().skip(1).collect();
         let own_script = args.windows(2).position(|w| {
-            w[0] == "--suite" && matches!(w[1].as_str(), "faults" | "collapse" | "flips" | "sizes")
+            w[0] == "--suite"
+                && matches!(
+                    w[1].as_str(),
+                    "faults" | "collapse" | "flips" | "sizes" | "heldout"
+                )
         });
         let script = match own_script {
             Some(at) => {
