@@ -60,6 +60,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -474,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     index, parts = (int(x) for x in args.shard.split("/"))
     planned = [q for i, q in enumerate(planned) if i % parts == index - 1]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+    if not args.analyse and rules is not None:
+        # The frozen file pins every threshold; a collector whose own defaults differ was built
+        # after a rule changed, and such a build starts the next set, not more of this one.
+        collector = os.environ.get("RANKWATCH_BIN") or str(ROOT / "target" / "release" / "rankwatch")
+        own = hashlib.sha256(subprocess.run([collector, "rules"], check=True, capture_output=True).stdout).hexdigest()
+        if own != rules_hash:
+            p.error(f"{collector}'s default rules hash to {own[:12]}…, not to the frozen {rules.relative_to(ROOT)} ({rules_hash[:12] if rules_hash else '?'}…): a rule changed after {which} was frozen, and a changed rule starts a new held-out set (docs/detection.md § Held-out protocol)")
     if not args.analyse:
         done = {json.loads(line)["name"] for line in (out / "runs.jsonl").read_text().splitlines()} if (out / "runs.jsonl").exists() else set()
         todo = [q for q in planned if q.name not in done or not (out / "exports" / f"{q.name}.samples.parquet").exists()]
