@@ -331,16 +331,23 @@ mod tests {
         2.5 + 3.0 * (-(step as f64) / 60.0).exp()
     }
 
+    /// Rank 1's loss ×1.05 from `onset` among `world` exchangeable ranks: the first breach, and
+    /// its step, which must name rank 1.
+    fn rank_one_rising_from(onset: u64, seed: u64, world: u32) -> (u64, Breach) {
+        let found = first_breach(world, 600, |step, r| {
+            let fault = if r == 1 && step >= onset { 1.05 } else { 1.0 };
+            curve(step) * noise(seed, step, r, 0.06) * fault
+        });
+        let (step, breach) = found.unwrap_or_else(|| panic!("{world} ranks: never named"));
+        assert_eq!(breach.outlier_ranks, vec![1], "{world} ranks");
+        (step, breach)
+    }
+
     #[test]
     fn a_rank_whose_loss_rises_five_per_cent_is_named_within_a_hundred_steps() {
         for world in [2u32, 4, 8] {
-            let found = first_breach(world, 600, |step, r| {
-                let fault = if r == 1 && step >= 300 { 1.05 } else { 1.0 };
-                curve(step) * noise(7, step, r, 0.06) * fault
-            });
-            let (step, breach) = found.unwrap_or_else(|| panic!("{world} ranks: never named"));
+            let (step, breach) = rank_one_rising_from(300, 7, world);
             assert!((300..400).contains(&step), "{world} ranks: step {step}");
-            assert_eq!(breach.outlier_ranks, vec![1], "{world} ranks");
             assert!(
                 breach.explanation.starts_with(
                     "rank 1's loss rose against the other ranks': above its usual place at "
@@ -358,15 +365,10 @@ mod tests {
     #[test]
     fn a_rise_that_begins_before_the_baseline_can_judge_is_named_when_it_can() {
         for world in [2u32, 4, 8] {
-            let found = first_breach(world, 600, |step, r| {
-                let fault = if r == 1 && step >= 56 { 1.05 } else { 1.0 };
-                curve(step) * noise(17, step, r, 0.06) * fault
-            });
-            let (step, breach) = found.unwrap_or_else(|| panic!("{world} ranks: never named"));
+            let (step, _) = rank_one_rising_from(56, 17, world);
             // Judged from step 60; with a 100-step delay, nothing before step 129, and S needs
             // about 50 steps above the median to reach the limit.
             assert!((60..156).contains(&step), "{world} ranks: step {step}");
-            assert_eq!(breach.outlier_ranks, vec![1], "{world} ranks");
         }
     }
 
