@@ -63,9 +63,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -368,6 +369,13 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def defaults_hash(collector: str) -> str:
+    """The SHA-256 of `collector rules`: its own defaults (never a file that $RANKWATCH_RULES
+    names, which would make any build look frozen)."""
+    env = {k: v for k, v in os.environ.items() if k != "RANKWATCH_RULES"}
+    return hashlib.sha256(subprocess.run([collector, "rules"], check=True, capture_output=True, env=env).stdout).hexdigest()
+
+
 def analyse(which: str, out: Path, planned: list[Planned], thresholds: dict[str, float] | None, replay: tuple[str, Path | None] | None = None) -> dict[str, Any]:
     """Judges every saved run: by the alerts the live collector raised, or, with `replay`
     (binary, rules file or None for its defaults), by `rankwatch replay` on its rows."""
@@ -475,11 +483,18 @@ def main(argv: list[str] | None = None) -> int:
     index, parts = (int(x) for x in args.shard.split("/"))
     planned = [q for i, q in enumerate(planned) if i % parts == index - 1]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
-    if not args.analyse and rules is not None:
-        # The frozen file pins every threshold; a collector whose own defaults differ was built
-        # after a rule changed, and such a build starts the next set, not more of this one.
+    if args.replay_rules is not None and not args.replay:
+        p.error("--replay-rules chooses the rules of a --replay; without --replay nothing is replayed")
+    if args.replay_rules is not None and which == CURRENT:
+        p.error(f"{which} is the current held-out set: its tables are judged under its frozen rules only (--replay-rules is for sets that have become tuning evidence)")
+    if args.choose_baselines and HELDOUT_SETS[CURRENT].baselines.exists():
+        p.error(f"{HELDOUT_SETS[CURRENT].baselines.relative_to(ROOT)} is frozen with {CURRENT}: choosing again would move a frozen threshold (a new set starts with a new file)")
+    # The frozen file pins every threshold; a collector whose own defaults differ was built after
+    # a rule changed, and such a build starts the next set, not more of this one. (Code that
+    # changes no threshold it cannot see: docs/detection.md says which build each set ran.)
+    if rules is not None and (not args.analyse or (args.replay and args.replay_rules is None)):
         collector = os.environ.get("RANKWATCH_BIN") or str(ROOT / "target" / "release" / "rankwatch")
-        own = hashlib.sha256(subprocess.run([collector, "rules"], check=True, capture_output=True).stdout).hexdigest()
+        own = defaults_hash(collector)
         if own != rules_hash:
             p.error(f"{collector}'s default rules hash to {own[:12]}…, not to the frozen {rules.relative_to(ROOT)} ({rules_hash[:12] if rules_hash else '?'}…): a rule changed after {which} was frozen, and a changed rule starts a new held-out set (docs/detection.md § Held-out protocol)")
     if not args.analyse:
@@ -500,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             replay = (binary, None if args.replay_rules == "defaults" else Path(args.replay_rules))
             rules_hash = None if replay[1] is None else sha256(replay[1])
     summary = analyse(which, out, planned, thresholds, replay)
+    if args.analyse and summary["runs"] == 0:
+        p.error(f"no run of this part is under {out} (a set's runs live in --out/SET: the first held-out set's, trained before 2026-11-30, in --out/heldout)")
     if args.choose_baselines:
         if which != "tuning":
             p.error("--choose-baselines chooses on the tuning set only")

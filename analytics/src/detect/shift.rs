@@ -25,7 +25,7 @@
 //! lasts is not learnt as the rank's usual place. No blind start: while the rank is younger
 //! than twice `delay`, an observation waits half the rank's age instead, so its baseline is
 //! the first half of what it has seen and judging starts once that half holds
-//! `min_observations` (at step 60 with the defaults, not 130): a fault from step 56 is named
+//! `min_observations` (from step 59 with the defaults, not 130): a fault from step 56 is named
 //! about 45 steps later instead of past step 180. The young baseline's median is rough (30
 //! values), which is why the baseline keeps growing with the rank's age rather than judging
 //! everything since against the first 30 values (tried: a rank of a healthy simulated job
@@ -105,7 +105,8 @@ impl RankShift {
         self.pending.push_back((step, x));
         // Half the rank's age while that is shorter than `delay`: the first half of what a
         // young rank has seen is its baseline.
-        let age = step - *self.first.get_or_insert(step);
+        // Steps only move forward for a rank (a step that goes back starts every rank over).
+        let age = step.saturating_sub(*self.first.get_or_insert(step));
         let delay = c.delay.min(age / 2).max(1);
         while let Some(&(s, old)) = self.pending.front() {
             if s + delay > step {
@@ -360,13 +361,13 @@ mod tests {
 
     /// A fault from step 56, before a 100-step delay would let the baseline judge (step 129):
     /// a young rank's baseline is the first half of what it has seen, which holds
-    /// `min_observations` from step 60, and the rank is named within a hundred steps of the
+    /// `min_observations` from step 59, and the rank is named within a hundred steps of the
     /// onset.
     #[test]
     fn a_rise_that_begins_before_the_baseline_can_judge_is_named_when_it_can() {
         for world in [2u32, 4, 8] {
             let (step, _) = rank_one_rising_from(56, 17, world);
-            // Judged from step 60; with a 100-step delay, nothing before step 129, and S needs
+            // Judged from step 59; with a 100-step delay, nothing before step 130, and S needs
             // about 50 steps above the median to reach the limit.
             assert!((60..156).contains(&step), "{world} ranks: step {step}");
         }

@@ -176,7 +176,8 @@ impl SilentInconsistencyConfig {
             && self.peer_share <= 1.0
             && self.peer_min_effect > 0.0
             && (self.peer_window == 0
-                || (1..=self.peer_window).contains(&self.peer_min_observations))
+                || ((1..=self.peer_window).contains(&self.peer_min_observations)
+                    && (self.peer_run == 0 || (2..=self.peer_window).contains(&self.peer_run))))
             && (self.shift_limit == 0.0
                 || (self.shift_limit > 0.0
                     && self.shift_allowance > 0.0
@@ -189,7 +190,7 @@ impl SilentInconsistencyConfig {
                     && self.pair_z > 0.0));
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, peer_run 0 or 2 ≤ peer_run ≤ peer_window, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")

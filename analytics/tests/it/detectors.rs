@@ -627,6 +627,8 @@ fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline(
     let events = run_dp(4, 200, 0..200, Fault::LossOffset(3, 0.8), 31);
     let a = fired_within(&events, 14..=14);
     assert_eq!(a.outlier_ranks, vec![3]);
+    // A run's breach shows the run against `peer_run`, not a share of the window.
+    assert_eq!((a.value, a.threshold), (14.0, 12.0), "{a:?}");
     assert!(
         a.explanation.contains(
             "rank 3 stood out from the other 3 ranks at each of the last 14 steps (loss 1.42× theirs)"
@@ -1925,7 +1927,7 @@ fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
         }
     }
     // Twelve noted steps in a row: logged every 2nd step they span 24 steps, inside the
-    // window; logged every 10th, the window holds at most 6, so the run never reaches 12.
+    // window; logged every 10th, the window holds at most 5, so the run never reaches 12.
     let config = SilentInconsistencyConfig {
         skip_steps: u64::MAX,
         ..SilentInconsistencyConfig::default()
@@ -1948,5 +1950,28 @@ fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
             }
         }
         assert_eq!(first, fired_at, "logged every {every} step(s)");
+    }
+}
+
+#[test]
+fn a_run_of_stand_outs_longer_than_the_window_or_of_one_step_is_refused() {
+    // A run longer than the window could never breach; a run of one would breach on a single
+    // chance note. Off (0) and the default pass.
+    for (peer_run, ok) in [
+        (0usize, true),
+        (12, true),
+        (50, true),
+        (1, false),
+        (51, false),
+    ] {
+        let config = SilentInconsistencyConfig {
+            peer_run,
+            ..SilentInconsistencyConfig::default()
+        };
+        match (config.validate(), ok) {
+            (Ok(()), true) => {}
+            (Err(e), false) => assert!(e.to_string().contains("peer_run"), "{e}"),
+            (got, _) => panic!("peer_run {peer_run}: {got:?}"),
+        }
     }
 }
