@@ -324,6 +324,12 @@ class AlertClock:
         return [(fired - self.acked[b]) * 1000 for b, fired in zip(self.faults, self.fired, strict=True)]
 
 
+def nearest_rank(ordered: list[float], f: float) -> float:
+    """The `f` quantile of already sorted values by the nearest rank (the p50 / p99 every table
+    here prints)."""
+    return ordered[min(len(ordered) - 1, int(f * len(ordered)))]
+
+
 def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str | None = None,
                    env: dict[str, str] | None = None, busy: list[float] | None = None,
                    extra: tuple[str, ...] = (), cpu: list[float] | None = None,
@@ -527,7 +533,7 @@ def bench_alerts_ab(old: str, new: str, runs: int = 4, rows: int = 10_000, susta
     for name, binary in (("old", old), ("new", new)):
         lat = sorted(latencies[name])
         if lat:
-            p50, p99 = (lat[min(len(lat) - 1, int(f * len(lat)))] for f in (0.5, 0.99))
+            p50, p99 = (nearest_rank(lat, f) for f in (0.5, 0.99))
             print(f"{name} ({binary}): alert p50 {p50:.0f} ms, p99 {p99:.0f} ms over {len(lat)} faults")
 
 
@@ -612,7 +618,7 @@ def bench_ingest_floor(rows: int = 10_000, sustained: int = 1_000) -> None:
         ns = f"{statistics.median(cpu_ns[name]):>14.0f}" if name in cpu_ns else f"{'-':>14}"
         vs = f"{statistics.median(ratio[name]):>18.2f}" if name in ratio else f"{'-':>18}"
         lat = sorted(latency.get(name, []))
-        q: Callable[[float], str] = lambda f: f"{lat[min(len(lat) - 1, int(f * len(lat)))]:>13.0f}" if lat else f"{'-':>13}"  # noqa: E731
+        q: Callable[[float], str] = lambda f: f"{nearest_rank(lat, f):>13.0f}" if lat else f"{'-':>13}"  # noqa: E731
         print(f"{name:28} {statistics.median(values):>18,.0f} {ns} {vs} {q(0.5)} {q(0.99)}")
     print("CPU ns/sample: the server's CPU time from the first send until it is idle after the last ack (work still\n"
           "  queued then, the alert engine's and a flush under way, counted; the rows left in the hot buffer not);\n"
@@ -883,7 +889,7 @@ def bench_memory(seconds: int, ranks: int = 1024, metrics: int = 200) -> None:
         finally:
             stop(proc)
     lat = sorted(latencies)
-    q: Callable[[float], float] = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    q: Callable[[float], float] = lambda f: nearest_rank(lat, f)  # noqa: E731
     print(f"{'minute':>6} {'RSS MiB min':>12} {'RSS MiB max':>12}")
     for m in range(int(timeline[-1][0] // 60) + 1):
         window = [r for t, r in timeline if m * 60 <= t < (m + 1) * 60]
@@ -1038,7 +1044,7 @@ def bench_hostile(seconds: int = 60, agents: int = 8, ranks: int = 64, metrics: 
                 s.close()
             stop(proc)
     lat = sorted(latencies)
-    q: Callable[[float], float] = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    q: Callable[[float], float] = lambda f: nearest_rank(lat, f)  # noqa: E731
     sent = seconds * ranks * metrics
     print(f"{'samples sent':>13} {'stored':>10} {'429 (retried)':>14} {'refused':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'max ms':>8} {'peak RSS MiB':>13}")

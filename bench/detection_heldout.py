@@ -120,6 +120,12 @@ HELDOUT_SETS = {
     "heldout2": HeldOutSet("heldout2", 2000, FROZEN),
 }
 CURRENT = "heldout2"
+
+
+def naming(which: str) -> tuple[str, int]:
+    """A set's run-name (and draw) prefix and first seed: the tuning set's are its own name and 0."""
+    held = HELDOUT_SETS.get(which)
+    return (held.prefix, held.first_seed) if held else (which, 0)
 HEALTHY_STEPS = 1000
 FAULT_STEPS = 600
 WINDOW = 100  # steps after the onset in which an alert counts as the fault's detection
@@ -167,7 +173,7 @@ class Planned:
 def healthy(which: str) -> list[Planned]:
     """The healthy runs of a set: every alert on them is a false alert."""
     out: list[Planned] = []
-    prefix = HELDOUT_SETS[which].prefix if which in HELDOUT_SETS else which
+    prefix, _ = naming(which)
 
     def add(name: str, nproc: int, seeds: range, *args: str, model: str = "decoder") -> None:
         out.extend(Planned(f"{prefix}-{name}-s{s}", model, nproc, HEALTHY_STEPS, (*args, "--seed", str(s))) for s in seeds)
@@ -225,8 +231,7 @@ def faults(which: str, seeds: int) -> list[Planned]:
         models = (("decoder", 4, MID, seeds), minilm)
     else:
         models = (("decoder", 4, WIDE, seeds), minilm)
-    first = HELDOUT_SETS[which].first_seed if which in HELDOUT_SETS else 0
-    prefix = HELDOUT_SETS[which].prefix if which in HELDOUT_SETS else which
+    prefix, first = naming(which)
     # Seed-major: a part stopped early has every kind at a similar count (the draw depends
     # only on the name, so the order changes no run).
     for index in range(seeds):

@@ -241,11 +241,11 @@ impl Peers {
         }
         // A run is bounded by the window too: logged every 10th step, 12 in a row would span
         // 120 steps.
-        let held = self.recent.len();
+        let in_window = self.recent.len();
         for n in self.streaks.values_mut() {
-            *n = (*n).min(held);
+            *n = (*n).min(in_window);
         }
-        let judged = self.recent.len() >= c.min_observations;
+        let judged = in_window >= c.min_observations;
         let window = self.recent.len() as f64;
         let share_of = |n: usize| n as f64 / window;
         let by_share = |n: usize| judged && share_of(n) >= c.share;

@@ -104,10 +104,10 @@ impl RankShift {
         }
         self.pending.push_back((step, x));
         // Half the rank's age while that is shorter than `delay`: the first half of what a
-        // young rank has seen is its baseline.
-        // Steps only move forward for a rank (a step that goes back starts every rank over).
+        // young rank has seen is its baseline. (Steps only move forward for a rank: a step
+        // that goes back starts every rank over.)
         let age = step.saturating_sub(*self.first.get_or_insert(step));
-        let delay = c.delay.min(age / 2).max(1);
+        let delay = c.delay.min((age / 2).max(1));
         while let Some(&(s, old)) = self.pending.front() {
             if s + delay > step {
                 break;

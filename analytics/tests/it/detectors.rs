@@ -501,15 +501,32 @@ fn run_dp_edited(
     steps: u64,
     seed: u32,
     fault: impl Fn(u64) -> Fault,
+    edit: impl FnMut(u64, &mut StepObservation),
+) -> Vec<(u64, Alert)> {
+    let config = SilentInconsistencyConfig::default();
+    run_dp_logged(config, world, steps, 1, seed, fault, edit)
+}
+
+/// `silent_inconsistency` with `config` over a simulated job whose steps are logged every
+/// `every` steps (the simulator still steps through all of them).
+fn run_dp_logged(
+    config: SilentInconsistencyConfig,
+    world: u32,
+    steps: u64,
+    every: u64,
+    seed: u32,
+    fault: impl Fn(u64) -> Fault,
     mut edit: impl FnMut(u64, &mut StepObservation),
 ) -> Vec<(u64, Alert)> {
-    let mut d = SilentInconsistency::new(run(), SilentInconsistencyConfig::default()).unwrap();
+    let mut d = SilentInconsistency::new(run(), config).unwrap();
     let mut sim = DataParallelSim::new(world, 1024, seed);
     let mut events = vec![];
     for step in 0..steps {
         let mut obs = sim.step(step, fault(step));
-        edit(step, &mut obs);
-        events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
+        if step % every == 0 {
+            edit(step, &mut obs);
+            events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
+        }
     }
     events
 }
@@ -641,15 +658,8 @@ fn silent_inconsistency_sees_a_rank_inconsistent_from_step_0_without_a_baseline(
         peer_run: 0,
         ..SilentInconsistencyConfig::default()
     };
-    let mut d = SilentInconsistency::new(run(), config).unwrap();
-    let mut sim = DataParallelSim::new(4, 1024, 31);
-    let events: Vec<(u64, Alert)> = (0..200u64)
-        .flat_map(|step| {
-            d.observe(&sim.step(step, Fault::LossOffset(3, 0.8)))
-                .into_iter()
-                .map(move |a| (step, a))
-        })
-        .collect();
+    let off_task = |_| Fault::LossOffset(3, 0.8);
+    let events = run_dp_logged(config, 4, 200, 1, 31, off_task, |_, _| {});
     let a = fired_within(&events, 41..=47);
     assert!(
         a.explanation.contains(
@@ -1906,16 +1916,9 @@ fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
         peer_run: 0,
         ..SilentInconsistencyConfig::default()
     };
+    let off_task = |_| Fault::LossOffset(3, 0.8);
     for (every, fires) in [(1u64, true), (2, false), (10, false)] {
-        let mut d = SilentInconsistency::new(run(), config).unwrap();
-        let mut sim = DataParallelSim::new(4, 1024, 41);
-        let mut events = vec![];
-        for step in 0..1000u64 {
-            let obs = sim.step(step, Fault::LossOffset(3, 0.8));
-            if step % every == 0 {
-                events.extend(d.observe(&obs).into_iter().map(|a| (step, a)));
-            }
-        }
+        let events = run_dp_logged(config, 4, 1000, every, 41, off_task, |_, _| {});
         let first = events.iter().find(|(_, a)| a.state == AlertState::Firing);
         match (fires, first) {
             (true, Some((step, a))) => {
@@ -1933,23 +1936,16 @@ fn the_stand_out_window_is_bounded_in_steps_and_sparse_logging_is_not_judged() {
         ..SilentInconsistencyConfig::default()
     };
     for (every, fired_at) in [(1u64, Some(14)), (2, Some(28)), (10, None)] {
-        let mut d = SilentInconsistency::new(run(), config).unwrap();
-        let mut sim = DataParallelSim::new(4, 1024, 41);
-        let mut first = None;
-        for step in 0..1000u64 {
-            let obs = sim.step(step, Fault::LossOffset(3, 0.8));
-            if step % every == 0
-                && let Some(a) = d
-                    .observe(&obs)
-                    .into_iter()
-                    .find(|a| a.state == AlertState::Firing)
-            {
-                assert_eq!(a.outlier_ranks, vec![3], "every {every}");
-                first = Some(step);
-                break;
-            }
+        let events = run_dp_logged(config, 4, 1000, every, 41, off_task, |_, _| {});
+        let first = events.iter().find(|(_, a)| a.state == AlertState::Firing);
+        if let Some((_, a)) = first {
+            assert_eq!(a.outlier_ranks, vec![3], "every {every}");
         }
-        assert_eq!(first, fired_at, "logged every {every} step(s)");
+        assert_eq!(
+            first.map(|(step, _)| *step),
+            fired_at,
+            "logged every {every} step(s)"
+        );
     }
 }
 
