@@ -97,6 +97,7 @@ tasks:
 ";
 
 fn main() -> ExitCode {
+    std::sync::LazyLock::force(&RUN_STARTED);
     let args: Vec<String> = env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("demo") => demo(&args[1..]),

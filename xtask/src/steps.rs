@@ -120,8 +120,14 @@ pub(crate) fn run_counting(
     Ok(())
 }
 
-/// Every step this process ran: name, seconds, success.
-pub(crate) static STAGES: Mutex<Vec<(String, f64, bool)>> = Mutex::new(Vec::new());
+/// Every step this process ran: name, when it started (seconds into the run), seconds taken,
+/// success.
+pub(crate) static STAGES: Mutex<Vec<(String, f64, f64, bool)>> = Mutex::new(Vec::new());
+
+/// When the run started: stages are placed against it, so the table shows which ran beside
+/// which (two lanes on two cores; a stage that waits leaves a core to the other lane).
+pub(crate) static RUN_STARTED: std::sync::LazyLock<Instant> =
+    std::sync::LazyLock::new(Instant::now);
 
 /// Background steps (run while the main line compiles) are marked, and left out of the sum.
 pub(crate) const BACKGROUND: &str = "(background) ";
@@ -138,8 +144,9 @@ pub(crate) fn record_stage(step: &str, seconds: f64, ok: bool) {
     } else {
         step.to_owned()
     };
+    let start = (RUN_STARTED.elapsed().as_secs_f64() - seconds).max(0.0);
     if let Ok(mut stages) = STAGES.lock() {
-        stages.push((name, seconds, ok));
+        stages.push((name, start, seconds, ok));
     }
 }
 
@@ -154,26 +161,56 @@ pub(crate) fn print_stages(total: f64) {
         .max()
         .unwrap_or(5)
         .max(5);
-    println!("\n{:<width$}  {:>8}  {:>6}", "stage", "seconds", "share");
-    for (step, seconds, ok) in stages.iter() {
+    println!(
+        "\n{:<width$}  {:>7}  {:>8}  {:>6}",
+        "stage", "from s", "seconds", "share"
+    );
+    for (step, start, seconds, ok) in stages.iter() {
         let mark = if *ok { "" } else { "  FAILED" };
         println!(
-            "{step:<width$}  {seconds:>8.1}  {:>5.1}%{mark}",
+            "{step:<width$}  {start:>7.0}  {seconds:>8.1}  {:>5.1}%{mark}",
             100.0 * seconds / total.max(1e-9)
         );
     }
     let counted: f64 = stages
         .iter()
         .filter(|(step, ..)| !step.starts_with(BACKGROUND))
-        .map(|(_, s, _)| s)
+        .map(|(_, _, s, _)| s)
         .sum();
     println!(
-        "{:<width$}  {:>8.1}  {:>5.1}%",
+        "{:<width$}  {:>7}  {:>8.1}  {:>5.1}%",
         "(between stages)",
+        "",
         total - counted,
         100.0 * (total - counted) / total.max(1e-9)
     );
-    println!("{:<width$}  {total:>8.1}", "total");
+    println!("{:<width$}  {:>7}  {total:>8.1}", "total", "");
+    if let Some(cpu) = children_cpu_seconds() {
+        println!(
+            "CPU used by the steps: {cpu:.0} s, {:.2} cores on average",
+            cpu / total.max(1e-9)
+        );
+    }
+}
+
+/// User and system CPU seconds of every finished child process, with theirs (Linux's
+/// `/proc/self/stat`, fields 16–17): set beside the wall time, it says whether the run kept
+/// the cores busy, which decides what can make it shorter.
+fn children_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces; fields after it follow its closing paren.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // Field 3 (state) is the first after the name: cutime is field 16, cstime 17.
+    let ticks: f64 = fields.get(13)?.parse::<f64>().ok()? + fields.get(14)?.parse::<f64>().ok()?;
+    let per_second = Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .unwrap_or(100.0);
+    Some(ticks / per_second)
 }
 
 pub(crate) fn run(step: &str, cmd: Command) -> Result<()> {
@@ -199,5 +236,23 @@ impl Failures {
         }
         let each: Vec<String> = self.0.iter().map(|e| format!("{e:#}")).collect();
         Err(anyhow::anyhow!("{}", each.join("; ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_finished_childs_cpu_time_is_counted() {
+        let before = children_cpu_seconds().expect("/proc/self/stat is readable");
+        // About half a second of CPU in a child, reaped by `status()`.
+        let status = Command::new("sh")
+            .args(["-c", "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let after = children_cpu_seconds().unwrap();
+        assert!(after - before >= 0.05, "{before} → {after}");
     }
 }

@@ -240,7 +240,7 @@ pub(crate) fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
             "-p",
             "no:cacheprovider",
             "-q",
-            "--durations=15",
+            "--durations=25",
             target,
         ])
         .env("HF_HUB_OFFLINE", "1");
