@@ -30,6 +30,7 @@ mod generated;
 mod layers;
 mod precompress;
 mod python_env;
+mod rust_tests;
 mod steps;
 mod test;
 mod web;
@@ -133,7 +134,31 @@ fn root() -> PathBuf {
 }
 
 fn cargo() -> Command {
-    let mut cmd = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cargo_command(Command::new(cargo_program()))
+}
+
+/// `cargo` at the lowest CPU priority (`nice -n 19`, inherited by every compiler it starts):
+/// for work that should take only what the other steps leave idle. Plain `cargo` where
+/// `nice` is missing.
+fn cargo_at_lowest_priority() -> Command {
+    let nice = Command::new("nice")
+        .args(["-n", "19", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !nice {
+        return cargo();
+    }
+    let mut cmd = Command::new("nice");
+    cmd.args(["-n", "19"]).arg(cargo_program());
+    cargo_command(cmd)
+}
+
+fn cargo_program() -> String {
+    env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// The environment every cargo command of xtask gets.
+fn cargo_command(mut cmd: Command) -> Command {
     cmd.current_dir(root());
     without_package_env(&mut cmd);
     if env::var_os("CI").is_some() {

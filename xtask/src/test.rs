@@ -1,6 +1,6 @@
-//! `cargo xtask test`: formatting, the layer check, the Rust suite with clippy, the API docs,
-//! then the Python suites in two lanes (the SDK's, and the collector's, the browser's and the
-//! demo's).
+//! `cargo xtask test`: formatting, the layer check, the Rust build with clippy, then the
+//! suites in two lanes (the SDK's; and the Rust tests, the collector's, the browser's, the
+//! demo's and the SDK's side files), with the API docs at the lowest priority beside it all.
 
 use super::*;
 
@@ -19,43 +19,34 @@ pub(crate) fn test_stages(extra: &[String]) -> Result<()> {
     run("format", fmt)?;
     check_layers()?;
     // The Python suites' tools (Debian packages, the venv) mostly wait on the network and the
-    // disk: they are installed while cargo compiles, and waited for after the Rust tests.
+    // disk: they are installed while cargo compiles, and waited for after the Rust build.
     let tools = std::thread::spawn(python_tools);
-    // First: the collector the tests build embeds the dashboard.
-    web()?;
-    // Clippy lints the workspace's crates *during* the test build (clippy-driver as the
-    // workspace's rustc wrapper, warnings denied), as the dashboard's build does: a separate
-    // `cargo clippy --all-targets` compiled every dependency a second time, in check mode, for
-    // 330 s of a fresh run. The API docs, which need that check build, are built later beside
-    // the Python suites, whose processes leave a core idle much of the time.
+    // The API docs need check builds of every dependency, which no other step makes (several
+    // minutes of CPU on a fresh machine). At the lowest priority from the start they take
+    // what the other steps leave idle (a fresh run left a quarter of its core-seconds idle),
+    // instead of running last, alone.
+    let docs = std::thread::Builder::new()
+        .name("api docs".into())
+        .spawn(rustdoc)?;
     let mut tally = Tally::default();
-    let mut tests = cargo();
-    tests.args(RUST_TEST_ARGS).args(extra);
-    with_clippy(&mut tests);
-    let mut outcome = run_with(
-        "rust tests (clippy -D warnings while compiling)",
-        tests,
-        Some(&mut tally),
-    );
-    let started = Instant::now();
-    let tools = tools
+    let (cargo_args, test_args) = rust_tests::split_extra(extra);
+    // First the dashboard: the collector the tests build embeds it.
+    let outcome = web()
+        .and_then(|()| rust_tests::build(cargo_args))
+        .and_then(|binaries| suites(tools, &binaries, test_args, &mut tally));
+    let docs = docs
         .join()
-        .map_err(|_| anyhow::anyhow!("installing the Python tools panicked"))
+        .map_err(|_| anyhow::anyhow!("building the API docs panicked"))
         .and_then(|r| r);
-    record_stage(
-        "(waiting for the Python tools)",
-        started.elapsed().as_secs_f64(),
-        tools.is_ok(),
-    );
-    if outcome.is_ok() {
-        outcome = tools.and_then(|python| python_suites(&python, &mut tally));
-    }
     // The closing line CI reads: the totals over every suite.
     println!(
         "\ntotal: {} passed, {} failed, {} skipped",
         tally.passed, tally.failed, tally.skipped
     );
-    outcome?;
+    let mut failures = Failures::default();
+    failures.note(outcome);
+    failures.note(docs);
+    failures.into_result()?;
     if tally.passed == 0 {
         bail!("no test ran");
     }
@@ -73,11 +64,11 @@ pub(crate) fn with_clippy(cmd: &mut Command) {
 }
 
 /// The API docs: an intra-doc link to something renamed or gone fails the run. In its own
-/// target folder, so it never holds the lock of the main one (the demo's test runs `cargo
-/// xtask demo`); nothing is lost, as rustdoc needs check builds of the dependencies, which no
-/// other step makes.
+/// target folder, so it never holds the lock of the main one (the native module and the demo
+/// build there while it runs); nothing is lost, as rustdoc needs check builds of the
+/// dependencies, which no other step makes. At the lowest CPU priority (`nice -n 19`).
 pub(crate) fn rustdoc() -> Result<()> {
-    let mut docs = cargo();
+    let mut docs = cargo_at_lowest_priority();
     docs.args([
         "doc",
         "--target-dir",
@@ -97,63 +88,92 @@ pub(crate) fn rustdoc() -> Result<()> {
     run("rustdoc (broken links denied)", docs)
 }
 
-pub(crate) fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
-    // The deployment test trains a real run with the SDK.
-    ensure_native_module(python, false, true)?;
-    // `cargo test` has just built the binary for the collector's integration tests; a separate
-    // `cargo build` would compile it again under another profile.
-    let binary = root().join("target/debug/rankwatch");
-    if !binary.exists() {
-        bail!("{} is missing: the Rust tests build it", binary.display());
-    }
-    // The release artifacts' layout, from the test profile: the SDK suite installs the wheel
-    // into a fresh venv without Rust and runs a job against the binary in it.
-    let dist = dist::build(
-        dist::Options {
-            debug: true,
-            collector_only: false,
-        },
-        Some(&binary),
-    )?;
-    // Two lanes, since much of each suite waits (on a flush, a timeout, a page, a paced job)
-    // rather than computing: the SDK's suite, the longest, on this thread; the static checks,
-    // the collector's suites, the browser tests, the demo, the SDK's attach tests and the API
-    // docs on a side thread. The attach tests are mostly paced jobs waiting for a switch (two
-    // minutes of sleeping); beside the SDK suite's CPU-bound detection runs they cost little,
-    // and at its end they made the main lane the longer by that much.
-    let side_python = python.to_path_buf();
-    let side_binary = binary.clone();
+/// What the Python suites run against: the venv's interpreter, the debug collector the Rust
+/// build made, and the release artifacts' layout built from it.
+struct PythonSetup {
+    python: PathBuf,
+    binary: PathBuf,
+    dist: PathBuf,
+}
+
+/// Everything after the Rust build, in two lanes, since much of each suite waits (on a flush,
+/// a timeout, a page, a paced job) rather than computing. The main lane builds the native
+/// module and the release layout, then runs the SDK's suite, the longest. The side lane runs
+/// the Rust test executables meanwhile (no cargo lock held, see `rust_tests`), then, once the
+/// main lane has built what they use, the static checks, the collector's suites, the browser
+/// tests, the demo and the SDK's side files (the attach tests, mostly paced jobs waiting for
+/// a switch, and enough besides to even the lanes). Each suite runs whether or not the one
+/// before it passed.
+fn suites(
+    tools: std::thread::JoinHandle<Result<PathBuf>>,
+    binaries: &[rust_tests::TestBinary],
+    test_args: &[String],
+    tally: &mut Tally,
+) -> Result<()> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Option<PythonSetup>>();
+    let side_binaries = binaries.to_vec();
+    let side_args = test_args.to_vec();
     let side = std::thread::Builder::new()
-        .name("checks, collector, browser, demo, attach and docs".into())
+        .name("rust tests, checks, collector, browser, demo, sdk side files".into())
         .spawn(move || {
             let mut tally = Tally::default();
             let mut failures = Failures::default();
-            failures.note(sdk_static_checks(&side_python));
-            collector_browser_and_demo_suites(
-                &side_python,
-                &side_binary,
-                &mut tally,
-                &mut failures,
-            );
-            let mut attach = pytest(&side_python, &root().join("sdk-python"), SIDE_SDK_TESTS);
-            attach.env("RANKWATCH_BIN", &side_binary);
-            failures.note(run_counting(
-                "python sdk suite: attach tests",
-                attach,
-                Some(&mut tally),
-                Tally::add_pytest_line,
-            ));
-            failures.note(rustdoc());
+            failures.note(rust_tests::run(&side_binaries, &side_args, &mut tally));
+            // None: the main lane could not build what the Python suites use (its error is
+            // reported there).
+            if let Ok(Some(setup)) = ready_rx.recv() {
+                failures.note(sdk_static_checks(&setup.python));
+                collector_browser_and_demo_suites(
+                    &setup.python,
+                    &setup.binary,
+                    &mut tally,
+                    &mut failures,
+                );
+                let mut side_sdk =
+                    pytest(&setup.python, &root().join("sdk-python"), SIDE_SDK_TESTS[0]);
+                side_sdk
+                    .args(&SIDE_SDK_TESTS[1..])
+                    .env("RANKWATCH_BIN", &setup.binary)
+                    .env("RANKWATCH_DIST", &setup.dist);
+                failures.note(run_counting(
+                    "python sdk suite: side files (attach, wheel, compiled activations)",
+                    side_sdk,
+                    Some(&mut tally),
+                    Tally::add_pytest_line,
+                ));
+            }
             (failures.into_result(), tally)
         })?;
-    let mut sdk = pytest(python, &root().join("sdk-python"), "tests");
-    sdk.arg(format!("--ignore={SIDE_SDK_TESTS}"))
-        .env("RANKWATCH_BIN", &binary)
-        .env("RANKWATCH_DIST", &dist);
-    let sdk_outcome = run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line);
+    let started = Instant::now();
+    let tools = tools
+        .join()
+        .map_err(|_| anyhow::anyhow!("installing the Python tools panicked"))
+        .and_then(|r| r);
+    record_stage(
+        "(waiting for the Python tools)",
+        started.elapsed().as_secs_f64(),
+        tools.is_ok(),
+    );
+    let setup = tools.and_then(python_setup);
+    let sdk_outcome = match setup {
+        Ok(setup) => {
+            let mut sdk = pytest(&setup.python, &root().join("sdk-python"), "tests");
+            for file in SIDE_SDK_TESTS {
+                sdk.arg(format!("--ignore={file}"));
+            }
+            sdk.env("RANKWATCH_BIN", &setup.binary)
+                .env("RANKWATCH_DIST", &setup.dist);
+            let _ = ready_tx.send(Some(setup));
+            run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)
+        }
+        Err(e) => {
+            let _ = ready_tx.send(None);
+            Err(e)
+        }
+    };
     let (side_outcome, side_tally) = side
         .join()
-        .map_err(|_| anyhow::anyhow!("the side lane of the Python suites panicked"))?;
+        .map_err(|_| anyhow::anyhow!("the side lane of the suites panicked"))?;
     tally.merge(side_tally);
     let mut failures = Failures::default();
     failures.note(sdk_outcome);
@@ -161,8 +181,40 @@ pub(crate) fn python_suites(python: &Path, tally: &mut Tally) -> Result<()> {
     failures.into_result()
 }
 
-/// The SDK tests that run on the side lane (relative to `sdk-python`), not in the main suite.
-pub(crate) const SIDE_SDK_TESTS: &str = "tests/test_attach.py";
+/// The native module (`maturin develop`) and the release layout from the test profile's
+/// collector, which the Python suites use.
+fn python_setup(python: PathBuf) -> Result<PythonSetup> {
+    // The deployment test trains a real run with the SDK.
+    ensure_native_module(&python, false, true)?;
+    // The Rust build has just made the binary for the collector's integration tests; a
+    // separate `cargo build` would compile it again under another profile.
+    let binary = root().join("target/debug/rankwatch");
+    if !binary.exists() {
+        bail!("{} is missing: the Rust tests build it", binary.display());
+    }
+    // The SDK suite installs the wheel into a fresh venv without Rust and runs a job against
+    // the binary in it.
+    let dist = dist::build(
+        dist::Options {
+            debug: true,
+            collector_only: false,
+        },
+        Some(&binary),
+    )?;
+    Ok(PythonSetup {
+        python,
+        binary,
+        dist,
+    })
+}
+
+/// The SDK tests that run on the side lane (relative to `sdk-python`), not in the main suite:
+/// the attach tests (mostly waiting), and two files that even the lanes' lengths.
+pub(crate) const SIDE_SDK_TESTS: [&str; 3] = [
+    "tests/test_attach.py",
+    "tests/test_wheel.py",
+    "tests/test_compiled_activations.py",
+];
 
 /// The SDK's typed boundary: ruff, then mypy --strict (both configured in its pyproject); then
 /// mypy over what surrounds the package (its tests, the testkit, the examples and `bench/`),
