@@ -4,13 +4,14 @@
 //! the collector's layers, then compiles and runs every Rust test in the workspace with clippy
 //! linting the workspace's crates as they compile (warnings denied). Each step first makes
 //! sure what it needs is installed (rustfmt and clippy components), so it works on a fresh
-//! machine with only the pinned toolchain. After the Rust tests come the Python suites, which
+//! machine with only the pinned toolchain. After the Rust build come the Python suites, which
 //! use real outside readers and servers against the real `rankwatch` binary: pyarrow and
 //! DuckDB reading the Parquet files, a real Prometheus scraping `/metrics`, and schemathesis
 //! fuzzing the API from its OpenAPI document. Their tools are installed on demand: a
 //! git-ignored virtual environment `.venv` (PyPI) and Debian's packages. They run in two lanes
-//! (the SDK's suite, and everything else with the API docs), since much of each waits on a
-//! process rather than computing. `bench` runs the benchmarks and prints their tables. `check`
+//! (the SDK's suite; and the Rust test executables, then everything else), since much of each
+//! waits on a process rather than computing; the API docs build at the lowest CPU priority
+//! beside it all. `bench` runs the benchmarks and prints their tables. `check`
 //! holds the collector to its layers (see `layers.rs`). Every step is timed, and `test` ends
 //! with the table of its stages (a side lane's stages are marked "(background)").
 
