@@ -281,8 +281,18 @@ pub(crate) fn collector_browser_and_demo_suites(
     ));
 }
 
-/// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face.
+/// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face. Every test's time goes to
+/// a JUnit report in `target/test-reports/` (named after `dir` and `target`), for finding
+/// where a suite's time goes beyond the slowest printed.
 pub(crate) fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
+    let reports = root().join("target/test-reports");
+    let _ = std::fs::create_dir_all(&reports);
+    let label = dir
+        .strip_prefix(root())
+        .unwrap_or(dir)
+        .join(target)
+        .to_string_lossy()
+        .replace(['/', '.'], "_");
     let mut cmd = Command::new(python);
     cmd.current_dir(dir)
         // The slowest tests are printed, so a suite that grows slow shows where.
@@ -293,8 +303,14 @@ pub(crate) fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
             "no:cacheprovider",
             "-q",
             "--durations=25",
-            target,
         ])
+        .arg(format!(
+            "--junitxml={}",
+            reports
+                .join(format!("{}.xml", label.trim_matches('_')))
+                .display()
+        ))
+        .arg(target)
         .env("HF_HUB_OFFLINE", "1");
     cmd
 }
