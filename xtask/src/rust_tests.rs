@@ -24,13 +24,50 @@ pub(crate) struct TestBinary {
     pub(crate) package_dir: PathBuf,
 }
 
-/// Splits `cargo xtask test` arguments at `--`: cargo's before, the test executables' after.
-pub(crate) fn split_extra(extra: &[String]) -> (&[String], &[String]) {
-    match extra.iter().position(|a| a == "--") {
+/// Splits `cargo xtask test` arguments into cargo's and the test executables': those after
+/// `--` are the executables', and so is a bare word before it that no cargo option takes as
+/// its value (`cargo xtask test rollups` filters the tests by name, as `cargo test rollups`
+/// does; `--no-run` would otherwise drop it).
+pub(crate) fn split_extra(extra: &[String]) -> (Vec<String>, Vec<String>) {
+    let (before, after) = match extra.iter().position(|a| a == "--") {
         Some(at) => (&extra[..at], &extra[at + 1..]),
-        None => (extra, &[]),
+        None => (extra, &[][..]),
+    };
+    let mut cargo_args = Vec::new();
+    let mut test_args = Vec::new();
+    let mut takes_value = false;
+    for arg in before {
+        if takes_value || arg.starts_with('-') {
+            takes_value = !takes_value && CARGO_OPTIONS_WITH_VALUES.contains(&arg.as_str());
+            cargo_args.push(arg.clone());
+        } else {
+            test_args.push(arg.clone());
+        }
     }
+    test_args.extend(after.iter().cloned());
+    (cargo_args, test_args)
 }
+
+/// `cargo test`'s options that take the next argument as their value.
+const CARGO_OPTIONS_WITH_VALUES: [&str; 17] = [
+    "-p",
+    "--package",
+    "--exclude",
+    "-F",
+    "--features",
+    "--test",
+    "--bin",
+    "--example",
+    "--bench",
+    "--target",
+    "--target-dir",
+    "--profile",
+    "-j",
+    "--jobs",
+    "--manifest-path",
+    "--config",
+    "--color",
+];
 
 /// Compiles every test of the workspace (clippy on its crates, warnings denied) and returns
 /// the executables, in the order cargo would run them.
@@ -49,15 +86,24 @@ pub(crate) fn build(cargo_args: &[String]) -> Result<Vec<TestBinary>> {
         .spawn()
         .with_context(|| format!("{step}: could not start cargo"))?;
     let mut binaries = Vec::new();
+    let mut unread = None;
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines() {
-            let line = line.context("reading cargo's messages")?;
-            if let Some(binary) = test_binary(&line) {
-                binaries.push(binary);
+            match line {
+                Ok(line) => binaries.extend(test_binary(&line)),
+                Err(e) => {
+                    // Still waited for below, so no cargo outlives the step.
+                    unread = Some(e);
+                    break;
+                }
             }
         }
     }
     let status = child.wait()?;
+    if let Some(e) = unread {
+        record_stage(step, started.elapsed().as_secs_f64(), false);
+        return Err(e).context("reading cargo's messages");
+    }
     let seconds = started.elapsed().as_secs_f64();
     record_stage(step, seconds, status.success());
     if !status.success() {
@@ -116,6 +162,9 @@ pub(crate) fn run(binaries: &[TestBinary], args: &[String], tally: &mut Tally) -
     let mut failures = Failures::default();
     for binary in binaries {
         let mut cmd = Command::new(&binary.executable);
+        // Not xtask's own package variables (`cargo run -p xtask` set them): the package's
+        // directory, as cargo sets it for a test it runs.
+        without_package_env(&mut cmd);
         cmd.current_dir(&binary.package_dir)
             .env("CARGO_MANIFEST_DIR", &binary.package_dir)
             .args(args);
@@ -181,12 +230,37 @@ mod tests {
         assert_eq!(package_name("path+file:///w/xtask#0.1.0"), Some("xtask"));
     }
 
+    fn split(args: &[&str]) -> (Vec<String>, Vec<String>) {
+        split_extra(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>())
+    }
+
     #[test]
     fn arguments_after_a_double_dash_go_to_the_executables() {
-        let args: Vec<String> = ["-p", "x", "--", "--exact", "t"].map(String::from).to_vec();
-        let (cargo, tests) = split_extra(&args);
+        let (cargo, tests) = split(&["-p", "x", "--", "--exact", "t"]);
         assert_eq!(cargo, ["-p", "x"]);
         assert_eq!(tests, ["--exact", "t"]);
-        assert_eq!(split_extra(&args[..2]).1.len(), 0);
+        assert_eq!(split(&["-p", "x"]).1.len(), 0);
+    }
+
+    #[test]
+    fn a_bare_word_is_a_test_filter_unless_an_option_takes_it() {
+        let (cargo, tests) = split(&["rollups", "-p", "rankwatch-collector", "--release"]);
+        assert_eq!(cargo, ["-p", "rankwatch-collector", "--release"]);
+        assert_eq!(tests, ["rollups"]);
+        let (cargo, tests) = split(&[
+            "--features",
+            "f",
+            "--test",
+            "it",
+            "engine",
+            "--",
+            "--nocapture",
+        ]);
+        assert_eq!(cargo, ["--features", "f", "--test", "it"]);
+        assert_eq!(tests, ["engine", "--nocapture"]);
+        // `--features=f` carries its value: the next word is a filter.
+        let (cargo, tests) = split(&["--features=f", "engine"]);
+        assert_eq!(cargo, ["--features=f"]);
+        assert_eq!(tests, ["engine"]);
     }
 }

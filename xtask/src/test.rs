@@ -28,12 +28,27 @@ pub(crate) fn test_stages(extra: &[String]) -> Result<()> {
     let docs = std::thread::Builder::new()
         .name("api docs".into())
         .spawn(rustdoc)?;
+    // Last run's per-test reports would pass for this one's where a suite does not run.
+    let _ = std::fs::remove_dir_all(root().join("target/test-reports"));
     let mut tally = Tally::default();
     let (cargo_args, test_args) = rust_tests::split_extra(extra);
     // First the dashboard: the collector the tests build embeds it.
-    let outcome = web()
-        .and_then(|()| rust_tests::build(cargo_args))
-        .and_then(|binaries| suites(tools, &binaries, test_args, &mut tally));
+    let built = web().and_then(|()| rust_tests::build(&cargo_args));
+    // The tools are waited for even when the build failed: left running, an apt-get or pip
+    // would outlive this process and hold the dpkg lock or the venv against the next run.
+    let started = Instant::now();
+    let tools = tools
+        .join()
+        .map_err(|_| anyhow::anyhow!("installing the Python tools panicked"))
+        .and_then(|r| r);
+    record_stage(
+        "(waiting for the Python tools)",
+        started.elapsed().as_secs_f64(),
+        tools.is_ok(),
+    );
+    // After the tools, as the Rust tests need Debian's Alertmanager (its tests skip without
+    // it); the pip install beside the build ends well before the build does.
+    let outcome = built.and_then(|binaries| suites(tools, &binaries, &test_args, &mut tally));
     let docs = docs
         .join()
         .map_err(|_| anyhow::anyhow!("building the API docs panicked"))
@@ -105,7 +120,7 @@ struct PythonSetup {
 /// a switch, and enough besides to even the lanes). Each suite runs whether or not the one
 /// before it passed.
 fn suites(
-    tools: std::thread::JoinHandle<Result<PathBuf>>,
+    tools: Result<PathBuf>,
     binaries: &[rust_tests::TestBinary],
     test_args: &[String],
     tally: &mut Tally,
@@ -144,16 +159,6 @@ fn suites(
             }
             (failures.into_result(), tally)
         })?;
-    let started = Instant::now();
-    let tools = tools
-        .join()
-        .map_err(|_| anyhow::anyhow!("installing the Python tools panicked"))
-        .and_then(|r| r);
-    record_stage(
-        "(waiting for the Python tools)",
-        started.elapsed().as_secs_f64(),
-        tools.is_ok(),
-    );
     let setup = tools.and_then(python_setup);
     let sdk_outcome = match setup {
         Ok(setup) => {
@@ -171,13 +176,17 @@ fn suites(
             Err(e)
         }
     };
-    let (side_outcome, side_tally) = side
-        .join()
-        .map_err(|_| anyhow::anyhow!("the side lane of the suites panicked"))?;
-    tally.merge(side_tally);
     let mut failures = Failures::default();
     failures.note(sdk_outcome);
-    failures.note(side_outcome);
+    match side.join() {
+        Ok((side_outcome, side_tally)) => {
+            tally.merge(side_tally);
+            failures.note(side_outcome);
+        }
+        Err(_) => failures.note(Err(anyhow::anyhow!(
+            "the side lane of the suites panicked (its tests' counts are lost)"
+        ))),
+    }
     failures.into_result()
 }
 
