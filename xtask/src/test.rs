@@ -320,6 +320,12 @@ pub(crate) fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
                 .display()
         ))
         .arg(target)
-        .env("HF_HUB_OFFLINE", "1");
+        .env("HF_HUB_OFFLINE", "1")
+        // One torch thread a process: the two lanes already fill both cores, and torch's
+        // OpenMP threads spin while the other lane holds a core. Two in-process MiniLM
+        // spectral tests beside a busy core took 70 s and 87 CPU-seconds with two threads,
+        // 39 s and 38 CPU-seconds with one (docs/performance.md). The tests' training ranks
+        // set it themselves; the test kit forks ranks from a launcher left single-threaded.
+        .env("OMP_NUM_THREADS", "1");
     cmd
 }
