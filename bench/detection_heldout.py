@@ -126,6 +126,8 @@ def naming(which: str) -> tuple[str, int]:
     """A set's run-name (and draw) prefix and first seed: the tuning set's are its own name and 0."""
     held = HELDOUT_SETS.get(which)
     return (held.prefix, held.first_seed) if held else (which, 0)
+
+
 HEALTHY_STEPS = 1000
 FAULT_STEPS = 600
 WINDOW = 100  # steps after the onset in which an alert counts as the fault's detection

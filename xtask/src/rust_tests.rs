@@ -78,38 +78,16 @@ pub(crate) fn build(cargo_args: &[String]) -> Result<Vec<TestBinary>> {
         .args(["--no-run", "--message-format=json-render-diagnostics"])
         .args(cargo_args);
     with_clippy(&mut build);
-    let step = "rust tests: build (clippy -D warnings while compiling)";
-    println!("\n==> {step}: {build:?}");
-    let started = Instant::now();
-    build.stdout(Stdio::piped());
-    let mut child = build
-        .spawn()
-        .with_context(|| format!("{step}: could not start cargo"))?;
+    // The JSON messages are read, not shown (cargo renders its diagnostics to stderr).
     let mut binaries = Vec::new();
-    let mut unread = None;
-    if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            match line {
-                Ok(line) => binaries.extend(test_binary(&line)),
-                Err(e) => {
-                    // Still waited for below, so no cargo outlives the step.
-                    unread = Some(e);
-                    break;
-                }
-            }
-        }
-    }
-    let status = child.wait()?;
-    if let Some(e) = unread {
-        record_stage(step, started.elapsed().as_secs_f64(), false);
-        return Err(e).context("reading cargo's messages");
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    record_stage(step, seconds, status.success());
-    if !status.success() {
-        bail!("{step} failed ({status})");
-    }
-    println!("==> {step}: ok in {seconds:.1}s");
+    run_reading(
+        "rust tests: build (clippy -D warnings while compiling)",
+        build,
+        Some(&mut |line: &str| {
+            binaries.extend(test_binary(line));
+            false
+        }),
+    )?;
     // cargo test runs them by package, then unit tests before integration tests.
     binaries.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(binaries)

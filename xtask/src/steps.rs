@@ -69,9 +69,29 @@ pub(crate) fn run_with(step: &str, cmd: Command, tally: Option<&mut Tally>) -> R
 
 pub(crate) fn run_counting(
     step: &str,
-    mut cmd: Command,
-    mut tally: Option<&mut Tally>,
+    cmd: Command,
+    tally: Option<&mut Tally>,
     count: fn(&mut Tally, &str),
+) -> Result<()> {
+    match tally {
+        Some(tally) => run_reading(
+            step,
+            cmd,
+            Some(&mut |line: &str| {
+                count(tally, line);
+                true
+            }),
+        ),
+        None => run_reading(step, cmd, None),
+    }
+}
+
+/// Runs `cmd`, echoing it, and fails with its exit status. With `read`, its stdout is read
+/// line by line: each line goes to `read`, and is passed through when `read` says so.
+pub(crate) fn run_reading(
+    step: &str,
+    mut cmd: Command,
+    mut read: Option<&mut dyn FnMut(&str) -> bool>,
 ) -> Result<()> {
     // A step on a side lane runs beside the main line: its output is held and printed in one
     // block when it ends, so the two never interleave line by line.
@@ -87,7 +107,7 @@ pub(crate) fn run_counting(
     };
     say(&format!("\n==> {step}: {cmd:?}"));
     let started = Instant::now();
-    if tally.is_some() || side {
+    if read.is_some() || side {
         cmd.stdout(Stdio::piped());
     }
     let mut child = cmd
@@ -99,9 +119,8 @@ pub(crate) fn run_counting(
         for line in BufReader::new(stdout).split(b'\n') {
             let Ok(bytes) = line else { break };
             let line = String::from_utf8_lossy(bytes.strip_suffix(b"\r").unwrap_or(&bytes));
-            say(&line);
-            if let Some(tally) = tally.as_deref_mut() {
-                count(tally, &line);
+            if read.as_mut().is_none_or(|read| read(&line)) {
+                say(&line);
             }
         }
     }
@@ -120,9 +139,17 @@ pub(crate) fn run_counting(
     Ok(())
 }
 
-/// Every step this process ran: name, when it started (seconds into the run), seconds taken,
-/// success.
-pub(crate) static STAGES: Mutex<Vec<(String, f64, f64, bool)>> = Mutex::new(Vec::new());
+/// One step this process ran, for the stage table.
+pub(crate) struct Stage {
+    name: String,
+    /// Seconds into the run when it started.
+    start: f64,
+    seconds: f64,
+    ok: bool,
+}
+
+/// Every step this process ran.
+pub(crate) static STAGES: Mutex<Vec<Stage>> = Mutex::new(Vec::new());
 
 /// When the run started: stages are placed against it, so the table shows which ran beside
 /// which (two lanes on two cores; a stage that waits leaves a core to the other lane).
@@ -146,18 +173,24 @@ pub(crate) fn record_stage(step: &str, seconds: f64, ok: bool) {
     };
     let start = (RUN_STARTED.elapsed().as_secs_f64() - seconds).max(0.0);
     if let Ok(mut stages) = STAGES.lock() {
-        stages.push((name, start, seconds, ok));
+        stages.push(Stage {
+            name,
+            start,
+            seconds,
+            ok,
+        });
     }
 }
 
-/// The stage table: where a run's time went.
-pub(crate) fn print_stages(total: f64) {
+/// The stage table: where the run's time went, up to now.
+pub(crate) fn print_stages() {
+    let total = RUN_STARTED.elapsed().as_secs_f64();
     let Ok(stages) = STAGES.lock() else {
         return;
     };
     let width = stages
         .iter()
-        .map(|(s, ..)| s.len())
+        .map(|s| s.name.len())
         .max()
         .unwrap_or(5)
         .max(5);
@@ -165,17 +198,23 @@ pub(crate) fn print_stages(total: f64) {
         "\n{:<width$}  {:>7}  {:>8}  {:>6}",
         "stage", "from s", "seconds", "share"
     );
-    for (step, start, seconds, ok) in stages.iter() {
+    for Stage {
+        name,
+        start,
+        seconds,
+        ok,
+    } in stages.iter()
+    {
         let mark = if *ok { "" } else { "  FAILED" };
         println!(
-            "{step:<width$}  {start:>7.0}  {seconds:>8.1}  {:>5.1}%{mark}",
+            "{name:<width$}  {start:>7.0}  {seconds:>8.1}  {:>5.1}%{mark}",
             100.0 * seconds / total.max(1e-9)
         );
     }
     let counted: f64 = stages
         .iter()
-        .filter(|(step, ..)| !step.starts_with(BACKGROUND))
-        .map(|(_, _, s, _)| s)
+        .filter(|s| !s.name.starts_with(BACKGROUND))
+        .map(|s| s.seconds)
         .sum();
     println!(
         "{:<width$}  {:>7}  {:>8.1}  {:>5.1}%",

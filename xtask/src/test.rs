@@ -5,9 +5,8 @@
 use super::*;
 
 pub(crate) fn test(extra: &[String]) -> Result<()> {
-    let started = Instant::now();
     let outcome = test_stages(extra);
-    print_stages(started.elapsed().as_secs_f64());
+    print_stages();
     outcome
 }
 
@@ -48,7 +47,7 @@ pub(crate) fn test_stages(extra: &[String]) -> Result<()> {
     );
     // After the tools, as the Rust tests need Debian's Alertmanager (its tests skip without
     // it); the pip install beside the build ends well before the build does.
-    let outcome = built.and_then(|binaries| suites(tools, &binaries, &test_args, &mut tally));
+    let outcome = built.and_then(|binaries| suites(tools, binaries, test_args, &mut tally));
     let docs = docs
         .join()
         .map_err(|_| anyhow::anyhow!("building the API docs panicked"))
@@ -121,22 +120,20 @@ struct PythonSetup {
 /// before it passed.
 fn suites(
     tools: Result<PathBuf>,
-    binaries: &[rust_tests::TestBinary],
-    test_args: &[String],
+    binaries: Vec<rust_tests::TestBinary>,
+    test_args: Vec<String>,
     tally: &mut Tally,
 ) -> Result<()> {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Option<PythonSetup>>();
-    let side_binaries = binaries.to_vec();
-    let side_args = test_args.to_vec();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<PythonSetup>();
     let side = std::thread::Builder::new()
         .name("rust tests, checks, collector, browser, demo, sdk side files".into())
         .spawn(move || {
             let mut tally = Tally::default();
             let mut failures = Failures::default();
-            failures.note(rust_tests::run(&side_binaries, &side_args, &mut tally));
-            // None: the main lane could not build what the Python suites use (its error is
-            // reported there).
-            if let Ok(Some(setup)) = ready_rx.recv() {
+            failures.note(rust_tests::run(&binaries, &test_args, &mut tally));
+            // Nothing comes when the main lane could not build what the Python suites use
+            // (its error is reported there): the sender is dropped.
+            if let Ok(setup) = ready_rx.recv() {
                 failures.note(sdk_static_checks(&setup.python));
                 collector_browser_and_demo_suites(
                     &setup.python,
@@ -168,11 +165,13 @@ fn suites(
             }
             sdk.env("RANKWATCH_BIN", &setup.binary)
                 .env("RANKWATCH_DIST", &setup.dist);
-            let _ = ready_tx.send(Some(setup));
+            let _ = ready_tx.send(setup);
             run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)
         }
         Err(e) => {
-            let _ = ready_tx.send(None);
+            // Now, not at the end of this function: the side lane waits on it, and is joined
+            // below.
+            drop(ready_tx);
             Err(e)
         }
     };
