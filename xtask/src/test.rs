@@ -289,9 +289,9 @@ pub(crate) fn collector_browser_and_demo_suites(
     ));
 }
 
-/// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face. Every test's time goes to
-/// a JUnit report in `target/test-reports/` (named after `dir` and `target`), for finding
-/// where a suite's time goes beyond the slowest printed.
+/// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face. Every test's time and CPU
+/// go to a JUnit report in `target/test-reports/` (named after `dir` and `target`), for
+/// finding where a suite's time goes beyond the slowest printed.
 pub(crate) fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
     let reports = root().join("target/test-reports");
     let _ = std::fs::create_dir_all(&reports);
@@ -311,6 +311,10 @@ pub(crate) fn pytest(python: &Path, dir: &Path, target: &str) -> Command {
             "no:cacheprovider",
             "-q",
             "--durations=25",
+            // Each test's CPU, its own and its children's, into the report and a summary:
+            // on two busy cores CPU, not wall time, is what a test costs the run.
+            "-p",
+            "rankwatch_testkit.cpu_times",
         ])
         .arg(format!(
             "--junitxml={}",
