@@ -53,11 +53,14 @@ def free_port() -> int:
 def run_ranks(argv: list[str], world: int, timeout: float, env: dict[str, str] | None = None) -> list[str]:
     """Runs `argv` as `world` processes with torchrun's environment (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT on a free port) and returns each rank's stdout. All must exit
-    0 within `timeout` seconds: a hang kills every rank and fails the test."""
+    0 within `timeout` seconds: a hang kills every rank and fails the test. Each rank is forked
+    from the test kit's zygote, which has imported torch already (`rankwatch_testkit.zygote`)."""
+    from rankwatch_testkit import zygote
+
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            argv,
+            zygote.command(argv),
             env={**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
             stdout=subprocess.PIPE,
             text=True,

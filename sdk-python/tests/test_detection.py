@@ -8,7 +8,6 @@ for docs/detection.md.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import requests
+from rankwatch_testkit import zygote
 
 from conftest import Collector, free_port
 
@@ -41,10 +41,10 @@ def train(collector: Collector, run: str, tmp: Path, *, steps: int, nproc: int =
 
 
 def run_example(cmd: list[str]) -> None:
-    """Runs a training example to completion (one torch thread per process); fails the test
-    with the end of its stderr if it fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    """Runs a training example to completion, started from the test kit's zygote (torch
+    imported already); fails the test with the end of its stderr if it fails. The example
+    sets one torch thread per rank itself."""
+    done = subprocess.run(zygote.command(cmd), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
