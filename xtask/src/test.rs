@@ -1,6 +1,6 @@
 //! `cargo xtask test`: formatting, the layer check, the Rust build with clippy, then the
-//! suites in two lanes (the SDK's; and the Rust tests, the collector's, the browser's, the
-//! demo's and the SDK's side files), with the API docs at the lowest priority beside it all.
+//! suites in two lanes (the SDK's and the demo's; and the Rust tests, the collector's, the
+//! browser's and the SDK's side files), with the API docs at the lowest priority beside it all.
 
 use super::*;
 
@@ -112,10 +112,11 @@ struct PythonSetup {
 
 /// Everything after the Rust build, in two lanes, since much of each suite waits (on a flush,
 /// a timeout, a page, a paced job) rather than computing. The main lane builds the native
-/// module and the release layout, then runs the SDK's suite, the longest. The side lane runs
+/// module and the release layout, then runs the SDK's suite, the longest, and the demo. The
+/// side lane runs
 /// the Rust test executables meanwhile (no cargo lock held, see `rust_tests`), then, once the
 /// main lane has built what they use, the static checks, the collector's suites, the browser
-/// tests, the demo and the SDK's side files (the attach tests, mostly paced jobs waiting for
+/// tests and the SDK's side files (the attach tests, mostly paced jobs waiting for
 /// a switch, and enough besides to even the lanes). Each suite runs whether or not the one
 /// before it passed.
 fn suites(
@@ -126,7 +127,7 @@ fn suites(
 ) -> Result<()> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<PythonSetup>();
     let side = std::thread::Builder::new()
-        .name("rust tests, checks, collector, browser, demo, sdk side files".into())
+        .name("rust tests, checks, collector, browser, sdk side files".into())
         .spawn(move || {
             let mut tally = Tally::default();
             let mut failures = Failures::default();
@@ -135,7 +136,7 @@ fn suites(
             // (its error is reported there): the sender is dropped.
             if let Ok(setup) = ready_rx.recv() {
                 failures.note(sdk_static_checks(&setup.python));
-                collector_browser_and_demo_suites(
+                collector_and_browser_suites(
                     &setup.python,
                     &setup.binary,
                     &mut tally,
@@ -157,7 +158,8 @@ fn suites(
             (failures.into_result(), tally)
         })?;
     let setup = tools.and_then(python_setup);
-    let sdk_outcome = match setup {
+    let mut failures = Failures::default();
+    match setup {
         Ok(setup) => {
             let mut sdk = pytest(&setup.python, &root().join("sdk-python"), "tests");
             for file in SIDE_SDK_TESTS {
@@ -165,18 +167,25 @@ fn suites(
             }
             sdk.env("RANKWATCH_BIN", &setup.binary)
                 .env("RANKWATCH_DIST", &setup.dist);
+            let (python, binary) = (setup.python.clone(), setup.binary.clone());
             let _ = ready_tx.send(setup);
-            run_counting("python sdk suite", sdk, Some(tally), Tally::add_pytest_line)
+            failures.note(run_counting(
+                "python sdk suite",
+                sdk,
+                Some(tally),
+                Tally::add_pytest_line,
+            ));
+            // The demo on this lane, after the suite: with it on the side lane, a warm run's
+            // side lane ended at 997 s and this one at 783 s.
+            failures.note(demo_suite(&python, &binary, tally));
         }
         Err(e) => {
             // Now, not at the end of this function: the side lane waits on it, and is joined
             // below.
             drop(ready_tx);
-            Err(e)
+            failures.note(Err(e));
         }
-    };
-    let mut failures = Failures::default();
-    failures.note(sdk_outcome);
+    }
     match side.join() {
         Ok((side_outcome, side_tally)) => {
             tally.merge(side_tally);
@@ -252,9 +261,9 @@ pub(crate) fn sdk_static_checks(python: &Path) -> Result<()> {
     failures.into_result()
 }
 
-/// The collector's Python suites, the dashboard in a browser and the README's main job, one
-/// after another, against `binary`; each runs whether or not the one before it passed.
-pub(crate) fn collector_browser_and_demo_suites(
+/// The collector's Python suites and the dashboard in a browser, one after the other, against
+/// `binary`; each runs whether or not the one before it passed.
+pub(crate) fn collector_and_browser_suites(
     python: &Path,
     binary: &Path,
     tally: &mut Tally,
@@ -278,15 +287,13 @@ pub(crate) fn collector_browser_and_demo_suites(
         Some(tally),
         Tally::add_pytest_line,
     ));
-    // The README's main job, as a user runs it, on the binary the Rust tests built.
+}
+
+/// The README's main job, as a user runs it, on the binary the Rust tests built.
+pub(crate) fn demo_suite(python: &Path, binary: &Path, tally: &mut Tally) -> Result<()> {
     let mut demo = pytest(python, &root(), "xtask/tests");
     demo.env("RANKWATCH_BIN", binary);
-    failures.note(run_counting(
-        "demo test",
-        demo,
-        Some(tally),
-        Tally::add_pytest_line,
-    ));
+    run_counting("demo test", demo, Some(tally), Tally::add_pytest_line)
 }
 
 /// `python -m pytest -q TARGET` in `dir`, offline for Hugging Face. Every test's time and CPU
