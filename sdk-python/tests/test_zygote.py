@@ -68,7 +68,7 @@ def test_a_job_through_the_zygote_sees_and_ends_as_a_fresh_one(tmp_path: Path, c
     assert forked[2] == fresh[2] == ["thread joined", "atexit ran"]
     if code == 99:
         # The traceback names the job's frames, not the zygote's.
-        assert "RuntimeError: the job failed" in forked[3] and "zygote.py" not in forked[3], forked[3]
+        assert "RuntimeError: the job failed" in forked[3] and "zygote.py" not in forked[3] and "runpy" not in forked[3], forked[3]
     else:
         assert forked[3] == fresh[3] == "to stderr\n"
 
@@ -157,6 +157,10 @@ def test_killing_the_trampoline_kills_the_job_and_a_termination_is_passed_on(tmp
     proc, pid = _started_job(tmp_path, "")
     proc.terminate()
     assert proc.wait(timeout=10) == -signal.SIGTERM
+    # A job killed by its own pid (the OOM killer, a test's cleanup) ends its trampoline so too.
+    proc, pid = _started_job(tmp_path, "")
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_a_training_job_through_the_zygote_ends_with_the_same_parameters(tmp_path: Path) -> None:

@@ -209,10 +209,13 @@ def trampoline(path: str, argv: list[str]) -> NoReturn:
     for s in _FORWARDED:
         signal.signal(s, forward)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # One buffered reader for both lines: the job can end before this process reads its pid,
+    # and then both lines come in one read.
+    replies = sock.makefile("rb")
     try:
         sock.connect(path)
         _send_request(sock, {"job": job, "env": dict(os.environ), "cwd": os.getcwd()})
-        answer = _read_line(sock)
+        answer = _read_line(replies)
     except OSError:
         answer = b""
     if not answer.startswith(b"pid "):
@@ -227,29 +230,29 @@ def trampoline(path: str, argv: list[str]) -> NoReturn:
     pid = int(answer.split()[1])
     for signum in pending:
         forward(signum, None)
-    status = _read_line(sock)
+    status = _read_line(replies)
+    # The job is reaped: its pid may be another process's soon.
+    pid = None
+    for forwarded in _FORWARDED:
+        signal.signal(forwarded, signal.SIG_IGN)
     if not status.startswith(b"exit "):
         print("rankwatch_testkit.zygote: lost the zygote while the job ran", file=sys.stderr)
         os._exit(70)
     code = int(status.split()[1])
     if code < 0:
         # Ended by a signal: end the same way, so the caller sees what the job's end was.
-        signal.signal(-code, signal.SIG_DFL)
+        # (SIGKILL's disposition cannot be set, nor needs to be.)
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code & 0xFF)
 
 
-def _read_line(sock: socket.socket) -> bytes:
-    line = b""
-    while not line.endswith(b"\n"):
-        try:
-            chunk = sock.recv(256)
-        except InterruptedError:
-            continue
-        if not chunk:
-            break
-        line += chunk
-    return line
+def _read_line(replies: Any) -> bytes:
+    try:
+        return bytes(replies.readline())
+    except OSError:
+        return b""
 
 
 # ---------------------------------------------------------------- the zygote (`serve`)
@@ -307,15 +310,21 @@ def _receive(conn: socket.socket) -> _Job | None:
         for fd in fds:
             os.close(fd)
         return None
-    (length,) = _HEADER.unpack_from(data)
-    body = data[_HEADER.size :]
-    while len(body) < length:
-        chunk = conn.recv(length - len(body))
-        if not chunk:
-            break
-        body += chunk
-    request = json.loads(body)
-    return _Job(argv=request["job"], env=request["env"], cwd=request["cwd"], streams=fds)
+    try:
+        (length,) = _HEADER.unpack_from(data)
+        body = data[_HEADER.size :]
+        while len(body) < length:
+            chunk = conn.recv(length - len(body))
+            if not chunk:
+                break
+            body += chunk
+        request = json.loads(body)
+        return _Job(argv=request["job"], env=request["env"], cwd=request["cwd"], streams=fds)
+    except BaseException:
+        # Never left open: every later job would inherit a dead caller's pipes.
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _refusal(server: _Server, job: _Job) -> str | None:
@@ -382,7 +391,7 @@ def _accept(server: _Server) -> _Job | None:
     conn, _ = server.listener.accept()
     try:
         job = _receive(conn)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"rankwatch_testkit.zygote: a malformed request: {e}", file=sys.stderr, flush=True)
         conn.close()
         return None
@@ -392,12 +401,26 @@ def _accept(server: _Server) -> _Job | None:
     reason = _refusal(server, job)
     if reason is not None:
         print(f"rankwatch_testkit.zygote: starting {job.argv[:2]} fresh: {reason}", file=sys.stderr, flush=True)
-        conn.sendall(b"fresh\n")
-        conn.close()
         for fd in job.streams:
             os.close(fd)
+        try:
+            conn.sendall(b"fresh\n")
+        except OSError:
+            pass  # the trampoline is gone: nothing to start
+        conn.close()
         return None
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        print(f"rankwatch_testkit.zygote: cannot fork ({e}); the job starts fresh", file=sys.stderr, flush=True)
+        for fd in job.streams:
+            os.close(fd)
+        try:
+            conn.sendall(b"fresh\n")
+        except OSError:
+            pass
+        conn.close()
+        return None
     if pid == 0:
         job.env = {**server.added_env, **job.env}
         server.close_in_child()
@@ -410,7 +433,12 @@ def _accept(server: _Server) -> _Job | None:
     server.children[pid] = child
     server.selector.register(pidfd, selectors.EVENT_READ, ("exited", pid))
     server.selector.register(conn, selectors.EVENT_READ, ("conn", pid))
-    conn.sendall(f"pid {pid}\n".encode())
+    try:
+        conn.sendall(f"pid {pid}\n".encode())
+    except OSError:
+        # The trampoline died meanwhile (a test's timeout): so does the job. It stays
+        # registered, to be reaped when it has ended.
+        os.kill(pid, signal.SIGKILL)
     return None
 
 
@@ -494,13 +522,14 @@ def run_job(job: _Job) -> NoReturn:
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - printed and turned into exit code 1, as the interpreter does
-        import traceback
-
-        # Without this module's frames, as a fresh interpreter would print it.
+        # Through the job's own excepthook, without this module's frames or runpy's, as a
+        # fresh interpreter would print it.
         kind, value, tb = sys.exc_info()
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):
             tb = tb.tb_next
-        traceback.print_exception(kind, value, tb)
+        if value is not None:
+            value = value.with_traceback(tb)
+        sys.excepthook(kind, value, tb)  # type: ignore[arg-type]
         sys.exit(1)
     sys.exit(0)
 
