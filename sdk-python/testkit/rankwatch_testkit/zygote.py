@@ -400,26 +400,12 @@ def _accept(server: _Server) -> _Job | None:
         return None
     reason = _refusal(server, job)
     if reason is not None:
-        print(f"rankwatch_testkit.zygote: starting {job.argv[:2]} fresh: {reason}", file=sys.stderr, flush=True)
-        for fd in job.streams:
-            os.close(fd)
-        try:
-            conn.sendall(b"fresh\n")
-        except OSError:
-            pass  # the trampoline is gone: nothing to start
-        conn.close()
+        _send_fresh(conn, job, reason)
         return None
     try:
         pid = os.fork()
     except OSError as e:
-        print(f"rankwatch_testkit.zygote: cannot fork ({e}); the job starts fresh", file=sys.stderr, flush=True)
-        for fd in job.streams:
-            os.close(fd)
-        try:
-            conn.sendall(b"fresh\n")
-        except OSError:
-            pass
-        conn.close()
+        _send_fresh(conn, job, f"cannot fork ({e})")
         return None
     if pid == 0:
         job.env = {**server.added_env, **job.env}
@@ -440,6 +426,18 @@ def _accept(server: _Server) -> _Job | None:
         # registered, to be reaped when it has ended.
         os.kill(pid, signal.SIGKILL)
     return None
+
+
+def _send_fresh(conn: socket.socket, job: _Job, reason: str) -> None:
+    """Tells the trampoline to start its job fresh, and why (in the zygote's log)."""
+    print(f"rankwatch_testkit.zygote: starting {job.argv[:2]} fresh: {reason}", file=sys.stderr, flush=True)
+    for fd in job.streams:
+        os.close(fd)
+    try:
+        conn.sendall(b"fresh\n")
+    except OSError:
+        pass  # the trampoline is gone: nothing to start
+    conn.close()
 
 
 def _child_event(server: _Server, data: tuple[str, int]) -> None:
