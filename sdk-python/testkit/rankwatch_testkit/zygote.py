@@ -29,6 +29,7 @@ fresh by their tests on purpose; `RANKWATCH_TESTKIT_ZYGOTE=off` starts every job
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -37,6 +38,7 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -64,11 +66,10 @@ def _shapes(key: str, read: set[str]) -> bool:
     return key.startswith(NATIVE_PREFIXES) or (key.startswith(PYTHON_READ_PREFIXES) and key in read)
 
 
-def _recording_reads(read: set[str]) -> Any:
-    """A context in which every lookup of `os.environ` (`[]`, `get`, `getenv`, `in`) adds the
-    key to READ."""
-    import contextlib
-
+@contextlib.contextmanager
+def _recording_reads(read: set[str]) -> Iterator[None]:
+    """While open, every lookup of `os.environ` (`[]`, `get`, `getenv`, `in`) adds its key to
+    READ."""
     environ_type = type(os.environ)
     original = environ_type.__getitem__
 
@@ -76,15 +77,11 @@ def _recording_reads(read: set[str]) -> Any:
         read.add(key)
         return original(self, key)
 
-    @contextlib.contextmanager
-    def recorder() -> Any:
-        environ_type.__getitem__ = recording  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            environ_type.__getitem__ = original  # type: ignore[method-assign]
-
-    return recorder()
+    environ_type.__getitem__ = recording  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        environ_type.__getitem__ = original  # type: ignore[method-assign]
 
 
 def command(argv: list[str]) -> list[str]:
@@ -297,13 +294,6 @@ class _Server:
         self.children.clear()
 
 
-def _threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
-
-
 def _receive(conn: socket.socket) -> _Job | None:
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, _STREAMS)
     if len(fds) != _STREAMS or len(data) < _HEADER.size:
@@ -331,8 +321,12 @@ def _refusal(server: _Server, job: _Job) -> str | None:
     differing = _shaping_differences(job.env, server.base_env, server.added_env, server.read_env)
     if differing:
         return f"the job's environment differs in {differing}"
-    if _threads() != 1:
-        return f"the zygote has {_threads()} threads and cannot fork safely"
+    # The launcher's count (its test of a safe fork); torch is loaded here already.
+    from rankwatch_testkit.spawn import _threads
+
+    threads = _threads()
+    if threads != 1:
+        return f"the zygote has {threads} threads and cannot fork safely"
     return None
 
 
