@@ -70,14 +70,23 @@ def _steps(collector: Collector, run: str, metric: str) -> dict[int, list[int]]:
     return out
 
 
-def _wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+def _wait_for(predicate, timeout: float, what: str, context=None):  # type: ignore[no-untyped-def]
+    """`predicate()` once truthy; on timeout a failure naming `what`, and `context()` (what
+    arrived, what the job said) so that a rare failure explains itself."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+    pytest.fail(f"timed out after {timeout} s waiting for {what}" + (f"\n{context()}" if context is not None else ""))
+
+
+def _arrived(collector: Collector, run: str, job_stderr: str) -> str:
+    """What the collector holds of `run` (rows per metric) and the end of the job's stderr."""
+    rows = collector.sql(f"SELECT metric, count(*) AS n FROM samples WHERE run = '{run}' GROUP BY metric ORDER BY metric")
+    held = ", ".join(f"{r['metric']} {r['n']}" for r in rows) or "nothing"
+    return f"the collector holds of run {run!r}: {held}\nthe job's stderr ends:\n{job_stderr[-3000:]}"
 
 
 # -- in-process and small-process checks ------------------------------------------------------
@@ -485,7 +494,7 @@ def test_rankwatch_run_hands_the_mapping_to_every_rank_and_the_collector_keeps_i
     _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, "--zoo", "mpt"))
     # Spectral values are the layer's, not a rank's: read them by site.
     query = "SELECT DISTINCT site FROM samples WHERE run = 'mapped' AND metric = 'spectral.sigma'"
-    sites = _wait_for(lambda: {r["site"] for r in collector.sql(query)} or None, 30, "spectral values")
+    sites = _wait_for(lambda: {r["site"] for r in collector.sql(query)} or None, 30, "spectral values", lambda: _arrived(collector, "mapped", done.stderr))
     assert sites == {"q", "o", "up", "down"}, "exactly the mapped sites: the mapping, not discovery, described the model"
     summary = _run_summary(collector, "mapped")
     assert summary["family"] == "mapping", summary
@@ -508,7 +517,7 @@ def test_rankwatch_run_reads_blocks_no_table_knows_and_trains_as_the_unwatched_t
     assert "layer probes off" not in done.stderr, done.stderr[-3000:]
     _assert_equal_parameters(tmp_path / "watched.pt", _plain_twin(tmp_path, steps, *args))
     query = f"SELECT DISTINCT site FROM samples WHERE run = 'zoo-{layout}' AND metric = 'spectral.sigma'"
-    sites = _wait_for(lambda: {r["site"] for r in collector.sql(query)} or None, 30, "spectral values")
+    sites = _wait_for(lambda: {r["site"] for r in collector.sql(query)} or None, 30, "spectral values", lambda: _arrived(collector, f"zoo-{layout}", done.stderr))
     assert sites >= {"q", "k", "v", "o", "up", "down"}, sites
     assert _run_summary(collector, f"zoo-{layout}")["family"] == "structural"
 

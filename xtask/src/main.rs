@@ -27,6 +27,7 @@ use anyhow::{Context, Result, bail};
 mod bench;
 mod demo;
 mod dist;
+mod failure_lines;
 mod generated;
 mod layers;
 mod precompress;
@@ -38,6 +39,7 @@ mod web;
 
 use bench::*;
 use demo::*;
+use failure_lines::*;
 use python_env::*;
 use steps::*;
 use test::*;

@@ -113,12 +113,14 @@ pub(crate) fn run_reading(
     let mut child = cmd
         .spawn()
         .with_context(|| format!("{step}: could not start {cmd:?}"))?;
+    let mut explaining = FailureLines::default();
     if let Some(stdout) = child.stdout.take() {
         // Lossy: a line that is not UTF-8 must not end the reading early, which would leave
         // the child running beside the next step.
         for line in BufReader::new(stdout).split(b'\n') {
             let Ok(bytes) = line else { break };
             let line = String::from_utf8_lossy(bytes.strip_suffix(b"\r").unwrap_or(&bytes));
+            explaining.read(&line);
             if read.as_mut().is_none_or(|read| read(&line)) {
                 say(&line);
             }
@@ -134,6 +136,7 @@ pub(crate) fn run_reading(
         print!("{held}");
     }
     if !status.success() {
+        record_failure(step, &explaining);
         bail!("{step} failed ({status})");
     }
     Ok(())

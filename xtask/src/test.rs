@@ -7,6 +7,7 @@ use super::*;
 pub(crate) fn test(extra: &[String]) -> Result<()> {
     let outcome = test_stages(extra);
     print_stages();
+    print_failures();
     outcome
 }
 
