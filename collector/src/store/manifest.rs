@@ -60,7 +60,10 @@ impl FileMeta {
     /// Whether this file and `other` share their run, part number and writer: a samples part
     /// and its rollup.
     pub fn pairs(&self, other: &FileMeta) -> bool {
-        self.part == other.part && self.run == other.run && self.node == other.node
+        self.part == other.part
+            && self.run == other.run
+            && self.node == other.node
+            && self.writer == other.writer
     }
 
     /// Whether this file belongs to `table` of `run`.
@@ -205,6 +208,34 @@ fn is_dir_named(path: &Path, prefix: &str) -> bool {
 mod tests {
     use super::*;
     use crate::store::rollup::Finest;
+
+    fn part(table: &str, part: u64, node: Option<&str>, writer: Option<&str>) -> FileMeta {
+        FileMeta {
+            table: table.into(),
+            run: RunId::new("r").unwrap(),
+            part,
+            rows: 1,
+            bytes: 1,
+            min_step: Some(0),
+            max_step: Some(0),
+            node: node.map(str::to_owned),
+            writer: writer.map(str::to_owned),
+            sparse: Default::default(),
+        }
+    }
+
+    /// Compaction drops the files that pair with the parts it merged: another writer's part
+    /// with the same number on the same node is not one of them.
+    #[test]
+    fn a_part_pairs_with_its_own_writers_rollup_only() {
+        let samples = part("samples", 7, Some("n1"), Some("w1"));
+        assert!(samples.pairs(&part("rollups", 7, Some("n1"), Some("w1"))));
+        assert!(!samples.pairs(&part("rollups", 7, Some("n1"), Some("w2"))));
+        assert!(!samples.pairs(&part("samples", 7, Some("n1"), None)));
+        assert!(!samples.pairs(&part("rollups", 7, Some("n2"), Some("w1"))));
+        assert!(!samples.pairs(&part("rollups", 8, Some("n1"), Some("w1"))));
+        assert!(part("samples", 7, None, None).pairs(&part("rollups", 7, None, None)));
+    }
 
     #[test]
     fn version_1_is_read_version_2_keeps_sparse_metrics_and_a_later_one_is_refused() {
