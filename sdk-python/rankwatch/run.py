@@ -13,6 +13,11 @@ Its parts live beside it: when each probe is due (`cadence.py`), what `log` acce
 (`values.py`), the spectral probe's schedule and budget (`spectral_schedule.py`), alert
 callbacks (`alert_feed.py`), and `init` with the settings it reads (`settings.py`).
 
+A run the process never finished is finished at the interpreter's exit (`at_exit.py`, as
+wandb does): without it the zero-code agent, which has no place to call `finish`, never told
+the collector its ranks ended, and what the sender held when the process exited reached the
+collector only if its timer fired first.
+
 The agent is made on first use, not in `init`: `watch` may find that the data-parallel group
 is a subgroup of the world, and then the run is that group's (see `topology.py`).
 
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -36,7 +43,7 @@ from typing import TYPE_CHECKING, SupportsFloat, TypedDict
 
 import torch
 
-from . import _native
+from . import _native, at_exit
 from .alert_feed import AlertCallback, AlertFeed
 from .budget import StepClock
 from .cadence import Cadence, ProbeSchedule
@@ -90,6 +97,20 @@ _live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
 def live_runs() -> list[Run]:
     """The runs of this process that are not finished."""
     return [r for r in _live_runs if not r.finished]
+
+
+def _finish_at_exit(failed: bool) -> None:
+    """Finishes, at the interpreter's exit, each run this process made and left unfinished
+    (see `at_exit.py`): what it holds is delivered (or spooled), and unless the process is
+    ending in failure, the collector is told the rank ended."""
+    for run in live_runs():
+        if run._pid != os.getpid():
+            continue  # a forked child's copy: its sender thread did not survive the fork
+        try:
+            run._crashed = run._crashed or failed
+            run.finish()
+        except Exception as e:  # noqa: BLE001 - an exit handler must not raise
+            print(f"rankwatch: could not finish run {run.id!r} at exit: {e}", file=sys.stderr)
 
 
 class Run:
@@ -155,9 +176,11 @@ class Run:
         self._alerts = AlertFeed(self._warn)
         self._last_health_check = 0.0
         self.last_values: dict[SeriesKey, float] = {}
+        self._pid = os.getpid()
         if replica_group is not None:
             self._join(replica_group)
         _live_runs.add(self)
+        at_exit.install(_finish_at_exit)
 
     # -- setup ---------------------------------------------------------------------------
 

@@ -1,14 +1,20 @@
 """How a run ends is what the collector is told: `finish()` (or a `with` block left normally)
 reports each rank `finished`, which resolves the run's alerts at once; a block left by an
-exception reports nothing of the kind, so a crash never reads as a clean end."""
+exception reports nothing of the kind, so a crash never reads as a clean end. A run the
+process never finished (the zero-code agent's always) is finished at the interpreter's exit,
+by the same rule."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Collector
+from conftest import SDK_ROOT, Collector
 
 import rankwatch
 
@@ -33,3 +39,142 @@ def test_a_clean_end_reports_finished_and_a_crash_does_not(tmp_path: Path) -> No
         assert finished_rows(collector, "crashed") == []
     finally:
         collector.stop()
+
+
+def _job(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`code` run as a script by a fresh interpreter that imports this tree's SDK."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["RANKWATCH_SPOOL_DIR"] = str(tmp_path / "spool")
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _count(collector: Collector, run: str, metric: str) -> int:
+    return int(collector.sql(f"SELECT count(*) AS n FROM samples WHERE run = '{run}' AND metric = '{metric}'")[0]["n"])
+
+
+@pytest.mark.parametrize("ending", ["clean", "uncaught"])
+def test_a_run_left_unfinished_is_finished_at_exit_and_a_crash_still_reads_as_one(tmp_path: Path, collector: Collector, ending: str) -> None:
+    """No `finish()`: at the exit every value logged has reached the collector, and the rank
+    reports `finished` when the script ended normally, and not when an uncaught exception
+    ended it."""
+    done = _job(
+        tmp_path,
+        """
+        import sys, rankwatch
+        run = rankwatch.init("left-open", sys.argv[1], rank=0, world_size=1)
+        for step in range(3):
+            run.log(step, loss=1.0 + step)
+        if sys.argv[2] == "uncaught":
+            raise RuntimeError("the job died")
+        """,
+        collector.url,
+        ending,
+    )
+    assert done.returncode == (0 if ending == "clean" else 1), done.stderr[-3000:]
+    # finish() returned before the process did: what it holds is there now, not eventually.
+    assert _count(collector, "left-open", "loss") == 3, done.stderr[-3000:]
+    expected = [{"rank": 0, "step": 2, "value": 1.0}] if ending == "clean" else []
+    assert finished_rows(collector, "left-open") == expected, done.stderr[-3000:]
+
+
+def test_the_zero_code_agent_finishes_its_run_when_the_job_exits(tmp_path: Path, collector: Collector) -> None:
+    """`rankwatch run` has no place to call finish(): the exit does it, so every step the job
+    trained reaches the collector and the rank reports its end (before, the last report left
+    with the process only if the sender's timer fired first, and `finished` never came)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            model = torch.nn.Linear(2, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                loss = model(torch.ones(4, 2)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["RANKWATCH_SPOOL_DIR"] = str(tmp_path / "spool")
+    cmd = [sys.executable, "-m", "rankwatch", "run", "--collector", collector.url, "--run", "zero-code-end", "--", sys.executable, str(script)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "watching Linear" in done.stderr, done.stderr[-3000:]
+    # The agent starts at the end of the first optimizer step and logs the two after it.
+    steps = collector.sql("SELECT step FROM samples WHERE run = 'zero-code-end' AND metric = 'loss' ORDER BY step")
+    assert [r["step"] for r in steps] == [2, 3], done.stderr[-3000:]
+    assert finished_rows(collector, "zero-code-end") == [{"rank": 0, "step": 3, "value": 1.0}]
+
+
+def test_a_forked_child_leaves_its_parents_run_to_the_parent(tmp_path: Path, collector: Collector) -> None:
+    """A child forked after `init` inherits the run and the exit hook but not the sender
+    thread: at its exit it must not finish the parent's run (no `finished` from it, no wait on
+    a sender that is not there); the parent finishes it at its own exit."""
+    done = _job(
+        tmp_path,
+        """
+        import atexit, os, sys
+        import rankwatch
+
+        run = None
+        # Registered before init registers rankwatch's, so it runs after it (exit handlers
+        # run last in, first out): it shows the run as rankwatch's handler left it.
+        atexit.register(lambda: print(f"{'child' if os.getpid() != parent else 'parent'} exits, run finished: {run.finished}", flush=True))
+        parent = os.getpid()
+        run = rankwatch.init("forked", sys.argv[1], rank=0, world_size=1)
+        run.log(0, loss=1.0)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child exit status:", status, flush=True)
+        run.log(1, loss=2.0)
+        """,
+        collector.url,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "child exits, run finished: False" in out and "child exit status: 0" in out, out + done.stderr[-3000:]
+    assert "parent exits, run finished: True" in out, out + done.stderr[-3000:]
+    assert finished_rows(collector, "forked") == [{"rank": 0, "step": 1, "value": 1.0}], done.stderr[-3000:]
+    assert _count(collector, "forked", "loss") == 2
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+def test_a_spawned_worker_that_raises_reads_as_a_crash(tmp_path: Path, collector: Collector, outcome: str) -> None:
+    """multiprocessing prints a spawned worker's exception itself and ends it with
+    `sys.exit(1)`, so the interpreter never sees it uncaught: the exit code is what tells the
+    crash from a clean end. Either way what the worker logged is delivered."""
+    done = _job(
+        tmp_path,
+        """
+        import multiprocessing, sys
+        import rankwatch
+
+        def worker(url, outcome):
+            run = rankwatch.init("spawned", url, rank=0, world_size=1)
+            for step in range(2):
+                run.log(step, loss=1.0)
+            if outcome == "raises":
+                raise RuntimeError("the worker died")
+
+        if __name__ == "__main__":
+            p = multiprocessing.get_context("spawn").Process(target=worker, args=(sys.argv[1], sys.argv[2]))
+            p.start()
+            p.join(120)
+            print("worker exit code:", p.exitcode, flush=True)
+        """,
+        collector.url,
+        outcome,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"worker exit code: {0 if outcome == 'returns' else 1}" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert _count(collector, "spawned", "loss") == 2, done.stderr[-3000:]
+    expected = [{"rank": 0, "step": 1, "value": 1.0}] if outcome == "returns" else []
+    assert finished_rows(collector, "spawned") == expected, done.stderr[-3000:]

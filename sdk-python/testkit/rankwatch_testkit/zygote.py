@@ -521,6 +521,11 @@ def run_job(job: _Job) -> NoReturn:
             tb = tb.tb_next
         if value is not None:
             value = value.with_traceback(tb)
+        # What the interpreter records before it prints an uncaught exception, which exit
+        # handlers read (rankwatch's tells a crash from a clean end by it).
+        sys.last_type, sys.last_value, sys.last_traceback = kind, value, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = value
         sys.excepthook(kind, value, tb)  # type: ignore[arg-type]
         sys.exit(1)
     sys.exit(0)
