@@ -29,7 +29,8 @@ def late():
     print("thread joined", flush=True)
 
 threading.Thread(target=late).start()
-atexit.register(lambda: print("atexit ran", flush=True))
+# What the interpreter records of an uncaught exception before the exit handlers run.
+atexit.register(lambda: print("atexit ran", repr(getattr(sys, "last_value", None)), flush=True))
 print(json.dumps({
     "argv": sys.argv[1:], "cwd": os.getcwd(), "name": __name__, "path0": sys.path[0],
     "marker": os.environ.get("ZYGOTE_TEST_MARKER"), "stdin": sys.stdin.readline().strip(),
@@ -65,7 +66,8 @@ def test_a_job_through_the_zygote_sees_and_ends_as_a_fresh_one(tmp_path: Path, c
     assert forked[1] == fresh[1]
     assert forked[1]["argv"] == [str(code)] and forked[1]["stdin"] == "from stdin" and forked[1]["marker"] == "m"
     # Non-daemon threads are joined before atexit handlers run, in both.
-    assert forked[2] == fresh[2] == ["thread joined", "atexit ran"]
+    last = "RuntimeError('the job failed')" if code == 99 else "None"
+    assert forked[2] == fresh[2] == ["thread joined", f"atexit ran {last}"]
     if code == 99:
         # The traceback names the job's frames, not the zygote's.
         assert "RuntimeError: the job failed" in forked[3] and "zygote.py" not in forked[3] and "runpy" not in forked[3], forked[3]
