@@ -68,9 +68,17 @@ impl Cell {
         );
     }
 
+    /// In `f64::total_cmp`'s order, which puts −0 below +0 (`f64::min` may return either
+    /// zero, so the sign of a zero extreme would depend on the order the rows came in).
     fn extremes(&mut self, min: f64, max: f64) {
-        self.min = Some(self.min.map_or(min, |m| m.min(min)));
-        self.max = Some(self.max.map_or(max, |m| m.max(max)));
+        self.min = Some(
+            self.min
+                .map_or(min, |m| std::cmp::min_by(m, min, f64::total_cmp)),
+        );
+        self.max = Some(
+            self.max
+                .map_or(max, |m| std::cmp::max_by(m, max, f64::total_cmp)),
+        );
     }
 
     fn at_step(&mut self, first: bool, step: u64, values: &[f64]) {
@@ -226,11 +234,33 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_extremes_of_signed_zeros_are_the_same_bits_whatever_the_order() {
+        let mut forward = Cell::default();
+        let mut backward = Cell::default();
+        for v in [0.0, -0.0, 0.0] {
+            forward.add(3, v);
+        }
+        for v in [-0.0, 0.0, -0.0] {
+            backward.add(3, v);
+        }
+        for c in [&forward, &backward] {
+            assert_eq!(c.min.map(f64::to_bits), Some((-0.0f64).to_bits()));
+            assert_eq!(c.max.map(f64::to_bits), Some(0.0f64.to_bits()));
+        }
+    }
+
     fn rows() -> impl Strategy<Value = Vec<(u64, f64)>> {
         proptest::collection::vec(
             (
                 0u64..300,
-                prop_oneof![8 => -1e3f64..1e3, 1 => Just(f64::NAN), 1 => Just(f64::INFINITY)],
+                prop_oneof![
+                    8 => -1e3f64..1e3,
+                    1 => Just(f64::NAN),
+                    1 => Just(f64::INFINITY),
+                    1 => Just(0.0),
+                    1 => Just(-0.0),
+                ],
             ),
             0..200,
         )

@@ -15,7 +15,8 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// One random value: mostly finite, sometimes NaN or ±Inf, sometimes exactly repeated.
+/// One random value: mostly finite, sometimes NaN or ±Inf, sometimes exactly repeated, and
+/// sometimes a zero of either sign (a zero extreme's sign must not depend on arrival order).
 fn value() -> impl Strategy<Value = f64> {
     prop_oneof![
         12 => -1e3f64..1e3,
@@ -23,6 +24,8 @@ fn value() -> impl Strategy<Value = f64> {
         1 => Just(f64::INFINITY),
         1 => Just(f64::NEG_INFINITY),
         1 => Just(0.5),
+        1 => Just(0.0),
+        1 => Just(-0.0),
     ]
 }
 
