@@ -112,6 +112,11 @@ class Reporter:
             # Host memory: the values are there already, no reason to hold them a report.
             self.drain()
 
+    @property
+    def pending(self) -> int:
+        """Reports whose device values are not read back yet."""
+        return len(self._inflight)
+
     def drain(self, wait: bool = False) -> None:
         """Hands every finished copy to the agent, oldest first."""
         while self._inflight:

@@ -101,16 +101,18 @@ def live_runs() -> list[Run]:
 
 def _finish_at_exit(failed: bool) -> None:
     """Finishes, at the interpreter's exit, each run this process made and left unfinished
-    (see `at_exit.py`): what it holds is delivered (or spooled), and unless the process is
-    ending in failure, the collector is told the rank ended."""
+    (see `at_exit.py`): what it holds is delivered within one deadline shared by all of them
+    (the rest spooled), and unless the process is ending in failure, the collector is told the
+    rank ended."""
+    deadline = time.monotonic() + at_exit.EXIT_TIMEOUT_S
     for run in live_runs():
         if run._pid != os.getpid():
             continue  # a forked child's copy: its sender thread did not survive the fork
         try:
             run._crashed = run._crashed or failed
-            run.finish()
-        except Exception as e:  # noqa: BLE001 - an exit handler must not raise
-            print(f"rankwatch: could not finish run {run.id!r} at exit: {e}", file=sys.stderr)
+            run._end(max(0.0, deadline - time.monotonic()), exiting=True)
+        except BaseException as e:  # noqa: BLE001 - an exit handler must not raise, and the next run still ends
+            print(f"rankwatch: could not finish run {run.id!r} at exit: {e!r}", file=sys.stderr)
 
 
 class Run:
@@ -180,7 +182,7 @@ class Run:
         if replica_group is not None:
             self._join(replica_group)
         _live_runs.add(self)
-        at_exit.install(_finish_at_exit)
+        at_exit.watch(_finish_at_exit)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -794,16 +796,26 @@ class Run:
 
     def finish(self, timeout: float = 10.0) -> RunStats:
         """Ends the run: removes the probes, delivers what it can within `timeout`, spools the
-        rest. Calling it twice is harmless (the second call warns and returns the stats)."""
+        rest. Calling it again is harmless (the second call warns and returns the stats)."""
+        return self._end(timeout, exiting=False)
+
+    def _end(self, timeout: float, *, exiting: bool) -> RunStats:
+        """`finish`; `exiting`: from the exit handler (`at_exit.py`), where the user's alert
+        callbacks are not run (the job is over, its process group may be gone), and a crashed
+        process does not wait on the device for its last report (a collective a dead peer never
+        joined would hold it there)."""
         agent = self._connect()
         if self._finished:
             self._warn("finish-twice", "rankwatch: finish() called twice; the second call does nothing")
             return agent.stats()
-        self._alerts.deliver(agent)
+        if not exiting:
+            self._alerts.deliver(agent)
         self._finished = True
         if self._reporter is not None:
             try:
-                self._reporter.drain(wait=True)
+                self._reporter.drain(wait=not (exiting and self._crashed))
+                if self._reporter.pending:
+                    self._warn("not-drained", f"rankwatch: the process ended on an error; the last {self._reporter.pending} reports were still on the device and are not sent")
             except Exception as e:  # noqa: BLE001 - finishing must not raise into the job
                 self._warn("drain", f"rankwatch: could not read back the last report: {e}")
         self.unwatch()
@@ -824,6 +836,8 @@ class Run:
             self._warn("undelivered", f"rankwatch: {stats['backlog_batches']} batches were not delivered before finish(); they are spooled in {self.spool_dir}")
         if stats["set_aside_rows"]:
             self._warn("set-aside", f"rankwatch: the collector refused {stats['set_aside_rows']} values; they are kept ({stats['last_error']})")
+        if not live_runs():
+            at_exit.release()
         return stats
 
     def unwatch(self) -> None:

@@ -55,11 +55,11 @@ def _count(collector: Collector, run: str, metric: str) -> int:
     return int(collector.sql(f"SELECT count(*) AS n FROM samples WHERE run = '{run}' AND metric = '{metric}'")[0]["n"])
 
 
-@pytest.mark.parametrize("ending", ["clean", "uncaught"])
+@pytest.mark.parametrize("ending", ["clean", "uncaught", "exit1"])
 def test_a_run_left_unfinished_is_finished_at_exit_and_a_crash_still_reads_as_one(tmp_path: Path, collector: Collector, ending: str) -> None:
     """No `finish()`: at the exit every value logged has reached the collector, and the rank
-    reports `finished` when the script ended normally, and not when an uncaught exception
-    ended it."""
+    reports `finished` when the script ended normally, and not when an uncaught exception or
+    `sys.exit(1)` ended it."""
     done = _job(
         tmp_path,
         """
@@ -69,6 +69,8 @@ def test_a_run_left_unfinished_is_finished_at_exit_and_a_crash_still_reads_as_on
             run.log(step, loss=1.0 + step)
         if sys.argv[2] == "uncaught":
             raise RuntimeError("the job died")
+        if sys.argv[2] == "exit1":
+            sys.exit(1)
         """,
         collector.url,
         ending,
@@ -114,8 +116,8 @@ def test_the_zero_code_agent_finishes_its_run_when_the_job_exits(tmp_path: Path,
 
 def test_a_forked_child_leaves_its_parents_run_to_the_parent(tmp_path: Path, collector: Collector) -> None:
     """A child forked after `init` inherits the run and the exit hook but not the sender
-    thread: at its exit it must not finish the parent's run (no `finished` from it, no wait on
-    a sender that is not there); the parent finishes it at its own exit."""
+    thread: its exit handlers must not finish the parent's run (no `finished` from it, no wait
+    on a sender that is not there); the parent finishes it at its own exit."""
     done = _job(
         tmp_path,
         """
@@ -131,7 +133,10 @@ def test_a_forked_child_leaves_its_parents_run_to_the_parent(tmp_path: Path, col
         run.log(0, loss=1.0)
         pid = os.fork()
         if pid == 0:
-            sys.exit(0)
+            # The exit handlers, then out without finalization: finalizing the inherited copy of
+            # the native agent could wait on a lock its sender thread (not forked) held.
+            atexit._run_exitfuncs()
+            os._exit(0)
         _, status = os.waitpid(pid, 0)
         print("child exit status:", status, flush=True)
         run.log(1, loss=2.0)
@@ -178,3 +183,28 @@ def test_a_spawned_worker_that_raises_reads_as_a_crash(tmp_path: Path, collector
     assert _count(collector, "spawned", "loss") == 2, done.stderr[-3000:]
     expected = [{"rank": 0, "step": 1, "value": 1.0}] if outcome == "returns" else []
     assert finished_rows(collector, "spawned") == expected, done.stderr[-3000:]
+
+
+def test_sys_exit_is_wrapped_only_while_a_run_is_live(tmp_path: Path, collector: Collector) -> None:
+    """The exit code is kept by wrapping `sys.exit` while a run is live; once the last run
+    ends the job's own `sys.exit` is back, the same object. (A fresh process: runs another
+    test left live would keep the wrapper in this one.)"""
+    done = _job(
+        tmp_path,
+        """
+        import sys
+        import rankwatch
+
+        original = sys.exit
+        first = rankwatch.init("wrapped", sys.argv[1], rank=0, world_size=1)
+        second = rankwatch.init("wrapped-too", sys.argv[1], rank=0, world_size=1)
+        print("live:", sys.exit is not original and sys.exit.__wrapped__ is original)
+        first.finish()
+        print("one still live:", sys.exit is not original)
+        second.finish()
+        print("none live:", sys.exit is original)
+        """,
+        collector.url,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["live: True", "one still live: True", "none live: True"], done.stdout + done.stderr[-3000:]
