@@ -31,7 +31,9 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-EXIT_TIMEOUT_S = 5.0  # what the exit waits to deliver, for every unfinished run together
+# What the exit waits to deliver, for every unfinished run together: what `finish()` waits for
+# one run, so a slow collector (an fsync on a loaded disk) gets as long as at an explicit end.
+EXIT_TIMEOUT_S = 10.0
 
 _registered = False
 _original_exit: Callable[..., NoReturn] | None = None
