@@ -36,8 +36,7 @@ from typing import NoReturn
 EXIT_TIMEOUT_S = 10.0
 
 _registered = False
-_original_exit: Callable[..., NoReturn] | None = None
-_wrapper: Callable[..., NoReturn] | None = None
+_wrapper: Callable[..., NoReturn] | None = None  # sys.exit's, its `__wrapped__` the original
 _exit_code: object = None  # the last code given to sys.exit on the main thread
 _stale_exception: object = None  # an uncaught exception printed before the first run
 
@@ -58,7 +57,7 @@ def ending_in_failure() -> bool:
 def watch(on_exit: Callable[[bool], None]) -> None:
     """While a run is live: `on_exit(ending_in_failure())` at the interpreter's exit (the
     handler registered once) and `sys.exit` wrapped to keep its code."""
-    global _registered, _original_exit, _wrapper, _exit_code, _stale_exception
+    global _registered, _wrapper, _exit_code, _stale_exception
     if not _registered:
         _registered = True
         _stale_exception = _last_exception()
@@ -74,13 +73,13 @@ def watch(on_exit: Callable[[bool], None]) -> None:
             _exit_code = code
         original(code)  # type: ignore[arg-type]
 
-    _original_exit, _wrapper, _exit_code = original, recording_exit, None
+    _wrapper, _exit_code = recording_exit, None
     sys.exit = recording_exit
 
 
 def release() -> None:
     """The last run ended: `sys.exit` is given back (unless something wrapped it since)."""
-    global _original_exit, _wrapper
-    if _wrapper is not None and sys.exit is _wrapper and _original_exit is not None:
-        sys.exit = _original_exit
-    _original_exit = _wrapper = None
+    global _wrapper
+    if _wrapper is not None and sys.exit is _wrapper:
+        sys.exit = _wrapper.__wrapped__  # type: ignore[attr-defined]
+    _wrapper = None

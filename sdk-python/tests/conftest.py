@@ -41,6 +41,15 @@ def train_step(model, optimizer, vocab: int, batch: int, seq: int):  # type: ign
     return loss.detach()
 
 
+def sdk_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a fresh process that imports this tree's SDK (not an
+    installed one), without the `RANKWATCH_` settings this run may carry, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     """A loopback port free at the moment of asking."""
     import socket

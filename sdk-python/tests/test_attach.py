@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import SDK_ROOT, Collector, collector_binary
+from conftest import SDK_ROOT, Collector, collector_binary, sdk_env
 
 pytest.importorskip("transformers")
 
@@ -32,13 +32,8 @@ CANNOT_GET_IN = WAY_IN == "gdb" and shutil.which("gdb") is None
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
-    # The SDK from this tree, not an installed one; quick switch polling for the tests.
-    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["RANKWATCH_SWITCH_POLL_S"] = "0.3"
-    env["HF_HUB_OFFLINE"] = "1"
-    env.update(extra)
-    return env
+    # Quick switch polling for the tests.
+    return sdk_env(RANKWATCH_SWITCH_POLL_S="0.3", HF_HUB_OFFLINE="1", **extra)
 
 
 def _torchrun(*args: str) -> list[str]:

@@ -6,7 +6,6 @@ by the same rule."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SDK_ROOT, Collector
+from conftest import Collector, sdk_env
 
 import rankwatch
 
@@ -41,14 +40,13 @@ def test_a_clean_end_reports_finished_and_a_crash_does_not(tmp_path: Path) -> No
         collector.stop()
 
 
-def _job(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`code` run as a script by a fresh interpreter that imports this tree's SDK."""
+def _job(tmp_path: Path, code: str, *args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """`code` run as a script by a fresh interpreter that imports this tree's SDK (after
+    `launcher`, a command that runs the script's command line, when given)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(code))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["RANKWATCH_SPOOL_DIR"] = str(tmp_path / "spool")
-    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+    env = sdk_env(RANKWATCH_SPOOL_DIR=str(tmp_path / "spool"))
+    return subprocess.run([*launcher, sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=120)
 
 
 def _count(collector: Collector, run: str, metric: str) -> int:
@@ -86,26 +84,21 @@ def test_the_zero_code_agent_finishes_its_run_when_the_job_exits(tmp_path: Path,
     """`rankwatch run` has no place to call finish(): the exit does it, so every step the job
     trained reaches the collector and the rank reports its end (before, the last report left
     with the process only if the sender's timer fired first, and `finished` never came)."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import torch
-            model = torch.nn.Linear(2, 1)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for _ in range(3):
-                loss = model(torch.ones(4, 2)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            """
-        )
+    launcher = (sys.executable, "-m", "rankwatch", "run", "--collector", collector.url, "--run", "zero-code-end", "--")
+    done = _job(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(torch.ones(4, 2)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """,
+        launcher=launcher,
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKWATCH_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SDK_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["RANKWATCH_SPOOL_DIR"] = str(tmp_path / "spool")
-    cmd = [sys.executable, "-m", "rankwatch", "run", "--collector", collector.url, "--run", "zero-code-end", "--", sys.executable, str(script)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "watching Linear" in done.stderr, done.stderr[-3000:]
     # The agent starts at the end of the first optimizer step and logs the two after it.

@@ -114,12 +114,11 @@ struct PythonSetup {
 /// Everything after the Rust build, in two lanes, since much of each suite waits (on a flush,
 /// a timeout, a page, a paced job) rather than computing. The main lane builds the native
 /// module and the release layout, then runs the SDK's suite, the longest, and the demo. The
-/// side lane runs
-/// the Rust test executables meanwhile (no cargo lock held, see `rust_tests`), then, once the
-/// main lane has built what they use, the static checks, the collector's suites, the browser
-/// tests and the SDK's side files (the attach tests, mostly paced jobs waiting for
-/// a switch, and enough besides to even the lanes). Each suite runs whether or not the one
-/// before it passed.
+/// side lane runs the Rust test executables meanwhile (no cargo lock held, see `rust_tests`),
+/// then, once the main lane has built what they use, the static checks, the collector's
+/// suites, the browser tests and the SDK's side files (the attach tests, mostly paced jobs
+/// waiting for a switch, and enough besides to even the lanes). Each suite runs whether or not
+/// the one before it passed.
 fn suites(
     tools: Result<PathBuf>,
     binaries: Vec<rust_tests::TestBinary>,
