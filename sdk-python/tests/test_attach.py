@@ -33,7 +33,7 @@ CANNOT_GET_IN = WAY_IN == "gdb" and shutil.which("gdb") is None
 
 def _env(**extra: str) -> dict[str, str]:
     # Quick switch polling for the tests.
-    return sdk_env(RANKWATCH_SWITCH_POLL_S="0.3", HF_HUB_OFFLINE="1", **extra)
+    return sdk_env(**{"RANKWATCH_SWITCH_POLL_S": "0.3", "HF_HUB_OFFLINE": "1", **extra})
 
 
 def _torchrun(*args: str) -> list[str]:
