@@ -145,9 +145,11 @@ def post_retrying(url: str, body: bytes, headers: dict[str, str], timeout: float
 
 
 def post_all(url: str, bodies: list[Body] | Callable[[int], Body], clients: int, count: int | None = None,
-             acked: dict[int, float] | None = None, in_order: bool = False) -> float:
+             acked: dict[int, float] | None = None, in_order: bool = False,
+             sent: dict[int, float] | None = None) -> float:
     """POSTs every body (a list, or a function of the index making one) from `clients` threads;
-    `acked`, if given, gets the time (perf_counter) each of its keys' bodies was acknowledged.
+    `acked`, if given, gets the time (perf_counter) each of its keys' bodies was acknowledged,
+    `sent` the time each was first sent (before any 429 and wait).
     With `in_order`, client k sends bodies k, k + clients, ... one after another (an agent's
     batches, which must arrive in order); else each takes the next body left."""
     make = bodies if callable(bodies) else bodies.__getitem__
@@ -155,6 +157,8 @@ def post_all(url: str, bodies: list[Body] | Callable[[int], Body], clients: int,
 
     def send(i: int) -> None:
         body, headers = make(i)
+        if sent is not None and i in sent:
+            sent[i] = time.perf_counter()
         r = post_retrying(url, body, headers)
         if r.status_code not in (200, 204):
             raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
@@ -294,7 +298,8 @@ def metric_sum(url: str, prefix: str, *labels: str) -> float:
 
 
 class AlertClock:
-    """Times each injected fault from its batch's acknowledgement to its alert: polls the
+    """Times each injected fault from its batch's acknowledgement (and from its first send,
+    which counts the time its batch was refused or held for backpressure) to its alert: polls the
     collector's firing `nonfinite` alerts every `every` seconds (so a latency is known to that
     resolution, and late by up to it), the k-th firing taken as the k-th fault's, in batch
     order (faults are tens of batches apart)."""
@@ -302,6 +307,7 @@ class AlertClock:
     def __init__(self, url: str, faults: list[int], every: float = 0.05) -> None:
         self.url, self.faults, self.every = url, faults, every
         self.acked: dict[int, float] = dict.fromkeys(faults, 0.0)
+        self.sent: dict[int, float] = dict.fromkeys(faults, 0.0)
         self.fired: list[float] = []
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.poll, daemon=True)
@@ -314,14 +320,16 @@ class AlertClock:
             self.fired.extend([now] * (count - len(self.fired)))
             time.sleep(self.every)
 
-    def latencies(self, grace: float = 10.0) -> list[float]:
-        """Milliseconds from ack to alert, per fault (waits up to `grace` s for the last)."""
+    def latencies(self, grace: float = 10.0, since: str = "acked") -> list[float]:
+        """Milliseconds to each fault's alert from its batch's ack (`since="acked"`) or first
+        send (`"sent"`); waits up to `grace` s for the last."""
         self.thread.join(timeout=grace)
         self.done.set()
         self.thread.join()
         if len(self.fired) != len(self.faults):
             raise RuntimeError(f"{len(self.fired)} nonfinite alerts fired for {len(self.faults)} injected faults")
-        return [(fired - self.acked[b]) * 1000 for b, fired in zip(self.faults, self.fired, strict=True)]
+        start = self.acked if since == "acked" else self.sent
+        return [(fired - start[b]) * 1000 for b, fired in zip(self.faults, self.fired, strict=True)]
 
 
 def nearest_rank(ordered: list[float], f: float) -> float:
@@ -334,13 +342,15 @@ def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str |
                    env: dict[str, str] | None = None, busy: list[float] | None = None,
                    extra: tuple[str, ...] = (), cpu: list[float] | None = None,
                    faults: list[int] | None = None, latency: list[float] | None = None,
-                   world: int | None = AGENT_RANKS, refused: list[float] | None = None) -> float:
+                   world: int | None = AGENT_RANKS, refused: list[float] | None = None,
+                   latency_sent: list[float] | None = None) -> float:
     """Samples/s; `busy`, if given, gets the server's CPU time over the wall time of the sends;
     `cpu` its CPU seconds from the first send until it is idle again after the last ack (the
     alert engine's queue drained, a flush under way finished); `latency` the milliseconds from
     the ack of each batch in `faults` (each carries a NaN loss) to its alert firing. `world`:
     the run's world size, announced first as the agent does (None: not announced); `refused`
-    the requests the collector answered 429 for backpressure."""
+    the requests the collector answered 429 for backpressure; `latency_sent` the same
+    latencies from each batch's first send (counting a 429's wait, or the collector's own)."""
     with tempfile.TemporaryDirectory() as d:
         proc, url = start_collector(Path(d) / "data", *extra, binary=binary, env=env)
         try:
@@ -352,13 +362,16 @@ def rankwatch_rate(bodies: list[Body], clients: int, samples: int, binary: str |
             clock = AlertClock(url, faults) if faults and latency is not None else None
             # taskset execs the collector, which execs itself once more: one process id.
             cpu_before = cpu_seconds(proc.pid)
-            secs = post_all(f"{url}/api/v1/ingest", bodies, clients, acked=clock.acked if clock else None, in_order=True)
+            secs = post_all(f"{url}/api/v1/ingest", bodies, clients, acked=clock.acked if clock else None, in_order=True,
+                            sent=clock.sent if clock else None)
             if busy is not None:
                 busy.append((cpu_seconds(proc.pid) - cpu_before) / secs)
             if cpu is not None:
                 cpu.append(cpu_until_idle(proc.pid) - cpu_before)
             if clock is not None and latency is not None:
                 latency.extend(clock.latencies())
+                if latency_sent is not None:
+                    latency_sent.extend(clock.latencies(since="sent"))
             ingested = metric_sum(url, 'rankwatch_ingest_rows_total{table="samples"')
             assert ingested == samples, f"{ingested} of {samples} rows ingested"
             if refused is not None:
@@ -517,24 +530,28 @@ def bench_alerts_ab(old: str, new: str, runs: int = 4, rows: int = 10_000, susta
     samples = sustained * rows
     print(f"\n# alert latency, side by side: {samples / 1e6:g} M samples, 8 clients, server on CPU 0, "
           f"{len(faults)} NaN losses a run, {runs} runs each")
-    print(f"{'run':>3} {'binary':>6} {'samples/s':>12} {'CPU ns/sample':>14} {'429s':>6} {'slowest alert ms':>17}")
-    latencies: dict[str, list[float]] = {"old": [], "new": []}
+    print(f"{'run':>3} {'binary':>6} {'samples/s':>12} {'CPU ns/sample':>14} {'429s':>6} {'slowest alert ms':>17} "
+          f"{'from first send':>16}")
+    latencies: dict[tuple[str, str], list[float]] = {}
     for r in range(runs):
         pair = [("old", old), ("new", new)]
         for name, binary in pair if r % 2 == 0 else pair[::-1]:
             cpu: list[float] = []
             refused: list[float] = []
             latency: list[float] = []
+            sent: list[float] = []
             rate = rankwatch_rate(arrow, 8, samples, binary=binary, cpu=cpu, faults=faults,
-                                  latency=latency, refused=refused)
-            latencies[name].extend(latency)
+                                  latency=latency, refused=refused, latency_sent=sent)
+            latencies.setdefault((name, "ack"), []).extend(latency)
+            latencies.setdefault((name, "first send"), []).extend(sent)
             print(f"{r + 1:>3} {name:>6} {rate:>12,.0f} {cpu[0] / samples * 1e9:>14.0f} {refused[0]:>6.0f} "
-                  f"{max(latency, default=float('nan')):>17.0f}", flush=True)
+                  f"{max(latency, default=float('nan')):>17.0f} {max(sent, default=float('nan')):>16.0f}", flush=True)
     for name, binary in (("old", old), ("new", new)):
-        lat = sorted(latencies[name])
-        if lat:
-            p50, p99 = (nearest_rank(lat, f) for f in (0.5, 0.99))
-            print(f"{name} ({binary}): alert p50 {p50:.0f} ms, p99 {p99:.0f} ms over {len(lat)} faults")
+        for since in ("ack", "first send"):
+            lat = sorted(latencies.get((name, since), []))
+            if lat:
+                p50, p99 = (nearest_rank(lat, f) for f in (0.5, 0.99))
+                print(f"{name} ({binary}): alert p50 {p50:.0f} ms, p99 {p99:.0f} ms from the batch's {since}, over {len(lat)} faults")
 
 
 EATMYDATA = Path("/usr/lib/x86_64-linux-gnu/libeatmydata.so")

@@ -9,6 +9,7 @@
 //! which is what lets the engine write through it without hearing its own writes.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::decode;
 use crate::entry::{Entry, Table};
@@ -22,6 +23,10 @@ use crate::wal::WalHandle;
 pub struct Committer {
     pub store: Arc<Store>,
     pub wal: WalHandle,
+    /// How long a commit waits for room in a full hot buffer before it is refused with 429
+    /// ([`Store::room`]): `--queue-wait` for ingest; none for the alert engine, which waits in
+    /// its own loop (and not at all while stopping).
+    pub patience: Duration,
 }
 
 impl Committer {
@@ -35,6 +40,7 @@ impl Committer {
         raw: Option<(Table, &[u8])>,
     ) -> Result<Option<u64>> {
         let prepared = Prepared::of(entry)?;
+        self.store.room(self.patience).await?;
         let reserved = match self.store.begin(key, entry, &prepared)? {
             Admission::Duplicate => return Ok(None),
             Admission::Write(reservation) => reservation,

@@ -317,8 +317,8 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_MAX_WORLD_SIZE", default_value_t = 16_384)]
     pub max_world_size: u32,
 
-    /// Hot-buffer size at which a flush to Parquet starts early, in bytes. Ingest answers 429
-    /// once the buffer reaches twice this size.
+    /// Hot-buffer size at which a flush to Parquet starts early, in bytes. At twice this size
+    /// a batch waits up to --queue-wait for a flush to take the buffer, then gets 429.
     #[arg(long, env = "RANKWATCH_HOT_BUDGET_BYTES", default_value_t = 64 << 20)]
     pub hot_budget_bytes: usize,
 
@@ -384,7 +384,8 @@ pub struct ServeConfig {
     #[arg(long, env = "RANKWATCH_MAX_INFLIGHT_BYTES", default_value = "256MiB", value_parser = parse_size)]
     pub max_inflight_bytes: usize,
 
-    /// How long a request waits for a free request slot or room for its body before 429.
+    /// How long a request waits for a free request slot, room for its body or room in the hot
+    /// buffer before 429.
     #[arg(long, env = "RANKWATCH_QUEUE_WAIT", default_value = "2s", value_parser = parse_duration)]
     pub queue_wait: Duration,
 

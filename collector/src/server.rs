@@ -108,6 +108,7 @@ impl Collector {
         let committer = Committer {
             store: store.clone(),
             wal: wal.clone(),
+            patience: config.queue_wait,
         };
 
         let actions = Arc::new(AlertActions::open(
@@ -121,7 +122,10 @@ impl Collector {
         } else {
             let engine = start_alert_engine(
                 config,
-                committer.clone(),
+                Committer {
+                    patience: Duration::ZERO,
+                    ..committer.clone()
+                },
                 rule_book.clone(),
                 actions.clone(),
                 engine_metrics.clone(),

@@ -680,24 +680,24 @@ impl Engine {
             info: None,
         };
         // Backpressure (429) is the only refusal a derived batch can meet; wait it out (but not
-        // while stopping: the final flush is about to empty the hot buffer anyway). In short
-        // waits: the engine reads no batch while it waits, so a client's whole second of
-        // Retry-After here delayed every alert behind it by up to a second after the flush
-        // that ends the backpressure (docs/performance.md, decision 0116).
-        let attempts = if self.stopping {
-            1
-        } else {
-            DERIVED_PATIENCE.as_millis() / DERIVED_RETRY.as_millis()
-        };
-        for _ in 0..attempts {
+        // while stopping: the final flush is about to empty the hot buffer anyway). Woken by
+        // the flush that takes the buffer, or every DERIVED_RETRY: the engine reads no batch
+        // while it waits, so a client's whole second of Retry-After here delayed every alert
+        // behind it by up to a second after that flush (docs/performance.md, decision 0116).
+        let deadline = tokio::time::Instant::now() + DERIVED_PATIENCE;
+        loop {
             match self.writer.commit(Some(&key), &entry, None).await {
-                Err(Error::Backpressure { .. }) => tokio::time::sleep(DERIVED_RETRY).await,
+                Err(Error::Backpressure { .. }) if !self.stopping => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(Error::Unavailable(
+                            "the hot buffer stayed full for 30 s".into(),
+                        ));
+                    }
+                    let _ = self.writer.store.room(DERIVED_RETRY).await;
+                }
                 other => return other.map(|_| ()),
             }
         }
-        Err(Error::Unavailable(
-            "the hot buffer stayed full for 30 s".into(),
-        ))
     }
 
     /// Continues a restored alert when a detector raises it again, then delivers.

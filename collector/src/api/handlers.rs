@@ -144,11 +144,13 @@ pub(super) async fn ingest(
         if declared.is_some_and(|n| n > limit) {
             return Err(Error::BodyTooLarge { limit });
         }
-        // Before a byte is read: a collector over its memory budget says so at once, and
-        // bodies are admitted only while there is room for them. A declared length is charged
-        // whole before the body is read; a body of unknown length (chunked) as it arrives —
-        // charged at the limit up front, four stalled ones held the whole budget.
-        ingestor.committer.store.check_budget()?;
+        // Before a byte is read: a collector over its memory budget waits (up to
+        // --queue-wait) for the flush that takes its buffer, then says so, and bodies are
+        // admitted only while there is room for them. A declared length is charged whole
+        // before the body is read; a body of unknown length (chunked) as it arrives — charged
+        // at the limit up front, four stalled ones held the whole budget.
+        let patience = state.inner.admission.limits().queue_wait;
+        ingestor.committer.store.room(patience).await?;
         let (body, mut room) = match declared {
             Some(length) => {
                 let room = state.inner.admission.body_bytes(length).await?;

@@ -40,11 +40,47 @@ impl Prepared {
 }
 
 impl Store {
-    /// Refuses with 429 (and starts a flush) while the hot buffer is at twice its budget:
-    /// ingest asks before it reads a body, and again when it commits.
+    /// Refuses with 429 (and starts a flush) while the hot buffer is at twice its budget.
     pub fn check_budget(&self) -> Result<()> {
         let hot = self.lock().hot_bytes;
         self.budget_left(hot)
+    }
+
+    /// Waits up to `patience` for room in the hot buffer (below twice its budget), then
+    /// answers as [`Store::check_budget`] does. Ingest asks before it reads a body and again
+    /// before it commits.
+    ///
+    /// A flush takes the whole buffer the moment it starts, so the buffer is full only while
+    /// one flush runs and the next waits for it, a fraction of a second. Refused at once, a
+    /// client came back after its whole `Retry-After` second, and an alert behind its batch
+    /// waited that second too (docs/performance.md, issue 47). Waiting here, the request
+    /// holds a handler slot and, before its body is read, no memory: the body stays in the
+    /// socket, the backpressure TCP gives.
+    pub async fn room(&self, patience: std::time::Duration) -> Result<()> {
+        let started = tokio::time::Instant::now();
+        let deadline = started + patience;
+        let mut waited = false;
+        let answer = loop {
+            let freed = self.room_freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            // Registered before the check: a flush between the check and the wait still wakes it.
+            freed.as_mut().enable();
+            match self.check_budget() {
+                Err(Error::Backpressure { .. }) if tokio::time::Instant::now() < deadline => {}
+                other => break other,
+            }
+            waited = true;
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                break self.check_budget();
+            }
+        };
+        if waited {
+            self.metrics.room_waits.inc();
+            self.metrics
+                .room_wait_seconds
+                .observe(started.elapsed().as_secs_f64());
+        }
+        answer
     }
 
     fn budget_left(&self, hot_bytes: usize) -> Result<()> {

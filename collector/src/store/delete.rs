@@ -163,6 +163,7 @@ impl Store {
             .graveyard
             .extend(gone.iter().map(|f| (now, f.relative())));
         self.metrics.hot_bytes.set(state.hot_bytes as i64);
+        self.room_freed.notify_waiters();
         self.metrics.runs_deleted.inc();
         self.publish(Event::RunDeleted {
             run: run.to_string(),

@@ -56,6 +56,9 @@ impl Store {
             let through = state.applied_seq;
             let hot = std::mem::take(&mut state.hot);
             state.hot_bytes = 0;
+            self.metrics.hot_bytes.set(0);
+            // Batches waiting for room go on now, not when this flush ends.
+            self.room_freed.notify_waiters();
             let parts: Vec<(Table, RunId)> = hot.keys().cloned().collect();
             state.flushing.extend(hot);
             let infos: Vec<RunInfo> = dedup(std::mem::take(&mut state.runs_dirty))

@@ -23,6 +23,10 @@ pub struct StoreMetrics {
     pub parquet_files: Gauge,
     pub parquet_bytes: Gauge,
     pub hot_bytes: Gauge,
+    /// Batches that found the hot buffer full and waited for a flush to take it (see
+    /// [`super::Store::room`]), and the time they waited.
+    pub room_waits: Counter,
+    pub room_wait_seconds: Histogram,
     pub idempotency_sessions: Gauge,
     /// Files a failed flush or compaction wrote that wait to be deleted (see `unlisted`).
     pub unlisted_files: Gauge,
@@ -50,6 +54,8 @@ impl Default for StoreMetrics {
             parquet_files: Gauge::default(),
             parquet_bytes: Gauge::default(),
             hot_bytes: Gauge::default(),
+            room_waits: Counter::default(),
+            room_wait_seconds: seconds_histogram(),
             idempotency_sessions: Gauge::default(),
             unlisted_files: Gauge::default(),
             downsampled_raw_rows: Counter::default(),
@@ -118,6 +124,16 @@ impl StoreMetrics {
             "hot_buffer_bytes",
             "Bytes of Arrow data in the hot buffer",
             self.hot_bytes.clone(),
+        );
+        r.register(
+            "hot_buffer_room_waits",
+            "Batches that found the hot buffer at twice its budget and waited (up to --queue-wait) for a flush to take it",
+            self.room_waits.clone(),
+        );
+        r.register(
+            "hot_buffer_room_wait_seconds",
+            "How long a batch waited for room in the hot buffer (refused with 429 when none came)",
+            self.room_wait_seconds.clone(),
         );
         r.register(
             "idempotency_sessions",

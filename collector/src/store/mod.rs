@@ -188,6 +188,9 @@ pub struct Store {
     limits: StoreLimits,
     events: broadcast::Sender<Event>,
     flush_wanted: Notify,
+    /// Told when the hot buffer shrinks (a flush takes it, a run is deleted): batches waiting
+    /// in [`Store::room`] look again.
+    room_freed: Notify,
     metrics: StoreMetrics,
     clock: SharedClock,
     /// Serialises flushes, compactions and deletions (see `under_maintenance`).
@@ -298,6 +301,7 @@ impl Store {
             limits,
             events,
             flush_wanted: Notify::new(),
+            room_freed: Notify::new(),
             metrics: StoreMetrics::default(),
             maintenance: Arc::new(tokio::sync::Mutex::new(())),
             epoch: clock.now_ms(),

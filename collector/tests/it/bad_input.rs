@@ -423,11 +423,13 @@ async fn tokens_guard_ingest_and_reads_separately() {
     c.shutdown().await.unwrap();
 }
 
+/// With no --queue-wait, a collector at twice its hot budget refuses at once.
 #[tokio::test]
 async fn over_the_memory_budget_ingest_answers_429_with_retry_after() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = config(dir.path());
     config.hot_budget_bytes = 4 * 1024;
+    config.queue_wait = std::time::Duration::ZERO;
     let c = Collector::open(&config).await.unwrap();
     let mut statuses = Vec::new();
     for i in 0..20 {
@@ -459,6 +461,51 @@ async fn over_the_memory_budget_ingest_answers_429_with_retry_after() {
         .status,
         200
     );
+    c.shutdown().await.unwrap();
+}
+
+/// With --queue-wait, a batch that finds the hot buffer at twice its budget waits for the
+/// flush it asks for instead of being refused: the same 20 batches as above are all stored,
+/// and the collector counts the waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_memory_budget_ingest_waits_for_the_flush_that_makes_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.hot_budget_bytes = 4 * 1024;
+    config.queue_wait = std::time::Duration::from_secs(30);
+    let c = Collector::open(&config).await.unwrap();
+    let mut rows = 0;
+    for i in 0..20 {
+        let workload = workload(&format!("bp{i}"), 4, 10 + i, 4);
+        rows += workload.len();
+        let r = post(
+            &c,
+            "/api/v1/ingest",
+            ARROW,
+            None,
+            samples_ipc(&workload, false),
+        )
+        .await;
+        assert_eq!(r.status, 200, "batch {i}: {}", r.text());
+    }
+    let metrics = get(&c, "/metrics").await.text();
+    let counted = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+    };
+    assert!(
+        counted("rankwatch_hot_buffer_room_waits_total") >= 1.0,
+        "{metrics}"
+    );
+    assert!(counted("rankwatch_flushes_total") >= 1.0, "{metrics}");
+    assert_eq!(
+        counted("rankwatch_hot_buffer_room_wait_seconds_count"),
+        counted("rankwatch_hot_buffer_room_waits_total")
+    );
+    let stored = sql(&c, "SELECT count(*) AS n FROM samples WHERE run LIKE 'bp%'").await;
+    assert_eq!(stored[0]["n"].as_u64(), Some(rows as u64));
     c.shutdown().await.unwrap();
 }
 

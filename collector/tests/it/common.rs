@@ -43,6 +43,20 @@ pub async fn open(dir: &Path) -> Collector {
         .expect("collector opens")
 }
 
+/// The rows `query` answers through `/api/v1/sql` (which must answer 200).
+pub async fn sql(c: &Collector, query: &str) -> Vec<serde_json::Value> {
+    let q = post(
+        c,
+        "/api/v1/sql",
+        "application/json",
+        None,
+        serde_json::json!({ "sql": query }).to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(q.status, 200, "{}", q.text());
+    q.json()["rows"].as_array().unwrap().clone()
+}
+
 pub struct Reply {
     pub status: StatusCode,
     pub headers: axum::http::HeaderMap,
