@@ -9,7 +9,6 @@
 //! which is what lets the engine write through it without hearing its own writes.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::decode;
 use crate::entry::{Entry, Table};
@@ -23,24 +22,26 @@ use crate::wal::WalHandle;
 pub struct Committer {
     pub store: Arc<Store>,
     pub wal: WalHandle,
-    /// How long a commit waits for room in a full hot buffer before it is refused with 429
-    /// ([`Store::room`]): `--queue-wait` for ingest; none for the alert engine, which waits in
-    /// its own loop (and not at all while stopping).
-    pub patience: Duration,
 }
 
 impl Committer {
     /// Admits, logs and applies an entry. Returns its log sequence number, or `None` when its
     /// key was already applied. `raw` is the request body when it already is the Arrow IPC
-    /// encoding of the entry's one part (it is logged as it came).
+    /// encoding of the entry's one part (it is logged as it came). A full hot buffer is
+    /// waited for until `room_until` ([`Store::room_until`]; ingest's request deadline), or
+    /// refused at once without one (the alert engine waits in its own loop, and not at all
+    /// while stopping).
     pub async fn commit(
         &self,
         key: Option<&Key>,
         entry: &Entry,
         raw: Option<(Table, &[u8])>,
+        room_until: Option<tokio::time::Instant>,
     ) -> Result<Option<u64>> {
         let prepared = Prepared::of(entry)?;
-        self.store.room(self.patience).await?;
+        if let Some(deadline) = room_until {
+            self.store.room_until(deadline).await?;
+        }
         let reserved = match self.store.begin(key, entry, &prepared)? {
             Admission::Duplicate => return Ok(None),
             Admission::Write(reservation) => reservation,

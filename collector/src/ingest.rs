@@ -101,13 +101,14 @@ pub struct Ingestor {
 }
 
 impl Ingestor {
-    /// Ingests one request body.
+    /// Ingests one request body; a full hot buffer is waited for until `room_until`.
     pub async fn ingest(
         &self,
         body: Bytes,
         format: Format,
         table: Table,
         key: Option<&str>,
+        room_until: tokio::time::Instant,
     ) -> Result<Ack> {
         let key = key.map(Key::parse).transpose()?;
         let store = self.committer.store.clone();
@@ -146,7 +147,7 @@ impl Ingestor {
         let nonfinite = entry.nonfinite();
         let raw = (format == Format::Arrow).then_some((table, &body[..]));
         let run = entry.run.to_string();
-        let Some(seq) = self.commit(key.as_ref(), entry, raw).await? else {
+        let Some(seq) = self.commit(key.as_ref(), entry, raw, room_until).await? else {
             self.metrics.duplicates.inc();
             return Ok(Ack {
                 status: AckStatus::Duplicate,
@@ -187,9 +188,14 @@ impl Ingestor {
         key: Option<&Key>,
         entry: Entry,
         raw: Option<(Table, &[u8])>,
+        room_until: tokio::time::Instant,
     ) -> Result<Option<u64>> {
         let arrived_ms = self.committer.store.now_ms();
-        let Some(seq) = self.committer.commit(key, &entry, raw).await? else {
+        let Some(seq) = self
+            .committer
+            .commit(key, &entry, raw, Some(room_until))
+            .await?
+        else {
             return Ok(None);
         };
         if let Some(engine) = &self.engine {

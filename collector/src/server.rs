@@ -108,7 +108,6 @@ impl Collector {
         let committer = Committer {
             store: store.clone(),
             wal: wal.clone(),
-            patience: config.queue_wait,
         };
 
         let actions = Arc::new(AlertActions::open(
@@ -122,10 +121,7 @@ impl Collector {
         } else {
             let engine = start_alert_engine(
                 config,
-                Committer {
-                    patience: Duration::ZERO,
-                    ..committer.clone()
-                },
+                committer.clone(),
                 rule_book.clone(),
                 actions.clone(),
                 engine_metrics.clone(),

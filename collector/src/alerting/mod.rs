@@ -57,9 +57,8 @@ use watch::{Output, RunWatch};
 pub const ALIGNER_RANK: u32 = u32::MAX;
 /// The session name of the aligner's batches.
 pub const ALIGNER_SESSION: &str = "aligner";
-/// How long the engine waits between tries of a derived batch refused for backpressure, and
-/// in all before it gives that batch up (counted in its errors).
-const DERIVED_RETRY: Duration = Duration::from_millis(50);
+/// How long the engine waits, in all, for room for a derived batch refused for backpressure
+/// before it gives that batch up (counted in its errors).
 const DERIVED_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Engine settings.
@@ -680,20 +679,20 @@ impl Engine {
             info: None,
         };
         // Backpressure (429) is the only refusal a derived batch can meet; wait it out (but not
-        // while stopping: the final flush is about to empty the hot buffer anyway). Woken by
-        // the flush that takes the buffer, or every DERIVED_RETRY: the engine reads no batch
-        // while it waits, so a client's whole second of Retry-After here delayed every alert
-        // behind it by up to a second after that flush (docs/performance.md, decision 0116).
+        // while stopping: the final flush is about to empty the hot buffer anyway), woken by
+        // the flush that takes the buffer. The engine reads no batch while it waits, so a
+        // client's whole second of Retry-After here delayed every alert behind it by up to a
+        // second after that flush, and a 50 ms poll by up to 50 ms (decisions 0116, 0119).
         let deadline = tokio::time::Instant::now() + DERIVED_PATIENCE;
         loop {
-            match self.writer.commit(Some(&key), &entry, None).await {
+            match self.writer.commit(Some(&key), &entry, None, None).await {
                 Err(Error::Backpressure { .. }) if !self.stopping => {
                     if tokio::time::Instant::now() >= deadline {
                         return Err(Error::Unavailable(
                             "the hot buffer stayed full for 30 s".into(),
                         ));
                     }
-                    let _ = self.writer.store.room(DERIVED_RETRY).await;
+                    let _ = self.writer.store.room_until(deadline).await;
                 }
                 other => return other.map(|_| ()),
             }

@@ -121,6 +121,9 @@ pub(super) async fn ingest(
     body: Body,
 ) -> Result<Json<crate::ingest::Ack>> {
     let ingestor = &state.inner.ingestor;
+    // One wait for room in the hot buffer, before the body is read and before the commit
+    // together: at most --queue-wait in all.
+    let room_until = tokio::time::Instant::now() + state.inner.admission.limits().queue_wait;
     let result = async {
         ingestor.committer.wal.accepting()?;
         if !state.is_ready() {
@@ -149,8 +152,7 @@ pub(super) async fn ingest(
         // admitted only while there is room for them. A declared length is charged whole
         // before the body is read; a body of unknown length (chunked) as it arrives — charged
         // at the limit up front, four stalled ones held the whole budget.
-        let patience = state.inner.admission.limits().queue_wait;
-        ingestor.committer.store.room(patience).await?;
+        ingestor.committer.store.room_until(room_until).await?;
         let (body, mut room) = match declared {
             Some(length) => {
                 let room = state.inner.admission.body_bytes(length).await?;
@@ -187,7 +189,10 @@ pub(super) async fn ingest(
             return Err(e);
         }
     };
-    match ingestor.ingest(body, format, table, key.as_deref()).await {
+    match ingestor
+        .ingest(body, format, table, key.as_deref(), room_until)
+        .await
+    {
         Ok(ack) => Ok(Json(ack)),
         Err(e) => {
             state.inner.requests.reject(&e);

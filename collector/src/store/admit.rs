@@ -46,9 +46,10 @@ impl Store {
         self.budget_left(hot)
     }
 
-    /// Waits up to `patience` for room in the hot buffer (below twice its budget), then
-    /// answers as [`Store::check_budget`] does. Ingest asks before it reads a body and again
-    /// before it commits.
+    /// Waits until `deadline` at the latest for room in the hot buffer (below twice its
+    /// budget), then answers as [`Store::check_budget`] does. Ingest asks before it reads a
+    /// body and again, against the same deadline, before it commits; the alert engine before
+    /// it retries a refused derived batch.
     ///
     /// A flush takes the whole buffer the moment it starts, so the buffer is full only while
     /// one flush runs and the next waits for it, a fraction of a second. Refused at once, a
@@ -56,9 +57,8 @@ impl Store {
     /// waited that second too (docs/performance.md, issue 47). Waiting here, the request
     /// holds a handler slot and, before its body is read, no memory: the body stays in the
     /// socket, the backpressure TCP gives.
-    pub async fn room(&self, patience: std::time::Duration) -> Result<()> {
+    pub async fn room_until(&self, deadline: tokio::time::Instant) -> Result<()> {
         let started = tokio::time::Instant::now();
-        let deadline = started + patience;
         let mut waited = false;
         let answer = loop {
             let freed = self.room_freed.notified();

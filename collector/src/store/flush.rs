@@ -146,6 +146,7 @@ impl Store {
                 state
                     .alerts_dirty
                     .extend(alerts.into_iter().map(|(r, _)| r));
+                self.metrics.hot_bytes.set(state.hot_bytes as i64);
                 self.metrics.flush_errors.inc();
                 drop(state);
                 self.abandon(files_written, false);

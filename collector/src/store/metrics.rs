@@ -23,8 +23,8 @@ pub struct StoreMetrics {
     pub parquet_files: Gauge,
     pub parquet_bytes: Gauge,
     pub hot_bytes: Gauge,
-    /// Batches that found the hot buffer full and waited for a flush to take it (see
-    /// [`super::Store::room`]), and the time they waited.
+    /// Waits for room in a full hot buffer, for a flush to take it (see
+    /// [`super::Store::room_until`]), and how long each took.
     pub room_waits: Counter,
     pub room_wait_seconds: Histogram,
     pub idempotency_sessions: Gauge,
@@ -127,12 +127,12 @@ impl StoreMetrics {
         );
         r.register(
             "hot_buffer_room_waits",
-            "Batches that found the hot buffer at twice its budget and waited (up to --queue-wait) for a flush to take it",
+            "Waits for room in a hot buffer at twice its budget, for the flush that takes it: an ingest batch's (before its body is read and again before its commit, within one --queue-wait) and the alert engine's before it retries a derived batch",
             self.room_waits.clone(),
         );
         r.register(
             "hot_buffer_room_wait_seconds",
-            "How long a batch waited for room in the hot buffer (refused with 429 when none came)",
+            "How long each wait for room in the hot buffer took (an ingest batch for which none came within --queue-wait is refused with 429)",
             self.room_wait_seconds.clone(),
         );
         r.register(

@@ -504,6 +504,11 @@ async fn over_the_memory_budget_ingest_waits_for_the_flush_that_makes_room() {
         counted("rankwatch_hot_buffer_room_wait_seconds_count"),
         counted("rankwatch_hot_buffer_room_waits_total")
     );
+    // Each wait ended with the flush that took the buffer, not at its 30 s --queue-wait (a
+    // lost wake-up would still end in a stored batch, only 30 s later).
+    let waited = counted("rankwatch_hot_buffer_room_wait_seconds_sum");
+    let waits = counted("rankwatch_hot_buffer_room_waits_total");
+    assert!(waited / waits < 5.0, "{waits} waits took {waited} s");
     let stored = sql(&c, "SELECT count(*) AS n FROM samples WHERE run LIKE 'bp%'").await;
     assert_eq!(stored[0]["n"].as_u64(), Some(rows as u64));
     c.shutdown().await.unwrap();
