@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import agent_mix
 import duckdb
@@ -320,7 +320,7 @@ class AlertClock:
             self.fired.extend([now] * (count - len(self.fired)))
             time.sleep(self.every)
 
-    def latencies(self, grace: float = 10.0, since: str = "acked") -> list[float]:
+    def latencies(self, grace: float = 10.0, since: Literal["acked", "sent"] = "acked") -> list[float]:
         """Milliseconds to each fault's alert from its batch's ack (`since="acked"`) or first
         send (`"sent"`); waits up to `grace` s for the last."""
         self.thread.join(timeout=grace)

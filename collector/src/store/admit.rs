@@ -41,13 +41,13 @@ impl Prepared {
 
 impl Store {
     /// Refuses with 429 (and starts a flush) while the hot buffer is at twice its budget.
-    pub fn check_budget(&self) -> Result<()> {
+    fn check_budget(&self) -> Result<()> {
         let hot = self.lock().hot_bytes;
         self.budget_left(hot)
     }
 
     /// Waits until `deadline` at the latest for room in the hot buffer (below twice its
-    /// budget), then answers as [`Store::check_budget`] does. Ingest asks before it reads a
+    /// budget), then refuses with 429 if there is still none. Ingest asks before it reads a
     /// body and again, against the same deadline, before it commits; the alert engine before
     /// it retries a refused derived batch.
     ///

@@ -189,7 +189,7 @@ pub struct Store {
     events: broadcast::Sender<Event>,
     flush_wanted: Notify,
     /// Told when the hot buffer shrinks (a flush takes it, a run is deleted): batches waiting
-    /// in [`Store::room`] look again.
+    /// in [`Store::room_until`] look again.
     room_freed: Notify,
     metrics: StoreMetrics,
     clock: SharedClock,

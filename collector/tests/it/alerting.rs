@@ -184,7 +184,7 @@ async fn all_rank_statistics_wait_out_backpressure_and_land_once() {
     let run = "pressed";
     let mut config = config(dir.path());
     config.hot_budget_bytes = 1;
-    // Refused at once rather than held for the flush (see `Store::room`): the clients and the
+    // Refused at once rather than held for the flush (see `Store::room_until`): the clients and the
     // engine both meet 429s.
     config.queue_wait = Duration::ZERO;
     let c = Collector::open(&config).await.expect("collector opens");

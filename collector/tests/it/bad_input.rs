@@ -489,12 +489,7 @@ async fn over_the_memory_budget_ingest_waits_for_the_flush_that_makes_room() {
         assert_eq!(r.status, 200, "batch {i}: {}", r.text());
     }
     let metrics = get(&c, "/metrics").await.text();
-    let counted = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in /metrics"))
-    };
+    let counted = |name: &str| metric_value(&metrics, name);
     assert!(
         counted("rankwatch_hot_buffer_room_waits_total") >= 1.0,
         "{metrics}"

@@ -57,6 +57,16 @@ pub async fn sql(c: &Collector, query: &str) -> Vec<serde_json::Value> {
     q.json()["rows"].as_array().unwrap().clone()
 }
 
+/// The value of the series `name` (with its labels, if any, as exposed) in a `/metrics` text.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 pub struct Reply {
     pub status: StatusCode,
     pub headers: axum::http::HeaderMap,

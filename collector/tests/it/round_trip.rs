@@ -379,16 +379,7 @@ async fn metrics_exposition_counts_ingest_and_exports_bounded_run_gauges() {
     let m = get(&c, "/metrics").await;
     assert_eq!(m.status, 200);
     let text = m.text();
-    let value = |name: &str| -> f64 {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
-            .rsplit(' ')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let value = |name: &str| metric_value(&text, name);
     assert_eq!(
         value("rankwatch_ingest_rows_total{table=\"samples\"}"),
         rows.len() as f64
