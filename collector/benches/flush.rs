@@ -65,6 +65,15 @@ fn flush(c: &mut Criterion<ThreadCpu>) {
         b.iter(|| files::sorted(Table::Samples, black_box(&requests)))
     });
     let samples_path = dir.path().join("samples.parquet");
+    let layout = files::Layout::of(Table::Samples);
+    let bytes = files::write(
+        &RealDisk,
+        layout,
+        std::slice::from_ref(&sorted),
+        &samples_path,
+    )
+    .expect("a samples part");
+    println!("samples part: {bytes} bytes");
     group.bench_function("write the samples part (Parquet, fsync)", |b| {
         b.iter(|| {
             files::write(
@@ -91,6 +100,9 @@ fn flush(c: &mut Criterion<ThreadCpu>) {
             b.iter(|| rollup::summarise_with(black_box(&sorted), min_rows))
         });
         let path = dir.path().join(format!("rollup-{min_rows}.parquet"));
+        let bytes = files::write(&RealDisk, rollup::LAYOUT, &summary.batches, &path)
+            .expect("a rollup part");
+        println!("rollup part, {name}: {bytes} bytes");
         group.bench_function(format!("write the rollup part, {name}"), |b| {
             b.iter(|| {
                 files::write(

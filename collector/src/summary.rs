@@ -57,17 +57,6 @@ impl Cell {
         self.at_step(first, last_step, last_values);
     }
 
-    /// Adds another summary.
-    pub fn absorb(&mut self, other: &Cell) {
-        self.merge(
-            other.count,
-            other.nonfinite,
-            other.min.zip(other.max),
-            other.last_step,
-            &other.last_values,
-        );
-    }
-
     /// In `f64::total_cmp`'s order, which puts −0 below +0 (`f64::min` may return either
     /// zero, so the sign of a zero extreme would depend on the order the rows came in).
     fn extremes(&mut self, min: f64, max: f64) {
@@ -128,84 +117,9 @@ impl Cell {
     }
 }
 
-/// Summaries of aligned windows, ascending by window start.
-pub type Windows = Vec<(u64, Cell)>;
-
-/// The windows of `2^shift` steps of rows `(step, value)` given in ascending step order.
-pub fn windows_of(rows: impl IntoIterator<Item = (u64, f64)>, shift: u32) -> Windows {
-    let mut out: Windows = Vec::new();
-    for (step, value) in rows {
-        let start = step >> shift << shift;
-        match out.last_mut() {
-            Some((s, cell)) if *s == start => cell.add(step, value),
-            _ => {
-                let mut cell = Cell::default();
-                cell.add(step, value);
-                out.push((start, cell));
-            }
-        }
-    }
-    out
-}
-
-/// The same values in windows of `2^shift` steps, from finer windows in ascending order.
-pub fn coarsen(windows: &[(u64, Cell)], shift: u32) -> Windows {
-    let mut out: Windows = Vec::with_capacity(windows.len() / 2 + 1);
-    for (start, cell) in windows {
-        let start = start >> shift << shift;
-        match out.last_mut() {
-            Some((s, c)) if *s == start => c.absorb(cell),
-            _ => out.push((start, cell.clone())),
-        }
-    }
-    out
-}
-
-/// Several ascending window lists of the same width merged into one (windows with the same
-/// start combined, in list order). The lists of one group's series mostly hold the same
-/// windows, so each is absorbed in place when it does, merged pairwise when not; sorting
-/// their concatenation moved every cell several times (a tenth of a flush).
-pub fn pool<'a>(lists: impl IntoIterator<Item = &'a Windows>) -> Windows {
-    let mut lists = lists.into_iter();
-    let Some(first) = lists.next() else {
-        return Windows::new();
-    };
-    let mut out = first.clone();
-    for list in lists {
-        let same_windows =
-            list.len() == out.len() && list.iter().zip(&out).all(|(a, b)| a.0 == b.0);
-        if same_windows {
-            for ((_, into), (_, cell)) in out.iter_mut().zip(list) {
-                into.absorb(cell);
-            }
-        } else {
-            out = merge(out, list);
-        }
-    }
-    out
-}
-
-/// Two ascending window lists as one; `into`'s cell absorbs `other`'s at an equal start.
-fn merge(into: Windows, other: &Windows) -> Windows {
-    let mut out = Windows::with_capacity(into.len().max(other.len()));
-    let mut other = other.iter().peekable();
-    for (start, mut cell) in into {
-        while let Some((s, c)) = other.next_if(|(s, _)| *s < start) {
-            out.push((*s, c.clone()));
-        }
-        if let Some((_, c)) = other.next_if(|(s, _)| *s == start) {
-            cell.absorb(c);
-        }
-        out.push((start, cell));
-    }
-    out.extend(other.cloned());
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
     #[test]
     fn a_nan_is_counted_and_does_not_hide_the_spike() {
@@ -247,73 +161,6 @@ mod tests {
         for c in [&forward, &backward] {
             assert_eq!(c.min.map(f64::to_bits), Some((-0.0f64).to_bits()));
             assert_eq!(c.max.map(f64::to_bits), Some(0.0f64.to_bits()));
-        }
-    }
-
-    fn rows() -> impl Strategy<Value = Vec<(u64, f64)>> {
-        proptest::collection::vec(
-            (
-                0u64..300,
-                prop_oneof![
-                    8 => -1e3f64..1e3,
-                    1 => Just(f64::NAN),
-                    1 => Just(f64::INFINITY),
-                    1 => Just(0.0),
-                    1 => Just(-0.0),
-                ],
-            ),
-            0..200,
-        )
-        .prop_map(|mut r| {
-            r.sort_by_key(|x| x.0);
-            r
-        })
-    }
-
-    /// A window's fields as bits: (start, count, nonfinite, min, max, last step, last).
-    type Bits = (u64, u64, u64, Option<u64>, Option<u64>, u64, Option<u64>);
-
-    fn bits(w: &Windows) -> Vec<Bits> {
-        w.iter()
-            .map(|(s, c)| {
-                (
-                    *s,
-                    c.count,
-                    c.nonfinite,
-                    c.min.map(f64::to_bits),
-                    c.max.map(f64::to_bits),
-                    c.last_step,
-                    c.last().map(f64::to_bits),
-                )
-            })
-            .collect()
-    }
-
-    proptest! {
-        /// Coarsened windows equal windows built from the rows at that width, and pooled
-        /// windows of several lists equal the windows of all their rows together.
-        #[test]
-        fn coarsening_and_pooling_equal_building_from_rows(
-            a in rows(),
-            b in rows(),
-            fine in 0u32..4,
-            extra in 1u32..5,
-        ) {
-            let coarse = fine + extra;
-            prop_assert_eq!(bits(&coarsen(&windows_of(a.clone(), fine), coarse)), bits(&windows_of(a.clone(), coarse)));
-            // Lists with other windows (merged) and with the same windows (absorbed in place).
-            let mut all = [a.clone(), b.clone(), a.clone()].concat();
-            all.sort_by_key(|x| x.0);
-            prop_assert_eq!(
-                bits(&pool(&[windows_of(a.clone(), fine), windows_of(b, fine), windows_of(a.clone(), fine)])),
-                bits(&windows_of(all, fine))
-            );
-            let mut twice = [a.clone(), a.clone()].concat();
-            twice.sort_by_key(|x| x.0);
-            prop_assert_eq!(
-                bits(&pool(&[windows_of(a.clone(), fine), windows_of(a, fine)])),
-                bits(&windows_of(twice, fine))
-            );
         }
     }
 }
