@@ -398,6 +398,11 @@ impl Staged {
 /// a few steps each) is such a part; compaction merges them into parts long enough.
 pub const MIN_ROWS_PER_SERIES: usize = 64;
 
+/// The most rows a part summarised may have: a metric's last values (at most two a row: its
+/// series' and its group's windows) are ranges of 32-bit offsets, and a level's list column
+/// has 32-bit offsets. Compaction writes parts of `--compact-max-rows` (4 M by default).
+pub const MAX_ROWS: usize = i32::MAX as usize / 2;
+
 /// The rollup part of a samples part (file schema, sorted by metric, layer, site, rank, step)
 /// as batches to write in order (one per level and pooling; concatenating them copied every
 /// rollup row once more) with its sparse metrics, or `None` when its series are too short to
@@ -440,6 +445,12 @@ pub fn summarise_with(
         // An empty part has nothing to summarise (and a file needs at least one batch).
         return Ok(None);
     }
+    if n > MAX_ROWS {
+        return Err(Error::TooManyRows {
+            rows: n,
+            limit: MAX_ROWS,
+        });
+    }
     // Bit i set where row i + 1 starts another metric, (metric, layer, site) group, series
     // (the part is sorted by series, then step). Keys compared as values, nulls equal: what
     // a null slot's buffer holds is no part of the key.
@@ -478,10 +489,12 @@ pub fn summarise_with(
         {
             staged.group(&mut all, part, start..end);
         }
-        if ends(&metric_changes, end)
-            && let Some(f) = staged.finish(&all, &mut out, min_rows_per_window, &mut scratch)
-        {
-            sparse.insert(metric.value(first).to_owned(), f);
+        if ends(&metric_changes, end) {
+            if let Some(f) = staged.finish(&all, &mut out, min_rows_per_window, &mut scratch) {
+                sparse.insert(metric.value(first).to_owned(), f);
+            }
+            // `out` holds copies: the next metric's ranges start again from 0.
+            all.clear();
         }
     }
     let mut batches = Vec::new();
@@ -841,9 +854,12 @@ mod tests {
     }
 
     /// Groups of series as a job reports them, from a seed: a few (metric, layer, site)
-    /// groups of one to four ranks (now and then a rank-less series among them), each rank a
-    /// row every `stride` steps from its own start, some steps skipped, some twice, values
-    /// with NaN, infinities and both zeros among them; and a few stray rows of their own keys.
+    /// groups of one to four ranks, or 17 to 24 (more last values than a pooled window sorts
+    /// on the stack), now and then a rank-less series among them; each rank a row every
+    /// `stride` steps from the group's start (now and then its own), some steps skipped, some
+    /// twice, now and then a jump (a resume); steps from 0, from 2^40 or just below `u64::MAX`
+    /// (top levels with several windows); values with NaNs of both signs, infinities and both
+    /// zeros among them; and a few stray rows under the groups' keys.
     fn part_from(seed: u64, groups: usize) -> RecordBatch {
         let mut state = seed | 1;
         let mut next = move |below: u64| {
@@ -852,8 +868,18 @@ mod tests {
             state ^= state << 17;
             state % below
         };
-        const VALUES: [f64; 6] = [0.0, -0.0, f64::NAN, f64::INFINITY, 1.5, -2.25];
+        const VALUES: [f64; 8] = [
+            0.0,
+            -0.0,
+            f64::NAN,
+            -f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            1.5,
+            -2.25,
+        ];
         let metrics = ["loss", "spectral.ratio", "act_max"];
+        let base = [0, 1 << 40, u64::MAX - (1 << 32)][next(3) as usize];
         let mut rows = Vec::new();
         let mut push = |metric: &str, layer, site, rank, step, value| {
             rows.push(Sample {
@@ -867,23 +893,39 @@ mod tests {
                 value,
             })
         };
+        let mut keys = Vec::new();
         for _ in 0..groups {
             let metric = metrics[next(3) as usize];
             let layer = (next(4) != 0).then(|| next(3) as u32);
             let site = [None, Some(Site::Q), Some(Site::Up)][next(3) as usize];
             let stride = [1, 1, 2, 3, 25, 50][next(6) as usize];
-            let len = 40 + next(260);
-            for r in 0..1 + next(4) {
+            let (ranks, len) = if next(4) == 0 {
+                (17 + next(8), 40 + next(60))
+            } else {
+                (1 + next(4), 40 + next(260))
+            };
+            keys.push((metric, layer, site));
+            // Ranks mostly report the same steps, as a job's do.
+            let first = base + next(200);
+            for r in 0..ranks {
                 let rank = (next(6) != 0).then_some(r as u32);
-                let first = next(200);
-                for i in 0..len {
+                let mut step = if next(4) == 0 {
+                    base + next(200)
+                } else {
+                    first
+                };
+                for _ in 0..len {
+                    step += if next(200) == 0 {
+                        1 + next(1 << 20)
+                    } else {
+                        stride
+                    };
                     if next(10) == 0 {
                         continue;
                     }
-                    let step = first + i * stride;
                     for _ in 0..1 + u64::from(next(20) == 0) {
                         let value = if next(3) == 0 {
-                            VALUES[next(6) as usize]
+                            VALUES[next(8) as usize]
                         } else {
                             next(2000) as f64 / 7.0 - 100.0
                         };
@@ -893,16 +935,10 @@ mod tests {
             }
         }
         for _ in 0..next(20) {
-            let metric = metrics[next(3) as usize];
+            let (metric, layer, site) = keys[next(keys.len() as u64) as usize];
             let value = next(100) as f64;
-            push(
-                metric,
-                Some(next(3) as u32),
-                None,
-                Some(next(4) as u32),
-                next(900),
-                value,
-            );
+            let step = base + next(1 << 21);
+            push(metric, layer, site, Some(next(4) as u32), step, value);
         }
         let batch = files::without_run(&samples::to_batch(&rows).unwrap()).unwrap();
         files::sorted(crate::entry::Table::Samples, &[batch]).unwrap()

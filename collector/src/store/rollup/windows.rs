@@ -96,6 +96,11 @@ impl Windows {
         &self.last_values[offset as usize..(offset + len) as usize]
     }
 
+    /// Forgets every window's last values (once the windows are pushed to their outputs).
+    pub(super) fn clear(&mut self) {
+        self.last_values.clear();
+    }
+
     /// Keeps `values` as a window's last values (sorted); returns their range.
     fn keep(&mut self, values: &[f64]) -> (u32, u32) {
         let offset = self.last_values.len();
