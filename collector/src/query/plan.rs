@@ -2,8 +2,9 @@
 //! buckets.
 //!
 //! A bucket of width 2^k (the grid is aligned: `rankwatch_api::BucketRange`) is exactly the
-//! union of the level-L windows inside it, L = min(k, 16), so for a part with a rollup the
-//! planner reads the level-L rows of the windows inside `from..=to` — and of the two windows
+//! union of the level-L windows inside it for any L ≤ k. For a part with a rollup the planner
+//! reads L = min(k, 16, the part's top level: [`rollup::top_level`], above which its windows
+//! would repeat): the level-L rows of the windows inside `from..=to` — and of the two windows
 //! the range's ends cut, unless the part has rows beyond that end (then those steps are read
 //! raw from the part). Heatmap cells that pool every rank read the rank-pooled rows. Parts
 //! without a rollup and the hot buffer are read raw, and so are buckets narrower than the
@@ -152,7 +153,7 @@ impl Queries {
             None
         };
         // Rollup parts by the windows they answer; raw parts by the step ranges read raw.
-        let mut tiled: BTreeMap<(u64, u64), Vec<PathBuf>> = BTreeMap::new();
+        let mut tiled: BTreeMap<(u32, u64, u64), Vec<PathBuf>> = BTreeMap::new();
         let mut raw: BTreeMap<Vec<(u64, u64)>, Vec<PathBuf>> = BTreeMap::new();
         for part in view.parts {
             let Some(steps) = part.steps else {
@@ -161,8 +162,13 @@ impl Queries {
             if steps.1 < from || steps.0 > to {
                 continue;
             }
-            // A sparse metric's rollup starts at a coarser level: narrower buckets read raw.
-            let level = level.filter(|&l| part.has_windows(&read.select.metric, l, read.pooled));
+            // Wider buckets than the part's steps span read its top level (one window a series,
+            // inside one bucket); a sparse metric's rollup starts at a coarser level: narrower
+            // buckets read raw.
+            let level = level
+                .map(|l| l.min(rollup::top_level(steps.0, steps.1)))
+                .and_then(|l| self::level(l, read.pooled))
+                .filter(|&l| part.has_windows(&read.select.metric, l, read.pooled));
             let windows = level
                 .zip(part.rollup)
                 .and_then(|(l, rollup)| windows_for(from, to, steps, l).map(|w| (l, w, rollup)));
@@ -170,7 +176,7 @@ impl Queries {
                 raw.entry(vec![(from, to)]).or_default().push(part.samples);
                 continue;
             };
-            tiled.entry((first, last)).or_default().push(rollup);
+            tiled.entry((l, first, last)).or_default().push(rollup);
             let mut edges = Vec::new();
             if first > from {
                 edges.push((from, first - 1));
@@ -242,7 +248,7 @@ impl Queries {
             }
         }
         let raw_done = started.elapsed();
-        if let Some(l) = level {
+        if !tiled.is_empty() {
             let mut columns: Vec<&str> = read.key_columns.to_vec();
             columns.extend([
                 "start",
@@ -253,7 +259,7 @@ impl Queries {
                 "last_step",
                 "last",
             ]);
-            for ((first, last), mut parts) in tiled {
+            for ((l, first, last), mut parts) in tiled {
                 if let Some(dir) = &local {
                     let point = PointRead {
                         select: &read.select,
