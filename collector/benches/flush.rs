@@ -78,7 +78,7 @@ fn flush(c: &mut Criterion<ThreadCpu>) {
         b.iter(|| {
             files::write(
                 &RealDisk,
-                files::Layout::of(Table::Samples),
+                layout,
                 black_box(std::slice::from_ref(&sorted)),
                 &samples_path,
             )

@@ -16,10 +16,12 @@
 //! rollups equals the bucket built from the raw rows, bit for bit.
 //!
 //! Dashboard buckets are aligned powers of two (`rankwatch_api::BucketRange`), so a bucket of
-//! width 2^k is exactly the union of the level-min(k, 16) windows inside it; the planner
-//! (`query::plan`) reads those, raw rows where a window is cut by the range's ends and the
-//! part has rows beyond them, raw rows for parts without a rollup (written before rollups
-//! existed, until compaction adds one) and for the hot buffer. The rows are sorted (level,
+//! width 2^k is exactly the union of the level-L windows inside it for any L ≤ k. A part has no
+//! level above its top ([`top_level`]: there each series has one window, which every level
+//! above would repeat); the planner (`query::plan`) reads level min(k, 16, the part's top)
+//! windows, raw rows where a window is cut by the range's ends and the part has rows beyond
+//! them, raw rows for parts without a rollup (written before rollups existed, until
+//! compaction adds one) and for the hot buffer. The rows are sorted (level,
 //! pooled, metric, layer, site, rank, start), so page statistics skip every other level and
 //! metric.
 //!
@@ -53,7 +55,7 @@
 //! dashboard bench's run (53.8 M samples, 64 layers × 8 ranks, mostly one per-layer metric) the
 //! rollups take 609 MB beside 317 MB of samples; the pooled levels 1 and 2 hold 38 M of those
 //! last values. A small part (a flush of a few steps per series) has about one row per level
-//! per series until compaction merges it.
+//! per series, up to its top, until compaction merges it.
 
 use std::collections::BTreeMap;
 use std::ops::{Range, RangeInclusive};
@@ -239,7 +241,7 @@ fn emit(
 
 /// The finest level a metric's rows in one rollup part are summarised from, per rank and with
 /// every rank pooled; `None` where it has no rows of that kind at all. A metric a part does not
-/// list has every level ([`Summary::sparse`]).
+/// list has every level up to the part's top ([`Summary::sparse`], [`top_level`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finest {
     pub rank: Option<u8>,
@@ -301,13 +303,8 @@ impl Staged {
     /// Reads one series (`rows` of the part's steps and values).
     fn series(&mut self, all: &mut Windows, part: (&[u64], &[f64]), rows: Range<usize>) {
         let from = self.rank_windows.len();
-        all.of_series(
-            part.0,
-            part.1,
-            rows.clone(),
-            *LEVELS.start(),
-            &mut self.rank_windows,
-        );
+        let (steps, values) = (&part.0[rows.clone()], &part.1[rows.clone()]);
+        all.of_series(steps, values, *LEVELS.start(), &mut self.rank_windows);
         windows::count(&self.rank_windows[from..], LEVELS, &mut self.rank_counts);
         self.rank
             .push((rows.start as u32, from..self.rank_windows.len()));
@@ -317,10 +314,10 @@ impl Staged {
     /// Reads one pooled group (`rows` of the part: every rank of a (metric, layer, site)).
     fn group(&mut self, all: &mut Windows, part: (&[u64], &[f64]), rows: Range<usize>) {
         let from = self.pooled_windows.len();
+        let (steps, values) = (&part.0[rows.clone()], &part.1[rows.clone()]);
         all.of_group(
-            part.0,
-            part.1,
-            rows.clone(),
+            steps,
+            values,
             *POOLED_LEVELS.start(),
             &mut self.pooled_windows,
         );
@@ -374,7 +371,8 @@ impl Staged {
                 POOLED_LEVELS,
             ),
         ] {
-            // A metric whose level `top` holds under `min_rows` a window has no finest level.
+            // Nothing above `top`: a part whose steps share one 8-step window has no per-rank
+            // rows (they read raw), and a metric too sparse at `top` is too sparse above it.
             let Some(finest) = finest.filter(|&f| f <= top) else {
                 continue;
             };
@@ -485,8 +483,9 @@ pub fn summarise_with(
         return Ok(None);
     }
     bounds.push(n);
-    let lowest = part.0.iter().copied().min().unwrap_or(0);
-    let top = top_level(lowest, part.0.iter().copied().max().unwrap_or(0));
+    // From the step range the part's manifest entry records, as the planner reads it.
+    let (lowest, highest) = files::step_range(samples);
+    let top = top_level(lowest.unwrap_or(0), highest.unwrap_or(0));
     let mut all = Windows::default();
     let mut out: Vec<Out> = (0..slot(16, true) + 1).map(|_| Out::default()).collect();
     let mut scratch = Default::default();
@@ -809,11 +808,8 @@ mod tests {
             }
             first.insert(m.clone(), f);
         }
-        let steps = step.values();
-        let top = top_level(
-            steps.iter().copied().min().unwrap(),
-            steps.iter().copied().max().unwrap(),
-        );
+        let (lowest, highest) = files::step_range(part);
+        let top = top_level(lowest.unwrap(), highest.unwrap());
         let kept: Vec<(Key, Fields)> = cells
             .into_iter()
             .filter(|(k, _)| first[&k.2].has(k.0, k.1) && k.0 <= top)

@@ -1,7 +1,7 @@
 //! The windows of a part's rows, built without a heap allocation per window.
 //!
 //! A window here is [`crate::summary::Cell`]'s fields with the values at its last step kept as
-//! a range of one buffer shared by the whole part ([`Windows::last_values`]), sorted by
+//! a range of one buffer shared by a metric's windows ([`Windows::last_values`]), sorted by
 //! `f64::total_cmp` once when the window is built. Every field merges exactly and in any order
 //! (counts add, extremes compare in a total order, the last step's values are those of the
 //! latest window), so what is built here equals, bit for bit, the `Cell` built row by row — the
@@ -15,8 +15,6 @@
 //!   sorted list of the windows (sparse ones), then a second pass gathers the values at each
 //!   window's last step.
 //! - A coarser level merges consecutive windows of a finer one.
-
-use std::ops::Range;
 
 /// One window's summary; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -105,24 +103,19 @@ impl Windows {
     fn keep(&mut self, values: &[f64]) -> (u32, u32) {
         let offset = self.last_values.len();
         self.last_values.extend_from_slice(values);
-        let kept = &mut self.last_values[offset..];
-        if kept.len() > 1 {
-            kept.sort_unstable_by(f64::total_cmp);
-        }
+        sort(&mut self.last_values[offset..]);
         (offset as u32, values.len() as u32)
     }
 
-    /// Appends to `out` the windows of `2^shift` steps of one series' rows `rows` of
-    /// `steps`/`values`, whose steps ascend.
+    /// Appends to `out` the windows of `2^shift` steps of one series' rows (`steps` with their
+    /// `values`), whose steps ascend.
     pub(super) fn of_series(
         &mut self,
         steps: &[u64],
         values: &[f64],
-        rows: Range<usize>,
         shift: u32,
         out: &mut Vec<Window>,
     ) {
-        let (steps, values) = (&steps[rows.clone()], &values[rows]);
         let mut i = 0;
         while i < steps.len() {
             let mut window = Window::empty(steps[i] >> shift << shift);
@@ -141,17 +134,15 @@ impl Windows {
         }
     }
 
-    /// Appends to `out` the windows of `2^shift` steps of the rows `rows` of `steps`/`values`
+    /// Appends to `out` the windows of `2^shift` steps of rows (`steps` with their `values`)
     /// taken together, in any order (a pooled group: each rank's rows in turn).
     pub(super) fn of_group(
         &mut self,
         steps: &[u64],
         values: &[f64],
-        rows: Range<usize>,
         shift: u32,
         out: &mut Vec<Window>,
     ) {
-        let (steps, values) = (&steps[rows.clone()], &values[rows]);
         let Some(&lowest) = steps.iter().min() else {
             return;
         };
@@ -192,28 +183,26 @@ impl Windows {
         let windows = &mut out[first_out..];
         for ((&step, &value), &w) in steps.iter().zip(values).zip(&index) {
             let window = &mut windows[w as usize];
-            window.last_step = if window.count == 0 {
-                step
-            } else {
-                window.last_step.max(step)
-            };
+            // An empty window's `last_step` is 0, below any step.
+            window.last_step = window.last_step.max(step);
             window.add(value);
         }
-        // The values at each window's last step, placed by counting.
-        let mut at_last = vec![0u32; windows.len() + 1];
+        // The values at each window's last step, placed by counting: `next[w]` counts window
+        // w's, then (summed) is where they start, then where the next of them goes.
+        let mut next = vec![0u32; windows.len() + 1];
         for (&step, &w) in steps.iter().zip(&index) {
             if step == windows[w as usize].last_step {
-                at_last[w as usize + 1] += 1;
+                next[w as usize + 1] += 1;
             }
         }
-        let base = self.last_values.len();
+        let base = self.last_values.len() as u32;
         for w in 0..windows.len() {
-            windows[w].last = ((base as u32) + at_last[w], at_last[w + 1]);
-            at_last[w + 1] += at_last[w];
+            windows[w].last = (base + next[w], next[w + 1]);
+            next[w + 1] += next[w];
+            next[w] += base;
         }
         self.last_values
-            .resize(base + at_last[windows.len()] as usize, 0.0);
-        let mut next: Vec<u32> = windows.iter().map(|w| w.last.0).collect();
+            .resize((base + next[windows.len()]) as usize, 0.0);
         for ((&step, &value), &w) in steps.iter().zip(values).zip(&index) {
             if step == windows[w as usize].last_step {
                 self.last_values[next[w as usize] as usize] = value;
@@ -222,11 +211,15 @@ impl Windows {
         }
         for window in windows.iter() {
             let (offset, len) = window.last;
-            if len > 1 {
-                self.last_values[offset as usize..(offset + len) as usize]
-                    .sort_unstable_by(f64::total_cmp);
-            }
+            sort(&mut self.last_values[offset as usize..(offset + len) as usize]);
         }
+    }
+}
+
+/// Sorts a window's last values into their one order.
+fn sort(values: &mut [f64]) {
+    if values.len() > 1 {
+        values.sort_unstable_by(f64::total_cmp);
     }
 }
 
