@@ -201,8 +201,8 @@ BASELINES = {
 
 # The rule's two tests apart, each with the other off, and its defaults as they ship.
 RULE_GRIDS = {
-    "rule: run-level z (peers off)": ("z_threshold", (3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 20.0), "peer_window = 0\nidentical_steps = 0\n"),
-    "rule: peer stand-out (z off)": ("peer_min_effect", (0.05, 0.1, 0.15, 0.25, 0.4, 0.6), "z_threshold = 1e9\nz_exit = 1e8\nidentical_steps = 0\n"),
+    "rule: run-level z (peers off)": ("z_threshold", (3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 20.0), "peer_window = 0\nidentical_steps = 0\nsame_batch_closeness = 0\n"),
+    "rule: peer stand-out (z off)": ("peer_min_effect", (0.05, 0.1, 0.15, 0.25, 0.4, 0.6), "z_threshold = 1e9\nz_exit = 1e8\nidentical_steps = 0\nsame_batch_closeness = 0\n"),
     "rule: defaults": ("default", (0.0,), ""),
 }
 

@@ -8,6 +8,7 @@
 //! per incident instead of per rule.
 
 use crate::alert::{Alert, Rule};
+use crate::detect::SAME_BATCHES;
 use rankwatch_api::Incident;
 
 /// The suggested action for `incident`, whose cause is `cause`, in a run of `world` ranks
@@ -60,12 +61,28 @@ pub fn suggest(incident: &Incident, cause: &Alert, world: Option<u32>) -> String
              so restart it, or the job from its last checkpoint.",
             capitalise(&ranks)
         ),
-        Rule::SilentInconsistency if one_rank => format!(
-            "{ranks} disagrees with its peers while the averaged loss looks normal: compare its \
-             data shard and sampler seed with the others' (a duplicated or corrupt shard, another \
-             augmentation), its code and config, and its device's health; the Workers page shows \
-             its lines and its cosine row at step {step}."
+        Rule::SilentInconsistency if cause.explanation.contains(SAME_BATCHES) => format!(
+            "{} read the same batches since step {step}: the run pays for gradients it computes \
+             twice and learns from fewer examples than it was set to. Check the sampler (a \
+             `DistributedSampler` needs the data-parallel group's rank and size, and `set_epoch` \
+             every epoch), each rank's data-loading seed and shard list; once fixed, resume from \
+             the latest checkpoint (the steps so far saw less data, not wrong data).",
+            capitalise(&ranks_phrase(&cause.outlier_ranks))
         ),
+        Rule::SilentInconsistency if one_rank => {
+            let (verb, its) = if incident.ranks.len() == 1 {
+                ("disagrees", "its")
+            } else {
+                ("disagree", "their")
+            };
+            format!(
+                "{} {verb} with {its} peers while the averaged loss looks normal: compare {its} \
+                 data shard and sampler seed with the others' (a duplicated or corrupt shard, \
+                 another augmentation), {its} code and config, and {its} device's health; the \
+                 Workers page shows {its} lines and cosine rows at step {step}.",
+                capitalise(&ranks)
+            )
+        }
         Rule::SilentInconsistency => format!(
             "The workers disagree more than independent shards explain since step {step}: check \
              that every rank reads its own shard with the same code and config, and read the \

@@ -360,6 +360,38 @@ mod tests {
             "{untold}"
         );
 
+        for (named, says) in [
+            (vec![2], "Rank 2 disagrees with its peers"),
+            (vec![1, 2], "Ranks 1 and 2 disagree with their peers"),
+        ] {
+            let mut odd = alert(Rule::SilentInconsistency, 30, None, None);
+            odd.outlier_ranks = named;
+            let action = &group(vec![odd], |_: &RunId| Some(4), 100)[0].action;
+            assert!(action.starts_with(says), "{action}");
+        }
+        // Ranks reading the same data, to the bit or nearly: what to check is the sampler,
+        // whether the pair is all of a 2-rank run or two of four.
+        for (text, world) in [
+            (
+                "ranks 0 and 1 agreed at 8 of the last 10 steps far more closely than ranks do (…): they are likely fed the same batches (…)",
+                2,
+            ),
+            (
+                "ranks 0, 1 computed the same loss and gradient norm, to the bit, for 10 steps: they are fed the same batches (…)",
+                4,
+            ),
+        ] {
+            let mut copied = alert(Rule::SilentInconsistency, 64, None, None);
+            copied.outlier_ranks = vec![0, 1];
+            copied.explanation = text.into();
+            let action = &group(vec![copied], move |_: &RunId| Some(world), 100)[0].action;
+            assert!(
+                action.starts_with("Ranks 0 and 1 read the same batches since step 64")
+                    && action.contains("DistributedSampler"),
+                "{action}"
+            );
+        }
+
         let collapse = group(
             vec![
                 alert(Rule::RankCollapse, 75, Some(1), None),

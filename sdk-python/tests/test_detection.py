@@ -176,6 +176,34 @@ def test_a_two_rank_job_names_the_rank_whose_labels_were_corrupted_within_20_ste
     assert healthy == [], healthy
 
 
+def test_ranks_reading_one_shard_under_dropout_are_named_though_they_never_agree_to_the_bit(collector: Collector, tmp_path: Path) -> None:
+    """A duplicated shard with dropout on (docs/detection.md § 5d): rank 1 reads rank 0's
+    batches from step 40 of a 2-rank real-text job, but each rank draws its own dropout masks,
+    so no step agrees to the bit and the identical-batch test cannot see it. Their loss and
+    gradient-norm gaps shrink far below the run's usual gap between ranks, and the pair is named
+    within a window of the copy; the same job without the copy raises nothing."""
+    args = ("--dropout", "0.1")
+    with ThreadPoolExecutor(2) as pool:
+        for done in [
+            pool.submit(train_text, collector, "dropout-copy", tmp_path, steps=100, nproc=2, extra=(*args, "--fault", "duplicate_data@40:rank=1")),
+            pool.submit(train_text, collector, "dropout-healthy", tmp_path, steps=100, nproc=2, extra=args),
+        ]:
+            done.result()
+    copied = fired(settle(collector, "dropout-copy", 99), "silent_inconsistency")
+    healthy = [a for a in settle(collector, "dropout-healthy", 99) if a.get("fired_at_ms") is not None]
+    pick = ("rule", "first_step", "outlier_ranks", "explanation")
+    record("same_batches", {"copied": [{k: a[k] for k in pick} for a in copied], "healthy": [{k: a[k] for k in pick} for a in healthy]})
+    assert copied and copied[0]["outlier_ranks"] == [0, 1], copied
+    assert 40 <= copied[0]["first_step"] <= 52, copied
+    assert "ranks 0 and 1 agreed" in copied[0]["explanation"] and "likely fed the same batches" in copied[0]["explanation"], copied
+    assert "to the bit, for" not in copied[0]["explanation"], copied  # not the identical test's
+    assert healthy == [], healthy
+    incidents = requests.get(f"{collector.url}/api/v1/incidents", params={"run": "dropout-copy"}, timeout=30)
+    incidents.raise_for_status()
+    incident = next(i for i in incidents.json()["incidents"] if "silent_inconsistency" in i["rules"])
+    assert incident["action"].startswith("Ranks 0 and 1 read the same batches since step"), incident
+
+
 def test_natural_collapse_is_caught_before_the_loss_diverges(collector: Collector, tmp_path: Path) -> None:
     """The fast subset of the natural-collapse benchmark (docs/detection.md § Collapse lead
     time, bench/detection_collapse.py, judged by its code): the 4-layer post-LN GPT whose

@@ -43,7 +43,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::lifecycle::Breach;
-use super::short;
+use super::same_batches::{SameBatchConfig, SameBatches};
+use super::{SAME_BATCHES, short};
 use crate::alert::Severity;
 use crate::math::dispersion::median;
 use crate::math::step::RankValues;
@@ -90,6 +91,7 @@ pub(super) struct PeerConfig {
     pub(super) run: usize,
     pub(super) min_effect: f64,
     pub(super) identical_steps: u32,
+    pub(super) same_batch: SameBatchConfig,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -102,6 +104,8 @@ pub(super) struct Peers {
     streaks: BTreeMap<u32, usize>,
     /// The groups of ranks with bit-identical values, and for how many steps in a row.
     identical: Option<(Vec<Vec<u32>>, u32)>,
+    /// Ranks fed the same batches that do not agree to the bit.
+    same_batches: SameBatches,
 }
 
 impl PeerVerdict {
@@ -185,20 +189,22 @@ impl Peers {
         } else {
             None
         };
+        let same = self.same_batches.observe(at.step, at.ranks, c.same_batch);
         let standout = if c.window > 0 {
             self.standout(at, c)
         } else {
             PeerVerdict::Clear
         };
-        match identical {
-            Some(a) => match PeerVerdict::Breach(a).either(standout) {
-                PeerVerdict::Breach(mut both) => {
-                    both.outlier_ranks.sort_unstable();
-                    PeerVerdict::Breach(both)
-                }
-                verdict => verdict,
-            },
+        let verdict = match identical {
+            Some(a) => PeerVerdict::Breach(a).either(standout),
             None => standout,
+        };
+        match verdict.either(same) {
+            PeerVerdict::Breach(mut found) => {
+                found.outlier_ranks.sort_unstable();
+                PeerVerdict::Breach(found)
+            }
+            verdict => verdict,
         }
     }
 
@@ -425,7 +431,7 @@ impl Peers {
             value: f64::from(steps),
             threshold: f64::from(needed),
             explanation: format!(
-                "{who} computed the same loss and gradient norm, to the bit, for {steps} steps: they are fed identical batches (a data seed or sampler shared where it must differ){rest}"
+                "{who} computed the same loss and gradient norm, to the bit, for {steps} steps: they are {SAME_BATCHES} (a data seed or sampler shared where it must differ){rest}"
             ),
             // The ranks that share batches: which of a group is the copy cannot be told, and
             // every one of them computes a gradient another rank also paid for.

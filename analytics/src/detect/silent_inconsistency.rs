@@ -47,6 +47,7 @@ use serde::{Deserialize, Serialize};
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
 use super::pair::{Pair, PairConfig, PairVerdict};
 use super::peers::{PeerConfig, PeerStep, PeerVerdict, Peers, against_others};
+use super::same_batches::SameBatchConfig;
 use super::shift::{ShiftConfig, Shifts};
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
@@ -100,6 +101,15 @@ pub struct SilentInconsistencyConfig {
     /// agree to the bit at no step, so ten in a row is as certain as twenty, and names a
     /// duplicated shard ten steps sooner.
     pub identical_steps: u32,
+    /// Ranks fed the same batches that do not agree to the bit (dropout, nondeterministic
+    /// kernels; see `same_batches`): a pair of ranks is close at a step when its loss and
+    /// gradient-norm gaps are both at most this share of the run's usual gaps between ranks (0
+    /// disables the test). Default 0.35.
+    pub same_batch_closeness: f64,
+    /// Steps whose close steps are counted. Default 10.
+    pub same_batch_window: u64,
+    /// Close steps within that window that breach. Default 8.
+    pub same_batch_steps: usize,
     /// A rank whose loss rose against its peers' (see `shift`): the sign CUSUM's limit (0
     /// disables the test). Default 16.
     pub shift_limit: f64,
@@ -143,6 +153,9 @@ impl Default for SilentInconsistencyConfig {
             peer_run: 12,
             peer_min_effect: 0.25,
             identical_steps: 10,
+            same_batch_closeness: 0.35,
+            same_batch_window: 10,
+            same_batch_steps: 8,
             shift_limit: 16.0,
             shift_allowance: 0.4,
             shift_delay: 100,
@@ -178,6 +191,11 @@ impl SilentInconsistencyConfig {
             && (self.peer_window == 0
                 || ((1..=self.peer_window).contains(&self.peer_min_observations)
                     && (self.peer_run == 0 || (2..=self.peer_window).contains(&self.peer_run))))
+            && (self.same_batch_closeness == 0.0
+                || (self.same_batch_closeness > 0.0
+                    && self.same_batch_closeness < 1.0
+                    && self.same_batch_steps >= 2
+                    && self.same_batch_steps as u64 <= self.same_batch_window))
             && (self.shift_limit == 0.0
                 || (self.shift_limit > 0.0
                     && self.shift_allowance > 0.0
@@ -190,7 +208,7 @@ impl SilentInconsistencyConfig {
                     && self.pair_z > 0.0));
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, peer_run 0 or 2 ≤ peer_run ≤ peer_window, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, peer_run 0 or 2 ≤ peer_run ≤ peer_window, (unless same_batch_closeness is 0) 0 < same_batch_closeness < 1 and 2 ≤ same_batch_steps ≤ same_batch_window, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")
@@ -448,6 +466,11 @@ impl SilentInconsistencyConfig {
             run: self.peer_run,
             min_effect: self.peer_min_effect,
             identical_steps: self.identical_steps,
+            same_batch: SameBatchConfig {
+                closeness: self.same_batch_closeness,
+                window: self.same_batch_window,
+                steps: self.same_batch_steps,
+            },
         }
     }
 }
@@ -528,7 +551,7 @@ impl Detector for SilentInconsistency {
         let signal = match (peers, run_level) {
             (PeerVerdict::Breach(found), Some(Signal::Breach(b))) => Signal::Breach(b.join(found)),
             (PeerVerdict::Breach(mut found), _) => {
-                found.explanation = format!("workers disagree: {}", found.explanation);
+                found.explanation = format!("workers are inconsistent: {}", found.explanation);
                 Signal::Breach(found)
             }
             (_, Some(breach @ Signal::Breach(_))) => breach,

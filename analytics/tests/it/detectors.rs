@@ -826,8 +826,9 @@ fn silent_inconsistency_names_a_rank_whose_loss_rose_a_few_per_cent() {
         let a = fired_within(&events, 300..=420);
         assert_eq!(a.outlier_ranks, vec![1], "{world} ranks: {}", a.explanation);
         assert!(
-            a.explanation
-                .starts_with("workers disagree: rank 1's loss rose against the other ranks'"),
+            a.explanation.starts_with(
+                "workers are inconsistent: rank 1's loss rose against the other ranks'"
+            ),
             "{}",
             a.explanation
         );

@@ -74,7 +74,7 @@ async fn a_replayed_run_raises_what_the_live_engine_raised_and_other_rules_chang
     let strict = dir.path().join("strict.toml");
     std::fs::write(
         &strict,
-        "[silent_inconsistency]\nz_threshold = 1e9\nz_exit = 1e8\npeer_window = 0\nidentical_steps = 0\n",
+        "[silent_inconsistency]\nz_threshold = 1e9\nz_exit = 1e8\npeer_window = 0\nidentical_steps = 0\nsame_batch_closeness = 0\n",
     )
     .unwrap();
     let quiet = stored
