@@ -82,8 +82,15 @@ pub(super) struct SameBatches {
     /// chance a few per cent of all pairs are close at a step, dozens at 64 ranks, so the
     /// counts are kept as steps come and go rather than recounted.
     counts: foldhash::HashMap<(u32, u32), usize>,
+    /// Pairs of `counts` close at half of `steps` or more (the hold), and at `steps` or more
+    /// (the breach), kept as counts cross them so a step need not scan every pair.
+    held: usize,
+    breaching: usize,
     /// The last step seen.
     last: Option<u64>,
+    /// Buffers reused from step to step: the step's ranks, a column of gaps.
+    points: Vec<Point>,
+    column: Vec<f64>,
 }
 
 /// One rank's values at a step, in logs.
@@ -127,21 +134,36 @@ impl SameBatches {
             self.usual.clear();
             self.recent.clear();
             self.counts.clear();
+            (self.held, self.breaching) = (0, 0);
         }
         self.last = Some(step);
-        let mut points: Vec<Point> = ranks
-            .iter()
-            .filter_map(|r| {
-                let loss = r.loss.filter(|v| v.is_finite() && *v > 0.0)?;
-                let norm = r.grad_norm.filter(|v| v.is_finite() && *v > 0.0)?;
-                Some(Point {
-                    rank: r.rank,
-                    loss: loss.ln(),
-                    norm: norm.ln(),
-                    bits: (loss.to_bits(), norm.to_bits()),
-                })
+        // A job of more ranks is not judged (some may lack a value at a step; it is still one).
+        if ranks.len() > MAX_RANKS {
+            return None;
+        }
+        let mut points = std::mem::take(&mut self.points);
+        points.clear();
+        points.extend(ranks.iter().filter_map(|r| {
+            let loss = r.loss.filter(|v| v.is_finite() && *v > 0.0)?;
+            let norm = r.grad_norm.filter(|v| v.is_finite() && *v > 0.0)?;
+            Some(Point {
+                rank: r.rank,
+                loss: loss.ln(),
+                norm: norm.ln(),
+                bits: (loss.to_bits(), norm.to_bits()),
             })
-            .collect();
+        }));
+        let verdict = self.judge_points(step, &mut points, c);
+        self.points = points;
+        verdict
+    }
+
+    fn judge_points(
+        &mut self,
+        step: u64,
+        points: &mut [Point],
+        c: SameBatchConfig,
+    ) -> Option<Result<Breach, bool>> {
         if points.len() < 2 || points.len() > MAX_RANKS {
             return None;
         }
@@ -149,33 +171,35 @@ impl SameBatches {
         while self.usual.front().is_some_and(|&(s, ..)| s <= oldest) {
             self.usual.pop_front();
         }
-        let today = usual_gaps(&points);
-        let Some((usual_loss, usual_norm)) = (self.usual.len() >= USUAL_MIN).then(|| {
-            let mut column: Vec<f64> = self.usual.iter().map(|u| u.1).collect();
-            let loss = median(&mut column);
-            column.clear();
-            column.extend(self.usual.iter().map(|u| u.2));
-            (loss, median(&mut column))
-        }) else {
+        let today = usual_gaps(points, &mut self.column);
+        if self.usual.len() < USUAL_MIN {
             self.usual.push_back((step, today.0, today.1));
             return None;
-        };
-        let two = points.len() == 2;
-        let close = close_pairs(
-            &mut points,
-            c.closeness * usual_loss,
-            c.closeness * usual_norm,
-        );
+        }
+        let column = &mut self.column;
+        column.clear();
+        column.extend(self.usual.iter().map(|u| u.1));
+        let usual_loss = median(column);
+        column.clear();
+        column.extend(self.usual.iter().map(|u| u.2));
+        let usual_norm = median(column);
+        let close = close_pairs(points, c.closeness * usual_loss, c.closeness * usual_norm);
         // With two ranks the step's gap is the pair's own: a close step stays out of the usual
         // gap (see the module's docs). With three ranks or more one pair cannot move the step's
         // median gap.
-        if !two || close.is_empty() {
+        if points.len() > 2 || close.is_empty() {
             self.usual.push_back((step, today.0, today.1));
         }
         let oldest = step.saturating_sub(c.window);
         while let Some((_, gone)) = self.recent.pop_front_if(|(s, _)| *s <= oldest) {
             for pair in gone {
                 if let Some(n) = self.counts.get_mut(&pair.ranks) {
+                    if 2 * *n >= c.steps && 2 * (*n - 1) < c.steps {
+                        self.held -= 1;
+                    }
+                    if *n == c.steps {
+                        self.breaching -= 1;
+                    }
                     *n -= 1;
                     if *n == 0 {
                         self.counts.remove(&pair.ranks);
@@ -184,17 +208,24 @@ impl SameBatches {
             }
         }
         for pair in &close {
-            *self.counts.entry(pair.ranks).or_default() += 1;
+            let n = self.counts.entry(pair.ranks).or_default();
+            *n += 1;
+            if 2 * *n >= c.steps && 2 * (*n - 1) < c.steps {
+                self.held += 1;
+            }
+            if *n == c.steps {
+                self.breaching += 1;
+            }
         }
         self.recent.push_back((step, close));
         Some(self.breach(c, usual_loss, usual_norm))
     }
 
     fn breach(&self, c: SameBatchConfig, usual_loss: f64, usual_norm: f64) -> Result<Breach, bool> {
-        let most = self.counts.values().copied().max().unwrap_or(0);
-        if most < c.steps {
-            return Err(2 * most >= c.steps);
+        if self.breaching == 0 {
+            return Err(self.held > 0);
         }
+        let most = self.counts.values().copied().max().unwrap_or(0);
         let mut named: Vec<((u32, u32), usize)> = self
             .counts
             .iter()
@@ -251,29 +282,27 @@ impl SameBatches {
     }
 }
 
-/// A step's median gap between two ranks, in log loss and log gradient norm.
-fn usual_gaps(points: &[Point]) -> (f64, f64) {
-    if points.len() <= EXACT_RANKS {
-        let mut loss = Vec::with_capacity(points.len() * (points.len() - 1) / 2);
-        let mut norm = Vec::with_capacity(loss.capacity());
-        for (i, a) in points.iter().enumerate() {
-            for b in &points[i + 1..] {
-                loss.push((a.loss - b.loss).abs());
-                norm.push((a.norm - b.norm).abs());
+/// A step's median gap between two ranks, in log loss and log gradient norm (`column`: a
+/// buffer).
+fn usual_gaps(points: &[Point], column: &mut Vec<f64>) -> (f64, f64) {
+    let mut gaps = |get: fn(&Point) -> f64| {
+        column.clear();
+        if points.len() <= EXACT_RANKS {
+            for (i, a) in points.iter().enumerate() {
+                column.extend(points[i + 1..].iter().map(|b| (get(a) - get(b)).abs()));
             }
+            return median(column);
         }
-        return (median(&mut loss), median(&mut norm));
-    }
-    // √2·MAD: the median gap of two draws of a normal is √2 times its median absolute deviation.
-    let mad = |get: fn(&Point) -> f64| {
-        let mut values: Vec<f64> = points.iter().map(get).collect();
-        let centre = median(&mut values);
-        for v in &mut values {
+        // √2·MAD: the median gap of two draws of a normal is √2 times its median absolute
+        // deviation.
+        column.extend(points.iter().map(get));
+        let centre = median(column);
+        for v in column.iter_mut() {
             *v = (*v - centre).abs();
         }
-        std::f64::consts::SQRT_2 * median(&mut values)
+        std::f64::consts::SQRT_2 * median(column)
     };
-    (mad(|p| p.loss), mad(|p| p.norm))
+    (gaps(|p| p.loss), gaps(|p| p.norm))
 }
 
 /// The pairs within `loss_gap` and `norm_gap` of each other in both, leaving out pairs equal to
@@ -393,7 +422,18 @@ mod tests {
                     .enumerate()
                     .map(|(r, (l, n))| values(r as u32, (shared.0 + l).exp(), (shared.1 + n).exp()))
                     .collect();
-                test.observe(step, &at, CONFIG)
+                let verdict = test.observe(step, &at, CONFIG);
+                // The counters kept as counts cross their thresholds are what a recount says.
+                let recount = |least: usize| test.counts.values().filter(|&&n| n >= least).count();
+                assert_eq!(test.held, recount(CONFIG.steps.div_ceil(2)), "step {step}");
+                assert_eq!(test.breaching, recount(CONFIG.steps), "step {step}");
+                let in_window: usize = test.recent.iter().map(|(_, c)| c.len()).sum();
+                assert_eq!(
+                    test.counts.values().sum::<usize>(),
+                    in_window,
+                    "step {step}"
+                );
+                verdict
             })
             .collect()
     }
