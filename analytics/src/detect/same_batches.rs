@@ -21,9 +21,9 @@
 //! probability ~45·p⁸ < 10⁻⁹ a pair and step; a duplicated pair is close at nearly every step.
 //!
 //! What it does not do: judge before the usual gap has [`USUAL_MIN`] steps (the first 20
-//! logged steps), or judge runs of more than [`MAX_RANKS`] ranks, where the pairs to track
-//! grow with the square of the ranks and the chance that some pair lines up grows with them
-//! (the bit-identical test still covers deterministic copies there). Pairs that agree to the
+//! logged steps), or judge runs of more than [`MAX_RANKS`] ranks (or ranks numbered past it),
+//! where the pairs to track grow with the square of the ranks and the chance that some pair
+//! lines up grows with them (the bit-identical test still covers deterministic copies there). Pairs that agree to the
 //! bit are the identical test's and are left to it, so one fault gives one explanation. Like the
 //! other tests it needs no baseline of the pair itself: a pair that starts reading the same
 //! data is judged against the other pairs' and its own earlier gaps. On a 2-rank job the step's
@@ -78,10 +78,10 @@ pub(super) struct SameBatches {
     usual: VecDeque<(u64, f64, f64)>,
     /// The judged steps of the last `window` steps, with their close pairs.
     recent: VecDeque<(u64, Vec<Close>)>,
-    /// How many steps of `recent` each pair was close at (pairs at none are removed): by
-    /// chance a few per cent of all pairs are close at a step, dozens at 64 ranks, so the
-    /// counts are kept as steps come and go rather than recounted.
-    counts: foldhash::HashMap<(u32, u32), usize>,
+    /// How many steps of `recent` each pair was close at: by chance a few per cent of all
+    /// pairs are close at a step, dozens at 64 ranks, so the counts are kept as steps come and
+    /// go rather than recounted.
+    counts: PairCounts,
     /// Pairs of `counts` close at half of `steps` or more (the hold), and at `steps` or more
     /// (the breach), kept as counts cross them so a step need not scan every pair.
     held: usize,
@@ -164,7 +164,8 @@ impl SameBatches {
         points: &mut [Point],
         c: SameBatchConfig,
     ) -> Option<Result<Breach, bool>> {
-        if points.len() < 2 || points.len() > MAX_RANKS {
+        // Pairs are counted in a table indexed by rank: ranks past it are not judged.
+        if points.len() < 2 || points.iter().any(|p| p.rank as usize >= MAX_RANKS) {
             return None;
         }
         let oldest = step.saturating_sub(USUAL_STEPS);
@@ -193,27 +194,21 @@ impl SameBatches {
         let oldest = step.saturating_sub(c.window);
         while let Some((_, gone)) = self.recent.pop_front_if(|(s, _)| *s <= oldest) {
             for pair in gone {
-                if let Some(n) = self.counts.get_mut(&pair.ranks) {
-                    if 2 * *n >= c.steps && 2 * (*n - 1) < c.steps {
-                        self.held -= 1;
-                    }
-                    if *n == c.steps {
-                        self.breaching -= 1;
-                    }
-                    *n -= 1;
-                    if *n == 0 {
-                        self.counts.remove(&pair.ranks);
-                    }
+                let n = self.counts.remove(pair.ranks);
+                if 2 * n >= c.steps && 2 * (n - 1) < c.steps {
+                    self.held -= 1;
+                }
+                if n == c.steps {
+                    self.breaching -= 1;
                 }
             }
         }
         for pair in &close {
-            let n = self.counts.entry(pair.ranks).or_default();
-            *n += 1;
-            if 2 * *n >= c.steps && 2 * (*n - 1) < c.steps {
+            let n = self.counts.add(pair.ranks);
+            if 2 * n >= c.steps && 2 * (n - 1) < c.steps {
                 self.held += 1;
             }
-            if *n == c.steps {
+            if n == c.steps {
                 self.breaching += 1;
             }
         }
@@ -225,14 +220,10 @@ impl SameBatches {
         if self.breaching == 0 {
             return Err(self.held > 0);
         }
-        let most = self.counts.values().copied().max().unwrap_or(0);
-        let mut named: Vec<((u32, u32), usize)> = self
-            .counts
-            .iter()
-            .filter(|&(_, &n)| n >= c.steps)
-            .map(|(&pair, &n)| (pair, n))
-            .collect();
-        named.sort_unstable();
+        let most = self.counts.iter().map(|(_, n)| n).max().unwrap_or(0);
+        // In pair order: the table is scanned by rank.
+        let named: Vec<((u32, u32), usize)> =
+            self.counts.iter().filter(|&(_, n)| n >= c.steps).collect();
         // One pair's close steps, in window order.
         let of = |pair: (u32, u32)| {
             self.recent
@@ -279,6 +270,51 @@ impl SameBatches {
             // also paid for.
             outlier_ranks: outliers,
         })
+    }
+}
+
+/// Close steps per pair of ranks below [`MAX_RANKS`], in a table indexed by the two ranks (a
+/// hash map of the dozens of pairs close by chance at each step of a 64-rank job cost more
+/// than the rest of the test).
+#[derive(Debug, Clone, Default)]
+struct PairCounts(Vec<u16>);
+
+impl PairCounts {
+    fn at(pair: (u32, u32)) -> usize {
+        pair.0 as usize * MAX_RANKS + pair.1 as usize
+    }
+
+    /// Counts one more close step of `pair` (lower rank first); its count after.
+    fn add(&mut self, pair: (u32, u32)) -> usize {
+        if self.0.is_empty() {
+            self.0 = vec![0; MAX_RANKS * MAX_RANKS];
+        }
+        let n = &mut self.0[Self::at(pair)];
+        *n += 1;
+        usize::from(*n)
+    }
+
+    /// Counts one close step of `pair` less; its count before.
+    fn remove(&mut self, pair: (u32, u32)) -> usize {
+        let n = &mut self.0[Self::at(pair)];
+        *n -= 1;
+        usize::from(*n) + 1
+    }
+
+    fn clear(&mut self) {
+        self.0.fill(0);
+    }
+
+    /// Every pair close at some step of the window, with its count, in rank order.
+    fn iter(&self) -> impl Iterator<Item = ((u32, u32), usize)> + '_ {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|&(_, &n)| n > 0)
+            .map(|(i, &n)| {
+                let pair = ((i / MAX_RANKS) as u32, (i % MAX_RANKS) as u32);
+                (pair, usize::from(n))
+            })
     }
 }
 
@@ -424,12 +460,13 @@ mod tests {
                     .collect();
                 let verdict = test.observe(step, &at, CONFIG);
                 // The counters kept as counts cross their thresholds are what a recount says.
-                let recount = |least: usize| test.counts.values().filter(|&&n| n >= least).count();
+                let recount =
+                    |least: usize| test.counts.iter().filter(|&(_, n)| n >= least).count();
                 assert_eq!(test.held, recount(CONFIG.steps.div_ceil(2)), "step {step}");
                 assert_eq!(test.breaching, recount(CONFIG.steps), "step {step}");
                 let in_window: usize = test.recent.iter().map(|(_, c)| c.len()).sum();
                 assert_eq!(
-                    test.counts.values().sum::<usize>(),
+                    test.counts.iter().map(|(_, n)| n).sum::<usize>(),
                     in_window,
                     "step {step}"
                 );
@@ -516,6 +553,17 @@ mod tests {
         assert!(three[..USUAL_MIN].iter().all(Option::is_none));
         assert!(three.iter().any(Option::is_some));
         assert!(run(65, 100, Some((0, 0, 1)), 1).iter().all(Option::is_none));
+        // Two ranks numbered past the table, one a copy of the other: not judged.
+        let mut far = SameBatches::default();
+        let mut draw = Draw(11);
+        for step in 0..60 {
+            let a = (draw.normal() * 0.08, draw.normal() * 0.16);
+            let at = [
+                values(100, (2.0 + a.0).exp(), (1.0 + a.1).exp()),
+                values(101, (2.0 + a.0 + 0.001).exp(), (1.0 + a.1).exp()),
+            ];
+            assert_eq!(far.observe(step, &at, CONFIG), PeerVerdict::Clear);
+        }
         let mut off = SameBatches::default();
         let at = [values(0, 2.0, 1.0), values(1, 2.0 + 1e-9, 1.0)];
         for step in 0..50 {

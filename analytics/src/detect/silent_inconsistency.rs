@@ -106,7 +106,7 @@ pub struct SilentInconsistencyConfig {
     /// gradient-norm gaps are both at most this share of the run's usual gaps between ranks (0
     /// disables the test). Default 0.35.
     pub same_batch_closeness: f64,
-    /// Steps whose close steps are counted. Default 10.
+    /// Steps whose close steps are counted (at most 1,000). Default 10.
     pub same_batch_window: u64,
     /// Close steps within that window that breach. Default 8.
     pub same_batch_steps: usize,
@@ -195,7 +195,8 @@ impl SilentInconsistencyConfig {
                 || (self.same_batch_closeness > 0.0
                     && self.same_batch_closeness < 1.0
                     && self.same_batch_steps >= 2
-                    && self.same_batch_steps as u64 <= self.same_batch_window))
+                    && self.same_batch_steps as u64 <= self.same_batch_window
+                    && self.same_batch_window <= 1000))
             && (self.shift_limit == 0.0
                 || (self.shift_limit > 0.0
                     && self.shift_allowance > 0.0
@@ -208,7 +209,7 @@ impl SilentInconsistencyConfig {
                     && self.pair_z > 0.0));
         if !ok {
             return Err(Error::Config(format!(
-                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, peer_run 0 or 2 ≤ peer_run ≤ peer_window, (unless same_batch_closeness is 0) 0 < same_batch_closeness < 1 and 2 ≤ same_batch_steps ≤ same_batch_window, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
+                "silent_inconsistency: need 5 ≤ warmup_steps ≤ baseline_steps, 0 < z_exit ≤ z_threshold, positive floors, rank_z and peer_min_effect, 0 < peer_share ≤ 1, 1 ≤ peer_min_observations ≤ peer_window, peer_run 0 or 2 ≤ peer_run ≤ peer_window, (unless same_batch_closeness is 0) 0 < same_batch_closeness < 1 and 2 ≤ same_batch_steps ≤ same_batch_window ≤ 1000, (unless shift_limit is 0) shift_limit > 0, 0 < shift_allowance < 1 and 1 ≤ shift_min_observations ≤ shift_baseline, and (unless pair_window is 0) pair_recent ≥ 1, 5 ≤ pair_min_observations ≤ pair_window and pair_z > 0; got {self:?}"
             )));
         }
         self.lifecycle.validate("silent_inconsistency")
