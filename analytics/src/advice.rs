@@ -62,7 +62,7 @@ pub fn suggest(incident: &Incident, cause: &Alert, world: Option<u32>) -> String
             capitalise(&ranks)
         ),
         Rule::SilentInconsistency if cause.explanation.contains(SAME_BATCHES) => format!(
-            "{} read the same batches since step {step}: the run pays for gradients it computes \
+            "{} read the same batches by step {step}: the run pays for gradients it computes \
              twice and learns from fewer examples than it was set to. Check the sampler (a \
              `DistributedSampler` needs the data-parallel group's rank and size, and `set_epoch` \
              every epoch), each rank's data-loading seed and shard list; once fixed, resume from \
@@ -70,15 +70,15 @@ pub fn suggest(incident: &Incident, cause: &Alert, world: Option<u32>) -> String
             capitalise(&ranks_phrase(&cause.outlier_ranks))
         ),
         Rule::SilentInconsistency if one_rank => {
-            let (verb, its) = if incident.ranks.len() == 1 {
-                ("disagrees", "its")
+            let (verb, its, device) = if incident.ranks.len() == 1 {
+                ("disagrees", "its", "its device's")
             } else {
-                ("disagree", "their")
+                ("disagree", "their", "their devices'")
             };
             format!(
                 "{} {verb} with {its} peers while the averaged loss looks normal: compare {its} \
                  data shard and sampler seed with the others' (a duplicated or corrupt shard, \
-                 another augmentation), {its} code and config, and {its} device's health; the \
+                 another augmentation), {its} code and config, and {device} health; the \
                  Workers page shows {its} lines and cosine rows at step {step}.",
                 capitalise(&ranks)
             )

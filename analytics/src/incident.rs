@@ -386,7 +386,7 @@ mod tests {
             copied.explanation = text.into();
             let action = &group(vec![copied], move |_: &RunId| Some(world), 100)[0].action;
             assert!(
-                action.starts_with("Ranks 0 and 1 read the same batches since step 64")
+                action.starts_with("Ranks 0 and 1 read the same batches by step 64")
                     && action.contains("DistributedSampler"),
                 "{action}"
             );

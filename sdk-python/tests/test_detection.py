@@ -201,7 +201,7 @@ def test_ranks_reading_one_shard_under_dropout_are_named_though_they_never_agree
     incidents = requests.get(f"{collector.url}/api/v1/incidents", params={"run": "dropout-copy"}, timeout=30)
     incidents.raise_for_status()
     incident = next(i for i in incidents.json()["incidents"] if "silent_inconsistency" in i["rules"])
-    assert incident["action"].startswith("Ranks 0 and 1 read the same batches since step"), incident
+    assert incident["action"].startswith("Ranks 0 and 1 read the same batches by step"), incident
 
 
 def test_natural_collapse_is_caught_before_the_loss_diverges(collector: Collector, tmp_path: Path) -> None:

@@ -53,12 +53,12 @@ pub trait Detector {
     fn open_alerts(&self) -> Vec<Alert>;
 }
 
-/// A number for an explanation: at most three decimals, trailing zeros dropped ("2.7"); in
-/// powers of ten with three significant digits outside [0.001, 10⁶) ("2.07e36").
 /// What the tests that find ranks reading the same data say of them: the bit-identical test
 /// (`peers`) and the near-identical one (`same_batches`); the suggested action reads it.
 pub(crate) const SAME_BATCHES: &str = "fed the same batches";
 
+/// A number for an explanation: at most three decimals, trailing zeros dropped ("2.7"); in
+/// powers of ten with three significant digits outside [0.001, 10⁶) ("2.07e36").
 pub(crate) fn short(x: f64) -> String {
     if !x.is_finite() {
         return x.to_string();
