@@ -91,12 +91,10 @@ pub(super) struct SameBatches {
     /// pairs are close at a step, dozens at 64 ranks, so the counts are kept as steps come and
     /// go rather than recounted.
     counts: PairCounts,
-    /// Pairs of `counts` close at `steps` or more, kept as counts cross it so a step need not
-    /// scan every pair.
-    breaching: usize,
-    /// The pairs that breached and are still close at half of `steps` or more: the hold. Only
-    /// a pair that breached holds, or at 64 ranks some pair close at 4 of 10 by chance would
-    /// hold every `silent_inconsistency` alert open at most steps.
+    /// The pairs that reached `steps` and are still close at half of it or more: those at
+    /// `steps` breach, the rest hold. Only a pair that breached holds, or at 64 ranks some pair
+    /// close at 4 of 10 by chance would hold every `silent_inconsistency` alert open at most
+    /// steps. A handful at most, so a step reads these, never the whole table.
     named: Vec<(u32, u32)>,
     /// The last step seen.
     last: Option<u64>,
@@ -146,7 +144,6 @@ impl SameBatches {
             self.usual.clear();
             self.recent.clear();
             self.counts.clear();
-            self.breaching = 0;
             self.named.clear();
         }
         self.last = Some(step);
@@ -190,27 +187,27 @@ impl SameBatches {
             self.usual.push_back((step, today.0, today.1));
             return None;
         }
+        // The median loss and norm gaps of the usual steps after `since`, with `and` (today's).
         let column = &mut self.column;
-        column.clear();
-        column.extend(self.usual.iter().map(|u| u.1));
-        let mut usual_loss = median(column);
-        column.clear();
-        column.extend(self.usual.iter().map(|u| u.2));
-        let mut usual_norm = median(column);
+        let mut medians = |since: u64, and: Option<(f64, f64)>| {
+            let steps = self.usual.iter().filter(|u| u.0 > since);
+            let mut of = |get: fn(&(u64, f64, f64)) -> f64| {
+                column.clear();
+                column.extend(steps.clone().map(get));
+                column.extend(and.map(|t| get(&(step, t.0, t.1))));
+                median(column)
+            };
+            (of(|u| u.1), of(|u| u.2))
+        };
+        let (mut usual_loss, mut usual_norm) = medians(0, None);
         if points.len() > 2 {
             // When every rank's gap shrinks at once (a curriculum, a more uniform data source),
             // the 100-step median lags; the median of the steps in the counting window, this
             // one's included, follows within a few steps. One pair cannot move either with
             // three ranks or more, where a step's median gap is another pair's.
-            column.clear();
-            let since = step.saturating_sub(c.window);
-            column.extend(self.usual.iter().filter(|u| u.0 > since).map(|u| u.1));
-            column.push(today.0);
-            usual_loss = usual_loss.min(median(column));
-            column.clear();
-            column.extend(self.usual.iter().filter(|u| u.0 > since).map(|u| u.2));
-            column.push(today.1);
-            usual_norm = usual_norm.min(median(column));
+            let (loss, norm) = medians(step.saturating_sub(c.window), Some(today));
+            usual_loss = usual_loss.min(loss);
+            usual_norm = usual_norm.min(norm);
         }
         // A gap of zero (every rank logging the averaged loss, a quantised value) leaves
         // nothing to be closer than.
@@ -228,17 +225,12 @@ impl SameBatches {
         let oldest = step.saturating_sub(c.window);
         while let Some((_, gone)) = self.recent.pop_front_if(|(s, _)| *s <= oldest) {
             for pair in gone {
-                if self.counts.remove(pair.ranks) == c.steps {
-                    self.breaching -= 1;
-                }
+                self.counts.remove(pair.ranks);
             }
         }
         for pair in &close {
-            if self.counts.add(pair.ranks) == c.steps {
-                self.breaching += 1;
-                if !self.named.contains(&pair.ranks) {
-                    self.named.push(pair.ranks);
-                }
+            if self.counts.add(pair.ranks) == c.steps && !self.named.contains(&pair.ranks) {
+                self.named.push(pair.ranks);
             }
         }
         let counts = &self.counts;
@@ -248,13 +240,17 @@ impl SameBatches {
     }
 
     fn breach(&self, c: SameBatchConfig, usual_loss: f64, usual_norm: f64) -> Result<Breach, bool> {
-        if self.breaching == 0 {
+        let mut named: Vec<((u32, u32), usize)> = self
+            .named
+            .iter()
+            .map(|&pair| (pair, self.counts.get(pair)))
+            .filter(|&(_, n)| n >= c.steps)
+            .collect();
+        if named.is_empty() {
             return Err(!self.named.is_empty());
         }
-        let most = self.counts.iter().map(|(_, n)| n).max().unwrap_or(0);
-        // In pair order: the table is scanned by rank.
-        let named: Vec<((u32, u32), usize)> =
-            self.counts.iter().filter(|&(_, n)| n >= c.steps).collect();
+        named.sort_unstable();
+        let most = named.iter().map(|&(_, n)| n).max().unwrap_or(0);
         // One pair's close steps, in window order.
         let of = |pair: (u32, u32)| {
             self.recent
@@ -325,11 +321,9 @@ impl PairCounts {
         usize::from(*n)
     }
 
-    /// Counts one close step of `pair` less; its count before.
-    fn remove(&mut self, pair: (u32, u32)) -> usize {
-        let n = &mut self.0[Self::at(pair)];
-        *n -= 1;
-        usize::from(*n) + 1
+    /// Counts one close step of `pair` less.
+    fn remove(&mut self, pair: (u32, u32)) {
+        self.0[Self::at(pair)] -= 1;
     }
 
     fn get(&self, pair: (u32, u32)) -> usize {
@@ -340,7 +334,9 @@ impl PairCounts {
         self.0.fill(0);
     }
 
-    /// Every pair close at some step of the window, with its count, in rank order.
+    /// Every pair close at some step of the window, with its count, in rank order (the tests'
+    /// recount).
+    #[cfg(test)]
     fn iter(&self) -> impl Iterator<Item = ((u32, u32), usize)> + '_ {
         self.0
             .iter()
@@ -454,8 +450,6 @@ mod tests {
 
     /// What is kept as steps come and go is what a recount of the window says.
     fn consistent(test: &SameBatches, step: u64) {
-        let recount = |least: usize| test.counts.iter().filter(|&(_, n)| n >= least).count();
-        assert_eq!(test.breaching, recount(CONFIG.steps), "step {step}");
         let in_window: usize = test.recent.iter().map(|(_, c)| c.len()).sum();
         assert_eq!(
             test.counts.iter().map(|(_, n)| n).sum::<usize>(),
@@ -722,7 +716,13 @@ mod tests {
             named |= breach(test.observe(step, &step_values(&mut draw, true), CONFIG)).is_some();
             consistent(&test, step);
         }
-        assert!(named && test.breaching > 0 && !test.named.is_empty());
+        assert!(
+            named
+                && test
+                    .named
+                    .iter()
+                    .any(|&pair| test.counts.get(pair) >= CONFIG.steps)
+        );
         // After the resume nothing is judged for 20 steps (nothing counted before it carries
         // over), and the usual gap is then the copy's own.
         for step in 10..60 {
