@@ -172,6 +172,10 @@ fn session(runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>) -> Sess
     // byte ranges would read its footer and page index once per range.
     options.execution.parquet.bloom_filter_on_read = false;
     options.optimizer.repartition_file_scans = false;
+    // File statistics would let DataFusion 55 replace a column whose min equals its max with
+    // that value; Parquet leaves NaN out of a double's min and max, so a part's NaN would be
+    // read as its other value (parts written before their doubles lost min/max still have them).
+    options.execution.collect_statistics = false;
     SessionContext::new_with_config_rt(config, runtime)
 }
 
@@ -549,5 +553,60 @@ impl Queries {
             Ok((batches, false))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Float64Type;
+    use arrow_array::{Float64Array, RecordBatch};
+    use arrow_schema::{DataType, Field, Schema};
+    use datafusion::execution::runtime_env::RuntimeEnv;
+
+    /// A part written before doubles lost their min/max (`store::files`), holding 0.5 and a
+    /// NaN: its footer says min = max = 0.5 with no nulls, since Parquet leaves NaN out. The
+    /// collector's session must read the NaN back, not take the column for the constant 0.5.
+    #[tokio::test]
+    async fn a_nan_beside_one_other_value_is_read_back_as_nan() {
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "value",
+            DataType::Float64,
+            false,
+        )]));
+        let values = Float64Array::from(vec![0.5, f64::NAN]);
+        let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(values)]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.parquet");
+        let file = std::fs::File::create(&path).unwrap();
+        let mut writer = parquet::arrow::ArrowWriter::try_new(file, schema, None).unwrap();
+        writer.write(&batch).unwrap();
+        let footer = writer.close().unwrap();
+        let stats = footer.row_group(0).column(0).statistics().unwrap();
+        assert_eq!(
+            (stats.min_bytes_opt(), stats.max_bytes_opt()),
+            (
+                Some(&0.5f64.to_le_bytes()[..]),
+                Some(&0.5f64.to_le_bytes()[..])
+            ),
+            "the footer no longer leaves the NaN out; this test lost its point"
+        );
+
+        let ctx = session(Arc::new(RuntimeEnv::default()));
+        let back = ctx
+            .read_parquet(path.to_str().unwrap(), ParquetReadOptions::default())
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let read: Vec<f64> = back
+            .iter()
+            .flat_map(|b| b.column(0).as_primitive::<Float64Type>().values().to_vec())
+            .collect();
+        assert_eq!(read.len(), 2);
+        assert_eq!(read[0], 0.5);
+        assert!(read[1].is_nan(), "the NaN was read as {}", read[1]);
     }
 }

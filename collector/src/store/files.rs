@@ -276,7 +276,11 @@ fn properties(layout: Layout, schema: &SchemaRef) -> WriterProperties {
     if let Ok(parquet_schema) = parquet::arrow::ArrowSchemaConverter::new().convert(schema) {
         for column in parquet_schema.columns() {
             if column.physical_type() == parquet::basic::Type::DOUBLE {
+                // No min/max: Parquet leaves NaN out of them, and a reader that trusts them
+                // (DataFusion takes min == max for a constant column, and prunes by them)
+                // answers wrong for a part holding a NaN. No query here filters on a value.
                 builder = builder
+                    .set_column_statistics_enabled(column.path().clone(), EnabledStatistics::None)
                     .set_column_dictionary_enabled(column.path().clone(), false)
                     .set_column_encoding(
                         column.path().clone(),
@@ -530,6 +534,24 @@ mod tests {
             "value has a dictionary page"
         );
         assert!(value.encodings().any(|e| e == Encoding::BYTE_STREAM_SPLIT));
+        // No min/max for doubles: Parquet's would leave the NaN out, and a reader trusting
+        // them misreads the part. The sort columns keep theirs (every pruning rests on them).
+        assert!(
+            value
+                .statistics()
+                .is_none_or(|s| s.min_bytes_opt().is_none()),
+            "value has min/max statistics: {:?}",
+            value.statistics()
+        );
+        assert!(
+            value.column_index_offset().is_none(),
+            "value has a page index"
+        );
+        assert!(
+            chunk("step")
+                .statistics()
+                .is_some_and(|s| s.min_bytes_opt().is_some())
+        );
         for name in ["step", "time"] {
             let c = chunk(name);
             assert!(

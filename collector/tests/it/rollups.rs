@@ -509,3 +509,42 @@ async fn parts_of_short_series_get_no_rollup() {
     );
     c.shutdown().await.unwrap();
 }
+
+/// A part holding a NaN beside one other value (its footer, NaN-blind, once said min = max):
+/// every read path, DataFusion's included, counts the NaN and keeps the other value's extremes.
+#[tokio::test]
+async fn a_nan_in_a_part_is_counted_by_every_read_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = open_store_only(dir.path()).await;
+    let first = [
+        sample("rp", Some(0), 0, "loss", None, None, 0.5),
+        sample("rp", Some(0), 0, "spectral.ratio", Some(0), None, f64::NAN),
+    ];
+    ingest_and_flush(&c, &first).await;
+    let rest: Vec<Sample> = (1..3)
+        .map(|s| sample("rp", Some(0), s, "spectral.ratio", Some(0), None, s as f64))
+        .collect();
+    ingest_and_flush(&c, &rest).await;
+    let planned = c.state().queries().clone();
+    for (name, queries) in [
+        ("planned", planned.clone()),
+        ("through DataFusion", planned.without_point_reads()),
+        ("raw", planned.without_rollups().without_point_reads()),
+        ("raw point reads", planned.without_rollups()),
+    ] {
+        let q = SeriesQuery {
+            metric: "spectral.ratio".into(),
+            layer: None,
+            site: None,
+            rank: None,
+            from: None,
+            to: None,
+            points: Some(3),
+        };
+        let answer = serde_json::to_value(queries.series("rp", q).await.unwrap()).unwrap();
+        let first = &answer["series"][0]["buckets"][0];
+        assert_eq!(first["nonfinite"], 1, "{name}: {first}");
+        assert_eq!(first["min"], serde_json::Value::Null, "{name}: {first}");
+        assert_eq!(first["last"], "NaN", "{name}: {first}");
+    }
+}
