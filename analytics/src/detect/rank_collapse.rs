@@ -9,7 +9,7 @@
 //! small GPTs settle anywhere between 1 and 25, drifting several-fold over a run (a healthy
 //! 4-layer GPT's layer 3 went from 1.2 at step 90 to 29 at step 990). So by default the ratio
 //! is judged against the layer's *own recent* level: the median of its probes over the last
-//! `ratio_window_steps` (200) steps after `warmup_steps` (or its last 2·`pending_for` + 1 = 7
+//! `ratio_window_steps` (200) steps after the early phase (or its last 2·`pending_for` + 1 = 7
 //! probes, where a coarse cadence leaves fewer in the window, so a lasting shift stays out of
 //! the median long enough to fire). It breaches when it is `drift_factor` away from that
 //! median (either way), or when a least-squares fit of log(ratio) against the step over the
@@ -25,27 +25,40 @@
 //! layers stayed within ×3.4 of it over 3 probes in a row.) An absolute band (`band_low`, `band_high`)
 //! can be added for models where it has been calibrated; it is off by default.
 //!
-//! Token cosine is judged against the layer's own history. After the warm-up it breaches when
-//! it is at or above `token_cosine_warning` (a warning) or `token_cosine_critical` (critical)
-//! *and* the spread 1 − cosine has shrunk by `token_cosine_contraction` from its widest since
-//! the warm-up. Both conditions, because on
-//! real text a healthy layer passes through high cosine early (a byte-level GPT on the standard
-//! library's docstrings: 0.92 at step 25, 0.91 at step 75, falling to 0.2 by step 1,000, as it
-//! first learns byte frequencies, then context) and a pretrained model's uncentred cosine sits
-//! high for good (anisotropy); what collapse adds is the token states *converging further*
-//! than the layer has been. At any step, including the warm-up, a collapse far past that
-//! transient is critical: token cosine at the critical level with its spread
-//! `token_cosine_early_contraction` (25) times narrower than its widest since the first probe,
-//! held at every probe for `token_cosine_early_persist_steps` (50) steps. The persistence is
-//! what tells a collapse from a healthy transient: on real text, healthy pre-LN GPTs at lr 3e-3
-//! pass through 0.96–0.99 (26- to 133-fold contractions) at steps 10–30 and are out of it
-//! within 10–30 steps, as is a deep GPT with a learning rate 10× too high (0.97 at step 3,
-//! below 0.9 by step 9); an 8-layer post-LN GPT without warm-up reaches 0.9 at step 10 and
-//! stays there for hundreds of steps. (The first version fired at once on a 25-fold
-//! contraction; at a token-cosine probe every 5 steps that raised a critical alert on every
-//! healthy run above.) An alert clears only when the ratio is back
-//! inside its bounds shrunk by `exit_margin` and token cosine is below `token_cosine_exit` or
-//! both contractions are back below their levels narrowed by `exit_margin` (hysteresis).
+//! Token cosine is judged against the layer's own history. After the early phase (below) it
+//! breaches when it is at or above `token_cosine_warning` (a warning) or `token_cosine_critical`
+//! (critical) *and* the spread 1 − cosine has shrunk by `token_cosine_contraction` from its
+//! widest since the early phase ended. Both conditions, because on real text a healthy layer
+//! passes through high cosine early (a byte-level GPT on the standard library's docstrings:
+//! 0.92 at step 25, 0.91 at step 75, falling to 0.2 by step 1,000, as it first learns byte
+//! frequencies, then context) and a pretrained model's uncentred cosine sits high for good
+//! (anisotropy); what collapse adds is the token states *converging further* than the layer
+//! has been.
+//!
+//! **The early phase.** Post-LN GPTs pass through a real, transient collapse early: token
+//! cosine 0.95–0.999 in most layers from step ~40 to 125–250, the loss flat at the unigram
+//! level, then training escapes it (docs/detection.md § 2d: every one of 13 healthy post-LN
+//! runs, the longest 235 steps). Judged against a layer's own recent past, that plateau and
+//! what moves with it (the ratios of the layers outside it trend 8 % every 10 steps) fired
+//! critical alerts on all of them. So a layer *enters its plateau* when its token cosine
+//! reaches `token_cosine_critical` with its spread `token_cosine_early_contraction` (25) times
+//! narrower than at its first probe, and stays in it until token cosine falls below
+//! `token_cosine_plateau_exit` (0.8; a dip under 0.9 is not a way out). The run's early phase
+//! lasts from the start until `warmup_steps` have passed and no layer is in its plateau, at a
+//! step every layer has reported (a step's layers arrive one by one); it ends once, and the
+//! ratio's window and the spreads a contraction is measured from start there. Inside it only
+//! one test judges: a layer still in its plateau `token_cosine_early_persist_steps` (300)
+//! after entering it has stayed longer than any healthy one and is critical. A model that
+//! never leaves its collapse (an 8-layer post-LN GPT without warm-up, at 0.9 from step 10) is
+//! therefore named at step ~310, not ~70: until then it cannot be told from a healthy plateau
+//! by these signals. (The first versions fired on a 25-fold contraction held 50 steps, and
+//! judged from step 50 whatever the layers were doing.) A model without a plateau (pre-LN
+//! GPTs, whose token cosine is out of it within 10–30 steps; pretrained models, whose first
+//! probe is already high) ends its early phase at the warm-up. Without token cosine no layer
+//! can be in a plateau, and the phase ends at the warm-up. An alert clears only when the ratio
+//! is back inside its bounds shrunk by `exit_margin` and token cosine is below
+//! `token_cosine_exit`, or out of its plateau with its contraction back below its level
+//! narrowed by `exit_margin` (hysteresis).
 //!
 //! The block's effective rank — the participation ratio of its linearised map
 //! (I + W_down·W_up)(I + W_o·W_v), measured from the weights by the spectral probe — can be
@@ -77,11 +90,12 @@ use crate::validate::RunId;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RankCollapseConfig {
-    /// Steps at the start of training whose ratio is not judged (the initialisation transient),
-    /// nor token cosine below the critical level. Default 50.
+    /// Steps at the start of training that are always early (the initialisation transient):
+    /// the early phase lasts at least this long, longer while a layer is in its plateau.
+    /// Default 50.
     pub warmup_steps: u64,
-    /// Steps of history (after the warm-up) whose median ratio the current one is judged
-    /// against, and over which its trend is fitted; at least the last 4 probes. Default 200.
+    /// Steps of history (after the early phase) whose median ratio the current one is judged
+    /// against, and over which its trend is fitted; at least the last 2·pending_for + 1 probes (7). Default 200.
     pub ratio_window_steps: u64,
     /// How far (as a factor, either way) the ratio may move from that median. Default 4.
     pub drift_factor: f64,
@@ -96,21 +110,24 @@ pub struct RankCollapseConfig {
     pub trend_horizon_steps: f64,
     /// Minimum |t| of the fitted slope for a trend to count. Default 4.
     pub trend_min_t: f64,
-    /// Token cosine at or above this (after the warm-up, and contracted) is a warning.
+    /// Token cosine at or above this (after the early phase, and contracted) is a warning.
     /// Default 0.5.
     pub token_cosine_warning: f64,
     /// Token cosine at or above this (contracted) is critical. Default 0.9.
     pub token_cosine_critical: f64,
     /// How many times the spread 1 − token cosine must have shrunk from its widest since the
-    /// warm-up for a level to count. Default 2.
+    /// early phase ended for a level to count. Default 2.
     pub token_cosine_contraction: f64,
     /// The contraction from the widest spread since the first probe at which token cosine at
-    /// or above `token_cosine_critical` is critical at any step, the warm-up included.
-    /// Default 25.
+    /// or above `token_cosine_critical` enters a layer's plateau. Default 25.
     pub token_cosine_early_contraction: f64,
-    /// Steps the early contraction must have held, at every probe, before it is critical.
-    /// Default 50.
+    /// Steps a layer must have stayed in its early plateau (entered at the early contraction
+    /// and `token_cosine_critical`, left below `token_cosine_plateau_exit`) before it is
+    /// critical. Default 300: healthy post-LN GPTs stayed up to 235 steps (module docs).
     pub token_cosine_early_persist_steps: u64,
+    /// A layer in its early plateau leaves it when its token cosine falls below this.
+    /// Default 0.8.
+    pub token_cosine_plateau_exit: f64,
     /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
     /// How many times the effective rank must fall below its trailing median for a warning;
@@ -140,7 +157,8 @@ impl Default for RankCollapseConfig {
             token_cosine_critical: 0.9,
             token_cosine_contraction: 2.0,
             token_cosine_early_contraction: 25.0,
-            token_cosine_early_persist_steps: 50,
+            token_cosine_early_persist_steps: 300,
+            token_cosine_plateau_exit: 0.8,
             token_cosine_exit: 0.4,
             effective_rank_drop: 0.0,
             effective_rank_window: 100,
@@ -172,6 +190,7 @@ impl RankCollapseConfig {
             && self.token_cosine_early_contraction >= 1.0
             && self.token_cosine_exit <= self.token_cosine_warning
             && self.token_cosine_warning <= self.token_cosine_critical
+            && self.token_cosine_plateau_exit <= self.token_cosine_critical
             && (self.effective_rank_drop == 0.0 || self.effective_rank_drop > margin)
             && self.effective_rank_window >= 1;
         if !ok {
@@ -180,6 +199,7 @@ impl RankCollapseConfig {
                  with room for exit_margin) or both unset, ratio_window_steps ≥ 1, \
                  drift_factor > (1 + exit_margin)², trend_horizon_steps ≥ 0, trend_min_t > 0, \
                  token_cosine_contraction ≥ 1, token_cosine_early_contraction ≥ 1, token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical, \
+                 token_cosine_plateau_exit ≤ token_cosine_critical, \
                  effective_rank_drop 0 or > 1 + exit_margin and effective_rank_window ≥ 1; got {self:?}"
             )));
         }
@@ -210,19 +230,23 @@ struct Fresh {
 
 #[derive(Debug, Clone, Default)]
 struct LayerState {
-    /// log(ratio) over the trailing window after the warm-up.
+    /// log(ratio) over the trailing window after the early phase.
     log_ratios: TrailingMedian,
     /// The median ratio of the window before the latest probe.
     ratio_reference: Option<f64>,
     ratio: Option<f64>,
     token_cosine: Option<f64>,
+    /// The step of the latest token-cosine probe.
+    token_cosine_step: Option<u64>,
     previous_token_cosine: Option<f64>,
-    /// The widest spread 1 − token cosine seen since the warm-up.
+    /// The widest spread 1 − token cosine seen since the early phase ended.
     widest_spread: Option<f64>,
     /// The widest spread seen since the first probe.
     widest_spread_early: Option<f64>,
-    /// The step since which every token-cosine probe met the early critical condition.
-    early_since: Option<u64>,
+    /// The step this layer entered its plateau (token cosine at the critical level, its
+    /// spread the early contraction narrower than at the first probe), until it falls below
+    /// `token_cosine_plateau_exit`.
+    plateau_since: Option<u64>,
     /// The effective ranks within the trailing window.
     effective_ranks: TrailingMedian,
     effective_rank: Option<f64>,
@@ -301,6 +325,14 @@ impl LayerState {
 pub struct RankCollapse {
     config: RankCollapseConfig,
     layers: BTreeMap<u32, LayerState>,
+    /// The step the run's early phase ended: the first probe after the warm-up with no layer
+    /// in its early plateau. The tests against a layer's own recent past judge from there.
+    late_from: Option<u64>,
+    /// A step after the warm-up at which every layer seen was out of its plateau: the end of
+    /// the early phase once every layer has reported that step, or a later step arrives, with
+    /// none back in meanwhile (a step's layers arrive one by one, so the first of them cannot
+    /// speak for the rest).
+    phase_end: Option<u64>,
     trackers: Trackers<u32>,
 }
 
@@ -311,6 +343,8 @@ impl RankCollapse {
         Ok(RankCollapse {
             config,
             layers: BTreeMap::new(),
+            late_from: None,
+            phase_end: None,
             trackers: Trackers::new(run, Rule::RankCollapse, |layer| (Some(*layer), None, None)),
         })
     }
@@ -374,9 +408,10 @@ impl RankCollapseConfig {
         fresh: Fresh,
         since: u64,
         step: u64,
+        late_from: Option<u64>,
     ) -> Signal {
         let c = self;
-        let warm = step >= c.warmup_steps;
+        let warm = late_from.is_some();
         // Explanations are built only on a breach: most observations are clear.
         let cosine_note = || match (state.token_cosine, state.previous_token_cosine) {
             (Some(tc), Some(prev)) if tc > prev + 1e-3 => {
@@ -394,32 +429,38 @@ impl RankCollapseConfig {
                 .map(|r| format!("; MLP/attention spectral ratio {}", short(r)))
                 .unwrap_or_default()
         };
-        // How far the spread has shrunk from its widest: since the warm-up (a level counts after
-        // it), and since the first probe (only a far stronger contraction counts, at any step:
-        // a layer that collapsed during the warm-up and stays so is still collapsed after it).
-        let contraction =
-            |widest: Option<f64>, tc: f64| widest.map_or(1.0, |w| w / (1.0 - tc).max(1e-12));
+        // How far the spread has shrunk from its widest since the early phase ended (a level
+        // counts after it); before, only a plateau that outlasts healthy ones counts.
         let late = |tc: f64| {
-            if warm {
-                contraction(state.widest_spread, tc)
-            } else {
-                1.0
-            }
+            state
+                .widest_spread
+                .filter(|_| warm)
+                .map_or(1.0, |w| w / (1.0 - tc).max(1e-12))
         };
-        let early = |tc: f64| contraction(state.widest_spread_early, tc);
         if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
-            let (late, early) = (late(tc), early(tc));
-            let late_level = late >= c.token_cosine_contraction;
-            let early_critical = early >= c.token_cosine_early_contraction
-                && state.early_since.is_some_and(|since| {
-                    step.saturating_sub(since) >= c.token_cosine_early_persist_steps
+            if let Some(entered) = state.plateau_since.filter(|&entered| {
+                step.saturating_sub(entered) >= c.token_cosine_early_persist_steps
+            }) {
+                return Signal::Breach(Breach {
+                    severity: Severity::Critical,
+                    value: tc,
+                    threshold: c.token_cosine_plateau_exit,
+                    explanation: format!(
+                        "layer {layer}: token cosine {}, at or above {} for {} steps since step {entered} (when it reached {} with its spread {}× narrower than at the first probe): longer than a healthy early plateau, token states are collapsed onto one direction{}",
+                        short(tc),
+                        short(c.token_cosine_plateau_exit),
+                        step - entered,
+                        short(c.token_cosine_critical),
+                        short(c.token_cosine_early_contraction),
+                        ratio_note()
+                    ),
+                    outlier_ranks: vec![],
                 });
-            let (contracted, since_step) = if late_level {
-                (late, c.warmup_steps)
-            } else {
-                (early, 0)
-            };
-            let level = if tc >= c.token_cosine_critical && (late_level || early_critical) {
+            }
+            let contracted = late(tc);
+            let late_level = contracted >= c.token_cosine_contraction;
+            let since_step = late_from.unwrap_or(c.warmup_steps);
+            let level = if late_level && tc >= c.token_cosine_critical {
                 Some((
                     Severity::Critical,
                     c.token_cosine_critical,
@@ -494,8 +535,7 @@ impl RankCollapseConfig {
         };
         let calm = state.token_cosine.is_none_or(|tc| {
             tc < c.token_cosine_exit
-                || (late(tc) * margin < c.token_cosine_contraction
-                    && early(tc) * margin < c.token_cosine_early_contraction)
+                || (late(tc) * margin < c.token_cosine_contraction && state.plateau_since.is_none())
         });
         let rank_calm = rank_fall.is_none_or(|(_, _, fall)| fall * margin < c.effective_rank_drop);
         if inside && calm && rank_calm {
@@ -570,42 +610,80 @@ impl Detector for RankCollapse {
 
     fn observe(&mut self, obs: &CollapseObservation) -> Vec<Alert> {
         let c = &self.config;
+        if let Some(end) = self.phase_end.filter(|&end| obs.step > end) {
+            self.late_from.get_or_insert(end);
+        }
         let state = self.layers.entry(obs.layer).or_default();
+        let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
+        if let Some(tc) = fresh_tc {
+            state.previous_token_cosine = state.token_cosine;
+            state.token_cosine = Some(tc);
+            // Ranks' batches interleave their steps: the latest is the greatest.
+            state.token_cosine_step = state.token_cosine_step.max(Some(obs.step));
+            let spread = 1.0 - tc;
+            let widest_early = state.widest_spread_early.map_or(spread, |w| w.max(spread));
+            state.widest_spread_early = Some(widest_early);
+            let enters = tc >= c.token_cosine_critical
+                && widest_early / spread.max(1e-12) >= c.token_cosine_early_contraction;
+            // In the plateau until it falls below the exit level (a dip under the critical
+            // level is not a way out); a resume that went back starts the count again.
+            state.plateau_since = match state.plateau_since.filter(|&s| s <= obs.step) {
+                Some(since) if tc >= c.token_cosine_plateau_exit => Some(since),
+                _ => enters.then_some(obs.step),
+            };
+        }
+        // Early training ends for every layer at once: while one is still in its plateau, the
+        // others' ratios and spreads are moving with it (healthy post-LN GPTs: ratio trends
+        // and 2× contractions in layers outside the plateau, docs/detection.md § 2d).
+        if self.late_from.is_none() {
+            if self.layers.values().any(|l| l.plateau_since.is_some()) {
+                self.phase_end = None;
+            } else if obs.step >= c.warmup_steps && self.phase_end.is_none() {
+                // The spreads a late contraction is measured from start here (with this
+                // step's probes of the layers that came before this one).
+                self.phase_end = Some(obs.step);
+                for layer in self.layers.values_mut() {
+                    layer.widest_spread = layer
+                        .token_cosine
+                        .filter(|_| layer.token_cosine_step == Some(obs.step))
+                        .map(|tc| 1.0 - tc);
+                }
+            }
+            // Every layer has spoken for this step (or has no token cosine to speak of).
+            if let Some(end) = self.phase_end
+                && self
+                    .layers
+                    .values()
+                    .all(|l| l.token_cosine_step.is_none_or(|s| s == end))
+            {
+                self.late_from = Some(end);
+            }
+        }
+        // A rank's batch may bring steps from before the early phase ended, after another's
+        // ended it: those are still early.
+        let late_from = self.late_from.filter(|&from| obs.step >= from);
+        let late = late_from.is_some();
+        let state = self.layers.entry(obs.layer).or_default();
+        if let Some(tc) = fresh_tc
+            && self
+                .late_from
+                .or(self.phase_end)
+                .is_some_and(|from| obs.step >= from)
+        {
+            let spread = 1.0 - tc;
+            state.widest_spread = Some(state.widest_spread.map_or(spread, |w| w.max(spread)));
+        }
         // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
         let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
         if let Some(r) = fresh_ratio {
             state.ratio = Some(r);
-            // Warm-up probes count for nothing: neither the baseline nor the trend.
-            if obs.step >= c.warmup_steps && r.is_finite() && r > 0.0 {
+            // Early-phase probes count for nothing: neither the baseline nor the trend.
+            if late && r.is_finite() && r > 0.0 {
                 state.ratio_reference = state
                     .log_ratios
                     .update_keeping(obs.step, r.ln(), c.ratio_window_steps, 2, c.window_floor())
                     .map(f64::exp);
             }
-        }
-        let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
-        if let Some(tc) = fresh_tc {
-            state.previous_token_cosine = state.token_cosine;
-            state.token_cosine = Some(tc);
-            let spread = 1.0 - tc;
-            let widen = |w: Option<f64>| Some(w.map_or(spread, |w: f64| w.max(spread)));
-            state.widest_spread_early = widen(state.widest_spread_early);
-            if obs.step >= c.warmup_steps {
-                state.widest_spread = widen(state.widest_spread);
-            }
-            let early = state
-                .widest_spread_early
-                .map_or(1.0, |w| w / spread.max(1e-12));
-            let held = tc >= c.token_cosine_critical && early >= c.token_cosine_early_contraction;
-            state.early_since = if held {
-                // A resume that went back starts the count again.
-                state
-                    .early_since
-                    .filter(|&s| s <= obs.step)
-                    .or(Some(obs.step))
-            } else {
-                None
-            };
         }
         let fresh_rank = obs.effective_rank.filter(|e| e.is_finite() && *e > 0.0);
         if let Some(e) = fresh_rank {
@@ -627,7 +705,7 @@ impl Detector for RankCollapse {
             effective_rank: fresh_rank.is_some(),
         };
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
-        let signal = c.signal(obs.layer, state, fresh, since, obs.step);
+        let signal = c.signal(obs.layer, state, fresh, since, obs.step, late_from);
         self.trackers.observe(
             &obs.layer,
             obs.step,

@@ -160,22 +160,42 @@ fn rank_collapse_token_cosine_judges_convergence_against_the_layers_own_spread()
         .chain((5..20).map(|i| (i * 5, 0.3)))
         .collect();
     assert!(fired(&tc_run(&transient)).is_empty());
-    // A collapse that stays is critical once it has held for 50 steps (0.97 at step 5: from
-    // there on every probe is ≥ 0.9 and 25-fold narrower than at step 0).
+    // A collapse that stays is critical once it has outlasted a healthy early plateau, 300
+    // steps (0.97 at step 5, 25-fold narrower than at step 0, enters it; dips to 0.85 do not
+    // leave it, only a fall below 0.8 would).
     let stays: Vec<(u64, f64)> = [(0, 0.02), (5, 0.97)]
         .into_iter()
-        .chain((2..20).map(|i| (i * 5, 0.999)))
+        .chain((2..100).map(|i| (i * 5, if i % 7 == 0 { 0.85 } else { 0.999 })))
         .collect();
     let hot = tc_run(&stays);
     assert_eq!(fired(&hot)[0].severity, Severity::Critical);
-    // Breaching from step 55 (50 steps after 5), firing on its third breaching probe.
-    assert_eq!(fired(&hot)[0].first_step, 55, "{hot:#?}");
+    // Breaching from step 305 (300 steps after 5), firing on its third breaching probe.
+    assert_eq!(fired(&hot)[0].first_step, 305, "{hot:#?}");
     assert!(
         fired(&hot)[0]
             .explanation
-            .contains("× narrower than at its widest since step 0"),
+            .contains("at or above 0.8 for 310 steps since step 5 (when it reached 0.9"),
         "{}",
         fired(&hot)[0].explanation
+    );
+    // Up to then nothing breached: the plateau is no alert while a healthy one could last
+    // that long.
+    let shorter: Vec<(u64, f64)> = stays.iter().copied().filter(|&(s, _)| s < 300).collect();
+    assert!(tc_run(&shorter).is_empty(), "{:#?}", tc_run(&shorter));
+    // A fall below 0.8 leaves the plateau and ends the early phase: a return to 0.999 is then
+    // judged against the layer's spread since, and is critical at once.
+    let left: Vec<(u64, f64)> = stays
+        .iter()
+        .map(|&(s, tc)| (s, if s == 200 { 0.7 } else { tc }))
+        .collect();
+    let back = tc_run(&left);
+    assert_eq!(fired(&back)[0].first_step, 205, "{back:#?}");
+    assert!(
+        fired(&back)[0]
+            .explanation
+            .contains("narrower than at its widest since step 200"),
+        "{}",
+        fired(&back)[0].explanation
     );
     // A layer that collapsed during the warm-up and stays collapsed after it stays critical.
     let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
@@ -1971,4 +1991,122 @@ fn a_run_of_stand_outs_longer_than_the_window_or_of_one_step_is_refused() {
             (got, _) => panic!("peer_run {peer_run}: {got:?}"),
         }
     }
+}
+
+/// The early plateau of a healthy post-LN GPT (docs/detection.md § 2d, the shapes of the
+/// regenerated twins): token states of the deep layers collapse near step 40 and stay at 0.999
+/// until step 240, while a shallow layer sits at 0.85–0.95 outside the plateau and its
+/// MLP/attention ratio falls 8 % every 10 steps. None of it is judged while a layer is still
+/// in its plateau; once every layer is out, a later collapse (the learning-rate ramp's) is
+/// critical against the spread the layer had since, and the ratio is judged from then on.
+#[test]
+fn rank_collapse_waits_out_a_healthy_early_plateau_and_judges_what_comes_after() {
+    let deep_tc = |step: u64| match step {
+        0..40 => 0.03 + step as f64 * 0.02,
+        40..240 => 0.999,
+        240..320 => 0.999 - (step - 240) as f64 * 0.0075,
+        _ => 0.4,
+    };
+    let shallow_tc = |step: u64| match step {
+        0..60 => 0.05 + step as f64 * 0.012,
+        60..160 => 0.9 + 0.05 * ((step / 5) % 2) as f64 - 0.025,
+        _ => 0.35,
+    };
+    let shallow_ratio = |step: u64| 2.0 * 0.92f64.powf(step.min(200) as f64 / 10.0);
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut events = Vec::new();
+    let observe = |d: &mut RankCollapse, step: u64, collapse_from: Option<u64>| {
+        let deep = match collapse_from {
+            Some(from) if step >= from => 0.995,
+            _ => deep_tc(step),
+        };
+        let mut out = d.observe(&collapse_obs(
+            step,
+            0,
+            shallow_ratio(step),
+            shallow_tc(step),
+        ));
+        out.extend(d.observe(&collapse_obs(step, 3, 1.5, deep)));
+        out
+    };
+    for step in (0..=600).step_by(5) {
+        events.extend(observe(&mut d, step, None));
+    }
+    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
+
+    // The same run whose deep layer collapses at step 400, after the early phase ended (step
+    // 270: the first probe with no layer at 0.8 or above since entering its plateau).
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut events = Vec::new();
+    for step in (0..=500).step_by(5) {
+        events.extend(observe(&mut d, step, Some(400)));
+    }
+    let hot = fired(&events);
+    assert_eq!(hot.len(), 1, "{hot:#?}");
+    assert_eq!(
+        (hot[0].layer, hot[0].severity),
+        (Some(3), Severity::Critical)
+    );
+    assert_eq!(hot[0].first_step, 400);
+    assert!(
+        hot[0]
+            .explanation
+            .contains("narrower than at its widest since step 270"),
+        "{}",
+        hot[0].explanation
+    );
+}
+
+/// A step's layers arrive one by one: the first layer of the step the deep ones enter their
+/// plateau cannot end the early phase for them (set 2's post-LN decoders, token cosine every
+/// 25 steps: layer 0 at 0.6 arrived first at step 50, layers 2–4 entered at 0.99 after it).
+#[test]
+fn rank_collapse_early_phase_waits_for_every_layer_of_the_step() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut events = Vec::new();
+    for step in (0..=400).step_by(25) {
+        let (shallow, deep) = match step {
+            0 => (0.02, 0.02),
+            25 => (0.3, 0.3),
+            50..=175 => (0.6 + 0.3 * ((step / 25) % 2) as f64, 0.999),
+            _ => (0.3, 0.3),
+        };
+        // The shallow layer's ratio halves every 50 steps while the deep ones sit in their
+        // plateau: a drift and a trend, were it judged.
+        let ratio = 2.0 * 0.5f64.powf(step.min(200) as f64 / 50.0);
+        events.extend(d.observe(&collapse_obs(step, 0, ratio, shallow)));
+        for layer in 2..5 {
+            events.extend(d.observe(&collapse_obs(step, layer, 1.0, deep)));
+        }
+    }
+    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
+}
+
+/// Probes of one step arrive late and out of order (each rank's batch, the spectral probe
+/// after the activations one): a ratio from before the early phase ended, arriving after it
+/// ended, is neither judged nor kept in the layer's window.
+#[test]
+fn rank_collapse_late_probes_from_the_early_phase_stay_early() {
+    let obs = |step: u64, ratio: Option<f64>, tc: Option<f64>| CollapseObservation {
+        step,
+        time_ms: step as i64,
+        layer: 0,
+        ratio,
+        token_cosine: tc,
+        effective_rank: None,
+    };
+    // The ratio triples every 10 steps up to step 45, then holds.
+    let ratio = |step: u64| 3f64.powf(step.min(45) as f64 / 10.0);
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut events = Vec::new();
+    for step in (0..=60).step_by(5) {
+        events.extend(d.observe(&obs(step, None, Some(0.2))));
+    }
+    for step in (0..=60).step_by(5) {
+        events.extend(d.observe(&obs(step, Some(ratio(step)), None)));
+    }
+    for step in (65..=300).step_by(5) {
+        events.extend(d.observe(&obs(step, Some(ratio(step)), Some(0.2))));
+    }
+    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
 }
