@@ -95,7 +95,8 @@ pub struct RankCollapseConfig {
     /// Default 50.
     pub warmup_steps: u64,
     /// Steps of history (after the early phase) whose median ratio the current one is judged
-    /// against, and over which its trend is fitted; at least the last 2·pending_for + 1 probes (7). Default 200.
+    /// against, and over which its trend is fitted; at least the last 2·`pending_for` + 1
+    /// probes (7). Default 200.
     pub ratio_window_steps: u64,
     /// How far (as a factor, either way) the ratio may move from that median. Default 4.
     pub drift_factor: f64,
