@@ -42,13 +42,18 @@
 //! what moves with it (the ratios of the layers outside it trend 8 % every 10 steps) fired
 //! critical alerts on all of them. So a layer *enters its plateau* when its token cosine
 //! reaches `token_cosine_critical` with its spread `token_cosine_early_contraction` (25) times
-//! narrower than at its first probe, and stays in it until token cosine falls below
-//! `token_cosine_plateau_exit` (0.8; a dip under 0.9 is not a way out). The run's early phase
-//! lasts from the start until `warmup_steps` have passed and no layer is in its plateau, at a
-//! step every layer has reported (a step's layers arrive one by one); it ends once, and the
-//! ratio's window and the spreads a contraction is measured from start there. Inside it only
-//! one test judges: a layer still in its plateau `token_cosine_early_persist_steps` (300)
-//! after entering it has stayed longer than any healthy one and is critical. A model that
+//! narrower than its widest since the first probe, and stays in it until token cosine falls
+//! below `token_cosine_plateau_exit` (0.8; a dip under 0.9 is not a way out). The run's early
+//! phase lasts until `warmup_steps` have passed and no layer is in its plateau: it ends at a
+//! step every layer still probed has reported (a step's layers arrive one by one), or when a
+//! later step's token cosine arrives with none back in; only token cosine moves it (another
+//! rank's ratios may arrive ahead of the rank that measures it), a layer whose token cosine
+//! stopped coming 300 steps ago no longer holds it, and without any token cosine it ends at
+//! twice the warm-up. It ends once; the ratio's window and the spreads a contraction is
+//! measured from start there. Inside it only one test judges: a layer still in its plateau
+//! `token_cosine_early_persist_steps` (300) after entering it has stayed longer than any
+//! healthy one and is critical (the same test holds after the phase, for a layer that
+//! collapses later and stays; the tests below fire on that first). A model that
 //! never leaves its collapse (an 8-layer post-LN GPT without warm-up, at 0.9 from step 10) is
 //! therefore named at step ~310, not ~70: until then it cannot be told from a healthy plateau
 //! by these signals. (The first versions fired on a 25-fold contraction held 50 steps, and
@@ -64,7 +69,8 @@
 //! (I + W_down·W_up)(I + W_o·W_v), measured from the weights by the spectral probe — can be
 //! judged against its own recent past, opt-in (`effective_rank_drop`, off by default): a
 //! warning when it falls that many times below its median over the last
-//! `effective_rank_window` (100) steps, from step `effective_rank_skip_steps` (200) on. Why
+//! `effective_rank_window` (100) steps, from step `effective_rank_skip_steps` (200) on, after
+//! the early phase. Why
 //! opt-in, from docs/detection.md § 2c: on post-LN models it led every natural collapse
 //! (halved 10–50 steps before token cosine or the ratio breached, down to 2–4 % of its
 //! trailing median, while healthy twins never went below 52 %), but a healthy pre-LN model
@@ -237,7 +243,8 @@ struct LayerState {
     ratio_reference: Option<f64>,
     ratio: Option<f64>,
     token_cosine: Option<f64>,
-    /// The step of the latest token-cosine probe.
+    /// The step of the latest token-cosine probe (one rank measures it: steps go back only
+    /// on a resume).
     token_cosine_step: Option<u64>,
     previous_token_cosine: Option<f64>,
     /// The widest spread 1 − token cosine seen since the early phase ended.
@@ -351,6 +358,60 @@ impl RankCollapse {
     }
 }
 
+impl RankCollapse {
+    /// Moves the run's early phase on after an observation at `step` was recorded. Early
+    /// training ends for every layer at once: while one is still in its plateau, the others'
+    /// ratios and spreads move with it (healthy post-LN GPTs: ratio trends and 2× contractions
+    /// in layers outside the plateau, docs/detection.md § 2d). Only token cosine speaks for the
+    /// plateaus: another rank's ratios may arrive ahead of the rank that measures it.
+    fn advance_phase(&mut self, step: u64, token_cosine: bool) {
+        let c = &self.config;
+        if self.late_from.is_some() {
+            return;
+        }
+        // A layer whose token cosine stopped coming (a probe turned off, NaN from then on)
+        // cannot keep the run early for good.
+        let stale = c.token_cosine_early_persist_steps;
+        let current =
+            |l: &LayerState, at: u64| l.token_cosine_step.is_some_and(|s| s + stale >= at);
+        if !self.layers.values().any(|l| l.token_cosine_step.is_some()) {
+            // No token cosine yet: past twice the warm-up, there is none to wait for.
+            if step >= c.warmup_steps.saturating_mul(2) {
+                self.late_from = Some(step);
+            }
+            return;
+        }
+        if self
+            .layers
+            .values()
+            .any(|l| l.plateau_since.is_some() && current(l, step))
+        {
+            self.phase_end = None;
+            return;
+        }
+        if token_cosine && step >= c.warmup_steps && self.phase_end.is_none() {
+            // The spreads a late contraction is measured from start here (with this step's
+            // probes of the layers that came before this one).
+            self.phase_end = Some(step);
+            for layer in self.layers.values_mut() {
+                layer.widest_spread = layer
+                    .token_cosine
+                    .filter(|_| layer.token_cosine_step == Some(step))
+                    .map(|tc| 1.0 - tc);
+            }
+        }
+        // Every layer still probed has spoken for this step.
+        if let Some(end) = self.phase_end
+            && self
+                .layers
+                .values()
+                .all(|l| l.token_cosine_step.is_none_or(|s| s == end) || !current(l, end))
+        {
+            self.late_from = Some(end);
+        }
+    }
+}
+
 /// Slope per step of a least-squares line through `points` (step, value), with its
 /// t-statistic and the fitted value at the last step; `None` under `MIN_PROBES` points.
 /// Read straight from the window (every observation of a layer fits its whole window, so
@@ -447,7 +508,7 @@ impl RankCollapseConfig {
                     value: tc,
                     threshold: c.token_cosine_plateau_exit,
                     explanation: format!(
-                        "layer {layer}: token cosine {}, at or above {} for {} steps since step {entered} (when it reached {} with its spread {}× narrower than at the first probe): longer than a healthy early plateau, token states are collapsed onto one direction{}",
+                        "layer {layer}: token cosine {}, at or above {} for {} steps since step {entered} (when it reached {} with its spread {}× narrower than at its widest before): longer than a healthy early plateau, token states are collapsed onto one direction{}",
                         short(tc),
                         short(c.token_cosine_plateau_exit),
                         step - entered,
@@ -495,7 +556,7 @@ impl RankCollapseConfig {
         }
         let rank_fall = match (state.effective_rank, state.effective_rank_reference) {
             (Some(er), Some(reference))
-                if c.effective_rank_drop > 0.0 && step >= c.effective_rank_skip_steps =>
+                if c.effective_rank_drop > 0.0 && warm && step >= c.effective_rank_skip_steps =>
             {
                 Some((er, reference, reference / er.max(1e-12)))
             }
@@ -611,16 +672,19 @@ impl Detector for RankCollapse {
 
     fn observe(&mut self, obs: &CollapseObservation) -> Vec<Alert> {
         let c = &self.config;
-        if let Some(end) = self.phase_end.filter(|&end| obs.step > end) {
+        let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
+        // A later step's token cosine confirms an end no layer has gone back on.
+        if fresh_tc.is_some()
+            && let Some(end) = self.phase_end.filter(|&end| obs.step > end)
+        {
             self.late_from.get_or_insert(end);
         }
         let state = self.layers.entry(obs.layer).or_default();
-        let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
         if let Some(tc) = fresh_tc {
             state.previous_token_cosine = state.token_cosine;
             state.token_cosine = Some(tc);
-            // Ranks' batches interleave their steps: the latest is the greatest.
-            state.token_cosine_step = state.token_cosine_step.max(Some(obs.step));
+            // Token cosine comes from one rank, in step order but for a resume.
+            state.token_cosine_step = Some(obs.step);
             let spread = 1.0 - tc;
             let widest_early = state.widest_spread_early.map_or(spread, |w| w.max(spread));
             state.widest_spread_early = Some(widest_early);
@@ -633,33 +697,8 @@ impl Detector for RankCollapse {
                 _ => enters.then_some(obs.step),
             };
         }
-        // Early training ends for every layer at once: while one is still in its plateau, the
-        // others' ratios and spreads are moving with it (healthy post-LN GPTs: ratio trends
-        // and 2× contractions in layers outside the plateau, docs/detection.md § 2d).
-        if self.late_from.is_none() {
-            if self.layers.values().any(|l| l.plateau_since.is_some()) {
-                self.phase_end = None;
-            } else if obs.step >= c.warmup_steps && self.phase_end.is_none() {
-                // The spreads a late contraction is measured from start here (with this
-                // step's probes of the layers that came before this one).
-                self.phase_end = Some(obs.step);
-                for layer in self.layers.values_mut() {
-                    layer.widest_spread = layer
-                        .token_cosine
-                        .filter(|_| layer.token_cosine_step == Some(obs.step))
-                        .map(|tc| 1.0 - tc);
-                }
-            }
-            // Every layer has spoken for this step (or has no token cosine to speak of).
-            if let Some(end) = self.phase_end
-                && self
-                    .layers
-                    .values()
-                    .all(|l| l.token_cosine_step.is_none_or(|s| s == end))
-            {
-                self.late_from = Some(end);
-            }
-        }
+        self.advance_phase(obs.step, fresh_tc.is_some());
+        let c = &self.config;
         // A rank's batch may bring steps from before the early phase ended, after another's
         // ended it: those are still early.
         let late_from = self.late_from.filter(|&from| obs.step >= from);

@@ -2110,3 +2110,72 @@ fn rank_collapse_late_probes_from_the_early_phase_stay_early() {
     }
     assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
 }
+
+/// Another rank's batch brings its layers' ratios for steps 50 and 75 before the rank that
+/// measures token cosine has sent step 50, where the deep layers enter their plateau: ratios
+/// do not end the early phase, so the shallow layer's falling ratio and rising cosine inside
+/// it are not judged.
+#[test]
+fn rank_collapse_ratios_running_ahead_do_not_end_the_early_phase() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let ratio_only = |step: u64, layer: u32, ratio: f64| CollapseObservation {
+        step,
+        time_ms: step as i64,
+        layer,
+        ratio: Some(ratio),
+        token_cosine: None,
+        effective_rank: None,
+    };
+    let tc_only = |step: u64, layer: u32, tc: f64| CollapseObservation {
+        step,
+        time_ms: step as i64,
+        layer,
+        ratio: None,
+        token_cosine: Some(tc),
+        effective_rank: None,
+    };
+    let mut events = Vec::new();
+    for layer in 0..3 {
+        events.extend(d.observe(&tc_only(0, layer, 0.02)));
+        events.extend(d.observe(&tc_only(25, layer, 0.3)));
+    }
+    // The ratio halves every 25 steps on layer 0 from step 50 on, and arrives a step ahead.
+    let ratio = |step: u64| 2.0 * 0.5f64.powf(step.saturating_sub(50).min(150) as f64 / 25.0);
+    for step in (50..=200).step_by(25) {
+        events.extend(d.observe(&ratio_only(step, 0, ratio(step))));
+        events.extend(d.observe(&ratio_only(step + 25, 0, ratio(step + 25))));
+        let (shallow, deep) = if step <= 175 {
+            (0.6, 0.999)
+        } else {
+            (0.3, 0.3)
+        };
+        events.extend(d.observe(&tc_only(step, 0, shallow)));
+        for layer in 1..3 {
+            events.extend(d.observe(&tc_only(step, layer, deep)));
+        }
+    }
+    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
+}
+
+/// A layer whose token cosine stops coming in its plateau (its probe turned off) cannot keep
+/// the run early for good: once its last probe is older than the plateau's persistence, the
+/// phase ends and the other layers are judged again.
+#[test]
+fn rank_collapse_a_layer_that_stops_reporting_does_not_hold_the_early_phase() {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut events = Vec::new();
+    for step in (0..=1000).step_by(25) {
+        // Layer 1 enters its plateau at step 25 and is last probed at step 100.
+        if step <= 100 {
+            let tc = if step == 0 { 0.02 } else { 0.999 };
+            events.extend(d.observe(&collapse_obs(step, 1, 1.0, tc)));
+        }
+        // Layer 0 is healthy, until its ratio jumps ×10 at step 700.
+        let ratio = if step >= 700 { 20.0 } else { 2.0 };
+        events.extend(d.observe(&collapse_obs(step, 0, ratio, 0.2)));
+    }
+    let hot = fired(&events);
+    assert!(!hot.is_empty(), "{events:#?}");
+    assert_eq!(hot[0].layer, Some(0), "{hot:#?}");
+    assert!(hot[0].first_step >= 700, "{hot:#?}");
+}
