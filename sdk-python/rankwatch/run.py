@@ -567,6 +567,8 @@ class Run:
         dict is read as it is, never copied). Tensors are accepted and never read on the
         training thread; names outside the vocabulary are stored as `user/<name>`. Never
         raises for a value: a bad one is skipped, warned about once, and counted (`rejected`)."""
+        if self._in_forked_child("log"):
+            return
         if self._finished:
             self._warn("after-finish", "rankwatch: log() after finish() is ignored")
             return
@@ -754,6 +756,16 @@ class Run:
         if stats["set_aside_rows"] > 0:
             self._warn("set-aside", f"rankwatch: the collector refused {stats['set_aside_rows']} values so far; they are kept ({stats['last_error']}). Training continues.")
 
+    def _in_forked_child(self, call: str) -> bool:
+        """Whether this process was forked from the one that called `init` (a `multiprocessing`
+        or `DataLoader` worker started by fork): the run's sender thread stayed in the parent,
+        and a lock it held at the fork is held here for good, so the call is ignored, warned
+        about once. A child that wants a run of its own calls `init` itself."""
+        if self._pid == os.getpid():
+            return False
+        self._warn(f"forked-{call}", f"rankwatch: {call}() in a process forked from the one that called init() is ignored: the run's sender stayed in the parent (call rankwatch.init in the child for a run of its own)")
+        return True
+
     def _warn(self, key: str, message: str) -> None:
         if key in self._warned:
             return
@@ -804,6 +816,8 @@ class Run:
         callbacks are not run (the job is over, its process group may be gone), and a crashed
         process does not wait on the device for its last report (a collective a dead peer never
         joined would hold it there)."""
+        if self._in_forked_child("finish"):
+            return {}
         agent = self._connect()
         if self._finished:
             self._warn("finish-twice", "rankwatch: finish() called twice; the second call does nothing")

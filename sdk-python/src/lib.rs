@@ -97,12 +97,39 @@ struct Caches {
 /// One rank's agent.
 #[pyclass(frozen, module = "rankwatch._native")]
 struct Agent {
-    inner: RustAgent,
+    /// Always there but in `Drop`, which leaves it to a forked child (see there).
+    inner: Option<RustAgent>,
     rank: u32,
     caches: Mutex<Caches>,
     /// Where the alert feed polls, when it is started.
     collector: Option<(String, Option<String>)>,
     feed: Mutex<Option<AlertFeed>>,
+    /// The process that started the agent and its threads.
+    pid: u32,
+}
+
+impl Drop for Agent {
+    /// In a process forked from the one that started it, the agent's copy is leaked: its
+    /// sender and poller threads were not forked, and a lock one of them held at the fork
+    /// stays held in the child for good, so stopping them there would wait forever (a child
+    /// that ends by interpreter finalization, not `os._exit`, drops every object it inherited).
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // `get_mut` takes no lock: the borrow is exclusive.
+            let feed = self.feed.get_mut().unwrap_or_else(|p| p.into_inner());
+            std::mem::forget(feed.take());
+            std::mem::forget(self.inner.take());
+        }
+    }
+}
+
+impl Agent {
+    /// The running agent (only `Drop` takes it).
+    fn agent(&self) -> &RustAgent {
+        self.inner
+            .as_ref()
+            .expect("the agent is taken only when dropped")
+    }
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, PyDict>> {
@@ -182,11 +209,12 @@ impl Agent {
             (config.mode == Mode::Online).then(|| (config.collector.clone(), config.token.clone()));
         let inner = RustAgent::start(config).map_err(agent_error)?;
         Ok(Agent {
-            inner,
+            inner: Some(inner),
             rank,
             caches: Mutex::new(Caches::default()),
             collector,
             feed: Mutex::new(None),
+            pid: std::process::id(),
         })
     }
 
@@ -199,7 +227,7 @@ impl Agent {
     /// The session part of the idempotency keys.
     #[getter]
     fn session(&self) -> String {
-        self.inner.session().to_owned()
+        self.agent().session().to_owned()
     }
 
     /// Queues this rank's scalars for `step`. Plain floats and ints are taken; the names of
@@ -254,7 +282,7 @@ impl Agent {
         if !points.is_empty() {
             // Valid by construction: `scalar_metric` admits only per-rank and user metrics,
             // and each point carries this rank and no layer or site.
-            self.inner
+            self.agent()
                 .log_prevalidated(step, points)
                 .map_err(agent_error)?;
         }
@@ -308,7 +336,7 @@ impl Agent {
                 .map(|(p, value)| Point { value, ..p.clone() })
                 .collect()
         };
-        self.inner.log(step, points).map_err(agent_error)
+        self.agent().log(step, points).map_err(agent_error)
     }
 
     /// Queues a gradient sketch of this rank.
@@ -323,7 +351,7 @@ impl Agent {
     ) -> PyResult<bool> {
         let kind: SketchKind = kind.parse().map_err(value_error)?;
         let record = SketchRecord {
-            run: self.inner.run().clone(),
+            run: self.agent().run().clone(),
             rank: self.rank,
             step,
             time_ms: now_ms(),
@@ -332,7 +360,7 @@ impl Agent {
             norm,
             vector,
         };
-        self.inner.sketch(record).map_err(agent_error)
+        self.agent().sketch(record).map_err(agent_error)
     }
 
     /// Announces the run: world size, the discovered layout (`ModelLayout` JSON) and tags.
@@ -347,20 +375,20 @@ impl Agent {
         let layout: ModelLayout = serde_json::from_str(layout_json)
             .map_err(|e| value_error(format!("invalid layout JSON: {e}")))?;
         let info = RunInfo {
-            run: self.inner.run().clone(),
+            run: self.agent().run().clone(),
             world_size,
             started_at_ms: started_at_ms.unwrap_or_else(now_ms),
             layout,
             tags,
         };
-        self.inner.set_info(info).map_err(agent_error)
+        self.agent().set_info(info).map_err(agent_error)
     }
 
     /// Seals and tries to deliver everything, waiting at most `timeout_s`. Returns whether
     /// the backlog is empty afterwards.
     fn flush(&self, py: Python<'_>, timeout_s: f64) -> bool {
         let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::ZERO);
-        let report = py.detach(|| self.inner.flush(timeout));
+        let report = py.detach(|| self.agent().flush(timeout));
         report.completed && report.backlog_batches == 0
     }
 
@@ -379,7 +407,7 @@ impl Agent {
         if feed.is_none() {
             let started = AlertFeed::start(
                 collector,
-                self.inner.run().as_str(),
+                self.agent().run().as_str(),
                 token.as_deref(),
                 interval,
             )
@@ -422,19 +450,19 @@ impl Agent {
             py.detach(move || feed.stop());
         }
         let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::ZERO);
-        let stats = py.detach(|| self.inner.shutdown(timeout));
+        let stats = py.detach(|| self.agent().shutdown(timeout));
         stats_dict(py, &stats)
     }
 
     /// Whether the agent was shut down.
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.is_closed()
+        self.agent().is_closed()
     }
 
     /// The counters now (queued, sent, retried, spooled, dropped, last error).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner.stats())
+        stats_dict(py, &self.agent().stats())
     }
 }
 

@@ -144,6 +144,57 @@ def test_a_forked_child_leaves_its_parents_run_to_the_parent(tmp_path: Path, col
     assert _count(collector, "forked", "loss") == 2
 
 
+def test_a_forked_child_that_logs_and_ends_normally_neither_hangs_nor_sends(tmp_path: Path, collector: Collector) -> None:
+    """A child forked after `init` (a `multiprocessing` or `DataLoader` worker under fork)
+    that calls `log` and `finish` and then ends by interpreter finalization, which drops the
+    native agent it inherited: the calls are ignored with a warning (the run's sender stayed in
+    the parent), the agent's copy is left alone rather than stopped (its sender and alert
+    poller threads do not exist in the child: joining the poller waited forever), and the
+    parent's run goes on untouched."""
+    done = _job(
+        tmp_path,
+        """
+        import os, sys, time, warnings
+        import rankwatch
+
+        run = rankwatch.init("forked-logs", sys.argv[1], rank=0, world_size=1)
+        run.on_alert(lambda alert: None, poll_interval=0.2)  # a poller thread, which the child lacks
+        run.log(0, loss=1.0)
+        pid = os.fork()
+        if pid == 0:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                run.log(5, loss=9.0)
+                stats = run.finish()
+            print("child warned:", " | ".join(str(w.message) for w in caught), flush=True)
+            print("child finish returned:", stats, flush=True)
+            sys.exit(0)  # finalization: every inherited object, the native agent too, is dropped
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child exit status:", status, flush=True)
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            print("child hung", flush=True)
+        run.log(1, loss=2.0)
+        """,
+        collector.url,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "child exit status: 0" in out, out + done.stderr[-3000:]
+    # Stopping the inherited agent in the child panicked joining a thread it never had.
+    assert "panicked" not in done.stderr and "PanicException" not in done.stderr, done.stderr[-3000:]
+    assert "log() in a process forked from the one that called init() is ignored" in out, out
+    assert "finish() in a process forked from the one that called init() is ignored" in out, out
+    assert "child finish returned: {}" in out, out
+    assert _count(collector, "forked-logs", "loss") == 2  # steps 0 and 1; the child's 5 is not sent
+    assert finished_rows(collector, "forked-logs") == [{"rank": 0, "step": 1, "value": 1.0}], done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("outcome", ["returns", "raises"])
 def test_a_spawned_worker_that_raises_reads_as_a_crash(tmp_path: Path, collector: Collector, outcome: str) -> None:
     """multiprocessing prints a spawned worker's exception itself and ends it with
