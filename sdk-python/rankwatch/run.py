@@ -763,7 +763,11 @@ class Run:
         about once. A child that wants a run of its own calls `init` itself."""
         if self._pid == os.getpid():
             return False
-        self._warn(f"forked-{call}", f"rankwatch: {call}() in a process forked from the one that called init() is ignored: the run's sender stayed in the parent (call rankwatch.init in the child for a run of its own)")
+        self._warn(
+            f"forked-{call}",
+            f"rankwatch: {call}() in a process forked from the one that called init() is ignored: "
+            "the run's sender stayed in the parent (call rankwatch.init in the child for a run of its own)",
+        )
         return True
 
     def _warn(self, key: str, message: str) -> None:
