@@ -47,7 +47,11 @@
 //! phase lasts until `warmup_steps` have passed and no layer is in its plateau: it ends at a
 //! step every layer still probed has reported (a step's layers arrive one by one), or when a
 //! later step's token cosine arrives with none back in; only token cosine moves it (another
-//! rank's ratios may arrive ahead of the rank that measures it), a layer whose token cosine
+//! rank's ratios may arrive ahead of the rank that measures it), a layer *climbing* toward a
+//! plateau holds the run early like one (its spread narrowed `token_cosine_climb` (2) times
+//! within the last `token_cosine_climb_steps` (25): a post-LN GPT with a 200-step warm-up was
+//! still at 0.3–0.8 at step 50, the first probe after the warm-up, and entered its plateau at
+//! step 75, set 3 of docs/detection.md), a layer whose token cosine
 //! stopped coming 300 steps ago no longer holds it, and without any token cosine it ends at
 //! twice the warm-up. It ends once; the ratio's window and the spreads a contraction is
 //! measured from start there. Inside it only one test judges: a layer still in its plateau
@@ -81,7 +85,7 @@
 //! absorbs a new level within about half a window, so the alert cannot latch. It clears once
 //! the fall is back under `effective_rank_drop` narrowed by `exit_margin`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -135,6 +139,12 @@ pub struct RankCollapseConfig {
     /// A layer in its early plateau leaves it when its token cosine falls below this.
     /// Default 0.8.
     pub token_cosine_plateau_exit: f64,
+    /// A layer whose spread 1 − token cosine narrowed this many times within the last
+    /// `token_cosine_climb_steps` is climbing toward a plateau, and keeps the run early like
+    /// one (0 turns it off). Default 2.
+    pub token_cosine_climb: f64,
+    /// The steps over which a climb is measured. Default 25.
+    pub token_cosine_climb_steps: u64,
     /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
     /// How many times the effective rank must fall below its trailing median for a warning;
@@ -166,6 +176,8 @@ impl Default for RankCollapseConfig {
             token_cosine_early_contraction: 25.0,
             token_cosine_early_persist_steps: 300,
             token_cosine_plateau_exit: 0.8,
+            token_cosine_climb: 2.0,
+            token_cosine_climb_steps: 25,
             token_cosine_exit: 0.4,
             effective_rank_drop: 0.0,
             effective_rank_window: 100,
@@ -198,6 +210,8 @@ impl RankCollapseConfig {
             && self.token_cosine_exit <= self.token_cosine_warning
             && self.token_cosine_warning <= self.token_cosine_critical
             && self.token_cosine_plateau_exit <= self.token_cosine_critical
+            && (self.token_cosine_climb == 0.0 || self.token_cosine_climb > 1.0)
+            && self.token_cosine_climb_steps <= 10_000
             && (self.effective_rank_drop == 0.0 || self.effective_rank_drop > margin)
             && self.effective_rank_window >= 1;
         if !ok {
@@ -206,7 +220,8 @@ impl RankCollapseConfig {
                  with room for exit_margin) or both unset, ratio_window_steps ≥ 1, \
                  drift_factor > (1 + exit_margin)², trend_horizon_steps ≥ 0, trend_min_t > 0, \
                  token_cosine_contraction ≥ 1, token_cosine_early_contraction ≥ 1, token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical, \
-                 token_cosine_plateau_exit ≤ token_cosine_critical, \
+                 token_cosine_plateau_exit ≤ token_cosine_critical, token_cosine_climb 0 or > 1, \
+                 token_cosine_climb_steps ≤ 10000, \
                  effective_rank_drop 0 or > 1 + exit_margin and effective_rank_window ≥ 1; got {self:?}"
             )));
         }
@@ -255,6 +270,10 @@ struct LayerState {
     /// spread the early contraction narrower than at the first probe), until it falls below
     /// `token_cosine_plateau_exit`.
     plateau_since: Option<u64>,
+    /// Token-cosine probes (step, spread) of the last `token_cosine_climb_steps`.
+    recent_spreads: VecDeque<(u64, f64)>,
+    /// Whether the spread narrowed `token_cosine_climb` times within them, at the latest probe.
+    climbing: bool,
     /// The effective ranks within the trailing window.
     effective_ranks: TrailingMedian,
     effective_rank: Option<f64>,
@@ -384,7 +403,7 @@ impl RankCollapse {
         if self
             .layers
             .values()
-            .any(|l| l.plateau_since.is_some() && current(l, step))
+            .any(|l| (l.plateau_since.is_some() || l.climbing) && current(l, step))
         {
             self.phase_end = None;
             return;
@@ -696,6 +715,13 @@ impl Detector for RankCollapse {
                 Some(since) if tc >= c.token_cosine_plateau_exit => Some(since),
                 _ => enters.then_some(obs.step),
             };
+            let recent = &mut state.recent_spreads;
+            // A resume that went back leaves nothing of what came after.
+            recent.retain(|&(s, _)| s < obs.step && s + c.token_cosine_climb_steps >= obs.step);
+            let widest_recent = recent.iter().map(|&(_, w)| w).fold(spread, f64::max);
+            recent.push_back((obs.step, spread));
+            state.climbing = c.token_cosine_climb > 0.0
+                && widest_recent / spread.max(1e-12) >= c.token_cosine_climb;
         }
         self.advance_phase(obs.step, fresh_tc.is_some());
         let c = &self.config;

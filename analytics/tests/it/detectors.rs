@@ -2179,3 +2179,48 @@ fn rank_collapse_a_layer_that_stops_reporting_does_not_hold_the_early_phase() {
     assert_eq!(hot[0].layer, Some(0), "{hot:#?}");
     assert!(hot[0].first_step >= 700, "{hot:#?}");
 }
+
+/// A post-LN GPT with a long learning-rate warm-up (set 3's 6 × 48, 200 steps, token cosine
+/// every 25 steps; tuning evidence since its table): at step 50, the first probe after the
+/// warm-up, its layers are still climbing (0.29–0.80, from 0.05–0.07) and enter their plateau
+/// at step 75. A layer whose spread narrowed twice within the last 25 steps keeps the run
+/// early like a plateau, so nothing fires; with the climb test off, every layer did.
+#[test]
+fn rank_collapse_a_layer_climbing_toward_its_plateau_keeps_the_run_early() {
+    let shapes: [&[f64]; 3] = [
+        // Steps 0, 25, …, 400: layers 0, 3 and 5 of seed 3000.
+        &[
+            0.02, 0.05, 0.29, 0.71, 0.78, 0.81, 0.76, 0.76, 0.68, 0.67, 0.58, 0.52, 0.45, 0.45,
+            0.44, 0.39, 0.39,
+        ],
+        &[
+            0.02, 0.06, 0.61, 0.99, 0.98, 0.98, 0.92, 0.83, 0.62, 0.50, 0.39, 0.31, 0.28, 0.26,
+            0.23, 0.21, 0.21,
+        ],
+        &[
+            0.02, 0.07, 0.80, 1.00, 0.98, 1.00, 0.98, 0.91, 0.73, 0.61, 0.52, 0.47, 0.46, 0.45,
+            0.43, 0.40, 0.42,
+        ],
+    ];
+    let run_with = |config: RankCollapseConfig| {
+        let mut d = RankCollapse::new(run(), config).unwrap();
+        let mut events = Vec::new();
+        for i in 0..shapes[0].len() {
+            for (layer, shape) in shapes.iter().enumerate() {
+                let tc = shape[i];
+                events.extend(d.observe(&collapse_obs(i as u64 * 25, layer as u32, 1.0, tc)));
+            }
+        }
+        events
+    };
+    let events = run_with(RankCollapseConfig::default());
+    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
+    let without = run_with(RankCollapseConfig {
+        token_cosine_climb: 0.0,
+        ..Default::default()
+    });
+    assert!(
+        !fired(&without).is_empty(),
+        "the climb test no longer matters here"
+    );
+}
