@@ -49,7 +49,8 @@
 //! later step's token cosine arrives with none back in; only token cosine moves it (another
 //! rank's ratios may arrive ahead of the rank that measures it), a layer *climbing* toward a
 //! plateau holds the run early like one (its spread narrowed `token_cosine_climb` (2) times
-//! within the last `token_cosine_climb_steps` (25): a post-LN GPT with a 200-step warm-up was
+//! within the last `token_cosine_climb_steps` (25), or since its previous probe when probes
+//! are further apart: a post-LN GPT with a 200-step warm-up was
 //! still at 0.3–0.8 at step 50, the first probe after the warm-up, and entered its plateau at
 //! step 75, set 3 of docs/detection.md), a layer whose token cosine
 //! stopped coming 300 steps ago no longer holds it, and without any token cosine it ends at
@@ -63,7 +64,9 @@
 //! by these signals. (The first versions fired on a 25-fold contraction held 50 steps, and
 //! judged from step 50 whatever the layers were doing.) A model without a plateau (pre-LN
 //! GPTs, whose token cosine is out of it within 10–30 steps; pretrained models, whose first
-//! probe is already high) ends its early phase at the warm-up. Without token cosine no layer
+//! probe is already high) ends its early phase at the warm-up. The price of the climb: a layer
+//! that climbs during the early phase and settles just under a plateau's entry (0.93, say)
+//! is judged after it against the spread it settled at, so it is not named. Without token cosine no layer
 //! can be in a plateau, and the phase ends at the warm-up. An alert clears only when the ratio
 //! is back inside its bounds shrunk by `exit_margin` and token cosine is below
 //! `token_cosine_exit`, or out of its plateau with its contraction back below its level
@@ -101,8 +104,8 @@ use crate::validate::RunId;
 #[serde(default, deny_unknown_fields)]
 pub struct RankCollapseConfig {
     /// Steps at the start of training that are always early (the initialisation transient):
-    /// the early phase lasts at least this long, longer while a layer is in its plateau.
-    /// Default 50.
+    /// the early phase lasts at least this long, longer while a layer is in its plateau or
+    /// climbing toward one. Default 50.
     pub warmup_steps: u64,
     /// Steps of history (after the early phase) whose median ratio the current one is judged
     /// against, and over which its trend is fitted; at least the last 2·`pending_for` + 1
@@ -140,8 +143,9 @@ pub struct RankCollapseConfig {
     /// Default 0.8.
     pub token_cosine_plateau_exit: f64,
     /// A layer whose spread 1 − token cosine narrowed this many times within the last
-    /// `token_cosine_climb_steps` is climbing toward a plateau, and keeps the run early like
-    /// one (0 turns it off). Default 2.
+    /// `token_cosine_climb_steps` (or since its previous probe, when that is older) is climbing
+    /// toward a plateau, and keeps the run early like one while its latest probe is that
+    /// recent (0 turns it off). Default 2.
     pub token_cosine_climb: f64,
     /// The steps over which a climb is measured. Default 25.
     pub token_cosine_climb_steps: u64,
@@ -210,7 +214,8 @@ impl RankCollapseConfig {
             && self.token_cosine_exit <= self.token_cosine_warning
             && self.token_cosine_warning <= self.token_cosine_critical
             && self.token_cosine_plateau_exit <= self.token_cosine_critical
-            && (self.token_cosine_climb == 0.0 || self.token_cosine_climb > 1.0)
+            && (self.token_cosine_climb == 0.0
+                || (self.token_cosine_climb > 1.0 && self.token_cosine_climb_steps >= 1))
             && self.token_cosine_climb_steps <= 10_000
             && (self.effective_rank_drop == 0.0 || self.effective_rank_drop > margin)
             && self.effective_rank_window >= 1;
@@ -220,8 +225,8 @@ impl RankCollapseConfig {
                  with room for exit_margin) or both unset, ratio_window_steps ≥ 1, \
                  drift_factor > (1 + exit_margin)², trend_horizon_steps ≥ 0, trend_min_t > 0, \
                  token_cosine_contraction ≥ 1, token_cosine_early_contraction ≥ 1, token_cosine_exit ≤ token_cosine_warning ≤ token_cosine_critical, \
-                 token_cosine_plateau_exit ≤ token_cosine_critical, token_cosine_climb 0 or > 1, \
-                 token_cosine_climb_steps ≤ 10000, \
+                 token_cosine_plateau_exit ≤ token_cosine_critical, token_cosine_climb 0 or > 1 with \
+                 token_cosine_climb_steps 1–10000, \
                  effective_rank_drop 0 or > 1 + exit_margin and effective_rank_window ≥ 1; got {self:?}"
             )));
         }
@@ -400,11 +405,12 @@ impl RankCollapse {
             }
             return;
         }
-        if self
-            .layers
-            .values()
-            .any(|l| (l.plateau_since.is_some() || l.climbing) && current(l, step))
-        {
+        if self.layers.values().any(|l| {
+            let climbing = l.climbing
+                && l.token_cosine_step
+                    .is_some_and(|s| s + c.token_cosine_climb_steps >= step);
+            (l.plateau_since.is_some() || climbing) && current(l, step)
+        }) {
             self.phase_end = None;
             return;
         }
@@ -717,7 +723,13 @@ impl Detector for RankCollapse {
             };
             let recent = &mut state.recent_spreads;
             // A resume that went back leaves nothing of what came after.
-            recent.retain(|&(s, _)| s < obs.step && s + c.token_cosine_climb_steps >= obs.step);
+            recent.retain(|&(s, _)| s < obs.step);
+            // The probes of the window, and the latest one before it: probed more coarsely than
+            // the window, a climb is measured since the previous probe.
+            let window_start = obs.step.saturating_sub(c.token_cosine_climb_steps);
+            while recent.len() > 1 && recent.get(1).is_some_and(|&(s, _)| s <= window_start) {
+                recent.pop_front();
+            }
             let widest_recent = recent.iter().map(|&(_, w)| w).fold(spread, f64::max);
             recent.push_back((obs.step, spread));
             state.climbing = c.token_cosine_climb > 0.0

@@ -2202,25 +2202,33 @@ fn rank_collapse_a_layer_climbing_toward_its_plateau_keeps_the_run_early() {
             0.43, 0.40, 0.42,
         ],
     ];
-    let run_with = |config: RankCollapseConfig| {
-        let mut d = RankCollapse::new(run(), config).unwrap();
-        let mut events = Vec::new();
-        for i in 0..shapes[0].len() {
-            for (layer, shape) in shapes.iter().enumerate() {
-                let tc = shape[i];
-                events.extend(d.observe(&collapse_obs(i as u64 * 25, layer as u32, 1.0, tc)));
+    // Probed every 25 steps, and every 50 (a climb then measured since the previous probe).
+    for every in [1, 2] {
+        let run_with = |config: RankCollapseConfig| {
+            let mut d = RankCollapse::new(run(), config).unwrap();
+            let mut events = Vec::new();
+            for i in (0..shapes[0].len()).step_by(every) {
+                for (layer, shape) in shapes.iter().enumerate() {
+                    let step = i as u64 * 25;
+                    events.extend(d.observe(&collapse_obs(step, layer as u32, 1.0, shape[i])));
+                }
             }
-        }
-        events
-    };
-    let events = run_with(RankCollapseConfig::default());
-    assert!(fired(&events).is_empty(), "{:#?}", fired(&events));
-    let without = run_with(RankCollapseConfig {
-        token_cosine_climb: 0.0,
-        ..Default::default()
-    });
-    assert!(
-        !fired(&without).is_empty(),
-        "the climb test no longer matters here"
-    );
+            events
+        };
+        let events = run_with(RankCollapseConfig::default());
+        let cadence = 25 * every;
+        assert!(
+            fired(&events).is_empty(),
+            "every {cadence}: {:#?}",
+            fired(&events)
+        );
+        let without = run_with(RankCollapseConfig {
+            token_cosine_climb: 0.0,
+            ..Default::default()
+        });
+        assert!(
+            !fired(&without).is_empty(),
+            "every {cadence}: the climb test does nothing"
+        );
+    }
 }
