@@ -275,10 +275,11 @@ def run_one(s: Scenario, steps: int, url: str, out: Path, timeout: float) -> dic
     }
 
 
-def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float, finished: Callable[[dict[str, Any]], None] = lambda r: None) -> list[dict[str, Any]]:
+def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: int, timeout: float, deadline: float, finished: Callable[[dict[str, Any]], None] = lambda r: None, blind: bool = False) -> list[dict[str, Any]]:
     """Runs scenarios in order, as many at once as `cores` allow; none starts after `deadline`.
     `finished` is called with each run's result as soon as it ends (so a bench killed later
-    keeps what it had)."""
+    keeps what it had). `blind`: the progress lines leave out the alerts (a held-out set is
+    judged when its part ends, not run by run as it trains)."""
     results: list[dict[str, Any]] = []
     lock = threading.Condition()
     busy = 0
@@ -294,7 +295,8 @@ def schedule(scenarios: list[Scenario], steps: int, url: str, out: Path, cores: 
             log.flush()
             busy -= min(s.nproc, cores)
             fired = sum(1 for a in result["alerts"] if a["fired_at_ms"] is not None)
-            print(f"  {s.name:<32} {result['seconds']:>6.1f} s  loss {result['first_loss'] or 0:.2f} → {result['final_loss'] or 0:.2f}  alerts fired: {fired}" + (f"  ERROR {result['error'][-200:]}" if result["error"] else ""), flush=True)
+            alerts = "" if blind else f"  alerts fired: {fired}"
+            print(f"  {s.name:<32} {result['seconds']:>6.1f} s  loss {result['first_loss'] or 0:.2f} → {result['final_loss'] or 0:.2f}{alerts}" + (f"  ERROR {result['error'][-200:]}" if result["error"] else ""), flush=True)
             lock.notify_all()
 
     threads: list[threading.Thread] = []
@@ -336,11 +338,13 @@ def train_and_export(
     rules: str | None = None,
     deadline: float = math.inf,
     data: Path | None = None,
+    blind: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs the scenarios against a fresh collector (`rules`, or its defaults) and saves each
     finished run's `tables` as out/exports/RUN.TABLE.parquet as soon as it ends, for analyses
     and `rankwatch replay` (which judges the same rows again under other rules). The collector's data lives
-    in `data` (kept) or in a temporary directory (removed)."""
+    in `data` (kept) or in a temporary directory (removed). `blind`: progress lines without the
+    alerts (held-out sets)."""
     check_sdk()
     keep = data is not None
     if data is None:
@@ -369,7 +373,7 @@ def train_and_export(
                 partial.write_bytes(answer.content)
                 partial.replace(exports / f"{r['name']}.{table}.parquet")
 
-        results = schedule(scenarios, steps, url, out, cores, timeout, deadline, export)
+        results = schedule(scenarios, steps, url, out, cores, timeout, deadline, export, blind)
         return results
     finally:
         proc.terminate()

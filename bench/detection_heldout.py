@@ -589,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "planned.json").write_text(json.dumps([asdict(q) for q in planned], indent=1))
         for steps in sorted({q.steps for q in todo}):
             batch = [q for q in todo if q.steps == steps]
-            train_and_export([q.scenario() for q in batch], steps, out, args.cores, ("samples",), timeout=args.run_timeout, rules=str(rules) if rules else None)
+            # Held out: no alert is shown run by run; the part is judged when it ends.
+            train_and_export([q.scenario() for q in batch], steps, out, args.cores, ("samples",), timeout=args.run_timeout, rules=str(rules) if rules else None, blind=rules is not None)
     replay = None
     if args.replay:
         binary = os.environ.get("RANKWATCH_BIN")
