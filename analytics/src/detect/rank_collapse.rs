@@ -307,6 +307,44 @@ impl RankCollapseConfig {
 }
 
 impl LayerState {
+    /// Records a token-cosine probe at `step`: the plateau this layer is in, if any, and
+    /// whether it is climbing toward one.
+    fn record_token_cosine(&mut self, c: &RankCollapseConfig, step: u64, tc: f64) {
+        self.previous_token_cosine = self.token_cosine;
+        self.token_cosine = Some(tc);
+        // Token cosine comes from one rank, in step order but for a resume.
+        self.token_cosine_step = Some(step);
+        let spread = 1.0 - tc;
+        let widest_early = self.widest_spread_early.map_or(spread, |w| w.max(spread));
+        self.widest_spread_early = Some(widest_early);
+        let enters = tc >= c.token_cosine_critical
+            && widest_early / spread.max(1e-12) >= c.token_cosine_early_contraction;
+        // In the plateau until it falls below the exit level (a dip under the critical level
+        // is not a way out); a resume that went back starts the count again.
+        self.plateau_since = match self.plateau_since.filter(|&s| s <= step) {
+            Some(since) if tc >= c.token_cosine_plateau_exit => Some(since),
+            _ => enters.then_some(step),
+        };
+        let recent = &mut self.recent_spreads;
+        // A resume that went back leaves nothing of what came after.
+        recent.retain(|&(s, _)| s < step);
+        // The probes of the window, and the latest one before it: probed more coarsely than
+        // the window, a climb is measured since the previous probe.
+        let window_start = step.saturating_sub(c.token_cosine_climb_steps);
+        while recent.len() > 1 && recent.get(1).is_some_and(|&(s, _)| s <= window_start) {
+            recent.pop_front();
+        }
+        let widest_recent = recent.iter().map(|&(_, w)| w).fold(spread, f64::max);
+        recent.push_back((step, spread));
+        self.climbing =
+            c.token_cosine_climb > 0.0 && widest_recent / spread.max(1e-12) >= c.token_cosine_climb;
+    }
+
+    /// Whether this layer's token cosine was probed within `steps` before `at`.
+    fn probed_since(&self, at: u64, steps: u64) -> bool {
+        self.token_cosine_step.is_some_and(|s| s + steps >= at)
+    }
+
     fn bounds(&self, c: &RankCollapseConfig) -> Option<Bounds> {
         let band = c.band_low.zip(c.band_high);
         let drift = self
@@ -380,9 +418,7 @@ impl RankCollapse {
             trackers: Trackers::new(run, Rule::RankCollapse, |layer| (Some(*layer), None, None)),
         })
     }
-}
 
-impl RankCollapse {
     /// Moves the run's early phase on after an observation at `step` was recorded. Early
     /// training ends for every layer at once: while one is still in its plateau, the others'
     /// ratios and spreads move with it (healthy post-LN GPTs: ratio trends and 2× contractions
@@ -395,9 +431,8 @@ impl RankCollapse {
         }
         // A layer whose token cosine stopped coming (a probe turned off, NaN from then on)
         // cannot keep the run early for good.
-        let stale = c.token_cosine_early_persist_steps;
         let current =
-            |l: &LayerState, at: u64| l.token_cosine_step.is_some_and(|s| s + stale >= at);
+            |l: &LayerState, at: u64| l.probed_since(at, c.token_cosine_early_persist_steps);
         if !self.layers.values().any(|l| l.token_cosine_step.is_some()) {
             // No token cosine yet: past twice the warm-up, there is none to wait for.
             if step >= c.warmup_steps.saturating_mul(2) {
@@ -406,9 +441,7 @@ impl RankCollapse {
             return;
         }
         if self.layers.values().any(|l| {
-            let climbing = l.climbing
-                && l.token_cosine_step
-                    .is_some_and(|s| s + c.token_cosine_climb_steps >= step);
+            let climbing = l.climbing && l.probed_since(step, c.token_cosine_climb_steps);
             (l.plateau_since.is_some() || climbing) && current(l, step)
         }) {
             self.phase_end = None;
@@ -706,34 +739,7 @@ impl Detector for RankCollapse {
         }
         let state = self.layers.entry(obs.layer).or_default();
         if let Some(tc) = fresh_tc {
-            state.previous_token_cosine = state.token_cosine;
-            state.token_cosine = Some(tc);
-            // Token cosine comes from one rank, in step order but for a resume.
-            state.token_cosine_step = Some(obs.step);
-            let spread = 1.0 - tc;
-            let widest_early = state.widest_spread_early.map_or(spread, |w| w.max(spread));
-            state.widest_spread_early = Some(widest_early);
-            let enters = tc >= c.token_cosine_critical
-                && widest_early / spread.max(1e-12) >= c.token_cosine_early_contraction;
-            // In the plateau until it falls below the exit level (a dip under the critical
-            // level is not a way out); a resume that went back starts the count again.
-            state.plateau_since = match state.plateau_since.filter(|&s| s <= obs.step) {
-                Some(since) if tc >= c.token_cosine_plateau_exit => Some(since),
-                _ => enters.then_some(obs.step),
-            };
-            let recent = &mut state.recent_spreads;
-            // A resume that went back leaves nothing of what came after.
-            recent.retain(|&(s, _)| s < obs.step);
-            // The probes of the window, and the latest one before it: probed more coarsely than
-            // the window, a climb is measured since the previous probe.
-            let window_start = obs.step.saturating_sub(c.token_cosine_climb_steps);
-            while recent.len() > 1 && recent.get(1).is_some_and(|&(s, _)| s <= window_start) {
-                recent.pop_front();
-            }
-            let widest_recent = recent.iter().map(|&(_, w)| w).fold(spread, f64::max);
-            recent.push_back((obs.step, spread));
-            state.climbing = c.token_cosine_climb > 0.0
-                && widest_recent / spread.max(1e-12) >= c.token_cosine_climb;
+            state.record_token_cosine(c, obs.step, tc);
         }
         self.advance_phase(obs.step, fresh_tc.is_some());
         let c = &self.config;
