@@ -84,6 +84,10 @@ metrics! {
     /// 1, sent once by a rank's `finish()` at its last step: the rank is done. When every rank of
     /// the world has sent it, the run is over and its open alerts resolve.
     Finished = "finished", Rank, NONE;
+    /// The learning rate of the first parameter group of the optimizer the agent watches, as
+    /// its optimizer step used it (read on the host at the step, never from the device):
+    /// `rank_collapse` waits out the schedule's warm-up with it.
+    LearningRate = "learning_rate", Rank, NONE;
     /// Milliseconds the gradient probe spent on that rank since its last report (host time in
     /// its hooks and end-of-backward work).
     ProbeMsGrad = "probe_ms.grad", Rank, NONE;

@@ -47,6 +47,7 @@ from . import _native, at_exit
 from .alert_feed import AlertCallback, AlertFeed
 from .budget import StepClock
 from .cadence import Cadence, ProbeSchedule
+from .learning_rate import LearningRateProbe
 from .report import Reporter, SeriesKey
 from .sharding import check_sharding
 from .topology import ReplicaGroup, clean_run_id
@@ -167,6 +168,7 @@ class Run:
         self._gradients: GradientProbe | None = None
         self._fingerprint: ReplicaFingerprint | None = None
         self._optimizer_hook: RemovableHandle | None = None
+        self._learning_rate: LearningRateProbe | None = None
         self._stop_scaler_listener: Callable[[], None] | None = None
         # Blocks traced on a real call: what to install, and the capturing hook; then the call
         # (or why it could not be captured).
@@ -343,6 +345,8 @@ class Run:
         if layout is not None:
             self._install_layer_probes(plan, layout)
         self._watch_fingerprint(model, layout, sharded=fsdp is not None or _has_dtensor(params), ddp=wrapper, optimizer=optimizer)
+        if optimizer is not None:
+            self._learning_rate = LearningRateProbe(optimizer)
         if self.cadence.grad > 0:
             from .gradients import GradientProbe
 
@@ -602,14 +606,14 @@ class Run:
         for name in others or ():
             self._values.take(name, values_in[name], keys, values)
         try:
-            self._probe(agent, step, keys, values)
+            self._probe(agent, step, keys, values, learning_rate_logged="learning_rate" in values_in)
         except Exception as e:  # noqa: BLE001 - the step goes on without this report
             self._warn(f"report-{type(e).__name__}", f"rankwatch: the report of step {step} failed ({e!r}); training continues")
         self._clock.tick(step, self._schedule.last_step)
         self._schedule.logged(step)
         self._health(agent)
 
-    def _probe(self, agent: _native.Agent, step: int, keys: list[SeriesKey], values: list[torch.Tensor]) -> None:
+    def _probe(self, agent: _native.Agent, step: int, keys: list[SeriesKey], values: list[torch.Tensor], *, learning_rate_logged: bool = False) -> None:
         if self._awaiting is not None and self._block_call is not None:
             self._resolve_call()
         reporter = self._reporter
@@ -647,14 +651,16 @@ class Run:
             for metric, layer, site, tensor in self._spectral.take():
                 keys.append((metric, layer, site, True))
                 values.append(tensor)
-        costs = self._costs()
+        host = self._costs()
+        if self._learning_rate is not None and not learning_rate_logged:
+            self._learning_rate.report(keys, values, host)
         if self._gradients is not None:
             self._gradients.armed = window.next(self.cadence.grad)
             self._gradients.sketch_armed = window.next(self.cadence.sketch)
             self._gradients.dot_armed = window.next(self.cadence.dot)
         reporter.drain()
-        if values or sketch is not None or costs:
-            reporter.submit(step, keys, values, sketch, host=costs)
+        if values or sketch is not None or host:
+            reporter.submit(step, keys, values, sketch, host=host)
 
     def _report_gradients(self, keys: list[SeriesKey], values: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
         """Adds the last optimizer step's gradient record, if one finished since the last log."""
@@ -877,6 +883,9 @@ class Run:
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
+        if self._learning_rate is not None:
+            self._learning_rate.remove()
+            self._learning_rate = None
         if self._spectral is not None:
             self._spectral.remove()
             self._spectral = None

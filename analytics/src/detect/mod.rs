@@ -28,6 +28,7 @@ mod same_batches;
 mod shift;
 pub mod silent_inconsistency;
 pub mod stale_rank;
+mod warmup;
 
 pub use activation_outlier::{ActivationObservation, ActivationOutlier, ActivationOutlierConfig};
 pub use config::DetectorsConfig;

@@ -94,6 +94,7 @@ use serde::{Deserialize, Serialize};
 
 use super::baseline::TrailingMedian;
 use super::lifecycle::{Breach, LifecycleConfig, Signal, Trackers};
+use super::warmup::FirstRise;
 use super::{Detector, short};
 use crate::alert::{Alert, Rule, Severity};
 use crate::error::{Error, Result};
@@ -149,6 +150,13 @@ pub struct RankCollapseConfig {
     pub token_cosine_climb: f64,
     /// The steps over which a climb is measured. Default 25.
     pub token_cosine_climb_steps: u64,
+    /// Whether the early phase also lasts while the learning rate (`learning_rate`, which the
+    /// agent reads from the optimizer it watches) is on its first rise: the schedule's
+    /// warm-up. Runs that report none are judged as before. Default true.
+    pub learning_rate_warmup: bool,
+    /// Steps the learning rate may hold its highest value before its rise counts as over (a
+    /// schedule flat from its first step has none to wait for). Default 20.
+    pub learning_rate_settle_steps: u64,
     /// Token cosine must fall below this to clear. Default 0.4.
     pub token_cosine_exit: f64,
     /// How many times the effective rank must fall below its trailing median for a warning;
@@ -182,6 +190,8 @@ impl Default for RankCollapseConfig {
             token_cosine_plateau_exit: 0.8,
             token_cosine_climb: 2.0,
             token_cosine_climb_steps: 25,
+            learning_rate_warmup: true,
+            learning_rate_settle_steps: 20,
             token_cosine_exit: 0.4,
             effective_rank_drop: 0.0,
             effective_rank_window: 100,
@@ -403,6 +413,8 @@ pub struct RankCollapse {
     /// none back in meanwhile (a step's layers arrive one by one, so the first of them cannot
     /// speak for the rest).
     phase_end: Option<u64>,
+    /// The learning rate's first rise (the schedule's warm-up), which holds the early phase.
+    learning_rate: FirstRise,
     trackers: Trackers<u32>,
 }
 
@@ -415,8 +427,16 @@ impl RankCollapse {
             layers: BTreeMap::new(),
             late_from: None,
             phase_end: None,
+            learning_rate: FirstRise::default(),
             trackers: Trackers::new(run, Rule::RankCollapse, |layer| (Some(*layer), None, None)),
         })
+    }
+
+    /// Folds in one rank's learning rate at `step` (`learning_rate`): while it is on its first
+    /// rise, the run's early phase goes on. Raises nothing by itself.
+    pub fn observe_learning_rate(&mut self, step: u64, learning_rate: f64) {
+        self.learning_rate
+            .observe(step, learning_rate, self.config.learning_rate_settle_steps);
     }
 
     /// Moves the run's early phase on after an observation at `step` was recorded. Early
@@ -429,13 +449,15 @@ impl RankCollapse {
         if self.late_from.is_some() {
             return;
         }
+        // The schedule's warm-up: training is early while the learning rate still climbs.
+        let warmed_up = !c.learning_rate_warmup || self.learning_rate.over_by(step);
         // A layer whose token cosine stopped coming (a probe turned off, NaN from then on)
         // cannot keep the run early for good.
         let current =
             |l: &LayerState, at: u64| l.probed_since(at, c.token_cosine_early_persist_steps);
         if !self.layers.values().any(|l| l.token_cosine_step.is_some()) {
             // No token cosine yet: past twice the warm-up, there is none to wait for.
-            if step >= c.warmup_steps.saturating_mul(2) {
+            if step >= c.warmup_steps.saturating_mul(2) && warmed_up {
                 self.late_from = Some(step);
             }
             return;
@@ -447,7 +469,7 @@ impl RankCollapse {
             self.phase_end = None;
             return;
         }
-        if token_cosine && step >= c.warmup_steps && self.phase_end.is_none() {
+        if token_cosine && step >= c.warmup_steps && warmed_up && self.phase_end.is_none() {
             // The spreads a late contraction is measured from start here (with this step's
             // probes of the layers that came before this one).
             self.phase_end = Some(step);

@@ -2232,3 +2232,98 @@ fn rank_collapse_a_layer_climbing_toward_its_plateau_keeps_the_run_early() {
         );
     }
 }
+
+#[test]
+fn rank_collapse_waits_out_the_learning_rate_s_warm_up_and_only_its_first_rise() {
+    // Steps 0, 25, …, 400: layers 0, 3 and 6 of set 4's post-LN 7 × 40 with a 300-step warm-up
+    // (seed 4000), whose slow climb outran the token-cosine tests of early training.
+    let shapes: [&[f64]; 3] = [
+        &[
+            0.034, 0.06, 0.176, 0.486, 0.709, 0.779, 0.791, 0.706, 0.654, 0.632, 0.747, 0.548,
+            0.576, 0.463, 0.399, 0.418, 0.382,
+        ],
+        &[
+            0.034, 0.065, 0.267, 0.879, 0.981, 0.988, 0.988, 0.894, 0.81, 0.735, 0.743, 0.524,
+            0.476, 0.368, 0.319, 0.293, 0.259,
+        ],
+        &[
+            0.034, 0.07, 0.374, 0.982, 0.999, 1.0, 1.0, 0.975, 0.947, 0.891, 0.829, 0.633, 0.577,
+            0.494, 0.452, 0.461, 0.433,
+        ],
+    ];
+    // Linear warm-up to step 300, cosine decay over 1,000 steps, and from step 550 a ×100
+    // ramp (a mis-set schedule): a rise that is not a warm-up.
+    let lr = |step: u64| {
+        let s = step as f64;
+        let base = if step < 300 {
+            1.5e-3 * (s + 1.0) / 300.0
+        } else {
+            1.5e-3 * 0.5 * (1.0 + (std::f64::consts::PI * (s - 300.0) / 1000.0).cos())
+        };
+        base * if step >= 550 {
+            1.0 + 99.0 * ((s - 550.0) / 100.0).min(1.0)
+        } else {
+            1.0
+        }
+    };
+    // After the healthy part, layer 2 collapses under the ramp: token cosine to 0.97.
+    let collapse = [0.45, 0.6, 0.8, 0.93, 0.96, 0.97, 0.97, 0.97, 0.97];
+    let run_with = |config: RankCollapseConfig, report_lr: bool| {
+        let mut d = RankCollapse::new(run(), config).unwrap();
+        let mut events = Vec::new();
+        for step in 0..=800u64 {
+            if report_lr {
+                // Three ranks, the last one a step behind.
+                for rank_step in [step, step, step.saturating_sub(1)] {
+                    d.observe_learning_rate(rank_step, lr(rank_step));
+                }
+            }
+            if step % 25 != 0 {
+                continue;
+            }
+            let i = (step / 25) as usize;
+            for (layer, shape) in shapes.iter().enumerate() {
+                let tc = match shape.get(i) {
+                    Some(&tc) => tc,
+                    None if layer == 2 && step >= 575 => {
+                        collapse[(((step - 575) / 25) as usize).min(8)]
+                    }
+                    None => shape[shape.len() - 1],
+                };
+                events.extend(d.observe(&collapse_obs(step, layer as u32, 1.0, tc)));
+            }
+        }
+        events
+    };
+    let events = run_with(RankCollapseConfig::default(), true);
+    let firing = fired(&events);
+    assert!(
+        firing
+            .iter()
+            .all(|a| a.first_step >= 575 && a.layer == Some(2)),
+        "{firing:#?}"
+    );
+    assert!(
+        firing.iter().any(|a| a.severity == Severity::Critical),
+        "the collapse under the ramp is not named: {events:#?}"
+    );
+    // Without the learning rate, or with the warm-up test off, the early phase ends before
+    // the climb and the plateau fires (set 4's held-out false alerts).
+    for (config, report_lr) in [
+        (RankCollapseConfig::default(), false),
+        (
+            RankCollapseConfig {
+                learning_rate_warmup: false,
+                ..Default::default()
+            },
+            true,
+        ),
+    ] {
+        let events = run_with(config, report_lr);
+        assert!(
+            fired(&events).iter().any(|a| a.first_step < 300),
+            "the learning rate was not what held the phase: {:#?}",
+            fired(&events)
+        );
+    }
+}

@@ -6,7 +6,8 @@
 //! `loss_spike` (the averaged loss), `nonfinite` (per rank) and, where the ranks sent replica
 //! fingerprints, `replica_divergence`. Per-layer probes go straight to
 //! their detectors as they arrive: `spectral.ratio`, `token_cosine` and `effective_rank` to
-//! `rank_collapse`, `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
+//! `rank_collapse` (and each rank's `learning_rate`, whose warm-up holds its early phase),
+//! `act_max` to `activation_outlier`. `stale_rank` is driven by [`RunWatch::tick`] with each
 //! rank's last report as the collector saw it (its own clock, not the agents').
 
 use std::collections::BTreeSet;
@@ -228,6 +229,12 @@ impl RunWatch {
             // stands for the layer, since the weights are the same everywhere.
             (Some(Metric::TokenCosine), Some(layer)) if row.rank.is_none_or(|r| r == 0) => {
                 self.collapse_probe(row, layer).token_cosine = Some(row.value);
+                Vec::new()
+            }
+            // Every rank reports it; the schedule is one, so any of them moves the warm-up.
+            (Some(Metric::LearningRate), _) => {
+                self.rank_collapse
+                    .observe_learning_rate(row.step, row.value);
                 Vec::new()
             }
             (Some(Metric::EffectiveRank), Some(layer)) => {

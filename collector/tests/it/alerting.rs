@@ -480,3 +480,64 @@ async fn a_run_raises_at_most_its_cap_of_open_alerts_and_counts_the_rest() {
     assert_eq!(open, 2, "the cap");
     c.shutdown().await.unwrap();
 }
+
+/// Each rank's `learning_rate` reaches `rank_collapse`: while it climbs (a 300-step warm-up),
+/// a post-LN model's slow rise into its early plateau is early training; the same token
+/// cosine without it fires (set 4's held-out false alerts, docs/detection.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learning_rate_still_warming_up_holds_rank_collapse_s_early_phase() {
+    // Every 25 steps from step 0: two layers of a post-LN 7 × 40 with a 300-step warm-up.
+    let layers: [&[f64]; 2] = [
+        &[
+            0.03, 0.06, 0.18, 0.49, 0.71, 0.78, 0.79, 0.71, 0.65, 0.63, 0.75, 0.55, 0.58, 0.46,
+            0.4, 0.42, 0.38,
+        ],
+        &[
+            0.03, 0.07, 0.37, 0.98, 1.0, 1.0, 1.0, 0.98, 0.95, 0.89, 0.83, 0.63, 0.58, 0.49, 0.45,
+            0.46, 0.43,
+        ],
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let c = open(dir.path()).await;
+    for (run, with_lr) in [("warm-lr", true), ("warm-no-lr", false)] {
+        announce(&c, run).await;
+        for step in 0..=400u64 {
+            let mut rows = Vec::new();
+            if with_lr {
+                let lr = if step < 300 {
+                    1e-3 * (step + 1) as f64 / 300.0
+                } else {
+                    1e-3 * (1.0 - (step - 300) as f64 / 1000.0)
+                };
+                rows.extend(
+                    (0..WORLD).map(|r| sample(run, Some(r), step, "learning_rate", None, None, lr)),
+                );
+            }
+            if step % 25 == 0 {
+                for (layer, tc) in layers.iter().enumerate() {
+                    let tc = tc[(step / 25) as usize];
+                    rows.push(sample(
+                        run,
+                        Some(0),
+                        step,
+                        "token_cosine",
+                        Some(layer as u32),
+                        None,
+                        tc,
+                    ));
+                }
+            }
+            if !rows.is_empty() {
+                ingest(&c, run, step, &rows).await;
+            }
+        }
+    }
+    let fired = wait_alert(&c, "warm-no-lr", |a| {
+        a["rule"] == "rank_collapse" && a["fired_at_ms"].is_number()
+    })
+    .await;
+    assert!(fired["first_step"].as_u64().unwrap() < 300, "{fired:#}");
+    let alerts = get(&c, "/api/v1/alerts?run=warm-lr").await.json()["alerts"].clone();
+    assert_eq!(alerts, json!([]), "the warm-up was not waited out");
+    c.shutdown().await.unwrap();
+}
