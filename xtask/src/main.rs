@@ -88,7 +88,7 @@ tasks:
            (bench/replica_flips.py); `detection --suite sizes`: every fault kind of the
            held-out sweep at several sizes on the tuning harness, and the smallest size
            to tell a user of under the policy fixed in docs/detection.md
-           (bench/fault_sizes.py); `detection --suite heldout [--set tuning|heldout|heldout1|heldout2|heldout3]`:
+           (bench/fault_sizes.py); `detection --suite heldout [--set tuning|heldout|heldout1|…|heldout5]`:
            the frozen rules on runs no rule was tuned on, beside a gradient-norm threshold
            and a Minder-style baseline, in parts (bench/detection_heldout.py)
   gpu [--dry-run]

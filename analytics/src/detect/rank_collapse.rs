@@ -44,7 +44,12 @@
 //! reaches `token_cosine_critical` with its spread `token_cosine_early_contraction` (25) times
 //! narrower than its widest since the first probe, and stays in it until token cosine falls
 //! below `token_cosine_plateau_exit` (0.8; a dip under 0.9 is not a way out). The run's early
-//! phase lasts until `warmup_steps` have passed and no layer is in its plateau: it ends at a
+//! phase lasts until `warmup_steps` have passed, the learning rate is off its first rise (the
+//! schedule's warm-up, from `learning_rate`, which the agent reads from the optimizer it
+//! watches; runs that send none skip this: a post-LN 7 × 40 with a 300-step warm-up was still
+//! rising into its plateau at step 75, when every test of the token states alone had let the
+//! phase end, set 4 of docs/detection.md; a later rise, an LR ramp, does not count) and no
+//! layer is in its plateau: it ends at a
 //! step every layer still probed has reported (a step's layers arrive one by one), or when a
 //! later step's token cosine arrives with none back in; only token cosine moves it (another
 //! rank's ratios may arrive ahead of the rank that measures it), a layer *climbing* toward a
@@ -54,7 +59,7 @@
 //! still at 0.3–0.8 at step 50, the first probe after the warm-up, and entered its plateau at
 //! step 75, set 3 of docs/detection.md), a layer whose token cosine
 //! stopped coming 300 steps ago no longer holds it, and without any token cosine it ends at
-//! twice the warm-up. It ends once; the ratio's window and the spreads a contraction is
+//! twice the warm-up or with the learning rate's rise, the later. It ends once; the ratio's window and the spreads a contraction is
 //! measured from start there. Inside it only one test judges: a layer still in its plateau
 //! `token_cosine_early_persist_steps` (300) after entering it has stayed longer than any
 //! healthy one and is critical (the same test holds after the phase, for a layer that
@@ -66,7 +71,11 @@
 //! GPTs, whose token cosine is out of it within 10–30 steps; pretrained models, whose first
 //! probe is already high) ends its early phase at the warm-up. The price of the climb: a layer
 //! that climbs during the early phase and settles just under a plateau's entry (0.93, say)
-//! is judged after it against the spread it settled at, so it is not named. Without token cosine no layer
+//! is judged after it against the spread it settled at, so it is not named. The price of the
+//! learning rate: while it rises only the plateau's 300 steps judge, so a collapse inside a
+//! long warm-up that is not a plateau waits for the warm-up's end, and a schedule that rises
+//! for long (one-cycle: 30 % of the run) keeps early training that long; a rise raised in
+//! stages more than `learning_rate_settle_steps` apart ends at its first stage. Without token cosine no layer
 //! can be in a plateau, and the phase ends at the warm-up. An alert clears only when the ratio
 //! is back inside its bounds shrunk by `exit_margin` and token cosine is below
 //! `token_cosine_exit`, or out of its plateau with its contraction back below its level
@@ -456,7 +465,8 @@ impl RankCollapse {
         let current =
             |l: &LayerState, at: u64| l.probed_since(at, c.token_cosine_early_persist_steps);
         if !self.layers.values().any(|l| l.token_cosine_step.is_some()) {
-            // No token cosine yet: past twice the warm-up, there is none to wait for.
+            // No token cosine yet: past twice the warm-up (and the schedule's), there is none
+            // to wait for.
             if step >= c.warmup_steps.saturating_mul(2) && warmed_up {
                 self.late_from = Some(step);
             }
