@@ -43,6 +43,17 @@ pub enum Signal {
     Clear,
 }
 
+impl Signal {
+    /// Which of the three verdicts this is (0 breach, 1 hold, 2 clear).
+    fn index(&self) -> usize {
+        match self {
+            Signal::Breach(_) => 0,
+            Signal::Hold => 1,
+            Signal::Clear => 2,
+        }
+    }
+}
+
 /// What a breach reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Breach {
@@ -74,6 +85,12 @@ pub struct AlertTracker {
     open: Option<Alert>,
     breaches: u32,
     clears: u32,
+    /// The step [`AlertTracker::observe_once_per_step`] last counted, with the verdicts
+    /// counted at it.
+    counted: Option<(u64, [bool; 3])>,
+    /// A clear `observe_once_per_step` has not counted yet (its step and time): another test
+    /// of the same step may still breach or hold.
+    tentative_clear: Option<(u64, i64)>,
 }
 
 impl AlertTracker {
@@ -84,7 +101,74 @@ impl AlertTracker {
             open: None,
             breaches: 0,
             clears: 0,
+            counted: None,
+            tentative_clear: None,
         }
+    }
+
+    /// As [`AlertTracker::observe`], for a rule whose step may reach it in several
+    /// observations (a layer's probes of one step come in different reports, batched however
+    /// the network had them): a verdict already counted at this step updates an open alert
+    /// but counts no second time, and a clear counts only once an observation of a later step
+    /// arrives (another test of its step may still breach or hold, and would have had the
+    /// last word had they come together), so persistence counts steps, not batches. A clear
+    /// therefore resolves one observation later than under [`AlertTracker::observe`].
+    pub fn observe_once_per_step(
+        &mut self,
+        step: u64,
+        time_ms: i64,
+        signal: Signal,
+        config: &LifecycleConfig,
+    ) -> Vec<Alert> {
+        let mut changed = Vec::new();
+        match self.tentative_clear {
+            Some((at, at_ms)) if step > at => {
+                self.tentative_clear = None;
+                changed.extend(self.count_once(at, at_ms, Signal::Clear, config));
+            }
+            // The same step's other test had the last word: its clear never counts.
+            Some((at, _)) if step == at && !matches!(signal, Signal::Clear) => {
+                self.tentative_clear = None;
+            }
+            _ => {}
+        }
+        if matches!(signal, Signal::Clear) {
+            let counted = self.counted.is_some_and(|(at, seen)| at == step && seen[2]);
+            if !counted && self.tentative_clear.is_none() {
+                self.tentative_clear = Some((step, time_ms));
+            }
+            return changed;
+        }
+        changed.extend(self.count_once(step, time_ms, signal, config));
+        changed
+    }
+
+    /// Counts `signal` unless its verdict was counted at `step` already (a breach still
+    /// updates the open alert).
+    fn count_once(
+        &mut self,
+        step: u64,
+        time_ms: i64,
+        signal: Signal,
+        config: &LifecycleConfig,
+    ) -> Option<Alert> {
+        let verdict = signal.index();
+        let mut seen = match self.counted {
+            Some((at, seen)) if at == step => seen,
+            _ => [false; 3],
+        };
+        if seen[verdict] {
+            let Signal::Breach(breach) = signal else {
+                return None;
+            };
+            let alert = self.open.as_mut()?;
+            let escalated = breach.severity > alert.severity;
+            apply(alert, breach, step, time_ms);
+            return escalated.then(|| alert.clone());
+        }
+        seen[verdict] = true;
+        self.counted = Some((step, seen));
+        self.observe(step, time_ms, signal, config)
     }
 
     /// The open (pending or firing) alert, if any.
@@ -228,11 +312,32 @@ impl<K: Ord + Clone> Trackers<K> {
         signal: Signal,
         config: &LifecycleConfig,
     ) -> Vec<Alert> {
+        self.observe_with(subject, signal, |t, s| t.observe(step, time_ms, s, config))
+    }
+
+    /// As [`Trackers::observe`], counting each verdict once per step
+    /// ([`AlertTracker::observe_once_per_step`]).
+    pub(crate) fn observe_once_per_step(
+        &mut self,
+        subject: &K,
+        step: u64,
+        time_ms: i64,
+        signal: Signal,
+        config: &LifecycleConfig,
+    ) -> Vec<Alert> {
+        self.observe_with(subject, signal, |t, s| {
+            t.observe_once_per_step(step, time_ms, s, config)
+        })
+    }
+
+    fn observe_with<A: IntoIterator<Item = Alert>>(
+        &mut self,
+        subject: &K,
+        signal: Signal,
+        apply: impl FnOnce(&mut AlertTracker, Signal) -> A,
+    ) -> Vec<Alert> {
         if let Some(tracker) = self.map.get_mut(subject) {
-            return tracker
-                .observe(step, time_ms, signal, config)
-                .into_iter()
-                .collect();
+            return apply(tracker, signal).into_iter().collect();
         }
         // A subject with no tracker is one with nothing open and no breach under way: a clear
         // or a hold changes nothing there, so it gets no tracker (every rank's `nonfinite`
@@ -248,7 +353,7 @@ impl<K: Ord + Clone> Trackers<K> {
             site,
             rank,
         });
-        let changed = tracker.observe(step, time_ms, signal, config);
+        let changed = apply(&mut tracker, signal);
         self.map.insert(subject.clone(), tracker);
         changed.into_iter().collect()
     }

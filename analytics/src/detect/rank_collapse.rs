@@ -81,6 +81,16 @@
 //! `token_cosine_exit`, or out of its plateau with its contraction back below its level
 //! narrowed by `exit_margin` (hysteresis).
 //!
+//! **One verdict per step.** A layer's ratio and token cosine of one step come in different
+//! reports (the spectral probe reads back on its own), so the rule may see the step as two
+//! observations in either order. Each test (ratio, token cosine, effective rank) speaks only
+//! when its own value arrives and keeps whether it was calm then; a layer clears only when all
+//! three are; a verdict counts once per step and a clear only once a later step arrives
+//! ([`AlertTracker::observe_once_per_step`](super::AlertTracker::observe_once_per_step)); and
+//! ratios that come while the early phase's end is undecided join the window when it ends.
+//! So the same probes raise the same alerts however they were batched (docs/detection.md § 2e;
+//! a ratio arriving after a later step's token cosine is the exception left).
+//!
 //! The block's effective rank — the participation ratio of its linearised map
 //! (I + W_down·W_up)(I + W_o·W_v), measured from the weights by the spectral probe — can be
 //! judged against its own recent past, opt-in (`effective_rank_drop`, off by default): a
@@ -130,7 +140,8 @@ pub struct RankCollapseConfig {
     /// To clear, the ratio must be inside its bounds shrunk by the factor 1+m. Default 0.05.
     pub exit_margin: f64,
     /// How far ahead, in steps, the fitted trend may project out of the bounds (0 disables
-    /// the trend test). Default 100.
+    /// the trend test). Default 50 (100 until the trend was heard at every ratio probe, when
+    /// healthy post-LN twins trending 10 % per 10 steps fired: docs/detection.md § 2e).
     pub trend_horizon_steps: f64,
     /// Minimum |t| of the fitted slope for a trend to count. Default 4.
     pub trend_min_t: f64,
@@ -189,7 +200,7 @@ impl Default for RankCollapseConfig {
             band_low: None,
             band_high: None,
             exit_margin: 0.05,
-            trend_horizon_steps: 100.0,
+            trend_horizon_steps: 50.0,
             trend_min_t: 4.0,
             token_cosine_warning: 0.5,
             token_cosine_critical: 0.9,
@@ -266,6 +277,11 @@ pub struct CollapseObservation {
     pub effective_rank: Option<f64>,
 }
 
+/// The three tests of a layer, each speaking only when its own value arrives.
+const RATIO: usize = 0;
+const TOKEN_COSINE: usize = 1;
+const EFFECTIVE_RANK: usize = 2;
+
 /// Which values arrived with the current observation.
 #[derive(Debug, Clone, Copy)]
 struct Fresh {
@@ -274,7 +290,7 @@ struct Fresh {
     effective_rank: bool,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct LayerState {
     /// log(ratio) over the trailing window after the early phase.
     log_ratios: TrailingMedian,
@@ -303,6 +319,39 @@ struct LayerState {
     effective_rank: Option<f64>,
     /// The median of the window before the latest effective rank (two values at least).
     effective_rank_reference: Option<f64>,
+    /// Ratios probed while the early phase was undecided (step, ratio), the latest
+    /// `UNDECIDED_KEPT`: those from the step it ends at on join the window then.
+    undecided_ratios: VecDeque<(u64, f64)>,
+    /// Whether each test (`RATIO`, `TOKEN_COSINE`, `EFFECTIVE_RANK`) was calm at its latest
+    /// value: a layer clears only when all three are. A step's ratio and token cosine come in
+    /// different reports, so one observation must not clear what the other's test found
+    /// (a token cosine arriving after a ratio's trend breach of the same step cleared it, or
+    /// not, as the rows happened to be batched).
+    calm: [bool; 3],
+}
+
+impl Default for LayerState {
+    fn default() -> Self {
+        LayerState {
+            log_ratios: TrailingMedian::default(),
+            ratio_reference: None,
+            ratio: None,
+            token_cosine: None,
+            token_cosine_step: None,
+            previous_token_cosine: None,
+            widest_spread: None,
+            widest_spread_early: None,
+            plateau_since: None,
+            recent_spreads: VecDeque::new(),
+            climbing: false,
+            effective_ranks: TrailingMedian::default(),
+            effective_rank: None,
+            effective_rank_reference: None,
+            undecided_ratios: VecDeque::new(),
+            // A test that has seen nothing has found nothing.
+            calm: [true; 3],
+        }
+    }
 }
 
 /// The healthy range of one layer's ratio: the band, if set, within the drift bounds around
@@ -315,6 +364,10 @@ struct Bounds {
 
 /// Points a trend fit needs.
 const MIN_PROBES: usize = 4;
+
+/// Ratios a layer holds while the early phase is undecided: its end is confirmed within a
+/// probe or two of its step, so only the latest few can be from it on.
+const UNDECIDED_KEPT: usize = 16;
 
 impl RankCollapseConfig {
     /// Probes a trailing window keeps however old they are: enough that a lasting shift stays
@@ -468,7 +521,7 @@ impl RankCollapse {
             // No token cosine yet: past twice the warm-up (and the schedule's), there is none
             // to wait for.
             if step >= c.warmup_steps.saturating_mul(2) && warmed_up {
-                self.late_from = Some(step);
+                self.end_early_phase(step);
             }
             return;
         }
@@ -497,7 +550,38 @@ impl RankCollapse {
                 .values()
                 .all(|l| l.token_cosine_step.is_none_or(|s| s == end) || !current(l, end))
         {
-            self.late_from = Some(end);
+            self.end_early_phase(end);
+        }
+    }
+
+    /// Ends the early phase at `end` (once): the ratios that came while it was undecided from
+    /// `end` on join their layers' windows, in step order, as if they had come after it. (A
+    /// step's ratio and token cosine come in different reports: whether the ratio that ended
+    /// the phase counted in the window depended on which was batched first, and with it
+    /// whether a trend had four probes to fit.)
+    fn end_early_phase(&mut self, end: u64) {
+        if self.late_from.is_some() {
+            return;
+        }
+        self.late_from = Some(end);
+        let c = &self.config;
+        for layer in self.layers.values_mut() {
+            let mut held: Vec<(u64, f64)> = layer.undecided_ratios.drain(..).collect();
+            // The last ratio of a step stands (a resent row).
+            held.sort_by_key(|&(step, _)| step);
+            held.dedup_by(|later, earlier| {
+                let same = later.0 == earlier.0;
+                if same {
+                    earlier.1 = later.1;
+                }
+                same
+            });
+            for (step, ratio) in held.into_iter().filter(|&(step, _)| step >= end) {
+                layer.ratio_reference = layer
+                    .log_ratios
+                    .update_keeping(step, ratio.ln(), c.ratio_window_steps, 2, c.window_floor())
+                    .map(f64::exp);
+            }
         }
     }
 }
@@ -561,7 +645,7 @@ impl RankCollapseConfig {
         since: u64,
         step: u64,
         late_from: Option<u64>,
-    ) -> Signal {
+    ) -> (Signal, [bool; 3]) {
         let c = self;
         let warm = late_from.is_some();
         // Explanations are built only on a breach: most observations are clear.
@@ -589,25 +673,62 @@ impl RankCollapseConfig {
                 .filter(|_| warm)
                 .map_or(1.0, |w| w / (1.0 - tc).max(1e-12))
         };
+        let margin = 1.0 + c.exit_margin;
+        let rank_fall = match (state.effective_rank, state.effective_rank_reference) {
+            (Some(er), Some(reference))
+                if c.effective_rank_drop > 0.0 && warm && step >= c.effective_rank_skip_steps =>
+            {
+                Some((er, reference, reference / er.max(1e-12)))
+            }
+            _ => None,
+        };
+        let bounds = state.bounds(c).filter(|_| warm);
+        // Each test whose value arrived says whether it is calm now; the others keep what they
+        // said at their own value.
+        let mut calm = state.calm;
+        if fresh.ratio {
+            calm[RATIO] = match (state.ratio, bounds) {
+                (Some(ratio), Some(b)) => ratio >= b.low * margin && ratio <= b.high / margin,
+                _ => true,
+            };
+        }
+        if fresh.token_cosine {
+            calm[TOKEN_COSINE] = state.token_cosine.is_none_or(|tc| {
+                tc < c.token_cosine_exit
+                    || (late(tc) * margin < c.token_cosine_contraction
+                        && state.plateau_since.is_none())
+            });
+        }
+        if fresh.effective_rank {
+            calm[EFFECTIVE_RANK] =
+                rank_fall.is_none_or(|(_, _, fall)| fall * margin < c.effective_rank_drop);
+        }
+        // Every test whose value arrived is heard (one that breaches is not calm, whatever
+        // another found), and the gravest breach speaks for the step; at equal severity the
+        // first in this order.
+        let mut found: Vec<(usize, Breach)> = Vec::new();
         if let Some(tc) = state.token_cosine.filter(|_| fresh.token_cosine) {
             if let Some(entered) = state.plateau_since.filter(|&entered| {
                 step.saturating_sub(entered) >= c.token_cosine_early_persist_steps
             }) {
-                return Signal::Breach(Breach {
-                    severity: Severity::Critical,
-                    value: tc,
-                    threshold: c.token_cosine_plateau_exit,
-                    explanation: format!(
-                        "layer {layer}: token cosine {}, at or above {} for {} steps since step {entered} (when it reached {} with its spread {}× narrower than at its widest before): longer than a healthy early plateau, token states are collapsed onto one direction{}",
-                        short(tc),
-                        short(c.token_cosine_plateau_exit),
-                        step - entered,
-                        short(c.token_cosine_critical),
-                        short(c.token_cosine_early_contraction),
-                        ratio_note()
-                    ),
-                    outlier_ranks: vec![],
-                });
+                found.push((
+                    TOKEN_COSINE,
+                    Breach {
+                        severity: Severity::Critical,
+                        value: tc,
+                        threshold: c.token_cosine_plateau_exit,
+                        explanation: format!(
+                            "layer {layer}: token cosine {}, at or above {} for {} steps since step {entered} (when it reached {} with its spread {}× narrower than at its widest before): longer than a healthy early plateau, token states are collapsed onto one direction{}",
+                            short(tc),
+                            short(c.token_cosine_plateau_exit),
+                            step - entered,
+                            short(c.token_cosine_critical),
+                            short(c.token_cosine_early_contraction),
+                            ratio_note()
+                        ),
+                        outlier_ranks: vec![],
+                    },
+                ));
             }
             let contracted = late(tc);
             let late_level = contracted >= c.token_cosine_contraction;
@@ -627,74 +748,75 @@ impl RankCollapseConfig {
             } else {
                 None
             };
-            if let Some((severity, threshold, what)) = level {
-                return Signal::Breach(Breach {
-                    severity,
-                    value: tc,
-                    threshold,
-                    explanation: format!(
-                        "layer {layer}: token cosine {} ≥ {}, its spread {}× narrower than at its widest since step {}: token states are {what} one direction{}",
-                        short(tc),
-                        short(threshold),
-                        short(contracted),
-                        since_step,
-                        ratio_note()
-                    ),
-                    outlier_ranks: vec![],
-                });
+            if let Some((severity, threshold, what)) = level.filter(|_| found.is_empty()) {
+                found.push((
+                    TOKEN_COSINE,
+                    Breach {
+                        severity,
+                        value: tc,
+                        threshold,
+                        explanation: format!(
+                            "layer {layer}: token cosine {} ≥ {}, its spread {}× narrower than at its widest since step {}: token states are {what} one direction{}",
+                            short(tc),
+                            short(threshold),
+                            short(contracted),
+                            since_step,
+                            ratio_note()
+                        ),
+                        outlier_ranks: vec![],
+                    },
+                ));
             }
         }
-        let rank_fall = match (state.effective_rank, state.effective_rank_reference) {
-            (Some(er), Some(reference))
-                if c.effective_rank_drop > 0.0 && warm && step >= c.effective_rank_skip_steps =>
-            {
-                Some((er, reference, reference / er.max(1e-12)))
-            }
-            _ => None,
-        };
         if let Some((er, reference, fall)) = rank_fall.filter(|_| fresh.effective_rank)
             && fall >= c.effective_rank_drop
         {
-            return Signal::Breach(Breach {
-                severity: Severity::Warning,
-                value: er,
-                threshold: reference / c.effective_rank_drop,
-                explanation: format!(
-                    "layer {layer}: effective rank {} of its linearised map, {}× below its median {} over the last {} steps: the block keeps fewer and fewer directions{}{}",
-                    short(er),
-                    short(fall),
-                    short(reference),
-                    c.effective_rank_window,
-                    ratio_note(),
-                    cosine_note()
-                ),
-                outlier_ranks: vec![],
-            });
+            found.push((
+                EFFECTIVE_RANK,
+                Breach {
+                    severity: Severity::Warning,
+                    value: er,
+                    threshold: reference / c.effective_rank_drop,
+                    explanation: format!(
+                        "layer {layer}: effective rank {} of its linearised map, {}× below its median {} over the last {} steps: the block keeps fewer and fewer directions{}{}",
+                        short(er),
+                        short(fall),
+                        short(reference),
+                        c.effective_rank_window,
+                        ratio_note(),
+                        cosine_note()
+                    ),
+                    outlier_ranks: vec![],
+                },
+            ));
         }
-        let bounds = state.bounds(c).filter(|_| warm);
         if let (Some(ratio), Some(bounds)) = (state.ratio.filter(|_| fresh.ratio), bounds) {
             let steps = step.saturating_sub(since);
             if let Some(breach) =
                 self.ratio_breach(layer, ratio, state, bounds, &cosine_note, steps)
             {
-                return Signal::Breach(breach);
+                found.push((RATIO, breach));
             }
         }
-        let margin = 1.0 + c.exit_margin;
-        let inside = match (state.ratio, bounds) {
-            (Some(ratio), Some(b)) => ratio >= b.low * margin && ratio <= b.high / margin,
-            _ => true,
-        };
-        let calm = state.token_cosine.is_none_or(|tc| {
-            tc < c.token_cosine_exit
-                || (late(tc) * margin < c.token_cosine_contraction && state.plateau_since.is_none())
+        for (test, _) in &found {
+            calm[*test] = false;
+        }
+        let gravest = found.into_iter().reduce(|kept, next| {
+            if next.1.severity > kept.1.severity {
+                next
+            } else {
+                kept
+            }
         });
-        let rank_calm = rank_fall.is_none_or(|(_, _, fall)| fall * margin < c.effective_rank_drop);
-        if inside && calm && rank_calm {
+        if let Some((_, breach)) = gravest {
+            return (Signal::Breach(breach), calm);
+        }
+        let signal = if calm.iter().all(|&c| c) {
             Signal::Clear
         } else {
             Signal::Hold
-        }
+        };
+        (signal, calm)
     }
 
     fn ratio_breach(
@@ -761,14 +883,26 @@ impl Detector for RankCollapse {
     type Observation = CollapseObservation;
 
     fn observe(&mut self, obs: &CollapseObservation) -> Vec<Alert> {
-        let c = &self.config;
         let fresh_tc = obs.token_cosine.filter(|t| t.is_finite());
+        // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
+        let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
+        // While the phase is undecided a ratio is held: if the phase ends at or before its
+        // step, it joins the window then (`end_early_phase`).
+        let undecided = self.late_from.is_none();
+        if undecided && let Some(r) = fresh_ratio.filter(|r| r.is_finite() && *r > 0.0) {
+            let held = &mut self.layers.entry(obs.layer).or_default().undecided_ratios;
+            if held.len() == UNDECIDED_KEPT {
+                held.pop_front();
+            }
+            held.push_back((obs.step, r));
+        }
         // A later step's token cosine confirms an end no layer has gone back on.
         if fresh_tc.is_some()
             && let Some(end) = self.phase_end.filter(|&end| obs.step > end)
         {
-            self.late_from.get_or_insert(end);
+            self.end_early_phase(end);
         }
+        let c = &self.config;
         let state = self.layers.entry(obs.layer).or_default();
         if let Some(tc) = fresh_tc {
             state.record_token_cosine(c, obs.step, tc);
@@ -789,12 +923,11 @@ impl Detector for RankCollapse {
             let spread = 1.0 - tc;
             state.widest_spread = Some(state.widest_spread.map_or(spread, |w| w.max(spread)));
         }
-        // NaN is the `nonfinite` rule's business; 0 and +Inf (a zero σ) are out of band.
-        let fresh_ratio = obs.ratio.filter(|r| !r.is_nan() && *r >= 0.0);
         if let Some(r) = fresh_ratio {
             state.ratio = Some(r);
-            // Early-phase probes count for nothing: neither the baseline nor the trend.
-            if late && r.is_finite() && r > 0.0 {
+            // Early-phase probes count for nothing: neither the baseline nor the trend (one
+            // held while the phase was undecided joined the window when it ended).
+            if late && !undecided && r.is_finite() && r > 0.0 {
                 state.ratio_reference = state
                     .log_ratios
                     .update_keeping(obs.step, r.ln(), c.ratio_window_steps, 2, c.window_floor())
@@ -821,8 +954,10 @@ impl Detector for RankCollapse {
             effective_rank: fresh_rank.is_some(),
         };
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
-        let signal = c.signal(obs.layer, state, fresh, since, obs.step, late_from);
-        self.trackers.observe(
+        let (signal, calm) = c.signal(obs.layer, state, fresh, since, obs.step, late_from);
+        state.calm = calm;
+        // A step's probes of a layer may come in several observations: one verdict each.
+        self.trackers.observe_once_per_step(
             &obs.layer,
             obs.step,
             obs.time_ms,

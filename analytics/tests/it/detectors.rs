@@ -80,10 +80,11 @@ fn rank_collapse_default_ignores_the_warm_up_and_judges_drift_from_the_layer_s_r
     assert_eq!(firing.len(), 1, "{firing:#?}");
     let (step, a) = firing[0];
     assert_eq!((a.layer, a.severity), (Some(1), Severity::Warning));
-    // Falling 5 % a probe, it leaves ×4 of its trailing median some 30 probes in; the trend
-    // says it sooner.
+    // Falling 5 % a probe (10 % per 10 steps, as fast as healthy post-LN layers rose in the
+    // collapse benchmark's twins, docs/detection.md § 2e), it is named by its trend once that
+    // projects it out of ×4 of its trailing median within 50 steps: 35 probes in.
     assert!(
-        *step > 100 && *step < 240,
+        *step > 100 && *step < 300,
         "fired at {step}: {}",
         a.explanation
     );
@@ -2325,5 +2326,129 @@ fn rank_collapse_waits_out_the_learning_rate_s_warm_up_and_only_its_first_rise()
             "the learning rate was not what held the phase: {:#?}",
             fired(&events)
         );
+    }
+}
+
+/// One layer's probe of one step, split as the collector may receive it: the ratio and the
+/// token cosine in one observation, or in two.
+fn split_probes(
+    ratios: &[Vec<f64>],
+    cosines: &[Vec<f64>],
+    codes: &[u8],
+    every: u64,
+) -> Vec<CollapseObservation> {
+    let layers = ratios.len();
+    let obs = |step: u64, layer: usize, ratio: Option<f64>, tc: Option<f64>| CollapseObservation {
+        step,
+        time_ms: step as i64 * 1000,
+        layer: layer as u32,
+        ratio,
+        token_cosine: tc,
+        effective_rank: None,
+    };
+    let mut out = Vec::new();
+    let mut delayed: Vec<Option<(u64, f64)>> = vec![None; layers];
+    for i in 0..ratios[0].len() {
+        let step = i as u64 * every;
+        for layer in 0..layers {
+            let (r, t) = (ratios[layer][i], cosines[layer][i]);
+            // The spectral probe reads back later than the activations: a ratio held from the
+            // step before comes after this step's token cosine, and before this step's ratio.
+            let held = delayed[layer].take();
+            let code = match codes[i * layers + layer] {
+                // Token cosine first while a ratio is held: the ratios stay in step order.
+                0 | 2 if held.is_some() => 1,
+                code => code,
+            };
+            match code {
+                0 => out.push(obs(step, layer, Some(r), Some(t))),
+                2 => {
+                    out.push(obs(step, layer, Some(r), None));
+                    out.push(obs(step, layer, None, Some(t)));
+                }
+                code => {
+                    out.push(obs(step, layer, None, Some(t)));
+                    if let Some((s, hr)) = held {
+                        out.push(obs(s, layer, Some(hr), None));
+                    }
+                    if code == 3 {
+                        delayed[layer] = Some((step, r));
+                    } else {
+                        out.push(obs(step, layer, Some(r), None));
+                    }
+                }
+            }
+        }
+    }
+    for (layer, held) in delayed.into_iter().enumerate() {
+        if let Some((s, r)) = held {
+            out.push(obs(s, layer, Some(r), None));
+        }
+    }
+    out
+}
+
+/// What a run of `rank_collapse` raised: each alert that fired (layer, first step, the
+/// gravest severity it reached, when it fired), and the (layer, first step) of those open at
+/// the end.
+type Verdicts = (
+    Vec<(Option<u32>, u64, Severity, Option<i64>)>,
+    Vec<(Option<u32>, u64)>,
+);
+
+fn collapse_verdicts(observations: &[CollapseObservation]) -> Verdicts {
+    let mut d = RankCollapse::new(run(), RankCollapseConfig::default()).unwrap();
+    let mut fired = std::collections::BTreeMap::new();
+    for a in observations.iter().flat_map(|o| d.observe(o)) {
+        if a.state == AlertState::Firing {
+            let (severity, at) = fired
+                .entry((a.layer, a.first_step))
+                .or_insert((a.severity, a.fired_at_ms));
+            *severity = (*severity).max(a.severity);
+            *at = (*at).min(a.fired_at_ms);
+        }
+    }
+    let fired = fired
+        .into_iter()
+        .map(|((layer, first), (severity, at))| (layer, first, severity, at))
+        .collect();
+    let mut open: Vec<_> = d
+        .open_alerts()
+        .iter()
+        .map(|a| (a.layer, a.first_step))
+        .collect();
+    open.sort();
+    (fired, open)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config { cases: 256, ..Default::default() })]
+    /// A step's ratio and token cosine come in different reports: whether the collector sees
+    /// them in one observation, token cosine first, ratio first, or the ratio a probe late,
+    /// `rank_collapse` raises the same alerts at the same steps (persistence counts steps, a
+    /// test clears only what it found, and the early phase's end takes in the ratios that
+    /// came before it was known).
+    #[test]
+    fn rank_collapse_verdicts_do_not_depend_on_how_a_step_s_probes_were_batched(
+        walks in proptest::collection::vec(proptest::collection::vec((-0.25..0.25f64, -0.12..0.12f64), 60), 2),
+        codes in proptest::collection::vec(0u8..3, 120),
+    ) {
+        let mut ratios = Vec::new();
+        let mut cosines = Vec::new();
+        for walk in &walks {
+            let (mut log_ratio, mut tc) = (0.0f64, 0.05f64);
+            let (mut rs, mut ts) = (Vec::new(), Vec::new());
+            for &(dr, dt) in walk {
+                log_ratio += dr;
+                tc = (tc + dt).clamp(0.0, 0.999);
+                rs.push(log_ratio.exp());
+                ts.push(tc);
+            }
+            ratios.push(rs);
+            cosines.push(ts);
+        }
+        let merged = split_probes(&ratios, &cosines, &[0; 120], 5);
+        let split = split_probes(&ratios, &cosines, &codes, 5);
+        proptest::prop_assert_eq!(collapse_verdicts(&merged), collapse_verdicts(&split));
     }
 }
