@@ -286,6 +286,8 @@ pub(crate) struct Trackers<K: Ord> {
     rule: Rule,
     place: fn(&K) -> Place,
     map: BTreeMap<K, AlertTracker>,
+    /// Whether each verdict counts once per step (`once_per_step`).
+    once_per_step: bool,
 }
 
 impl<K: Ord + Clone> Trackers<K> {
@@ -295,6 +297,7 @@ impl<K: Ord + Clone> Trackers<K> {
             rule,
             place,
             map: BTreeMap::new(),
+            once_per_step: false,
         }
     }
 
@@ -303,7 +306,16 @@ impl<K: Ord + Clone> Trackers<K> {
         self.map.get(subject).and_then(AlertTracker::breach_started)
     }
 
-    /// Applies `signal` to `subject`'s tracker; the alerts that changed (zero or one).
+    /// These trackers count each verdict once per step
+    /// ([`AlertTracker::observe_once_per_step`]): for a rule whose step may come in several
+    /// observations.
+    pub(crate) fn once_per_step(mut self) -> Self {
+        self.once_per_step = true;
+        self
+    }
+
+    /// Applies `signal` to `subject`'s tracker; the alerts that changed (zero or one, or two
+    /// where a clear held back from an earlier step counts now).
     pub(crate) fn observe(
         &mut self,
         subject: &K,
@@ -312,32 +324,19 @@ impl<K: Ord + Clone> Trackers<K> {
         signal: Signal,
         config: &LifecycleConfig,
     ) -> Vec<Alert> {
-        self.observe_with(subject, signal, |t, s| t.observe(step, time_ms, s, config))
-    }
-
-    /// As [`Trackers::observe`], counting each verdict once per step
-    /// ([`AlertTracker::observe_once_per_step`]).
-    pub(crate) fn observe_once_per_step(
-        &mut self,
-        subject: &K,
-        step: u64,
-        time_ms: i64,
-        signal: Signal,
-        config: &LifecycleConfig,
-    ) -> Vec<Alert> {
-        self.observe_with(subject, signal, |t, s| {
-            t.observe_once_per_step(step, time_ms, s, config)
-        })
-    }
-
-    fn observe_with<A: IntoIterator<Item = Alert>>(
-        &mut self,
-        subject: &K,
-        signal: Signal,
-        apply: impl FnOnce(&mut AlertTracker, Signal) -> A,
-    ) -> Vec<Alert> {
+        let once = self.once_per_step;
+        let apply = |tracker: &mut AlertTracker, signal: Signal| {
+            if once {
+                tracker.observe_once_per_step(step, time_ms, signal, config)
+            } else {
+                tracker
+                    .observe(step, time_ms, signal, config)
+                    .into_iter()
+                    .collect()
+            }
+        };
         if let Some(tracker) = self.map.get_mut(subject) {
-            return apply(tracker, signal).into_iter().collect();
+            return apply(tracker, signal);
         }
         // A subject with no tracker is one with nothing open and no breach under way: a clear
         // or a hold changes nothing there, so it gets no tracker (every rank's `nonfinite`
@@ -355,7 +354,7 @@ impl<K: Ord + Clone> Trackers<K> {
         });
         let changed = apply(&mut tracker, signal);
         self.map.insert(subject.clone(), tracker);
-        changed.into_iter().collect()
+        changed
     }
 
     pub(crate) fn open(&self) -> Vec<Alert> {

@@ -490,7 +490,9 @@ impl RankCollapse {
             late_from: None,
             phase_end: None,
             learning_rate: FirstRise::default(),
-            trackers: Trackers::new(run, Rule::RankCollapse, |layer| (Some(*layer), None, None)),
+            // A layer's probes of one step come in different reports.
+            trackers: Trackers::new(run, Rule::RankCollapse, |layer| (Some(*layer), None, None))
+                .once_per_step(),
         })
     }
 
@@ -956,8 +958,7 @@ impl Detector for RankCollapse {
         let since = self.trackers.breach_started(&obs.layer).unwrap_or(obs.step);
         let (signal, calm) = c.signal(obs.layer, state, fresh, since, obs.step, late_from);
         state.calm = calm;
-        // A step's probes of a layer may come in several observations: one verdict each.
-        self.trackers.observe_once_per_step(
+        self.trackers.observe(
             &obs.layer,
             obs.step,
             obs.time_ms,
