@@ -22,9 +22,9 @@ use futures_util::future::LocalBoxFuture;
 
 use rankwatch_api::ErrorBody;
 pub(crate) use rankwatch_api::{
-    AckRequest, Alert, Alerts, BucketRange, Catalog, ConsistencyReport, Cosine, Heatmap, Incident,
-    Incidents, Matchers, NewSilence, Num, ProbeSwitch, RulesAnswer, RunSummary, Runs, Series,
-    SeriesAnswer, SetProbes, Silence, Workers,
+    AckRequest, Alert, Alerts, BucketRange, Catalog, CatalogMetric, ConsistencyReport, Cosine,
+    Heatmap, Incident, Incidents, Matchers, NewSilence, Num, ProbeSwitch, RulesAnswer, RunSummary,
+    Runs, Series, SeriesAnswer, SetProbes, Silence, Workers,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;

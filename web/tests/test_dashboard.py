@@ -173,6 +173,10 @@ def test_overview_draws_every_rank_zooms_and_shares_the_cursor(finished_run, pag
     ppl = chart(page, "Perplexity")
     grad = chart(page, "Gradient norm (local, before averaging)")
     lr = chart(page, "Learning rate")
+    # The learning rate charted is the agent's reading of the watched optimizer; the job's own
+    # `lr` beside it is one more user scalar, under its name.
+    chart(page, "lr")
+    assert any("metric=learning_rate" in u for u in asked), asked
     # The loss and perplexity charts both draw `loss`; asked in the same turn, it is one request.
     loss_asked = [u for u in asked if "metric=loss&" in u]
     assert len(loss_asked) == 1, asked

@@ -5,7 +5,7 @@
 use leptos::prelude::*;
 
 use super::{MetricChart, Part, Role, RunHeader, RunView, catalog};
-use crate::api::Catalog;
+use crate::api::{Catalog, CatalogMetric};
 
 /// The charts of the page, from what the run has.
 fn charts(catalog: &Catalog) -> Vec<(String, Vec<Part>)> {
@@ -38,7 +38,20 @@ fn charts(catalog: &Catalog) -> Vec<(String, Vec<Part>)> {
             vec![Part::new("grad_norm", Role::PerRank)],
         ));
     }
-    let is_lr = |name: &str| name == "lr";
+    // The learning rate: the agent's own reading of the watched optimizer (`learning_rate`),
+    // or the job's `lr` where the agent sent none (beside the agent's, a job's `lr` is one
+    // more user scalar).
+    let agent_lr = catalog.get("learning_rate");
+    if let Some(m) = agent_lr {
+        out.push((
+            "Learning rate".to_owned(),
+            vec![Part::new(
+                m.metric.clone(),
+                one_or_per_rank(m, "learning rate"),
+            )],
+        ));
+    }
+    let is_lr = |name: &str| agent_lr.is_none() && name == "lr";
     let mut user: Vec<_> = catalog
         .metrics
         .iter()
@@ -53,14 +66,21 @@ fn charts(catalog: &Catalog) -> Vec<(String, Vec<Part>)> {
         } else {
             name.to_owned()
         };
-        let role = if m.ranks.len() > 1 {
-            Role::PerRank
-        } else {
-            Role::Named(name.to_owned())
-        };
-        out.push((title, vec![Part::new(m.metric.clone(), role)]));
+        out.push((
+            title,
+            vec![Part::new(m.metric.clone(), one_or_per_rank(m, name))],
+        ));
     }
     out
+}
+
+/// A line per rank where several ranks sent the metric, else one line named `name`.
+fn one_or_per_rank(m: &CatalogMetric, name: &str) -> Role {
+    if m.ranks.len() > 1 {
+        Role::PerRank
+    } else {
+        Role::Named(name.to_owned())
+    }
 }
 
 #[component]
