@@ -133,10 +133,8 @@ impl AlertTracker {
             _ => {}
         }
         if matches!(signal, Signal::Clear) {
-            let counted = self.counted.is_some_and(|(at, seen)| at == step && seen[2]);
-            if !counted && self.tentative_clear.is_none() {
-                self.tentative_clear = Some((step, time_ms));
-            }
+            // A clear already held for this step (or an older one) stays the one held.
+            self.tentative_clear.get_or_insert((step, time_ms));
             return changed;
         }
         changed.extend(self.count_once(step, time_ms, signal, config));

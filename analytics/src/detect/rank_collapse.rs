@@ -569,15 +569,9 @@ impl RankCollapse {
         let c = &self.config;
         for layer in self.layers.values_mut() {
             let mut held: Vec<(u64, f64)> = layer.undecided_ratios.drain(..).collect();
-            // The last ratio of a step stands (a resent row).
+            // In step order (stable: the window takes a step's last ratio in place of its
+            // earlier one, as for a resent row).
             held.sort_by_key(|&(step, _)| step);
-            held.dedup_by(|later, earlier| {
-                let same = later.0 == earlier.0;
-                if same {
-                    earlier.1 = later.1;
-                }
-                same
-            });
             for (step, ratio) in held.into_iter().filter(|&(step, _)| step >= end) {
                 layer.ratio_reference = layer
                     .log_ratios
