@@ -32,10 +32,24 @@ def _sleeper(seconds: float) -> subprocess.Popen[bytes]:
     return proc
 
 
+SYSCALL = b"\x0f\x05"
+
+
 def _state(pid: int) -> tuple[dict[str, int], bytes, int | None]:
+    """The thread's general registers, with `rip` read as the system call it is in where it is
+    in one, its extended state and that state's size."""
     stopped = ptrace._Stopped(pid, time.monotonic() + 30)
     try:
-        return {name: getattr(stopped.regs, name) for name in GENERAL}, bytes(stopped.xstate), stopped.xstate_size
+        regs = {name: getattr(stopped.regs, name) for name in GENERAL}
+        # A thread stopped in a sleep is caught either just after its `syscall` instruction (in
+        # the call) or on it, when the kernel has just moved it back two bytes to restart the
+        # call a stop interrupted: the same point of the program either way.
+        with open(f"/proc/{pid}/mem", "rb") as mem:
+            mem.seek(regs["rip"] - 2)
+            around = mem.read(4)
+        if around[2:] != SYSCALL and around[:2] == SYSCALL:
+            regs["rip"] -= 2
+        return regs, bytes(stopped.xstate), stopped.xstate_size
     finally:
         stopped.let_go()
 
