@@ -13,6 +13,11 @@ to that rank. The all-ranks rows the collector derives are not the agent's and a
 
 `steps(ranks, first, count)` replays the period over any number of ranks: rank r sends what
 rank r mod 4 of the capture sent, and rank-less layer rows are sent by rank `layer mod ranks`.
+Except its loss and gradient norm: replica g = r div 4 sends the values its captured rank had
+g steps later in the period (and past 4 · 100 ranks, where they repeat, scaled by
+1 + (g div 100) · 2⁻⁴⁰), the rule of `rankwatch_analytics::agent_mix`. Replayed as captured,
+groups of ranks would agree to the bit at every step, which healthy ranks never do, and the
+identical-data test would name them at every step.
 """
 
 from __future__ import annotations
@@ -125,12 +130,29 @@ def _period() -> tuple[int, list[PeriodStep]]:
     return int(data["world"]), steps
 
 
+# What a replica reads from a later step: the values of the rank's own batch that the
+# identical-data test compares to the bit.
+BATCH_VALUES = ("loss", "grad_norm")
+
+
 def report(rank: int, step: int, ranks: int) -> Report:
     """What rank `rank` of a `ranks`-rank job sends at `step`, from the captured period."""
     world, period = _period()
     entry = period[step % PERIOD]
-    # This rank's own rows, as the captured rank of the same residue sent them.
-    rows = [Row(rank, metric, layer, site, value) for ranked, metric, layer, site, value in entry.ranks[rank % world] if ranked]
+    # This rank's own rows, as the captured rank of the same residue sent them; a replica's
+    # loss and gradient norm from that rank's step `replica` steps on.
+    replica = rank // world
+    later = {metric: value for ranked, metric, _, _, value in period[(step + replica) % PERIOD].ranks[rank % world]
+             if ranked and metric in BATCH_VALUES}
+    scale = 1.0 + float(replica // PERIOD) * 2.0**-40
+
+    def value_of(metric: str, value: float) -> float:
+        if replica > 0 and metric in later:
+            return later[metric] * scale
+        return value
+
+    rows = [Row(rank, metric, layer, site, value_of(metric, value))
+            for ranked, metric, layer, site, value in entry.ranks[rank % world] if ranked]
     # The layer rows this rank measures (layer i on rank i mod ranks).
     rows += [Row(None, metric, layer, site, value) for captured in entry.ranks
              for ranked, metric, layer, site, value in captured if not ranked and layer is not None and layer % ranks == rank]

@@ -6,6 +6,14 @@
 //! `r mod world` of the capture sent at `step mod period`, and the rank-less layer rows (the
 //! spectral probe's) are sent by rank `layer mod ranks`.
 //!
+//! Except its loss and gradient norm: replica `g = r div world` of a captured rank sends the
+//! values that rank had `g` steps later in the period (see [`AgentMix::report`]). Replayed
+//! as captured, groups of ranks would agree to the bit at every step, which healthy ranks never
+//! do: the identical-data test would name them at every step and the benches would time an
+//! alert no healthy job raises. Read `g` steps on, each replica's values are the captured
+//! rank's on other batches of the same flat stretch of training, as different from its peers'
+//! as real ranks' are.
+//!
 //! The load generator keeps the rows in its own form ([`AgentMix::map_rows`]: the agent's
 //! validated `Point` parts), converted once at load, not per replayed row; the collector's
 //! benches (engine, flush) take each report as samples ([`AgentMix::samples`]) while they
@@ -47,7 +55,40 @@ struct MixRow<R> {
     /// Whether it carries its rank (else it is a layer row of the spectral probe).
     ranked: bool,
     layer: Option<u32>,
+    /// Which per-batch value it is, if one a replica takes from a later step.
+    batch_value: Option<BatchValue>,
     row: R,
+}
+
+/// The values a replica reads from a later step of the period: the ones that come from the
+/// rank's own batch and that the identical-data test compares to the bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BatchValue {
+    Loss,
+    GradNorm,
+}
+
+impl BatchValue {
+    fn of(metric: &str) -> Option<BatchValue> {
+        match metric {
+            "loss" => Some(BatchValue::Loss),
+            "grad_norm" => Some(BatchValue::GradNorm),
+            _ => None,
+        }
+    }
+}
+
+/// One row of a replayed report.
+#[derive(Debug, Clone, Copy)]
+pub struct Replayed<'a, R> {
+    /// The rank it carries (`None` for a layer row of the spectral probe).
+    pub rank: Option<u32>,
+    pub row: &'a R,
+    /// What the row's value is multiplied by: 1 but for the replicas past `world · period`
+    /// ranks, whose loss and gradient norm repeat those of a rank `world · period` before
+    /// them and move by `(rank div (world · period)) · 2⁻⁴⁰` of themselves so no two agree
+    /// to the bit.
+    pub scale: f64,
 }
 
 /// (has a rank, metric, layer, site, value), as the file holds it.
@@ -75,6 +116,11 @@ impl AgentMix {
         }
         let row = |(ranked, metric, layer, site, value): &FileRow| -> Result<MixRow<CapturedRow>> {
             let site = site.as_deref().map(str::parse::<Site>).transpose()?;
+            let batch_value = if *ranked {
+                BatchValue::of(metric)
+            } else {
+                None
+            };
             let metric = MetricName::new(metric.as_str())?;
             let row = CapturedRow {
                 metric,
@@ -85,6 +131,7 @@ impl AgentMix {
             Ok(MixRow {
                 ranked: *ranked,
                 layer: *layer,
+                batch_value,
                 row,
             })
         };
@@ -131,6 +178,7 @@ impl<R> AgentMix<R> {
                             Ok(MixRow {
                                 ranked: r.ranked,
                                 layer: r.layer,
+                                batch_value: r.batch_value,
                                 row: f(r.row)?,
                             })
                         })
@@ -158,16 +206,41 @@ impl<R> AgentMix<R> {
         self.period.len()
     }
 
-    /// What rank `rank` of a `ranks`-rank job sends at `step`: each row with the rank it carries
-    /// (`None` for a layer row of the spectral probe), and whether a gradient sketch goes with
-    /// it.
-    pub fn report(&self, rank: u32, step: u64, ranks: u32) -> (Vec<(Option<u32>, &R)>, bool) {
-        let entry = &self.period[(step % self.period.len() as u64) as usize];
+    /// What rank `rank` of a `ranks`-rank job sends at `step`, and whether a gradient sketch
+    /// goes with it. The rows are those captured rank `rank mod world` sent at `step mod
+    /// period`, but for the loss and gradient norm of a replica (`g = rank div world` > 0):
+    /// those are the captured rank's at step `(step + g) mod period`, scaled as
+    /// [`Replayed::scale`] says. Then the layer rows this rank measures.
+    pub fn report(&self, rank: u32, step: u64, ranks: u32) -> (Vec<Replayed<'_, R>>, bool) {
+        let period = self.period.len() as u64;
+        let entry = &self.period[(step % period) as usize];
         let own = rank % self.world;
-        let mut rows: Vec<(Option<u32>, &R)> = entry.ranks[own as usize]
+        let replica = u64::from(rank / self.world);
+        let later = &self.period[((step + replica) % period) as usize].ranks[own as usize];
+        // Past world · period ranks the values repeat; a shift below the loss's last bits keeps
+        // them apart.
+        let scale = 1.0 + (replica / period) as f64 * 2f64.powi(-40);
+        let mut rows: Vec<Replayed<'_, R>> = entry.ranks[own as usize]
             .iter()
             .filter(|r| r.ranked)
-            .map(|r| (Some(rank), &r.row))
+            .map(|r| {
+                let moved = r
+                    .batch_value
+                    .filter(|_| replica > 0)
+                    .and_then(|value| later.iter().find(|l| l.batch_value == Some(value)));
+                match moved {
+                    Some(l) => Replayed {
+                        rank: Some(rank),
+                        row: &l.row,
+                        scale,
+                    },
+                    None => Replayed {
+                        rank: Some(rank),
+                        row: &r.row,
+                        scale: 1.0,
+                    },
+                }
+            })
             .collect();
         rows.extend(
             entry
@@ -175,7 +248,11 @@ impl<R> AgentMix<R> {
                 .iter()
                 .flatten()
                 .filter(|r| !r.ranked && r.layer.is_some_and(|l| l % ranks == rank))
-                .map(|r| (None, &r.row)),
+                .map(|r| Replayed {
+                    rank: None,
+                    row: &r.row,
+                    scale: 1.0,
+                }),
         );
         (rows, entry.sketches.contains(&own))
     }
@@ -205,7 +282,7 @@ impl AgentMix {
         let (rows, sketch) = self.report(rank, step, ranks);
         let samples = rows
             .into_iter()
-            .map(|(rank, row)| Sample {
+            .map(|Replayed { rank, row, scale }| Sample {
                 run: run.clone(),
                 rank,
                 step,
@@ -213,7 +290,7 @@ impl AgentMix {
                 metric: row.metric.clone(),
                 layer: row.layer,
                 site: row.site,
-                value: row.value,
+                value: row.value * scale,
             })
             .collect();
         (samples, sketch)
@@ -285,17 +362,17 @@ mod tests {
             let mut layer_rows = 0;
             for rank in 0..ranks {
                 let (rows, _) = mix.report(rank, step, ranks);
-                for (r, row) in &rows {
-                    match r {
-                        Some(r) => assert_eq!(*r, rank),
+                for r in &rows {
+                    match r.rank {
+                        Some(r) => assert_eq!(r, rank),
                         None => {
-                            assert_eq!(row.layer.map(|l| l % ranks), Some(rank));
+                            assert_eq!(r.row.layer.map(|l| l % ranks), Some(rank));
                             layer_rows += 1;
                         }
                     }
                 }
                 let own = &mix.period[step as usize].ranks[(rank % mix.world) as usize];
-                let ranked = rows.iter().filter(|(r, _)| r.is_some()).count();
+                let ranked = rows.iter().filter(|r| r.rank.is_some()).count();
                 assert_eq!(ranked, own.iter().filter(|r| r.ranked).count());
             }
             let captured = mix.period[step as usize]
@@ -305,6 +382,64 @@ mod tests {
                 .filter(|r| !r.ranked)
                 .count();
             assert_eq!(layer_rows, captured, "step {step}");
+        }
+    }
+
+    #[test]
+    fn replicas_send_their_captured_rank_s_values_of_later_steps_and_no_two_agree_to_the_bit() {
+        let mix = mix();
+        let run = RunId::new("mix").unwrap();
+        let period = mix.period.len() as u64;
+        // Past world · period ranks the values repeat, scaled.
+        let ranks = 1024;
+        let captured = |rank: u32, step: u64, metric: &str| {
+            mix.period[(step % period) as usize].ranks[(rank % mix.world) as usize]
+                .iter()
+                .find(|r| r.ranked && r.row.metric.as_str() == metric)
+                .map(|r| r.row.value)
+        };
+        for step in 0..period {
+            let mut seen = std::collections::HashMap::new();
+            for rank in 0..ranks {
+                let (samples, _) = mix.samples(&run, rank, step, ranks, 0);
+                let sent = |metric: &str| {
+                    samples
+                        .iter()
+                        .find(|s| s.rank.is_some() && s.metric.as_str() == metric)
+                        .map(|s| s.value)
+                };
+                let replica = u64::from(rank / mix.world);
+                for metric in ["loss", "grad_norm"] {
+                    let was = captured(rank, step + replica, metric).unwrap();
+                    let now = sent(metric).unwrap();
+                    if replica < period {
+                        assert_eq!(now.to_bits(), was.to_bits(), "{metric} of rank {rank}");
+                    } else {
+                        assert!(((now - was) / was).abs() <= 1e-10, "{metric} {now} {was}");
+                    }
+                }
+                // Everything else is what the captured rank sent at this very step.
+                let (rows, _) = mix.report(rank, step, ranks);
+                let own = &mix.period[step as usize].ranks[(rank % mix.world) as usize];
+                let others = own
+                    .iter()
+                    .filter(|r| r.ranked && r.batch_value.is_none())
+                    .map(|r| (r.row.metric.as_str(), r.row.value.to_bits()));
+                let replayed = rows
+                    .iter()
+                    .filter(|r| r.rank.is_some() && BatchValue::of(r.row.metric.as_str()).is_none())
+                    .map(|r| (r.row.metric.as_str(), (r.row.value * r.scale).to_bits()));
+                assert!(others.eq(replayed), "rank {rank} at {step}");
+                let key = (
+                    sent("loss").unwrap().to_bits(),
+                    sent("grad_norm").unwrap().to_bits(),
+                );
+                assert_eq!(
+                    seen.insert(key, rank),
+                    None,
+                    "rank {rank} repeats at {step}"
+                );
+            }
         }
     }
 }

@@ -30,12 +30,15 @@ pub(crate) fn report(
     let (rows, sketch) = mix.report(rank, step, ranks);
     let points = rows
         .into_iter()
-        .map(|(rank, (metric, row))| Point {
-            metric: metric.clone(),
-            rank,
-            layer: row.layer,
-            site: row.site,
-            value: row.value,
+        .map(|r| {
+            let (metric, row) = r.row;
+            Point {
+                metric: metric.clone(),
+                rank: r.rank,
+                layer: row.layer,
+                site: row.site,
+                value: row.value * r.scale,
+            }
         })
         .collect();
     (points, sketch)
