@@ -425,12 +425,15 @@ def judge_rules(p: Planned, result: dict[str, Any], rows: Rows) -> dict[str, Any
     fired = [a for a in result["alerts"] if a.get("fired_at_ms") is not None]
     onset = p.onset if p.onset is not None else math.inf
     false = {"critical": 0, "warning": 0}
+    false_at: list[tuple[str, int]] = []
     detected_at: int | None = None
     for a in fired:
         step = rows.step_at(a["fired_at_ms"])
         ranks = list(a.get("outlier_ranks") or ([a["rank"]] if a.get("rank") is not None else []))
         if step < onset:
-            false[a["severity"] if a["severity"] in false else "warning"] += 1
+            severity = a["severity"] if a["severity"] in false else "warning"
+            false[severity] += 1
+            false_at.append((severity, step))
         elif step <= onset + WINDOW and matches(p, ranks, not ranks):
             detected_at = step if detected_at is None else min(detected_at, step)
     tp = fp = 0
@@ -442,20 +445,46 @@ def judge_rules(p: Planned, result: dict[str, Any], rows: Rows) -> dict[str, Any
             tp += 1
         else:
             fp += 1
-    return {"false": false, "detected_at": detected_at, "tp": min(tp, 1), "fp": fp + max(tp - 1, 0)}
+    return {"false": false, "false_at": false_at, "detected_at": detected_at, "tp": min(tp, 1), "fp": fp + max(tp - 1, 0)}
 
 
 def judge_baseline(p: Planned, fires: list[tuple[int, int]]) -> dict[str, Any]:
     onset = p.onset if p.onset is not None else math.inf
-    false = sum(1 for s, _ in fires if s < onset)
+    false_at = [("warning", s) for s, _ in fires if s < onset]
+    false = len(false_at)
     hits = [s for s, k in fires if onset <= s <= onset + WINDOW and (p.kind in SHARED or k == p.rank)]
     after = [s for s, _ in fires if s >= onset]
     # A baseline has no severity: its alerts count as warnings.
-    return {"false": {"critical": 0, "warning": false}, "detected_at": min(hits) if hits else None, "tp": 1 if hits else 0, "fp": false + len(after) - (1 if hits else 0)}
+    return {"false": {"critical": 0, "warning": false}, "false_at": false_at, "detected_at": min(hits) if hits else None, "tp": 1 if hits else 0, "fp": false + len(after) - (1 if hits else 0)}
+
+
+def trajectory(p: Planned) -> tuple[str, tuple[str, ...]]:
+    """What a fault run shares with the other kinds of its seed: the fault is injected at its
+    onset, so runs of one model and seed are bit-identical until then (checked on set 5's
+    MiniLM runs) and their pre-onset steps are one stretch of training, counted once."""
+    args = list(p.args)
+    if "--fault" in args:
+        at = args.index("--fault")
+        del args[at : at + 2]
+    return p.model, tuple(args)
+
+
+def false_rates(count: dict[str, int], steps: int) -> dict[str, Any]:
+    """False alerts per 1k steps, with the Poisson 95 % interval."""
+    rates = {}
+    for sev, n in count.items():
+        lo, hi = poisson_interval(n)
+        per_k = 1000.0 / steps if steps else math.nan
+        rates[sev] = {"count": n, "per_1k": n * per_k, "ci": [lo * per_k, hi * per_k]}
+    return rates
 
 
 def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) -> dict[str, Any]:
-    """Detection per kind and model, false alerts per 1k steps, incident precision/recall/F1."""
+    """Detection per kind and model, false alerts per 1k steps (also over distinct steps: each
+    seed's pre-onset stretch and each alert in it once), incident precision/recall/F1."""
+    stretch: dict[tuple[str, tuple[str, ...]], int] = {}
+    distinct_false: set[tuple[tuple[str, tuple[str, ...]], str, int]] = set()
+    healthy_false = {"critical": 0, "warning": 0}
     per: dict[str, list[tuple[bool, int | None]]] = {}
     false_steps = steps_healthy
     false = {"critical": 0, "warning": 0}
@@ -465,8 +494,13 @@ def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) 
             false[sev] += j["false"][sev]
         fp += j["fp"]
         if p.kind is None:
+            for sev in healthy_false:
+                healthy_false[sev] += j["false"][sev]
             continue
         false_steps += p.onset or 0
+        seed_run = trajectory(p)
+        stretch[seed_run] = max(stretch.get(seed_run, 0), p.onset or 0)
+        distinct_false.update((seed_run, sev, step) for sev, step in j.get("false_at", []))
         hit = j["detected_at"] is not None
         tp += j["tp"]
         fn += 0 if hit else 1
@@ -477,16 +511,14 @@ def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) 
         lo, hi = proportion_interval(k, len(outcomes))
         delays = [d for _, d in outcomes if d is not None]
         kinds[key] = {"detected": k, "runs": len(outcomes), "rate": k / len(outcomes), "ci": [lo, hi], "median_delay": statistics.median(delays) if delays else None}
-    rates = {}
-    for sev, count in false.items():
-        lo, hi = poisson_interval(count)
-        per_k = 1000.0 / false_steps if false_steps else math.nan
-        rates[sev] = {"count": count, "per_1k": count * per_k, "ci": [lo * per_k, hi * per_k]}
+    rates = false_rates(false, false_steps)
+    distinct_steps = steps_healthy + sum(stretch.values())
+    distinct = {sev: healthy_false[sev] + sum(1 for _, s, _ in distinct_false if s == sev) for sev in healthy_false}
     # None where there is nothing to divide (a healthy part alone has no incident and no fault).
     precision = tp / (tp + fp) if tp + fp else None
     recall = tp / (tp + fn) if tp + fn else None
     f1 = 2 * precision * recall / (precision + recall) if precision and recall else None
-    return {"kinds": kinds, "false": rates, "false_steps": false_steps, "incidents": {"tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1}}
+    return {"kinds": kinds, "false": rates, "false_steps": false_steps, "false_distinct": false_rates(distinct, distinct_steps), "distinct_steps": distinct_steps, "incidents": {"tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1}}
 
 
 def sha256(path: Path) -> str:
@@ -544,6 +576,11 @@ def ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def false_line(rates: dict[str, Any]) -> str:
+    """Each severity's false alerts: the count, the rate per 1k steps and its 95 % interval."""
+    return ", ".join(f"{sev} {r['count']} ({r['per_1k']:.3f} per 1k, {r['ci'][0]:.3f}–{r['ci'][1]:.3f})" for sev, r in rates.items())
+
+
 def table(summary: dict[str, Any], rules_hash: str | None, machine: str) -> str:
     lines = [f"Detection on the {summary['set']} set ({summary['runs']} runs; {machine})", f"rules: {'SHA-256 ' + rules_hash if rules_hash else 'the collector defaults (not frozen)'}", ""]
     for name, s in summary["detectors"].items():
@@ -551,11 +588,12 @@ def table(summary: dict[str, Any], rules_hash: str | None, machine: str) -> str:
         for key, k in s["kinds"].items():
             lines.append(f"| {key} | {k['detected']} of {k['runs']} | {k['rate']:.2f} ({k['ci'][0]:.2f}–{k['ci'][1]:.2f}) | {k['median_delay'] if k['median_delay'] is not None else '—'} |")
         f = s["false"]
+        d = s["false_distinct"]
         inc = s["incidents"]
         lines += [
             "",
-            f"false alerts over {s['false_steps']:,} steps: critical {f['critical']['count']} ({f['critical']['per_1k']:.3f} per 1k, {f['critical']['ci'][0]:.3f}–{f['critical']['ci'][1]:.3f}), "
-            f"warning {f['warning']['count']} ({f['warning']['per_1k']:.3f} per 1k, {f['warning']['ci'][0]:.3f}–{f['warning']['ci'][1]:.3f})",
+            f"false alerts over {s['false_steps']:,} steps: {false_line(f)}",
+            f"… distinct (runs of a seed share their steps up to the onset; each stretch and alert once): {s['distinct_steps']:,} steps: {false_line(d)}",
             f"incidents: precision {ratio(inc['precision'])}, recall {ratio(inc['recall'])}, F1 {ratio(inc['f1'])} (TP {inc['tp']}, FP {inc['fp']}, FN {inc['fn']})",
             "",
         ]
