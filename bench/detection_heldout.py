@@ -500,7 +500,7 @@ def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) 
         false_steps += p.onset or 0
         seed_run = trajectory(p)
         stretch[seed_run] = max(stretch.get(seed_run, 0), p.onset or 0)
-        distinct_false.update((seed_run, sev, step) for sev, step in j.get("false_at", []))
+        distinct_false.update((seed_run, sev, step) for sev, step in j["false_at"])
         hit = j["detected_at"] is not None
         tp += j["tp"]
         fn += 0 if hit else 1
