@@ -458,15 +458,18 @@ def judge_baseline(p: Planned, fires: list[tuple[int, int]]) -> dict[str, Any]:
     return {"false": {"critical": 0, "warning": false}, "false_at": false_at, "detected_at": min(hits) if hits else None, "tp": 1 if hits else 0, "fp": false + len(after) - (1 if hits else 0)}
 
 
-def trajectory(p: Planned) -> tuple[str, tuple[str, ...]]:
-    """What a fault run shares with the other kinds of its seed: the fault is injected at its
-    onset, so runs of one model and seed are bit-identical until then (checked on set 5's
+Trajectory = tuple[str, int, tuple[str, ...]]
+
+
+def trajectory(p: Planned) -> Trajectory:
+    """The training a run follows until its fault: the fault is injected at its onset, so the
+    fault runs of one model, world and seed are bit-identical until then (checked on set 5's
     MiniLM runs) and their pre-onset steps are one stretch of training, counted once."""
     args = list(p.args)
     if "--fault" in args:
         at = args.index("--fault")
         del args[at : at + 2]
-    return p.model, tuple(args)
+    return p.model, p.nproc, tuple(args)
 
 
 def false_rates(count: dict[str, int], steps: int) -> dict[str, Any]:
@@ -482,9 +485,10 @@ def false_rates(count: dict[str, int], steps: int) -> dict[str, Any]:
 def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) -> dict[str, Any]:
     """Detection per kind and model, false alerts per 1k steps (also over distinct steps: each
     seed's pre-onset stretch and each alert in it once), incident precision/recall/F1."""
-    stretch: dict[tuple[str, tuple[str, ...]], int] = {}
-    distinct_false: set[tuple[tuple[str, tuple[str, ...]], str, int]] = set()
-    healthy_false = {"critical": 0, "warning": 0}
+    # Each trajectory's judged steps (a healthy run's all, a fault run's before its onset) and
+    # its false alerts, each once.
+    stretch: dict[Trajectory, int] = {}
+    distinct_false: set[tuple[Trajectory, str, int]] = set()
     per: dict[str, list[tuple[bool, int | None]]] = {}
     false_steps = steps_healthy
     false = {"critical": 0, "warning": 0}
@@ -493,14 +497,12 @@ def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) 
         for sev in false:
             false[sev] += j["false"][sev]
         fp += j["fp"]
+        seed_run = trajectory(p)
+        stretch[seed_run] = max(stretch.get(seed_run, 0), p.steps if p.kind is None else p.onset or 0)
+        distinct_false.update((seed_run, sev, step) for sev, step in j["false_at"])
         if p.kind is None:
-            for sev in healthy_false:
-                healthy_false[sev] += j["false"][sev]
             continue
         false_steps += p.onset or 0
-        seed_run = trajectory(p)
-        stretch[seed_run] = max(stretch.get(seed_run, 0), p.onset or 0)
-        distinct_false.update((seed_run, sev, step) for sev, step in j["false_at"])
         hit = j["detected_at"] is not None
         tp += j["tp"]
         fn += 0 if hit else 1
@@ -512,13 +514,20 @@ def summarise(judged: list[tuple[Planned, dict[str, Any]]], steps_healthy: int) 
         delays = [d for _, d in outcomes if d is not None]
         kinds[key] = {"detected": k, "runs": len(outcomes), "rate": k / len(outcomes), "ci": [lo, hi], "median_delay": statistics.median(delays) if delays else None}
     rates = false_rates(false, false_steps)
-    distinct_steps = steps_healthy + sum(stretch.values())
-    distinct = {sev: healthy_false[sev] + sum(1 for _, s, _ in distinct_false if s == sev) for sev in healthy_false}
+    distinct_steps = sum(stretch.values())
+    distinct = {sev: sum(1 for _, s, _ in distinct_false if s == sev) for sev in false}
     # None where there is nothing to divide (a healthy part alone has no incident and no fault).
     precision = tp / (tp + fp) if tp + fp else None
     recall = tp / (tp + fn) if tp + fn else None
     f1 = 2 * precision * recall / (precision + recall) if precision and recall else None
-    return {"kinds": kinds, "false": rates, "false_steps": false_steps, "false_distinct": false_rates(distinct, distinct_steps), "distinct_steps": distinct_steps, "incidents": {"tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1}}
+    return {
+        "kinds": kinds,
+        "false": rates,
+        "false_steps": false_steps,
+        "false_distinct": false_rates(distinct, distinct_steps),
+        "distinct_steps": distinct_steps,
+        "incidents": {"tp": tp, "fp": fp, "fn": fn, "precision": precision, "recall": recall, "f1": f1},
+    }
 
 
 def sha256(path: Path) -> str:
