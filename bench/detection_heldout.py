@@ -464,7 +464,7 @@ Trajectory = tuple[str, int, tuple[str, ...]]
 def trajectory(p: Planned) -> Trajectory:
     """The training a run follows until its fault: the fault is injected at its onset, so the
     fault runs of one model, world and seed are bit-identical until then (checked on set 5's
-    MiniLM runs) and their pre-onset steps are one stretch of training, counted once."""
+    MiniLM seed 5000) and their pre-onset steps are one stretch of training, counted once."""
     args = list(p.args)
     if "--fault" in args:
         at = args.index("--fault")
